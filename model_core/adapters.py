@@ -1,0 +1,326 @@
+"""One small adapter per model family: where the hooks go and how to recompute a layer's
+attention pattern / MLP activation from that layer's captured residual input.
+
+Everything above this file (Trace, views, lens) sees the same shapes whatever the family:
+  resid [T, d_model]; pattern [heads, T, T]; mlp hidden [T, d_mlp].
+The residual stream is captured as "what each block adds" (attn_out, mlp_out) so resid_pre,
+resid_mid and resid_post are re-derived with the exact additions the model performs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model_core.errors import ModelLoadError
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    d_head: int
+    d_mlp: int
+    vocab_size: int
+    context_length: int
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [heads, T, d_head]; cos/sin [T, d_head] (the same rotate-half convention as HF Llama)."""
+    return (x * cos) + (_rotate_half(x) * sin)
+
+
+class Adapter:
+    """Base: subclasses name the modules; shared math lives here."""
+
+    family = "base"
+    uses_rope = True
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.config = model.config
+
+    # --- where things are -------------------------------------------------
+    @property
+    def layers(self) -> list[nn.Module]:
+        raise NotImplementedError
+
+    def attn_out_module(self, layer: nn.Module) -> nn.Module:
+        """Module whose output (first element) is exactly what attention adds to the residual."""
+        raise NotImplementedError
+
+    def mlp_out_module(self, layer: nn.Module) -> nn.Module:
+        raise NotImplementedError
+
+    def attn_norm(self, layer: nn.Module) -> nn.Module:
+        raise NotImplementedError
+
+    def mlp_norm(self, layer: nn.Module) -> nn.Module:
+        raise NotImplementedError
+
+    @property
+    def final_norm(self) -> nn.Module:
+        raise NotImplementedError
+
+    @property
+    def unembed(self) -> nn.Module:
+        return self.model.lm_head
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        raise NotImplementedError
+
+    def shape(self) -> ModelShape:
+        raise NotImplementedError
+
+    # --- recomputation from captured inputs --------------------------------
+    def qkv(self, layer_idx: int, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: normalised residual [T, d]. Returns q [H, T, dh], k and v [H_kv, T, dh] (after RoPE)."""
+        raise NotImplementedError
+
+    def attention_scale(self, layer_idx: int) -> float:
+        raise NotImplementedError
+
+    def sliding_window(self, layer_idx: int) -> int | None:
+        types = getattr(self.config, "layer_types", None)
+        if types and types[layer_idx] == "sliding_attention":
+            return getattr(self.config, "sliding_window", None)
+        return None
+
+    def attn_logit_softcap(self) -> float | None:
+        return None
+
+    def mlp_hidden(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor:
+        """x: normalised residual [T, d] -> the activation that feeds the MLP's down projection."""
+        raise NotImplementedError
+
+    def logits_from_normed(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.unembed(normed)
+
+    def logits_from_resid(self, resid: torch.Tensor) -> torch.Tensor:
+        """Logit lens: the residual stream through the model's own final norm and unembedding."""
+        return self.logits_from_normed(self.final_norm(resid))
+
+    def causal_mask(self, layer_idx: int, T: int, device) -> torch.Tensor:
+        """Boolean [T, T], True where query i may attend to key j."""
+        i = torch.arange(T, device=device)[:, None]
+        j = torch.arange(T, device=device)[None, :]
+        allowed = j <= i
+        window = self.sliding_window(layer_idx)
+        if window is not None:
+            allowed = allowed & (j > i - window)
+        return allowed
+
+    def attention_scores(self, layer_idx: int, resid_pre: torch.Tensor, rope) -> dict[str, torch.Tensor]:
+        """Every step of one layer's attention for one sequence (used by the pattern and the
+        anatomy view). resid_pre: [T, d]."""
+        layer = self.layers[layer_idx]
+        x = self.attn_norm(layer)(resid_pre)
+        q, k, v = self.qkv(layer_idx, x, rope)
+        groups = q.shape[0] // k.shape[0]
+        k_rep = k.repeat_interleave(groups, dim=0)
+        v_rep = v.repeat_interleave(groups, dim=0)
+        raw = torch.matmul(q, k_rep.transpose(-1, -2))
+        scaled = raw * self.attention_scale(layer_idx)
+        cap = self.attn_logit_softcap()
+        if cap:
+            scaled = torch.tanh(scaled / cap) * cap
+        mask = self.causal_mask(layer_idx, x.shape[0], x.device)
+        masked = scaled.masked_fill(~mask, float("-inf"))
+        pattern = torch.softmax(masked.float(), dim=-1).to(q.dtype)
+        return {"x_normed": x, "q": q, "k": k_rep, "v": v_rep, "raw_scores": raw,
+                "scaled_scores": scaled, "mask": mask, "pattern": pattern,
+                "z": torch.matmul(pattern, v_rep)}
+
+    def attention_pattern(self, layer_idx: int, resid_pre: torch.Tensor, rope) -> torch.Tensor:
+        layer = self.layers[layer_idx]
+        x = self.attn_norm(layer)(resid_pre)
+        q, k, _ = self.qkv(layer_idx, x, rope)
+        k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.attention_scale(layer_idx)
+        cap = self.attn_logit_softcap()
+        if cap:
+            scores = torch.tanh(scores / cap) * cap
+        mask = self.causal_mask(layer_idx, x.shape[0], x.device)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.softmax(scores.float(), dim=-1).to(q.dtype)
+
+
+class LlamaAdapter(Adapter):
+    """Llama family: SmolLM2, Llama 2/3, Mistral, Qwen2, Qwen3 (RMSNorm, RoPE, GQA, SwiGLU)."""
+
+    family = "llama"
+
+    @property
+    def layers(self):
+        return list(self.model.model.layers)
+
+    def attn_out_module(self, layer):
+        return layer.self_attn
+
+    def mlp_out_module(self, layer):
+        return layer.mlp
+
+    def attn_norm(self, layer):
+        return layer.input_layernorm
+
+    def attn_z_module(self, layer):
+        """The output projection; its input holds every head's result side by side."""
+        return layer.self_attn.o_proj
+
+    def mlp_norm(self, layer):
+        return layer.post_attention_layernorm
+
+    @property
+    def final_norm(self):
+        return self.model.model.norm
+
+    @property
+    def embed_tokens(self):
+        return self.model.model.embed_tokens
+
+    def shape(self):
+        c = self.config
+        d_head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return ModelShape(c.num_hidden_layers, c.hidden_size, c.num_attention_heads,
+                          c.num_key_value_heads or c.num_attention_heads, d_head,
+                          c.intermediate_size, c.vocab_size, c.max_position_embeddings)
+
+    def qkv(self, layer_idx, x, rope):
+        attn = self.layers[layer_idx].self_attn
+        dh = attn.head_dim
+        T = x.shape[0]
+        q = attn.q_proj(x).view(T, -1, dh)
+        k = attn.k_proj(x).view(T, -1, dh)
+        v = attn.v_proj(x).view(T, -1, dh).transpose(0, 1)
+        if hasattr(attn, "q_norm"):  # Qwen3 / Gemma 3 style QK-norm, per head
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = q.transpose(0, 1), k.transpose(0, 1)
+        cos, sin = rope
+        cos, sin = cos[0], sin[0]
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attention_scale(self, layer_idx):
+        return self.layers[layer_idx].self_attn.scaling
+
+    def mlp_hidden(self, layer_idx, x):
+        mlp = self.layers[layer_idx].mlp
+        return mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
+
+
+class Gemma3Adapter(LlamaAdapter):
+    """Gemma 3 text: extra post-attention / post-MLP norms (their outputs are what joins the
+    residual), QK-norm, scaled embeddings, sliding-window layers with their own RoPE base."""
+
+    family = "gemma3"
+
+    def attn_out_module(self, layer):
+        return layer.post_attention_layernorm
+
+    def mlp_out_module(self, layer):
+        return layer.post_feedforward_layernorm
+
+    def mlp_norm(self, layer):
+        return layer.pre_feedforward_layernorm
+
+    def attn_logit_softcap(self):
+        return getattr(self.config, "attn_logit_softcapping", None)
+
+    def logits_from_normed(self, normed):
+        logits = self.unembed(normed)
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+class GPT2Adapter(Adapter):
+    """GPT-2: LayerNorm, learned absolute positions, multi-head attention, GELU MLP."""
+
+    family = "gpt2"
+    uses_rope = False
+
+    @property
+    def layers(self):
+        return list(self.model.transformer.h)
+
+    def attn_out_module(self, layer):
+        return layer.attn
+
+    def mlp_out_module(self, layer):
+        return layer.mlp
+
+    def attn_norm(self, layer):
+        return layer.ln_1
+
+    def attn_z_module(self, layer):
+        return layer.attn.c_proj
+
+    def mlp_norm(self, layer):
+        return layer.ln_2
+
+    @property
+    def final_norm(self):
+        return self.model.transformer.ln_f
+
+    @property
+    def embed_tokens(self):
+        return self.model.transformer.wte
+
+    def shape(self):
+        c = self.config
+        return ModelShape(c.n_layer, c.n_embd, c.n_head, c.n_head, c.n_embd // c.n_head,
+                          c.n_inner or 4 * c.n_embd, c.vocab_size, c.n_positions)
+
+    def qkv(self, layer_idx, x, rope):
+        attn = self.layers[layer_idx].attn
+        T = x.shape[0]
+        q, k, v = attn.c_attn(x).split(attn.split_size, dim=-1)
+        shape = (T, attn.num_heads, attn.head_dim)
+        return (q.view(shape).transpose(0, 1), k.view(shape).transpose(0, 1), v.view(shape).transpose(0, 1))
+
+    def attention_scale(self, layer_idx):
+        attn = self.layers[layer_idx].attn
+        scale = getattr(attn, "scaling", None)
+        if scale is None:
+            scale = 1.0 / math.sqrt(attn.head_dim) if attn.scale_attn_weights else 1.0
+            if attn.scale_attn_by_inverse_layer_idx:
+                scale /= float(layer_idx + 1)
+        return scale
+
+    def mlp_hidden(self, layer_idx, x):
+        mlp = self.layers[layer_idx].mlp
+        return mlp.act(mlp.c_fc(x))
+
+
+# model_type -> adapter. Families that share Llama's module names reuse its adapter.
+ADAPTERS: dict[str, type[Adapter]] = {
+    "llama": LlamaAdapter,
+    "mistral": LlamaAdapter,
+    "qwen2": LlamaAdapter,
+    "qwen3": LlamaAdapter,
+    "gemma3_text": Gemma3Adapter,
+    "gpt2": GPT2Adapter,
+}
+
+
+def adapter_for(model: nn.Module) -> Adapter:
+    model_type = getattr(model.config, "model_type", "?")
+    cls = ADAPTERS.get(model_type)
+    if cls is None:
+        raise ModelLoadError(
+            f"Architecture '{model_type}' is not supported yet; lmscope supports "
+            f"{', '.join(sorted(ADAPTERS))}."
+        )
+    return cls(model)

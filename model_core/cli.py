@@ -1,0 +1,196 @@
+"""The `lmscope` command line. Subcommands that need the UI or the job queue import those
+packages lazily, so model_core itself never depends on gradio or celery."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from model_core.errors import LmscopeError
+
+
+def _print_json(obj) -> None:
+    json.dump(obj, sys.stdout, ensure_ascii=False, indent=2)
+    sys.stdout.write("\n")
+
+
+def cmd_models(args) -> int:
+    from model_core.registry import list_models
+
+    rows = list_models(include_random=True)
+    if args.json:
+        _print_json(rows)
+    else:
+        for r in rows:
+            state = "ready" if r["ready"] else ("not installed" if not r["installed"] else "not converted yet")
+            params = f"{r['parameters'] / 1e6:.1f}M" if r.get("parameters") else "?"
+            print(f"{r['name']:28s} {r['architecture']:12s} {params:>8s}  {r['source']:13s} {state}")
+    return 0
+
+
+def cmd_prepare(args) -> int:
+    from model_core.registry import REGISTRY, convert_gguf
+
+    entry = REGISTRY.get(args.model)
+    if entry is None or entry.source != "gguf-package":
+        print(f"'{args.model}' needs no preparation.")
+        return 0
+    path = convert_gguf(entry)
+    print(f"{args.model}: ready at {path}")
+    return 0
+
+
+def trace_summary(lm, tr, k: int = 10) -> dict:
+    import torch
+
+    from model_core.lens import logit_lens
+
+    probs = torch.softmax(tr.next_logits.float(), -1)
+    p, i = probs.topk(k)
+    lens = logit_lens(tr, positions=[-1], k=1)
+    tok = lm.tokenizer
+    return {
+        "model": lm.name,
+        "tokens": [{"id": t["id"], "text": t["text"], "display": t["display"]} for t in tr.tokens],
+        "next_tokens": [{"id": int(a), "token": tok.decode([int(a)]), "prob": float(b)} for a, b in zip(i, p)],
+        "logit_lens": [
+            {"layer": int(l), "token": tok.decode([int(lens.top_ids[j, 0, 0])]), "id": int(lens.top_ids[j, 0, 0]),
+             "prob": float(lens.top_probs[j, 0, 0])}
+            for j, l in enumerate(lens.layers)
+        ],
+        "perplexity": tr.perplexity(),
+        "seconds": round(tr.seconds, 4),
+    }
+
+
+def cmd_trace(args) -> int:
+    from model_core.registry import load_model
+    from model_core.trace import trace
+
+    lm = load_model(args.model, device=args.device)
+    tr = trace(lm, args.prompt, chat=args.chat, max_tokens=args.max_tokens, truncate=args.truncate)
+    out = trace_summary(lm, tr, k=args.top_k)
+    if args.json:
+        _print_json(out)
+    else:
+        print("tokens:", " | ".join(t["display"] for t in out["tokens"]))
+        print("next token:")
+        for row in out["next_tokens"]:
+            print(f"  {row['prob']:7.4f}  {row['token']!r}")
+        print("logit lens (last position, top-1 per layer):")
+        for row in out["logit_lens"]:
+            print(f"  layer {row['layer']:3d}  {row['prob']:7.4f}  {row['token']!r}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from model_core.generate import generate, generation_to_json
+    from model_core.registry import load_model
+    from model_core.sampling import SamplingSettings
+
+    lm = load_model(args.model, device=args.device)
+    settings = SamplingSettings.from_values(args.temperature, args.top_k, args.top_p, args.min_p,
+                                            args.repetition_penalty)
+    res = generate(lm, args.prompt, max_new_tokens=args.max_new_tokens, settings=settings, seed=args.seed,
+                   chat=args.chat, stop=args.stop or [])
+    out = generation_to_json(lm, res)
+    if args.json:
+        _print_json(out)
+    else:
+        print(args.prompt + out["text"])
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from app.main import serve
+
+    serve(host=args.host, port=args.port, embedded_services=not args.no_services)
+    return 0
+
+
+def cmd_worker(args) -> int:
+    from tasks.worker import run_worker
+
+    run_worker(concurrency=args.concurrency)
+    return 0
+
+
+def cmd_jobs(args) -> int:
+    from tasks.cli import jobs_command
+
+    return jobs_command(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from model_core.registry import DEFAULT_MODEL
+
+    p = argparse.ArgumentParser(prog="lmscope", description="See inside decoder-only language models.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    m = sub.add_parser("models", help="list the model registry")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(func=cmd_models)
+
+    pr = sub.add_parser("prepare", help="convert a packaged model to the safetensors cache")
+    pr.add_argument("--model", default=DEFAULT_MODEL)
+    pr.set_defaults(func=cmd_prepare)
+
+    t = sub.add_parser("trace", help="trace one forward pass and print tokens, next tokens, logit lens")
+    t.add_argument("prompt")
+    t.add_argument("--model", default=DEFAULT_MODEL)
+    t.add_argument("--top-k", type=int, default=10)
+    t.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    t.add_argument("--max-tokens", type=int, default=1024)
+    t.add_argument("--truncate", action="store_true", help="keep the last --max-tokens tokens of a long prompt")
+    t.add_argument("--device", default=None)
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(func=cmd_trace)
+
+    g = sub.add_parser("generate", help="generate token by token, recording every step")
+    g.add_argument("prompt")
+    g.add_argument("--model", default=DEFAULT_MODEL)
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--chat", action="store_true")
+    g.add_argument("--device", default=None)
+    g.add_argument("--json", action="store_true")
+    g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="start the web UI")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=7860)
+    s.add_argument("--no-services", action="store_true",
+                   help="do not start the embedded Redis and worker (use REDIS_URL and `lmscope worker`)")
+    s.set_defaults(func=cmd_serve)
+
+    w = sub.add_parser("worker", help="run a Celery worker for background jobs")
+    w.add_argument("--concurrency", type=int, default=1)
+    w.set_defaults(func=cmd_worker)
+
+    try:
+        from tasks.cli import add_jobs_parser
+    except ImportError:  # tasks not installed in a model_core-only environment
+        pass
+    else:
+        add_jobs_parser(sub, cmd_jobs)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except LmscopeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

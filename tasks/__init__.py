@@ -1,0 +1,1 @@
+"""Background jobs on Celery + Redis (tokenizer training, SFT, sweeps)."""

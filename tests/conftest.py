@@ -1,0 +1,25 @@
+import os
+
+import pytest
+import torch
+
+# Tests run on the CPU in fp32 whatever the machine has, so references compare exactly.
+os.environ.setdefault("LMSCOPE_DEVICE", "cpu")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+DEFAULT = "smollm2-135m-instruct"
+RANDOM_MODELS = ["random-gpt2-tiny", "random-gemma3-tiny", "random-llama-tiny"]
+
+
+@pytest.fixture(scope="session")
+def default_lm():
+    from model_core import load_model
+
+    return load_model(DEFAULT)
+
+
+@pytest.fixture(scope="session")
+def default_lm_eager():
+    from model_core import load_model
+
+    return load_model(DEFAULT, attn_implementation="eager")
