@@ -1,0 +1,672 @@
+"""Token-by-token generation with the Hugging Face KV cache, recording every step.
+
+One step = one forward pass of the newest token through the model with the KV cache
+(`DynamicCache`), then the sampling pipeline of `model_core.sampling` (repetition penalty,
+temperature, top-k, top-p, min-p: the same stage functions, hence the same arithmetic, as
+transformers' logits processors), then a greedy pick or a seeded draw.
+
+Per step we keep: the top candidates before the filters (the model's own softmax) and after
+them (the distribution the token was drawn from), which filter removed each of those top
+candidates, how many tokens and how much probability mass each filter removed, the chosen
+token with its rank and probability, and the entropy before and after. All of it is gathered
+on the device and copied to the host once per step (one small tensor), so recording is cheap.
+
+Entry points:
+  generate(lm, prompt, ...)          -> Generation (all steps)
+  iter_generate(lm, prompt, ...)     -> yields (Step, Generation) as each token is produced
+  generation_to_json(lm, gen)        -> dict for the CLI / API
+  step_attention(lm, token_ids, pos) -> the attention of one query over its context, per layer
+  kv_cache_report(lm, cache)         -> formula vs measured KV-cache bytes, per layer
+  time_cache_vs_no_cache(lm, ids)    -> measured decode time with and without the cache
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from model_core import sampling as S
+from model_core.errors import PromptError, SettingsError
+from model_core.sampling import SamplingSettings
+
+DEFAULT_MAX_NEW_TOKENS_CAP = 256
+TOP_K_RECORDED = 10  # candidates kept per step, before and after the filters
+MAX_STOP_STRINGS = 8
+MAX_STOP_CHARS = 200
+FILTER_STAGES = ("top_k", "top_p", "min_p")  # the stages that remove tokens (greedy: "greedy")
+
+ShouldStop = Callable[[], bool] | threading.Event | None
+
+
+def max_new_tokens_cap() -> int:
+    """Server-side ceiling on max_new_tokens: LMSCOPE_MAX_NEW_TOKENS (default 256)."""
+    raw = os.environ.get("LMSCOPE_MAX_NEW_TOKENS", "").strip()
+    try:
+        cap = int(raw) if raw else DEFAULT_MAX_NEW_TOKENS_CAP
+    except ValueError:
+        cap = DEFAULT_MAX_NEW_TOKENS_CAP
+    return max(1, cap)
+
+
+def check_max_new_tokens(n) -> int:
+    cap = max_new_tokens_cap()
+    if isinstance(n, bool) or n is None:
+        raise SettingsError(f"max_new_tokens must be a whole number between 1 and {cap}, got {n!r}.")
+    try:
+        f = float(n)
+    except (TypeError, ValueError):
+        raise SettingsError(f"max_new_tokens must be a whole number between 1 and {cap}, got {n!r}.") from None
+    if not math.isfinite(f) or f != int(f):
+        raise SettingsError(f"max_new_tokens must be a whole number between 1 and {cap}, got {n!r}.")
+    n = int(f)
+    if n < 1:
+        raise SettingsError(f"max_new_tokens must be at least 1 (got {n}): ask for one or more new tokens.")
+    if n > cap:
+        raise SettingsError(f"max_new_tokens is capped at {cap} on this server (got {n}); ask for fewer tokens.")
+    return n
+
+
+def check_seed(seed) -> int:
+    if seed is None or seed == "":
+        return 0
+    try:
+        f = float(seed)
+    except (TypeError, ValueError):
+        raise SettingsError(f"seed must be a whole number, got {seed!r}.") from None
+    if isinstance(seed, bool) or not math.isfinite(f) or f != int(f) or not (0 <= int(f) < 2**63):
+        raise SettingsError(f"seed must be a whole number between 0 and 2^63-1, got {seed!r}.")
+    return int(f)
+
+
+def check_stop(stop) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    out = []
+    for s in stop:
+        if not isinstance(s, str):
+            raise SettingsError(f"Stop strings must be text, got {s!r}.")
+        if s == "":
+            continue
+        if len(s) > MAX_STOP_CHARS:
+            raise SettingsError(f"A stop string may be at most {MAX_STOP_CHARS} characters long.")
+        out.append(s)
+    if len(out) > MAX_STOP_STRINGS:
+        raise SettingsError(f"At most {MAX_STOP_STRINGS} stop strings are allowed (got {len(out)}).")
+    return out
+
+
+def _stopper(should_stop: ShouldStop) -> Callable[[], bool]:
+    if should_stop is None:
+        return lambda: False
+    if isinstance(should_stop, threading.Event):
+        return should_stop.is_set
+    if callable(should_stop):
+        return lambda: bool(should_stop())
+    raise SettingsError("should_stop must be a threading.Event or a function returning True to stop.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Records
+
+@dataclass
+class Step:
+    index: int  # 0-based step number
+    position: int  # position of the chosen token in the full sequence
+    chosen_id: int
+    chosen_prob: float  # the model's probability for it (softmax of the raw logits)
+    chosen_prob_filtered: float  # probability under the distribution it was drawn from
+    chosen_rank: int  # 1 = the model's top choice (rank among the raw logits)
+    entropy: float  # nats, of the model's raw distribution
+    entropy_filtered: float  # nats, of the distribution after the filters
+    top_ids: list[int]  # top candidates before the filters (raw softmax)
+    top_probs: list[float]
+    top_removed_by: list[str | None]  # which stage removed each of those candidates (None = kept)
+    after_ids: list[int]  # top candidates after the filters
+    after_probs: list[float]
+    removed: dict[str, dict]  # stage -> {"n_removed": int, "kept_mass": float}
+    n_candidates: int  # tokens left with nonzero probability after the filters
+    seconds: float  # wall time of this step (forward + sampling + recording)
+    text_so_far: str = ""  # decoded continuation after this step
+    attention: torch.Tensor | None = None  # [layers, context] head-mean, on request
+    logits: torch.Tensor | None = None  # [V] raw logits, on request (tests, research)
+    probs: torch.Tensor | None = None  # [V] filtered distribution, on request
+
+
+@dataclass
+class Generation:
+    model_name: str
+    prompt: str | None
+    chat: bool
+    settings: SamplingSettings
+    seed: int
+    max_new_tokens: int
+    stop: list[str]
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)  # generated ids (EOS included if produced)
+    steps: list[Step] = field(default_factory=list)
+    text: str = ""  # the continuation (special tokens skipped, cut before a stop string)
+    finish_reason: str | None = None  # "length" | "eos" | "stop_string" | "cancelled" | "context_full"
+    stop_string: str | None = None
+    prefill_seconds: float = 0.0
+    seconds: float = 0.0
+    kv_cache: dict | None = None  # kv_cache_report at the end
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def tokens_per_second(self) -> float:
+        decode = sum(s.seconds for s in self.steps)
+        return len(self.steps) / decode if decode > 0 else 0.0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.token_ids
+
+
+# ---------------------------------------------------------------------------------------------
+# Model plumbing (public transformers APIs only; works on transformers 5.17 and newer)
+
+def _cache_kwarg(model) -> str:
+    """transformers >= 5.2x names the forward argument `cache`; earlier 5.x `past_key_values`."""
+    key = ("cache_kwarg", type(model))
+    if key not in _CACHE_KW:
+        params = inspect.signature(model.forward).parameters
+        _CACHE_KW[key] = "cache" if "cache" in params else "past_key_values"
+    return _CACHE_KW[key]
+
+
+_CACHE_KW: dict = {}
+
+
+def new_cache(lm):
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=lm.model.config)
+    except TypeError:  # very old signature
+        return DynamicCache()
+
+
+def _forward(lm, ids: torch.Tensor, cache) -> torch.Tensor:
+    """ids [1, t] -> logits of the last position [V] (float32); the cache grows by t."""
+    out = lm.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{_cache_kwarg(lm.model): cache})
+    return out.logits[0, -1].float()
+
+
+def eos_ids(lm) -> list[int]:
+    ids: list[int] = []
+    gc = getattr(lm.model, "generation_config", None)
+    for src in (getattr(gc, "eos_token_id", None), getattr(lm.tokenizer, "eos_token_id", None)):
+        if src is None:
+            continue
+        for i in (src if isinstance(src, (list, tuple)) else [src]):
+            if int(i) not in ids:
+                ids.append(int(i))
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------
+# One step of sampling + recording, all on the device
+
+_STAGE_CODES = {None: 0, "top_k": 1, "top_p": 2, "min_p": 3, "greedy": 4}
+_CODE_STAGES = {v: k for k, v in _STAGE_CODES.items()}
+
+
+def sample_step(logits: torch.Tensor, settings: SamplingSettings, context_ids: torch.Tensor | None,
+                generator: torch.Generator | None, k: int = TOP_K_RECORDED):
+    """logits [V] float32 on the device -> (chosen id tensor [1], packed record tensor, final logits).
+
+    The stages are sampling.py's functions (the arithmetic of transformers' processors), in
+    generate()'s order. Everything recorded is packed in one float32 tensor so the caller copies
+    once per step. Ids are exact in float32 up to 2^24 (16.7M-token vocabularies)."""
+    raw = logits
+    cur = S.repetition_penalty(raw, context_ids, settings.repetition_penalty)
+    removed_masks: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (code, mask, kept mass)
+
+    def filt(name, new):
+        nonlocal cur
+        removed = torch.isneginf(new) & ~torch.isneginf(cur)
+        kept = torch.softmax(cur, -1).masked_fill(removed, 0).sum()
+        removed_masks.append((_STAGE_CODES[name], removed, kept))
+        cur = new
+
+    if settings.greedy:
+        keep = torch.zeros_like(cur, dtype=torch.bool)
+        keep[torch.argmax(cur)] = True
+        filt("greedy", cur.masked_fill(~keep, S.FILTER_VALUE))
+    else:
+        cur = S.temperature(cur, settings.temperature)
+        if settings.top_k > 0:
+            filt("top_k", S.top_k(cur, settings.top_k))
+        if settings.top_p < 1.0:
+            filt("top_p", S.top_p(cur, settings.top_p))
+        if settings.min_p > 0:
+            filt("min_p", S.min_p(cur, settings.min_p))
+    probs = torch.softmax(cur, -1)
+    if settings.greedy:
+        chosen = torch.argmax(cur).reshape(1)
+    else:
+        chosen = torch.multinomial(probs, 1, generator=generator)
+
+    base_logp = torch.log_softmax(raw, -1)
+    base = base_logp.exp()
+    k = min(k, raw.numel())
+    top_p_, top_i = torch.topk(base, k)
+    aft_p, aft_i = torch.topk(probs, k)
+    removed_by = torch.zeros(k, device=raw.device)
+    n_removed, kept = [], []
+    for code, mask, kept_mass in reversed(removed_masks):  # earliest stage wins
+        removed_by = torch.where(mask[top_i], torch.full_like(removed_by, code), removed_by)
+    for code in (1, 2, 3, 4):
+        hit = [(m, km) for c, m, km in removed_masks if c == code]
+        if hit:
+            n_removed.append(hit[0][0].sum().float())
+            kept.append(hit[0][1])
+        else:
+            n_removed.append(torch.zeros((), device=raw.device))
+            kept.append(torch.ones((), device=raw.device))
+    raw_c = raw[chosen]
+    rank = (raw > raw_c).sum().float() + 1
+    head = torch.stack([
+        chosen[0].float(), rank, base[chosen][0], probs[chosen][0],
+        torch.special.entr(base).sum(), torch.special.entr(probs).sum(), (probs > 0).sum().float(),
+        *n_removed, *kept,
+    ])
+    packed = torch.cat([head, top_i.float(), top_p_, removed_by, aft_i.float(), aft_p])
+    return chosen, packed, cur
+
+
+def _unpack(packed: torch.Tensor, k: int, settings: SamplingSettings) -> dict:
+    v = packed.tolist()
+    head, rest = v[:15], v[15:]
+    codes = [int(c) for c in rest[2 * k: 3 * k]]
+    present = {"greedy"} if settings.greedy else {n for n, on in (
+        ("top_k", settings.top_k > 0), ("top_p", settings.top_p < 1), ("min_p", settings.min_p > 0)) if on}
+    removed = {}
+    for j, name in enumerate(("top_k", "top_p", "min_p", "greedy")):
+        if name in present:
+            removed[name] = {"n_removed": int(head[7 + j]), "kept_mass": float(head[11 + j])}
+    return dict(
+        chosen_id=int(head[0]), chosen_rank=int(head[1]), chosen_prob=float(head[2]),
+        chosen_prob_filtered=float(head[3]), entropy=float(head[4]), entropy_filtered=float(head[5]),
+        n_candidates=int(head[6]), removed=removed,
+        top_ids=[int(x) for x in rest[:k]], top_probs=rest[k: 2 * k],
+        top_removed_by=[_CODE_STAGES[c] for c in codes],
+        after_ids=[int(x) for x in rest[3 * k: 4 * k]], after_probs=rest[4 * k: 5 * k],
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation
+
+def _prepare(lm, prompt, token_ids, chat, max_new_tokens, settings, seed, stop, max_prompt_tokens, truncate):
+    from model_core.trace import encode_prompt
+
+    max_new_tokens = check_max_new_tokens(max_new_tokens)
+    if settings is None:
+        settings = SamplingSettings(temperature=0.0)
+    if not isinstance(settings, SamplingSettings):
+        raise SettingsError("settings must be a SamplingSettings.")
+    settings = settings.validated()
+    seed = check_seed(seed)
+    stop = check_stop(stop)
+    if token_ids is not None:
+        ids = [int(t) for t in (token_ids.tolist() if torch.is_tensor(token_ids) else token_ids)]
+        if not ids:
+            raise PromptError("The prompt has no tokens.")
+        vocab = lm.shape.vocab_size
+        if any(i < 0 or i >= vocab for i in ids):
+            raise PromptError(f"Token ids must be between 0 and {vocab - 1}.")
+    else:
+        ids = encode_prompt(lm, prompt, chat=chat, max_tokens=max_prompt_tokens, truncate=truncate)
+    if len(ids) >= lm.shape.context_length:
+        raise PromptError(f"The prompt fills the model's whole context ({lm.shape.context_length} tokens).")
+    return ids, max_new_tokens, settings, seed, stop
+
+
+def iter_generate(lm, prompt: str | None = None, *, max_new_tokens: int = 32,
+                  settings: SamplingSettings | None = None, seed: int | None = 0, chat: bool = False,
+                  stop: list[str] | None = None, should_stop: ShouldStop = None, token_ids=None,
+                  attention: bool = False, keep_logits: bool = False, keep_probs: bool = False,
+                  ignore_eos: bool = False, top_k_recorded: int = TOP_K_RECORDED,
+                  max_prompt_tokens: int | None = 1024, truncate: bool = False,
+                  ) -> Iterator[tuple[Step, Generation]]:
+    """Stream a generation: yields (step, generation) right after each token is produced;
+    `generation` is the same object every time, filled in as it goes (text, steps, and at the
+    end finish_reason and the KV-cache report). Closing the iterator (a client that went away)
+    stops generation at once and frees everything.
+
+    settings: SamplingSettings (temperature <= 0 means greedy; default greedy).
+    seed: the torch.Generator seed for sampled draws (same seed -> same sample).
+    stop: strings that end generation once they appear in the continuation (cut from `text`).
+    should_stop: threading.Event or callable; checked before every step (cancellation).
+    attention: after the last step, attach to every step the attention of the query that
+      produced it over its context ([layers, context], averaged over heads).
+    """
+    ids, max_new, settings, seed, stop = _prepare(lm, prompt, token_ids, chat, max_new_tokens, settings,
+                                                  seed, stop, max_prompt_tokens, truncate)
+    stopped = _stopper(should_stop)
+    gen = Generation(model_name=lm.name, prompt=prompt, chat=chat, settings=settings, seed=seed,
+                     max_new_tokens=max_new, stop=stop, prompt_ids=list(ids))
+    room = lm.shape.context_length - len(ids)
+    n_steps = min(max_new, room)
+    dev = lm.device
+    eos = set() if ignore_eos else set(eos_ids(lm))
+    tok = lm.tokenizer
+    k = max(1, min(int(top_k_recorded), lm.shape.vocab_size))
+    all_ids = torch.empty(len(ids) + n_steps, dtype=torch.long, device=dev)
+    all_ids[: len(ids)] = torch.tensor(ids, dtype=torch.long)
+    generator = None
+    if not settings.greedy:
+        generator = torch.Generator(device=dev)
+        generator.manual_seed(seed)
+    use_rp = settings.repetition_penalty != 1.0
+    t_start = time.perf_counter()
+    cache = new_cache(lm)
+    try:
+        with torch.inference_mode():
+            if stopped():
+                gen.finish_reason = "cancelled"
+                return
+            t0 = time.perf_counter()
+            logits = _forward(lm, all_ids[None, : len(ids)], cache)
+            gen.prefill_seconds = time.perf_counter() - t0
+            cur_len = len(ids)
+            overlap = dev.type == "cuda"  # launch the next forward before the record's copy
+            for i in range(n_steps):
+                t0 = time.perf_counter()
+                chosen, packed, final_logits = sample_step(
+                    logits, settings, all_ids[:cur_len] if use_rp else None, generator, k)
+                all_ids[cur_len: cur_len + 1] = chosen
+                cur_len += 1
+                last = i == n_steps - 1
+                step_logits = logits
+                if overlap and not last:
+                    logits = _forward(lm, all_ids[None, cur_len - 1: cur_len], cache)
+                rec = _unpack(packed.cpu(), k, settings)  # the one device->host copy of the step
+                tid = rec["chosen_id"]
+                gen.token_ids.append(tid)
+                is_eos = tid in eos
+                text = tok.decode(gen.token_ids, skip_special_tokens=True)
+                hit = None
+                if stop:
+                    found = [(text.find(s), s) for s in stop if s in text]
+                    if found:
+                        pos, hit = min(found)
+                        text = text[:pos]
+                gen.text = text
+                step = Step(index=i, position=cur_len - 1, seconds=0.0, text_so_far=text, **rec)
+                if keep_logits:
+                    step.logits = step_logits.detach().cpu()
+                if keep_probs:
+                    step.probs = torch.softmax(final_logits, -1).cpu()
+                if is_eos:
+                    gen.finish_reason = "eos"
+                elif hit is not None:
+                    gen.finish_reason, gen.stop_string = "stop_string", hit
+                elif last:
+                    gen.finish_reason = "length" if n_steps == max_new else "context_full"
+                if gen.finish_reason is None and not overlap:
+                    logits = _forward(lm, all_ids[None, cur_len - 1: cur_len], cache)
+                step.seconds = time.perf_counter() - t0
+                gen.steps.append(step)
+                if gen.finish_reason is None and stopped():
+                    gen.finish_reason = "cancelled"
+                if gen.finish_reason is not None:
+                    gen.kv_cache = kv_cache_report(lm, cache)
+                    gen.seconds = time.perf_counter() - t_start
+                    if attention and gen.steps:
+                        _attach_attention(lm, gen)
+                yield step, gen
+                if gen.finish_reason is not None:
+                    return
+                if stopped():  # checked again after the consumer ran (it may have set the flag)
+                    gen.finish_reason = "cancelled"
+                    gen.kv_cache = kv_cache_report(lm, cache)
+                    gen.seconds = time.perf_counter() - t_start
+                    return
+    finally:
+        if gen.finish_reason is None:
+            gen.finish_reason = "cancelled"
+        gen.seconds = gen.seconds or (time.perf_counter() - t_start)
+        del cache
+
+
+def generate(lm, prompt: str | None = None, *, max_new_tokens: int = 32, settings: SamplingSettings | None = None,
+             seed: int | None = 0, chat: bool = False, stop: list[str] | None = None,
+             should_stop: ShouldStop = None, token_ids=None, attention: bool = False, keep_logits: bool = False,
+             keep_probs: bool = False, ignore_eos: bool = False, top_k_recorded: int = TOP_K_RECORDED,
+             on_step: Callable[[Step, Generation], None] | None = None,
+             max_prompt_tokens: int | None = 1024, truncate: bool = False) -> Generation:
+    """Generate up to max_new_tokens tokens and return the Generation with every step recorded.
+    Arguments as in iter_generate; on_step(step, gen) is called after each step."""
+    gen = None
+    it = iter_generate(lm, prompt, max_new_tokens=max_new_tokens, settings=settings, seed=seed, chat=chat,
+                       stop=stop, should_stop=should_stop, token_ids=token_ids, attention=attention,
+                       keep_logits=keep_logits, keep_probs=keep_probs, ignore_eos=ignore_eos,
+                       top_k_recorded=top_k_recorded, max_prompt_tokens=max_prompt_tokens, truncate=truncate)
+    for step, gen in it:
+        if on_step is not None:
+            on_step(step, gen)
+    if gen is None:  # cancelled before the first step
+        ids, max_new, s, sd, st = _prepare(lm, prompt, token_ids, chat, max_new_tokens, settings, seed, stop,
+                                           max_prompt_tokens, truncate)
+        gen = Generation(model_name=lm.name, prompt=prompt, chat=chat, settings=s, seed=sd, max_new_tokens=max_new,
+                         stop=st, prompt_ids=ids, finish_reason="cancelled")
+    return gen
+
+
+def sample_many(lm, prompt: str | None = None, *, seeds=(0, 1, 2, 3, 4), **kwargs) -> list[Generation]:
+    """The same prompt and settings drawn with several seeds (to see how settings change diversity)."""
+    seeds = list(seeds)
+    if not 1 <= len(seeds) <= 16:
+        raise SettingsError("Draw between 1 and 16 samples at a time.")
+    return [generate(lm, prompt, seed=s, **kwargs) for s in seeds]
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention of the new token over its context
+
+def attention_rows(lm, token_ids, query_positions, layers=None) -> torch.Tensor:
+    """Attention of the given query positions over the sequence, per layer and head:
+    [len(query_positions), layers, heads, T] (zeros beyond each query's position).
+
+    With a causal mask a query's attention row does not depend on later tokens, so the row of
+    position p in one forward over the whole sequence is exactly what the model computed when
+    it produced token p+1 step by step. One traced forward pass (model_core.trace) gives every
+    layer's input; each layer's q and k are recomputed with the model's own projections."""
+    from model_core.trace import trace
+
+    ids = [int(t) for t in token_ids]
+    n_layers = lm.shape.n_layers
+    layers = list(range(n_layers)) if layers is None else [int(l) for l in layers]
+    qp = torch.tensor([int(p) for p in query_positions], dtype=torch.long)
+    if qp.numel() == 0 or int(qp.min()) < 0 or int(qp.max()) >= len(ids):
+        raise PromptError("Query positions must lie inside the sequence.")
+    tr = trace(lm, token_ids=ids, layers=layers, max_tokens=None)
+    ad = lm.adapter
+    rows = []
+    with torch.inference_mode():
+        qp_d = qp.to(tr.device)
+        for l in layers:
+            x = ad.attn_norm(ad.layers[l])(tr.resid_pre[l])
+            q, kk, _ = ad.qkv(l, x, tr.rope.get(l))
+            kk = kk.repeat_interleave(q.shape[0] // kk.shape[0], dim=0)
+            scores = torch.matmul(q[:, qp_d], kk.transpose(-1, -2)) * ad.attention_scale(l)  # [H, Q, T]
+            cap = ad.attn_logit_softcap()
+            if cap:
+                scores = torch.tanh(scores / cap) * cap
+            mask = ad.causal_mask(l, len(ids), tr.device)[qp_d]  # [Q, T]
+            scores = scores.masked_fill(~mask[None], float("-inf"))
+            rows.append(torch.softmax(scores.float(), -1).permute(1, 0, 2))  # [Q, H, T]
+    return torch.stack(rows, 1).cpu()  # [Q, L, H, T]
+
+
+def step_attention(lm, token_ids, step_position: int, layers=None) -> torch.Tensor:
+    """[layers, heads, step_position]: the attention that produced the token at step_position
+    (the query is the token before it) over the context it saw."""
+    if step_position < 1:
+        raise PromptError("The first token has no context to attend to.")
+    return attention_rows(lm, token_ids[:step_position], [step_position - 1], layers)[0]
+
+
+def _attach_attention(lm, gen: Generation) -> None:
+    ids = gen.all_ids
+    positions = [s.position - 1 for s in gen.steps]
+    rows = attention_rows(lm, ids[: max(positions) + 1], positions)  # [Q, L, H, T]
+    for s, r in zip(gen.steps, rows):
+        s.attention = r.mean(1)[:, : s.position]  # [L, context]
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache accounting
+
+def kv_bytes_formula(n_layers: int, kv_heads: int, head_dim: int, tokens: int, bytes_per_value: int) -> int:
+    """2 (keys and values) x layers x kv_heads x head_dim x tokens x bytes per value."""
+    return 2 * n_layers * kv_heads * head_dim * tokens * bytes_per_value
+
+
+def _layer_windows(lm) -> list[int | None]:
+    ad = lm.adapter
+    return [ad.sliding_window(l) for l in range(lm.shape.n_layers)]
+
+
+def kv_cache_formula(lm, tokens: int, dtype: torch.dtype | None = None) -> dict:
+    """Bytes the cache should hold for `tokens` tokens, per layer and in total. Sliding-window
+    layers (Gemma 3) keep only the last window-1 tokens in transformers' DynamicCache."""
+    s = lm.shape
+    b = torch.empty((), dtype=dtype or lm.dtype).element_size()
+    per_layer = []
+    for w in _layer_windows(lm):
+        t = tokens if w is None else min(tokens, w - 1)
+        per_layer.append(kv_bytes_formula(1, s.n_kv_heads, s.d_head, t, b))
+    return {"tokens": tokens, "bytes_per_value": b, "per_layer": per_layer, "total": sum(per_layer),
+            "bytes_per_token": kv_bytes_formula(s.n_layers, s.n_kv_heads, s.d_head, 1, b),
+            "expression": f"2 x {s.n_layers} layers x {s.n_kv_heads} kv_heads x {s.d_head} head_dim x "
+                          f"{tokens} tokens x {b} B"}
+
+
+def cache_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return [(getattr(l, "keys", None), getattr(l, "values", None)) for l in layers]
+    return list(zip(cache.key_cache, cache.value_cache))  # older caches
+
+
+def kv_cache_report(lm, cache) -> dict:
+    """Formula next to the measured bytes of the cache's real key/value tensors, per layer."""
+    measured, tokens_per_layer = [], []
+    for k, v in cache_tensors(cache):
+        if k is None or not torch.is_tensor(k) or k.numel() == 0:
+            measured.append(0)
+            tokens_per_layer.append(0)
+            continue
+        measured.append(k.numel() * k.element_size() + v.numel() * v.element_size())
+        tokens_per_layer.append(int(k.shape[-2]))
+    tokens = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else max(tokens_per_layer or [0])
+    tokens = max([tokens] + [t for t, w in zip(tokens_per_layer, _layer_windows(lm)) if w is None])
+    f = kv_cache_formula(lm, tokens)
+    return {"tokens": tokens, "bytes_per_value": f["bytes_per_value"], "bytes_per_token": f["bytes_per_token"],
+            "expression": f["expression"], "formula_per_layer": f["per_layer"], "formula_total": f["total"],
+            "measured_per_layer": measured, "measured_total": sum(measured), "tokens_per_layer": tokens_per_layer}
+
+
+def kv_cache_growth(lm, total_tokens: int, points: int = 32) -> dict:
+    """Formula bytes as the sequence grows 1..total_tokens (for a plot)."""
+    xs = sorted({max(1, round(total_tokens * i / points)) for i in range(1, points + 1)} | {1})
+    rows = [kv_cache_formula(lm, t) for t in xs]
+    return {"tokens": xs, "total": [r["total"] for r in rows], "per_layer": [r["per_layer"] for r in rows]}
+
+
+def time_cache_vs_no_cache(lm, token_ids, new_tokens: int = 16, repeats: int = 1) -> dict:
+    """Measured greedy decoding of `new_tokens` tokens after the prompt, with the KV cache (one
+    new token per forward) and without it (the whole sequence every forward). Same tokens both
+    ways (checked)."""
+    ids = [int(t) for t in token_ids]
+    new_tokens = check_max_new_tokens(new_tokens)
+    if len(ids) + new_tokens > lm.shape.context_length:
+        raise PromptError("The prompt plus the new tokens would not fit in the model's context.")
+    dev = lm.device
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    best_on = best_off = float("inf")
+    with torch.inference_mode():
+        for _ in range(max(1, repeats)):
+            sync()
+            t0 = time.perf_counter()
+            cache = new_cache(lm)
+            x = torch.tensor([ids], device=dev)
+            out_on = []
+            logits = _forward(lm, x, cache)
+            for _ in range(new_tokens):
+                nxt = torch.argmax(logits).reshape(1, 1)
+                out_on.append(nxt)
+                logits = _forward(lm, nxt, cache)
+            out_on = [int(t) for t in torch.cat(out_on).flatten().tolist()]
+            sync()
+            best_on = min(best_on, time.perf_counter() - t0)
+            del cache
+            t0 = time.perf_counter()
+            seq = torch.tensor([ids], device=dev)
+            out_off = []
+            for _ in range(new_tokens):
+                logits = lm.model(input_ids=seq, use_cache=False, logits_to_keep=1).logits[0, -1]
+                nxt = torch.argmax(logits).reshape(1, 1)
+                out_off.append(nxt)
+                seq = torch.cat([seq, nxt], 1)
+            out_off = [int(t) for t in torch.cat(out_off).flatten().tolist()]
+            sync()
+            best_off = min(best_off, time.perf_counter() - t0)
+    return {"prompt_tokens": len(ids), "new_tokens": new_tokens, "with_cache_s": best_on, "without_cache_s": best_off,
+            "speedup": best_off / best_on if best_on > 0 else float("nan"),
+            "with_cache_tok_s": new_tokens / best_on, "without_cache_tok_s": new_tokens / best_off,
+            "same_tokens": out_on == out_off}
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON
+
+def _tok(lm, i: int) -> str:
+    from model_core.tokenization import display_bytes, token_bytes
+
+    return display_bytes(token_bytes(lm.tokenizer, int(i)))
+
+
+def step_to_json(lm, s: Step) -> dict:
+    tok = lm.tokenizer
+    return {
+        "index": s.index, "position": s.position,
+        "chosen": {"id": s.chosen_id, "token": tok.decode([s.chosen_id]), "display": _tok(lm, s.chosen_id),
+                   "prob": s.chosen_prob, "prob_filtered": s.chosen_prob_filtered, "rank": s.chosen_rank},
+        "entropy": s.entropy, "entropy_filtered": s.entropy_filtered, "n_candidates": s.n_candidates,
+        "top_before": [{"id": i, "token": _tok(lm, i), "prob": p, "removed_by": r}
+                       for i, p, r in zip(s.top_ids, s.top_probs, s.top_removed_by)],
+        "top_after": [{"id": i, "token": _tok(lm, i), "prob": p} for i, p in zip(s.after_ids, s.after_probs) if p > 0],
+        "removed": s.removed, "seconds": round(s.seconds, 6),
+    }
+
+
+def generation_to_json(lm, gen: Generation) -> dict:
+    return {
+        "model": gen.model_name, "prompt": gen.prompt, "chat": gen.chat, "settings": gen.settings.to_dict(),
+        "seed": gen.seed, "max_new_tokens": gen.max_new_tokens, "stop": gen.stop,
+        "text": gen.text, "token_ids": gen.token_ids, "prompt_token_ids": gen.prompt_ids,
+        "finish_reason": gen.finish_reason, "stop_string": gen.stop_string,
+        "n_tokens": len(gen.token_ids), "prefill_seconds": round(gen.prefill_seconds, 6),
+        "seconds": round(gen.seconds, 6), "tokens_per_second": round(gen.tokens_per_second, 3),
+        "kv_cache": gen.kv_cache, "steps": [step_to_json(lm, s) for s in gen.steps],
+    }
