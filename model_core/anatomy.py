@@ -1,0 +1,673 @@
+"""Anatomy of a decoder: every part, computed step by step on the real model.
+
+Everything here is read from the loaded model (its config, its modules and its weights) or
+recomputed from a Trace with the model's own modules; nothing about an architecture is typed
+in. tests/test_anatomy.py checks each step against the model's own forward.
+
+Pure PyTorch (+ pandas for tables); no gradio.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model_core.adapters import Adapter, adapter_for, apply_rope
+from model_core.errors import PromptError
+from model_core.tokenization import describe_tokens
+
+# ---------------------------------------------------------------------------------------------
+# Small helpers
+
+
+def _unwrap(lm_or_model):
+    """(model, adapter) from a LoadedModel or a bare transformers model."""
+    if hasattr(lm_or_model, "adapter") and hasattr(lm_or_model, "model"):
+        return lm_or_model.model, lm_or_model.adapter
+    return lm_or_model, adapter_for(lm_or_model)
+
+
+def _cfg(config, *names, default=None):
+    for n in names:
+        v = getattr(config, n, None)
+        if v is not None:
+            return v
+    return default
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or "norm" in type(module).__name__.lower()
+
+
+def norm_kind(module: nn.Module) -> dict:
+    """What a norm module computes: {'type': 'RMSNorm'|'LayerNorm', 'gain_offset': 0 or 1, 'eps'}.
+    Gemma's RMSNorm multiplies by (1 + w) instead of w (its weights are stored as offsets from 1)."""
+    name = type(module).__name__
+    eps = getattr(module, "eps", None) or getattr(module, "variance_epsilon", None) or 1e-5
+    if isinstance(module, nn.LayerNorm) or ("LayerNorm" in name and "RMS" not in name):
+        return {"type": "LayerNorm", "gain_offset": 0.0, "eps": float(eps), "class": name}
+    offset = 1.0 if name.startswith("Gemma") else 0.0
+    return {"type": "RMSNorm", "gain_offset": offset, "eps": float(eps), "class": name}
+
+
+def _linear_out_features(module: nn.Module) -> int:
+    """Output width of nn.Linear (weight [out, in]) or GPT-2's Conv1D (weight [in, out])."""
+    if isinstance(module, nn.Linear):
+        return module.weight.shape[0]
+    return module.weight.shape[1]
+
+
+def _project(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x @ W (+ b) for nn.Linear or Conv1D, as a plain matmul: [in] -> [out] weight matrix."""
+    w = module.weight
+    w_in_out = w.T if isinstance(module, nn.Linear) else w
+    return x @ w_in_out
+
+
+def _act_name(config) -> str:
+    return str(_cfg(config, "hidden_act", "hidden_activation", "activation_function", default="?"))
+
+
+def _activation_label(act: str) -> str:
+    a = act.lower()
+    if a in ("silu", "swish"):
+        return "SiLU"
+    if a.startswith("gelu"):
+        return "GELU" + (" (tanh approx.)" if ("tanh" in a or a in ("gelu_new", "gelu_fast")) else "")
+    if a == "relu":
+        return "ReLU"
+    return act
+
+
+# ---------------------------------------------------------------------------------------------
+# Architecture card
+
+
+def kv_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, n_tokens: int = 1,
+                   bytes_per_value: int = 2) -> int:
+    """2 (K and V) x layers x kv_heads x head_dim x tokens x bytes per value."""
+    return 2 * n_layers * n_kv_heads * head_dim * n_tokens * bytes_per_value
+
+
+def param_counts(lm_or_model) -> "OrderedDict[str, int]":
+    """Parameters by part, from the real tensors (tied weights counted once, like
+    model.parameters()). Parts: embedding (token + learned positions), attention (Q, K, V, O
+    and their biases), mlp, norms (every norm incl. QK-norm and the final norm), unembedding
+    (only when untied), other (should be 0). Sums to the model's parameter count."""
+    model, ad = _unwrap(lm_or_model)
+    parts = OrderedDict((k, 0) for k in ("embedding", "attention", "mlp", "norms", "unembedding", "other"))
+    seen: set[int] = set()
+    unembed = ad.unembed
+    attn_ids, mlp_ids = set(), set()
+    for layer in ad.layers:
+        attn = getattr(layer, "self_attn", None) or getattr(layer, "attn", None)
+        for m in attn.modules():
+            attn_ids.add(id(m))
+        for m in layer.mlp.modules():
+            mlp_ids.add(id(m))
+    for _name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            n = p.numel()
+            if isinstance(module, nn.Embedding):
+                parts["embedding"] += n
+            elif _is_norm(module):
+                parts["norms"] += n
+            elif module is unembed:
+                parts["unembedding"] += n
+            elif id(module) in attn_ids:
+                parts["attention"] += n
+            elif id(module) in mlp_ids:
+                parts["mlp"] += n
+            else:
+                parts["other"] += n
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def rope_thetas(config) -> dict[str, float]:
+    """RoPE base(s) from config.rope_parameters (flat, or per layer type as in Gemma 3) or the
+    older rope_theta / rope_local_base_freq fields."""
+    rp = getattr(config, "rope_parameters", None)
+    out: dict[str, float] = {}
+    if isinstance(rp, dict) and rp:
+        if "rope_theta" in rp:
+            out["all layers"] = float(rp["rope_theta"])
+        else:
+            for kind, sub in rp.items():
+                if isinstance(sub, dict) and "rope_theta" in sub:
+                    out[kind] = float(sub["rope_theta"])
+    if not out:
+        theta = getattr(config, "rope_theta", None)
+        if theta is not None:
+            out["all layers"] = float(theta)
+        local = getattr(config, "rope_local_base_freq", None)
+        if local is not None:
+            out["sliding_attention"] = float(local)
+    return out
+
+
+def architecture_card(lm_or_model) -> "OrderedDict[str, object]":
+    """Everything about the architecture, read from config, modules and weights."""
+    model, ad = _unwrap(lm_or_model)
+    c = model.config
+    layers = ad.layers
+    layer0 = layers[0]
+    attn = getattr(layer0, "self_attn", None) or getattr(layer0, "attn", None)
+    n_layers = len(layers)
+    d_model = ad.embed_tokens.weight.shape[1]
+    vocab = ad.embed_tokens.weight.shape[0]
+    n_heads = int(_cfg(c, "num_attention_heads", "n_head"))
+    n_kv = int(_cfg(c, "num_key_value_heads", default=n_heads))
+    head_dim = int(getattr(attn, "head_dim", None) or _cfg(c, "head_dim", default=d_model // n_heads))
+    # cross-check against the weights: the K projection is kv_heads x head_dim wide
+    if hasattr(attn, "k_proj"):
+        n_kv = _linear_out_features(attn.k_proj) // head_dim
+        n_heads = _linear_out_features(attn.q_proj) // head_dim
+    if n_kv == n_heads:
+        attn_kind = "MHA (multi-head)"
+    elif n_kv == 1:
+        attn_kind = f"MQA (multi-query: {n_heads} query heads share 1 K/V head)"
+    else:
+        attn_kind = f"GQA (grouped-query: {n_heads // n_kv} query heads per K/V head)"
+    mlp = layer0.mlp
+    gated = hasattr(mlp, "gate_proj")
+    act = _activation_label(_act_name(c))
+    if gated:
+        d_mlp = _linear_out_features(mlp.up_proj)
+        ffn = {"SiLU": "SwiGLU", "GELU": "GeGLU", "GELU (tanh approx.)": "GeGLU"}.get(act, f"gated {act}")
+        ffn_desc = f"{ffn}: down(act(gate(x)) * up(x)), act = {act}"
+    else:
+        fc = getattr(mlp, "c_fc", None) or getattr(mlp, "fc1", None)
+        d_mlp = _linear_out_features(fc)
+        ffn = f"{act.split(' ')[0]} MLP"
+        ffn_desc = f"{ffn}: down(act(up(x))), act = {act}"
+    nk = norm_kind(ad.attn_norm(layer0))
+    post_norm = _is_norm(ad.attn_out_module(layer0))
+    placement = "pre-norm (before attention and MLP)"
+    if post_norm:
+        placement = "pre- and post-norm (around attention and MLP; the post-norm output joins the residual)"
+    qk_norm = hasattr(attn, "q_norm")
+    if ad.uses_rope:
+        thetas = rope_thetas(c)
+        pos = "RoPE (rotary), theta " + ", ".join(
+            (f"{v:,.0f}" if k == "all layers" else f"{v:,.0f} ({k})") for k, v in thetas.items())
+    else:
+        wpe = getattr(getattr(model, "transformer", None), "wpe", None)
+        pos = "learned absolute" + (f" (position embedding {tuple(wpe.weight.shape)})" if wpe is not None else "")
+    unembed = ad.unembed
+    tied = unembed.weight is ad.embed_tokens.weight
+    counts = param_counts(model)
+    dtype = next(model.parameters()).dtype
+    bpv = torch.empty((), dtype=dtype).element_size()
+    kv_bytes = kv_cache_bytes(n_layers, n_kv, head_dim, 1, bpv)
+    windows = None
+    types = getattr(c, "layer_types", None)
+    if types and "sliding_attention" in types:
+        n_slide = sum(t == "sliding_attention" for t in types)
+        windows = f"{n_slide} of {n_layers} layers see only the last {getattr(c, 'sliding_window', '?')} tokens"
+    card = OrderedDict()
+    card["architecture"] = f"{type(model).__name__} ({c.model_type})"
+    card["layers"] = n_layers
+    card["d_model"] = d_model
+    card["query heads"] = n_heads
+    card["key/value heads"] = n_kv
+    card["attention"] = attn_kind
+    card["head dim"] = head_dim
+    card["attention scale"] = round(float(ad.attention_scale(0)), 6)
+    if qk_norm:
+        card["QK-norm"] = "yes (RMSNorm on each head's q and k)"
+    if windows:
+        card["sliding window"] = windows
+    card["FFN type"] = ffn
+    card["FFN"] = ffn_desc
+    card["FFN width"] = d_mlp
+    card["norm"] = f"{nk['type']}" + (" with gain (1 + w)" if nk["gain_offset"] else "") + f", eps {nk['eps']:g}"
+    card["norm placement"] = placement
+    card["positions"] = pos
+    card["vocabulary"] = vocab
+    card["context length"] = int(_cfg(c, "max_position_embeddings", "n_positions", default=0))
+    card["weight tying"] = "tied (unembedding = embedding matrix)" if tied else "untied (separate unembedding)"
+    for part in ("embedding", "attention", "mlp", "norms", "unembedding"):
+        if part == "unembedding" and tied:
+            continue
+        card[f"params: {part}"] = counts[part]
+    if counts["other"]:
+        card["params: other"] = counts["other"]
+    card["params: total"] = counts["total"]
+    card["dtype"] = str(dtype).replace("torch.", "")
+    card["KV cache / token"] = kv_bytes
+    card["KV cache / token (16-bit)"] = kv_cache_bytes(n_layers, n_kv, head_dim, 1, 2)
+    card["_numbers"] = dict(n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv,
+                            head_dim=head_dim, d_mlp=d_mlp, vocab=vocab, gated=gated, tied=tied,
+                            norm=nk, post_norm=post_norm, qk_norm=qk_norm, uses_rope=ad.uses_rope,
+                            bytes_per_value=bpv, kv_bytes_per_token=kv_bytes)
+    return card
+
+
+def card_frame(card) -> pd.DataFrame:
+    """One model's card as a two-column table (numbers formatted with thousands separators)."""
+    rows = [(k, _fmt(v)) for k, v in card.items() if not k.startswith("_")]
+    return pd.DataFrame(rows, columns=["property", "value"])
+
+
+def _fmt(v) -> str:
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def compare_models(cards: "dict[str, object]") -> pd.DataFrame:
+    """Side by side: one column per model, one row per property. `cards` maps a column name to
+    a LoadedModel, a transformers model, or an already-built card."""
+    built = OrderedDict()
+    for name, obj in cards.items():
+        built[name] = obj if isinstance(obj, dict) else architecture_card(obj)
+    keys: list[str] = []
+    for card in built.values():
+        for k in card:
+            if not k.startswith("_") and k not in keys:
+                keys.append(k)
+    data = {name: [_fmt(card[k]) if k in card else "—" for k in keys] for name, card in built.items()}
+    return pd.DataFrame(data, index=pd.Index(keys, name="property")).reset_index()
+
+
+def config_only_model(config) -> nn.Module:
+    """A model built from a config on the meta device: its modules and weight shapes, no memory.
+    Lets the comparison table show architectures that are not loaded (e.g. GPT-2 small)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+# ---------------------------------------------------------------------------------------------
+# Module tree with shapes for the current prompt
+
+
+def module_tree(lm, token_ids, collapse_layers: bool = True) -> list[dict]:
+    """One forward pass with a forward hook on every module; rows in execution order:
+    {path, depth, module, shape (output, batch dim dropped), params}. With collapse_layers, only
+    layer 0 is listed in full and the other layers are one summary row."""
+    model, ad = lm.model, lm.adapter
+    names = {id(m): n for n, m in model.named_modules()}
+    layer_paths = [names[id(l)] for l in ad.layers]
+    rows: list[dict] = []
+    handles = []
+
+    entered: dict[str, int] = {}
+
+    def pre(module, inputs):
+        entered.setdefault(names[id(module)], len(entered))
+
+    def hook(module, inputs, output):
+        out = output[0] if isinstance(output, (tuple, list)) else output
+        for attr in ("logits", "last_hidden_state"):
+            if hasattr(out, attr):
+                out = getattr(out, attr)
+                break
+        shape = tuple(out.shape[1:]) if torch.is_tensor(out) and out.dim() >= 1 else None
+        rows.append({"path": names[id(module)], "module": type(module).__name__,
+                     "shape": list(shape) if shape is not None else None,
+                     "params": sum(p.numel() for p in module.parameters(recurse=False))})
+
+    for m in model.modules():
+        handles.append(m.register_forward_pre_hook(pre))
+        handles.append(m.register_forward_hook(hook))
+    try:
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([list(token_ids)], device=lm.device), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    # forward hooks fire on exit: list modules in the order they were entered (parents first)
+    rows.sort(key=lambda r: entered[r["path"]])
+    dedup, seen = [], set()
+    for r in rows:  # a module called twice (rotary embedding per layer type) keeps its first row
+        if r["path"] in seen:
+            continue
+        seen.add(r["path"])
+        r["depth"] = 0 if r["path"] == "" else r["path"].count(".") + 1
+        r["path"] = r["path"] or type(model).__name__
+        dedup.append(r)
+    if not collapse_layers or len(layer_paths) < 3:
+        return dedup
+    out, skipped = [], 0
+    keep = (layer_paths[0], layer_paths[-1])
+    for r in dedup:
+        in_layer = next((lp for lp in layer_paths if r["path"] == lp or r["path"].startswith(lp + ".")), None)
+        if in_layer is not None and in_layer not in keep:
+            if r["path"] == in_layer:
+                skipped += 1
+            continue
+        if in_layer == layer_paths[-1] and r["path"] == in_layer and skipped:
+            out.append({"path": f"… {skipped} more layers, same shapes as layer 0", "module": "",
+                        "shape": None, "params": 0,
+                        "depth": r["depth"]})
+        out.append(r)
+    return out
+
+
+def tree_frame(rows: list[dict]) -> pd.DataFrame:
+    data = []
+    for r in rows:
+        indent = "\u2003" * max(0, r["depth"])
+        leaf = r["path"].rsplit(".", 1)[-1] if r["depth"] else r["path"]
+        if r["path"].startswith("…"):
+            leaf = r["path"]
+        shape = "[" + ", ".join(str(s) for s in r["shape"]) + "]" if r["shape"] else ""
+        data.append({"module": indent + leaf, "type": r["module"], "output shape": shape,
+                     "params": f"{r['params']:,}" if r["params"] else ""})
+    return pd.DataFrame(data)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention, step by step
+
+
+def attention_step(tr, layer: int, head: int) -> dict:
+    """One head of one layer, every step (tensors on CPU, float32):
+      x_normed [T, d], q [T, dh], k [T, dh], v [T, dh], raw [T, T] = q k^T, scale,
+      scaled [T, T] (softcapped too if the model does that), mask [T, T] bool, masked [T, T]
+      (-inf where masked), pattern [T, T] = softmax(masked), z [T, dh] = pattern @ v,
+      no_scale [T, T] = softmax(masked raw scores), no_mask [T, T] = softmax(scaled, no mask),
+      kv_head (which K/V head this query head shares)."""
+    ad = tr._lm.adapter
+    steps = tr.attention_steps(layer)
+    H = steps["q"].shape[0]
+    if not 0 <= head < H:
+        raise PromptError(f"Head must be between 0 and {H - 1}.")
+    n_kv = tr._lm.shape.n_kv_heads
+    scale = float(ad.attention_scale(layer))
+    f = lambda t: t.detach().float().cpu()  # noqa: E731
+    raw = f(steps["raw_scores"][head])
+    scaled = f(steps["scaled_scores"][head])
+    mask = steps["mask"].cpu()
+    masked = scaled.masked_fill(~mask, float("-inf"))
+    no_scale = torch.softmax(raw.masked_fill(~mask, float("-inf")), dim=-1)
+    no_mask = torch.softmax(scaled, dim=-1)
+    return {"layer": layer, "head": head, "kv_head": head // (H // n_kv), "scale": scale,
+            "softcap": ad.attn_logit_softcap(), "x_normed": f(steps["x_normed"]),
+            "q": f(steps["q"][head]), "k": f(steps["k"][head]), "v": f(steps["v"][head]),
+            "raw": raw, "scaled": scaled, "mask": mask, "masked": masked,
+            "pattern": f(steps["pattern"][head]), "z": f(steps["z"][head]),
+            "no_scale": no_scale, "no_mask": no_mask}
+
+
+def head_outputs(tr, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each head's contribution through the output matrix: [H, T, d] with z_h @ W_O[h], plus the
+    output bias (GPT-2) or None. sum over heads + bias = the output projection's result; that is
+    attn_out for Llama and GPT-2. Gemma 3 applies post_attention_layernorm to that sum before it
+    joins the residual (see attn_out_from_heads)."""
+    ad = tr._lm.adapter
+    steps = tr.attention_steps(layer)
+    z = steps["z"]  # [H, T, dh]
+    H, T, dh = z.shape
+    o = ad.attn_z_module(ad.layers[layer])
+    w = (o.weight.T if isinstance(o, nn.Linear) else o.weight)  # [H*dh, d]
+    with torch.inference_mode():
+        per_head = torch.einsum("htk,hkd->htd", z, w.reshape(H, dh, -1))
+    bias = getattr(o, "bias", None)
+    return per_head, bias
+
+
+def attn_out_from_heads(tr, layer: int) -> torch.Tensor:
+    """Sum of head_outputs (+ bias), passed through the post-attention norm where the model has
+    one (Gemma 3): equals what attention adds to the residual stream, trace.attn_out[layer]."""
+    ad = tr._lm.adapter
+    per_head, bias = head_outputs(tr, layer)
+    with torch.inference_mode():
+        out = per_head.sum(0)
+        if bias is not None:
+            out = out + bias
+        post = ad.attn_out_module(ad.layers[layer])
+        if _is_norm(post):
+            out = post(out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Positions: RoPE, sinusoidal, learned
+
+
+def sinusoidal_encoding(n_positions: int, d_model: int, base: float = 10000.0) -> torch.Tensor:
+    """The original Transformer's encoding [n_positions, d_model]:
+    PE[p, 2i] = sin(p / base^(2i/d)), PE[p, 2i+1] = cos(p / base^(2i/d))."""
+    if n_positions < 1 or d_model < 2 or d_model % 2:
+        raise PromptError("Sinusoidal encoding needs at least one position and an even d_model >= 2.")
+    pos = torch.arange(n_positions, dtype=torch.float64)[:, None]
+    i = torch.arange(0, d_model, 2, dtype=torch.float64)
+    angle = pos / base ** (i / d_model)
+    pe = torch.zeros(n_positions, d_model, dtype=torch.float64)
+    pe[:, 0::2] = torch.sin(angle)
+    pe[:, 1::2] = torch.cos(angle)
+    return pe.float()
+
+
+def rope_inv_freq(lm, layer: int = 0) -> torch.Tensor:
+    """[head_dim/2] rotation frequencies the model uses at this layer (from its rotary module's
+    buffers; Gemma 3 keeps one set per layer type). Falls back to theta^(-2i/d) from config."""
+    ad = lm.adapter
+    if not ad.uses_rope:
+        raise PromptError(f"Model '{lm.name}' does not use RoPE.")
+    rot = getattr(getattr(lm.model, "model", None), "rotary_emb", None)
+    types = getattr(lm.model.config, "layer_types", None)
+    if rot is not None:
+        if types and hasattr(rot, f"{types[layer]}_inv_freq"):
+            return getattr(rot, f"{types[layer]}_inv_freq").detach().float().cpu()
+        if hasattr(rot, "inv_freq"):
+            return rot.inv_freq.detach().float().cpu()
+    thetas = rope_thetas(lm.model.config)
+    theta = thetas.get(types[layer] if types else "all layers") or next(iter(thetas.values()))
+    d = lm.shape.d_head
+    return 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+
+
+def rope_angles(lm, layer: int = 0, n_positions: int = 64) -> torch.Tensor:
+    """[n_positions, head_dim/2]: angle (radians) by which dimension pair i is rotated at
+    position p: p * inv_freq[i]. (HF's rotate-half layout pairs dimension i with i + d/2.)"""
+    return torch.arange(n_positions, dtype=torch.float32)[:, None] * rope_inv_freq(lm, layer)[None, :]
+
+
+def rope_rotate(x: torch.Tensor, position: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate vector(s) x [..., d] as if at `position` (rotate-half convention)."""
+    ang = position * inv_freq
+    emb = torch.cat([ang, ang])
+    return apply_rope(x, emb.cos(), emb.sin())
+
+
+def rope_score_vs_distance(lm, layer: int = 0, max_distance: int = 256, q: torch.Tensor | None = None,
+                           k: torch.Tensor | None = None, query_position: int | None = None) -> dict:
+    """Score q_m . k_n of two fixed vectors after RoPE, as a function of distance m - n.
+    Default vectors: all ones (every pair contributes 2 cos((m-n) theta_i)). The result depends
+    only on the distance, not on where the pair sits: that is RoPE's relative-position property."""
+    inv = rope_inv_freq(lm, layer)
+    d = inv.numel() * 2
+    q = torch.ones(d) if q is None else q.float().cpu()
+    k = torch.ones(d) if k is None else k.float().cpu()
+    m = max_distance if query_position is None else query_position
+    dist = torch.arange(0, max_distance + 1)
+    scores = torch.stack([rope_rotate(q, m, inv) @ rope_rotate(k, m - int(t), inv) for t in dist])
+    return {"distance": dist, "score": scores, "unrotated": float(q @ k)}
+
+
+def learned_positions(lm, n_positions: int | None = None) -> torch.Tensor | None:
+    """GPT-2's learned position-embedding matrix [n_positions, d] (None for RoPE models)."""
+    wpe = getattr(getattr(lm.model, "transformer", None), "wpe", None)
+    if wpe is None:
+        return None
+    w = wpe.weight.detach().float().cpu()
+    return w if n_positions is None else w[:n_positions]
+
+
+# ---------------------------------------------------------------------------------------------
+# Embedding space
+
+
+def token_id(lm, text: str) -> int:
+    """One token from user text: '#123' means id 123; otherwise the text must be exactly one
+    token (leading spaces matter: ' Paris' and 'Paris' are different tokens)."""
+    if not isinstance(text, str) or not text:
+        raise PromptError("Type a token (or #id).")
+    vocab = lm.shape.vocab_size
+    if text.startswith("#") and text[1:].strip().isdigit():
+        i = int(text[1:])
+        if not 0 <= i < vocab:
+            raise PromptError(f"Token id must be between 0 and {vocab - 1}.")
+        return i
+    ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) != 1:
+        pieces = " | ".join(t["display"] for t in describe_tokens(lm.tokenizer, ids))
+        raise PromptError(f"'{text}' is {len(ids)} tokens ({pieces}); pick one token, or type #id.")
+    return int(ids[0])
+
+
+def _embedding_matrix(lm) -> torch.Tensor:
+    return lm.adapter.embed_tokens.weight.detach().float()
+
+
+def _neighbours(lm, vec: torch.Tensor, k: int, exclude=()) -> list[dict]:
+    E = _embedding_matrix(lm)
+    sims = F.cosine_similarity(E, vec[None, :].to(E), dim=-1)
+    for i in exclude:
+        sims[i] = float("-inf")
+    top = sims.topk(min(k, sims.numel() - len(exclude)))
+    ids = top.indices.tolist()
+    toks = describe_tokens(lm.tokenizer, ids)
+    return [{"id": i, "token": t["display"], "cosine": float(s)} for i, t, s in zip(ids, toks, top.values.tolist())]
+
+
+def nearest_tokens(lm, token: str | int, k: int = 10) -> list[dict]:
+    """Tokens whose input embeddings have the highest cosine similarity to `token`'s."""
+    i = token if isinstance(token, int) else token_id(lm, token)
+    return _neighbours(lm, _embedding_matrix(lm)[i], k, exclude=(i,))
+
+
+def analogy(lm, a: str | int, b: str | int, c: str | int, k: int = 10) -> list[dict]:
+    """Nearest tokens to E[a] - E[b] + E[c] (a, b, c themselves excluded)."""
+    ia, ib, ic = (t if isinstance(t, int) else token_id(lm, t) for t in (a, b, c))
+    E = _embedding_matrix(lm)
+    return _neighbours(lm, E[ia] - E[ib] + E[ic], k, exclude={ia, ib, ic})
+
+
+# ---------------------------------------------------------------------------------------------
+# Normalisation
+
+
+def norm_module(lm, layer: int | None, which: str) -> nn.Module:
+    ad = lm.adapter
+    if which == "final":
+        return ad.final_norm
+    lay = ad.layers[layer]
+    if which == "attn":
+        return ad.attn_norm(lay)
+    if which == "mlp":
+        return ad.mlp_norm(lay)
+    raise PromptError("Norm must be 'attn', 'mlp' or 'final'.")
+
+
+def norm_step(tr, layer: int, position: int, which: str = "attn") -> dict:
+    """A token's residual vector before and after a norm, computed by hand:
+    RMSNorm:   y = x / sqrt(mean(x^2) + eps) * g          (Gemma: * (1 + g))
+    LayerNorm: y = (x - mean) / sqrt(var + eps) * g + b
+    which: 'attn' (before attention, input = resid_pre), 'mlp' (input = resid_mid) or 'final'
+    (input = the last layer's resid_post)."""
+    lm = tr._lm
+    T = tr.n_tokens
+    if not -T <= position < T:
+        raise PromptError(f"Position must be between 0 and {T - 1}.")
+    if which == "final":
+        x = tr.resid_post(tr.n_layers - 1)
+    elif which == "attn":
+        x = tr.resid_pre[layer]
+    else:
+        x = tr.resid_mid(layer)
+    x = x[position].detach().float().cpu()
+    mod = norm_module(lm, layer, which)
+    kind = norm_kind(mod)
+    g = mod.weight.detach().float().cpu() + kind["gain_offset"]
+    b = getattr(mod, "bias", None)
+    b = b.detach().float().cpu() if b is not None else None
+    eps = kind["eps"]
+    mean = float(x.mean())
+    if kind["type"] == "LayerNorm":
+        var = float(x.var(unbiased=False))
+        scale = math.sqrt(var + eps)
+        normalized = (x - mean) / scale
+    else:
+        var = None
+        scale = math.sqrt(float(x.pow(2).mean()) + eps)
+        normalized = x / scale
+    out = normalized * g + (b if b is not None else 0)
+    return {"type": kind["type"], "class": kind["class"], "eps": eps, "gain_offset": kind["gain_offset"],
+            "x": x, "mean": mean, "std": math.sqrt(var) if var is not None else None,
+            "rms": math.sqrt(float(x.pow(2).mean())), "scale": scale, "normalized": normalized,
+            "gain": g, "bias": b, "out": out, "which": which, "position": position}
+
+
+# ---------------------------------------------------------------------------------------------
+# MLP
+
+
+def mlp_step(tr, layer: int, position: int, top_k: int = 20) -> dict:
+    """The MLP's hidden activation for one token, step by step.
+    Gated (SwiGLU/GeGLU): gate_pre = W_gate x, gate = act(gate_pre), up = W_up x, product = gate * up.
+    GELU MLP: pre = W_in x + b, post = act(pre).
+    `product` / `post` is what enters the down projection (= trace.mlp_post)."""
+    lm = tr._lm
+    ad = lm.adapter
+    T = tr.n_tokens
+    if not -T <= position < T:
+        raise PromptError(f"Position must be between 0 and {T - 1}.")
+    lay = ad.layers[layer]
+    mlp = lay.mlp
+    with torch.inference_mode():
+        x = ad.mlp_norm(lay)(tr.resid_mid(layer)[position])
+        f = lambda t: t.detach().float().cpu()  # noqa: E731
+        if hasattr(mlp, "gate_proj"):
+            gate_pre = mlp.gate_proj(x)
+            gate = mlp.act_fn(gate_pre)
+            up = mlp.up_proj(x)
+            product = gate * up
+            out = {"gated": True, "x": f(x), "gate_pre": f(gate_pre), "gate": f(gate), "up": f(up),
+                   "product": f(product)}
+            hidden = out["product"]
+        else:
+            fc = getattr(mlp, "c_fc", None)
+            pre = fc(x)
+            post = mlp.act(pre)
+            out = {"gated": False, "x": f(x), "pre": f(pre), "post": f(post)}
+            hidden = out["post"]
+    top = hidden.abs().topk(min(top_k, hidden.numel()))
+    out["top_neurons"] = top.indices
+    out["activation"] = _act_name(lm.model.config)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+
+
+def output_step(tr, top_k: int = 10, position: int = -1) -> dict:
+    """Final hidden state (after the final norm) -> logits = W_U h (softcapped where the model
+    does so) -> softmax, at one position (default: the last)."""
+    lm = tr._lm
+    h = tr.ln_final[position]
+    logits = tr.logits(positions=[position])[0].detach().float().cpu()
+    probs = torch.softmax(logits, dim=-1)
+    top = probs.topk(min(top_k, probs.numel()))
+    ids = top.indices.tolist()
+    toks = describe_tokens(lm.tokenizer, ids)
+    return {"hidden": h.detach().float().cpu(), "logits": logits, "probs": probs,
+            "top": [{"id": i, "token": t["display"], "logit": float(logits[i]), "prob": float(p)}
+                    for i, t, p in zip(ids, toks, top.values.tolist())],
+            "entropy": float(-(probs * torch.log(probs.clamp_min(1e-30))).sum())}
