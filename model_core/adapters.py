@@ -182,6 +182,10 @@ class LlamaAdapter(Adapter):
     def mlp_norm(self, layer):
         return layer.post_attention_layernorm
 
+    def mlp_post_module(self, layer):
+        """The MLP's down projection; its input is the neuron activation (edit hook mlp.hook_post)."""
+        return layer.mlp.down_proj
+
     @property
     def final_norm(self):
         return self.model.model.norm
@@ -269,6 +273,9 @@ class GPT2Adapter(Adapter):
 
     def mlp_norm(self, layer):
         return layer.ln_2
+
+    def mlp_post_module(self, layer):
+        return layer.mlp.c_proj
 
     @property
     def final_norm(self):

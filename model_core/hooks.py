@@ -68,6 +68,9 @@ class Instrumentation:
             if hasattr(adapter, "attn_z_module"):
                 self.handles.append(adapter.attn_z_module(layer).register_forward_pre_hook(
                     partial(self._z, i)))
+            if hasattr(adapter, "mlp_post_module"):
+                self.handles.append(adapter.mlp_post_module(layer).register_forward_pre_hook(
+                    partial(self._input_edit, f"blocks.{i}.mlp.hook_post")))
         self.handles.append(adapter.final_norm.register_forward_hook(self._final))
 
     def _resid_pre(self, i, module, args, kwargs):
@@ -105,6 +108,13 @@ class Instrumentation:
         """Input of the attention output projection: per-head results [B, T, H*dh] (edits only)."""
         rec = _ACTIVE.get()
         name = f"blocks.{i}.attn.hook_z"
+        if rec is None or name not in rec.edits:
+            return None
+        return (rec.edits[name](name, args[0]), *args[1:])
+
+    def _input_edit(self, name, module, args):
+        """Edit-only hook on a module's first input (e.g. the MLP down projection's input)."""
+        rec = _ACTIVE.get()
         if rec is None or name not in rec.edits:
             return None
         return (rec.edits[name](name, args[0]), *args[1:])
