@@ -1,0 +1,63 @@
+"""Where the job queue lives, and the knobs for jobs, all from the environment.
+
+Broker URL: REDIS_URL if set, else the URL the embedded server wrote to <data dir>/redis.url
+(`lmscope serve` / `make run` start it), else the embedded server's default address.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from model_core import paths
+
+DEFAULT_EMBEDDED_PORT = 6390
+KEY_PREFIX = "lmscope:"
+
+
+def embedded_port() -> int:
+    return int(os.environ.get("LMSCOPE_REDIS_PORT") or DEFAULT_EMBEDDED_PORT)
+
+
+def url_file(data_dir: Path | None = None) -> Path:
+    return Path(data_dir or paths.data_dir()) / "redis.url"
+
+
+def redis_url() -> str:
+    url = os.environ.get("REDIS_URL", "").strip()
+    if url:
+        return url
+    f = url_file()
+    if f.exists():
+        text = f.read_text().strip()
+        if text:
+            return text
+    return f"redis://127.0.0.1:{embedded_port()}/0"
+
+
+def jobs_dir() -> Path:
+    p = paths.data_dir() / "jobs"
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def job_dir(job_id: str) -> Path:
+    return jobs_dir() / job_id
+
+
+def stale_after_s() -> float:
+    """A running job whose heartbeat is older than this is declared lost (worker killed)."""
+    return float(os.environ.get("LMSCOPE_JOB_STALE_SECONDS") or 30)
+
+
+def heartbeat_every_s() -> float:
+    return max(0.2, min(5.0, stale_after_s() / 6))
+
+
+def upload_max_bytes() -> int:
+    return int(float(os.environ.get("LMSCOPE_UPLOAD_MAX_MB") or 20) * 1024 * 1024)
+
+
+# Longer than any job may run: an unacked message (acks_late) is only redelivered after this
+# long. Lost workers are detected much sooner by the heartbeat reaper, not by redelivery.
+VISIBILITY_TIMEOUT_S = int(os.environ.get("LMSCOPE_VISIBILITY_TIMEOUT") or 6 * 3600)

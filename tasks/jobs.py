@@ -1,0 +1,160 @@
+"""The job service used by the CLI, the UI and the tests: submit, list, show, cancel, wait.
+
+Every read runs the reaper first, so a job whose worker was killed is reported as failed
+("worker lost") at most LMSCOPE_JOB_STALE_SECONDS (default 30 s) after its last heartbeat.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import redis
+
+from model_core.errors import LmscopeError
+from tasks import config, corpus, store
+from tasks import tokenizer_train as tt
+
+KINDS = ("tokenizer",)
+
+
+class JobError(LmscopeError):
+    pass
+
+
+def _r() -> redis.Redis:
+    r = store.client()
+    try:
+        r.ping()
+    except redis.RedisError:
+        raise JobError(f"The job queue at {config.redis_url()} is not reachable; start it with `lmscope serve` "
+                       "(embedded) or set REDIS_URL.") from None
+    return r
+
+
+def submit_tokenizer(params: dict, owner: str = "cli", files: list[str | Path] | None = None) -> dict:
+    """Validate, record and queue a tokenizer-training job. `params`: algorithm, vocab_size,
+    min_frequency, special_tokens (list or comma string), corpus ('builtin' or 'upload'),
+    corpus_max_mb (optional slice of the training corpus). `files`: uploaded .txt/.jsonl paths
+    (then corpus = 'upload'). Raises a LmscopeError with one sentence for bad input; nothing is
+    queued then."""
+    p = tt.validate_params(params)
+    files = [Path(f) for f in (files or [])]
+    if p.get("corpus") not in (None, "builtin", "upload"):
+        files.append(Path(p["corpus"]))
+    if files:
+        for f in files:
+            corpus.check_upload(f)
+        p["corpus"] = "upload"
+        names = []
+        for f in files:
+            n = f.name
+            while n in names:
+                n = "_" + n
+            names.append(n)
+        p["corpus_files"] = names
+    else:
+        if p.get("corpus") == "upload":
+            raise corpus.CorpusError("No corpus file was uploaded.")
+        p["corpus"] = "builtin"
+    r = _r()
+    rec = store.new_record("tokenizer", p, owner)
+    if files:
+        inp = config.job_dir(rec["id"]) / "input"
+        inp.mkdir(parents=True, exist_ok=True)
+        for f, n in zip(files, p["corpus_files"]):
+            shutil.copyfile(f, inp / n)
+    store.create(rec, r)
+    from tasks.tokenizer_job import train_tokenizer
+
+    try:
+        train_tokenizer.apply_async(args=[rec["id"]], task_id=rec["id"])
+    except Exception as e:  # noqa: BLE001
+        def fail(x):
+            x.update(state="failed", error=f"could not queue the job: {e}", finished=time.time())
+            return x
+
+        store.update(rec["id"], fail, r)
+        raise JobError(f"Could not queue the job: {str(e).splitlines()[0]}") from None
+    return rec
+
+
+def submit(kind: str, params: dict, owner: str = "cli", files=None) -> dict:
+    if kind == "tokenizer":
+        return submit_tokenizer(params, owner, files)
+    raise JobError(f"Unknown job kind '{kind}'; known: {', '.join(KINDS)}.")
+
+
+def list_jobs(owner: str | None = None, limit: int = 100) -> list[dict]:
+    r = _r()
+    store.reap(r)
+    return store.list_records(owner, limit, r)
+
+
+def get_job(job_id: str) -> dict:
+    r = _r()
+    store.reap(r)
+    rec = store.get(job_id, r)
+    if rec is None:
+        raise JobError(f"No job with id '{job_id}'.")
+    return rec
+
+
+def cancel_job(job_id: str) -> dict:
+    """Cancel a queued job (it will never start) or a running one (cooperative flag between steps
+    plus a revoke that terminates the worker's task process). Final jobs are left as they are."""
+    rec = get_job(job_id)
+    if rec["state"] in store.TERMINAL:
+        return rec
+    store.request_cancel(job_id)
+    was = {}
+
+    def fn(x):
+        if x["state"] in store.TERMINAL:
+            return None
+        was["state"] = x["state"]
+        x.update(state="cancelled", finished=time.time())
+        x["progress"]["stage"] = "cancelled"
+        x["progress"]["eta_seconds"] = None
+        x["log"].append(store.log_line(f"cancelled by user (was {was['state']})"))
+        return x
+
+    out = store.update(job_id, fn)
+    if out is not None:
+        try:
+            from tasks.celery_app import app
+
+            app.control.revoke(job_id, terminate=was.get("state") == "running", signal="SIGTERM")
+        except Exception:  # noqa: BLE001 - the flag and the record already stop it
+            pass
+    return get_job(job_id)
+
+
+def wait_job(job_id: str, timeout: float | None = None, poll: float = 0.5, on_update=None) -> dict:
+    t0 = time.time()
+    while True:
+        rec = get_job(job_id)
+        if on_update:
+            on_update(rec)
+        if rec["state"] in store.TERMINAL:
+            return rec
+        if timeout is not None and time.time() - t0 > timeout:
+            raise JobError(f"Job {job_id} is still {rec['state']} after {timeout:.0f} s.")
+        time.sleep(poll)
+
+
+def read_report(rec: dict) -> dict | None:
+    import json
+
+    for a in rec.get("artifacts", []):
+        if a["name"] == "report.json" and Path(a["path"]).exists():
+            return json.loads(Path(a["path"]).read_text(encoding="utf-8"))
+    return None
+
+
+def artifact_path(rec: dict, name: str) -> Path | None:
+    for a in rec.get("artifacts", []):
+        if a["name"] == name and Path(a["path"]).exists():
+            return Path(a["path"])
+    return None

@@ -1,0 +1,269 @@
+"""Tokenizer training with HF `tokenizers` and the report that compares it with a reference.
+
+Pure functions (no Redis, no Celery): `validate_params`, `build_tokenizer`, `train`, `report`,
+`token_pieces`. The Celery task in tasks.tokenizer_job wires them to job records.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import Counter
+from typing import Callable, Iterable
+
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from model_core.errors import LmscopeError
+
+ALGORITHMS = ("bpe", "byte-level-bpe", "wordpiece", "unigram")
+# Below 300 a byte-level vocabulary is little more than its 256-byte alphabet; above 200k the
+# embedding table of any model using it dwarfs the small models lmscope is for.
+VOCAB_MIN, VOCAB_MAX = 300, 200_000
+MIN_FREQ_MAX = 1_000_000
+DEFAULT_SPECIALS = {
+    "bpe": ["<unk>", "<s>", "</s>", "<pad>"],
+    "byte-level-bpe": ["<|endoftext|>"],
+    "wordpiece": ["[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]"],
+    "unigram": ["<unk>", "<s>", "</s>", "<pad>"],
+}
+UNK = {"bpe": "<unk>", "wordpiece": "[UNK]", "unigram": "<unk>"}
+
+
+class TokenizerParamsError(LmscopeError):
+    pass
+
+
+class Cancelled(Exception):
+    pass
+
+
+def parse_special_tokens(value) -> list[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [t.strip() for t in value.split(",")]
+    toks = [str(t).strip() for t in value if str(t).strip()]
+    return toks
+
+
+def validate_params(params: dict) -> dict:
+    """Normalise and check training parameters; raises TokenizerParamsError with one sentence."""
+    algo = str(params.get("algorithm", "byte-level-bpe")).strip().lower()
+    if algo not in ALGORITHMS:
+        raise TokenizerParamsError(f"Unknown algorithm '{algo}'; choose one of {', '.join(ALGORITHMS)}.")
+    try:
+        vocab = int(params.get("vocab_size", 4000))
+    except (TypeError, ValueError):
+        raise TokenizerParamsError("Vocabulary size must be a whole number.") from None
+    if vocab < VOCAB_MIN:
+        raise TokenizerParamsError(f"Vocabulary size {vocab} is too small; use at least {VOCAB_MIN}.")
+    if vocab > VOCAB_MAX:
+        raise TokenizerParamsError(f"Vocabulary size {vocab} is too large; use at most {VOCAB_MAX:,}.")
+    try:
+        min_freq = int(params.get("min_frequency", 2))
+    except (TypeError, ValueError):
+        raise TokenizerParamsError("Minimum frequency must be a whole number.") from None
+    if not 1 <= min_freq <= MIN_FREQ_MAX:
+        raise TokenizerParamsError(f"Minimum frequency must be between 1 and {MIN_FREQ_MAX:,}.")
+    specials = parse_special_tokens(params.get("special_tokens"))
+    if specials is None or not specials:
+        specials = list(DEFAULT_SPECIALS[algo])
+    if len(specials) > 100 or any(len(t) > 50 for t in specials):
+        raise TokenizerParamsError("Use at most 100 special tokens of at most 50 characters each.")
+    specials = list(dict.fromkeys(specials))
+    if algo in UNK and UNK[algo] not in specials:
+        specials.insert(0, UNK[algo])
+    if len(specials) >= vocab // 2:
+        raise TokenizerParamsError("Too many special tokens for this vocabulary size.")
+    max_mb = params.get("corpus_max_mb")
+    if max_mb is not None:
+        max_mb = float(max_mb)
+        if max_mb <= 0:
+            raise TokenizerParamsError("corpus_max_mb must be positive.")
+    return {**params, "algorithm": algo, "vocab_size": vocab, "min_frequency": min_freq,
+            "special_tokens": specials, "corpus_max_mb": max_mb}
+
+
+def build_tokenizer(p: dict) -> tuple[Tokenizer, object]:
+    algo, vocab, mf, sp = p["algorithm"], p["vocab_size"], p["min_frequency"], p["special_tokens"]
+    if algo == "byte-level-bpe":  # GPT-2 style: lossless on any text
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab, min_frequency=mf, special_tokens=sp,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    elif algo == "bpe":  # character-level BPE over "▁"-marked words (SentencePiece style)
+        tok = Tokenizer(models.BPE(unk_token=UNK[algo]))
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        tok.decoder = decoders.Metaspace()
+        trainer = trainers.BpeTrainer(vocab_size=vocab, min_frequency=mf, special_tokens=sp, show_progress=False)
+    elif algo == "wordpiece":  # BERT style, cased
+        tok = Tokenizer(models.WordPiece(unk_token=UNK[algo]))
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.decoder = decoders.WordPiece()
+        trainer = trainers.WordPieceTrainer(vocab_size=vocab, min_frequency=mf, special_tokens=sp,
+                                            show_progress=False)
+    else:  # unigram LM (SentencePiece style); has no min_frequency
+        tok = Tokenizer(models.Unigram())
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        tok.decoder = decoders.Metaspace()
+        trainer = trainers.UnigramTrainer(vocab_size=vocab, special_tokens=sp, unk_token=UNK[algo],
+                                          show_progress=False)
+    return tok, trainer
+
+
+def train(p: dict, docs: list[str], on_progress: Callable[[float], None] | None = None,
+          should_cancel: Callable[[], bool] | None = None, chunk: int = 200) -> Tokenizer:
+    """Train on docs. The corpus is fed in chunks; between chunks we report the fraction read
+    and check for cancellation (raises Cancelled). The merge phase after reading runs in Rust
+    and cannot be interrupted cooperatively (a revoke terminates the process instead)."""
+    tok, trainer = build_tokenizer(p)
+
+    def batches() -> Iterable[list[str]]:
+        n = len(docs)
+        for i in range(0, n, chunk):
+            if should_cancel and should_cancel():
+                raise Cancelled()
+            if on_progress:
+                on_progress(i / max(1, n))
+            yield docs[i:i + chunk]
+
+    tok.train_from_iterator(batches(), trainer=trainer, length=len(docs))
+    if should_cancel and should_cancel():
+        raise Cancelled()
+    return tok
+
+
+# ---- report --------------------------------------------------------------------------------
+
+def _readable(piece: str, algo: str) -> str:
+    if algo == "byte-level-bpe":
+        return _bytelevel_to_text(piece)
+    if algo == "wordpiece":
+        return piece[2:] if piece.startswith("##") else piece
+    return piece.replace("▁", " ")
+
+
+_BYTE_DECODER: dict[str, int] | None = None
+
+
+def _bytelevel_to_text(piece: str) -> str:
+    global _BYTE_DECODER
+    if _BYTE_DECODER is None:
+        bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+        cs = bs[:]
+        n = 0
+        for b in range(256):
+            if b not in bs:
+                bs.append(b)
+                cs.append(256 + n)
+                n += 1
+        _BYTE_DECODER = {chr(c): b for b, c in zip(bs, cs)}
+    return bytes(_BYTE_DECODER.get(ch, 63) for ch in piece).decode("utf-8", errors="replace")
+
+
+def merges_of(tok: Tokenizer) -> list[list[str]]:
+    model = json.loads(tok.to_str())["model"]
+    if model.get("type") != "BPE":
+        return []
+    return [m.split(" ", 1) if isinstance(m, str) else list(m) for m in model.get("merges", [])]
+
+
+def compression(encode: Callable[[str], list[str] | list[int]], texts: list[str]) -> dict:
+    chars = sum(len(t) for t in texts)
+    words = sum(len(t.split()) for t in texts)
+    nbytes = sum(len(t.encode()) for t in texts)
+    ntok = sum(len(encode(t)) for t in texts)
+    return {
+        "tokens": ntok, "chars": chars, "words": words, "bytes": nbytes,
+        "chars_per_token": round(chars / max(1, ntok), 4),
+        "bytes_per_token": round(nbytes / max(1, ntok), 4),
+        "tokens_per_word": round(ntok / max(1, words), 4),
+    }
+
+
+def length_histogram(pieces: Iterable[str], max_len: int = 16) -> dict:
+    c = Counter(min(len(p), max_len) for p in pieces)
+    return {"lengths": list(range(1, max_len + 1)), "counts": [c.get(i, 0) for i in range(1, max_len + 1)],
+            "last_bucket_is_at_least": max_len}
+
+
+def reference_tokenizer(name: str = "smollm2-135m-instruct"):
+    """The default model's tokenizer (transformers), or (None, reason)."""
+    try:
+        from transformers import AutoTokenizer
+
+        from model_core.registry import converted_dir
+
+        d = converted_dir(name)
+        if not d.exists():
+            return None, f"{name} is not converted on this machine (run `lmscope prepare`)"
+        return AutoTokenizer.from_pretrained(str(d)), None
+    except Exception as e:  # noqa: BLE001 - the report says why, training still succeeds
+        return None, f"could not load {name}'s tokenizer: {str(e).splitlines()[0][:200]}"
+
+
+def report(tok: Tokenizer, p: dict, heldout: list[str], heldout_source: str, train_stats: dict,
+           reference: str = "smollm2-135m-instruct", max_eval_bytes: int = 200_000) -> dict:
+    algo = p["algorithm"]
+    vocab = tok.get_vocab()
+    specials = set(p["special_tokens"])
+    pieces = [_readable(t, algo) for t in vocab if t not in specials]
+    merges = merges_of(tok)
+    fmt = (lambda m: [_readable(m[0], algo), _readable(m[1], algo)])
+    texts, n = [], 0
+    for t in heldout:
+        n += len(t.encode())
+        if n > max_eval_bytes and texts:
+            break
+        texts.append(t)
+    ours = compression(lambda s: tok.encode(s, add_special_tokens=False).ids, texts)
+    unk_id = tok.token_to_id(UNK[algo]) if algo in UNK else None
+    if unk_id is not None:
+        ours["unk_tokens"] = sum(tok.encode(s, add_special_tokens=False).ids.count(unk_id) for s in texts)
+    rt = sum(tok.decode(tok.encode(s, add_special_tokens=False).ids, skip_special_tokens=False) == s
+             for s in texts)
+    ours["roundtrip_exact_fraction"] = round(rt / max(1, len(texts)), 4)
+    ref_tok, why = reference_tokenizer(reference)
+    ref = {"name": reference}
+    if ref_tok is not None:
+        ref.update(compression(lambda s: ref_tok.encode(s, add_special_tokens=False), texts))
+        ref["vocab_size"] = len(ref_tok)
+    else:
+        ref["unavailable"] = why
+    return {
+        "algorithm": algo,
+        "params": {k: p[k] for k in ("algorithm", "vocab_size", "min_frequency", "special_tokens")},
+        "vocab_size": tok.get_vocab_size(),
+        "num_merges": len(merges),
+        "first_merges": [fmt(m) for m in merges[:20]],
+        "last_merges": [fmt(m) for m in merges[-20:]],
+        "first_merges_raw": merges[:20],
+        "last_merges_raw": merges[-20:],
+        "token_length_histogram": length_histogram(pieces),
+        "heldout": {"source": heldout_source, "documents": len(texts)},
+        "compression": ours,
+        "reference": ref,
+        "train": train_stats,
+        "python": sys.version.split()[0],
+        "created": time.time(),
+    }
+
+
+def token_pieces(tok: Tokenizer, text: str) -> list[dict]:
+    """[{id, text}] where the texts concatenate back to `text` (offsets from the encoding)."""
+    enc = tok.encode(text, add_special_tokens=False)
+    out, pos = [], 0
+    for i, (a, b) in zip(enc.ids, enc.offsets):
+        a, b = max(a, pos), max(b, pos)
+        if a > pos:  # whitespace the pre-tokenizer dropped belongs to the next token's display
+            a = pos
+        out.append({"id": i, "text": text[a:b]})
+        pos = b
+    if pos < len(text) and out:
+        out[-1]["text"] += text[pos:]
+    return out
