@@ -1,0 +1,273 @@
+"""Anatomy view: every step equals the model's own computation.
+
+References: the traced pattern and transformers' eager `output_attentions`; the model's own
+modules (norms, o_proj, MLP) caught with plain forward hooks; the real DynamicCache after one
+token; model.parameters(); and worked numbers computed by hand.
+"""
+
+import pytest
+import torch
+
+from model_core import anatomy as A
+from model_core import load_model, trace
+from model_core.errors import PromptError
+
+from conftest import DEFAULT
+
+MODELS = [DEFAULT, "random-gpt2-tiny", "random-gemma3-tiny"]
+# long enough (> Gemma tiny's sliding window of 6) that the window shows in the mask
+PROMPT = "The capital of France is Paris, and the capital of Italy is"
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def lm_tr(request):
+    lm = load_model(request.param)
+    return lm, trace(lm, PROMPT)
+
+
+def _layers_to_check(lm):
+    L = lm.shape.n_layers
+    return sorted({0, 1, L - 1})
+
+
+# --- worked numbers -----------------------------------------------------------------------------
+
+def test_sinusoidal_worked_numbers():
+    pe = A.sinusoidal_encoding(3, 4)
+    expected = torch.tensor([[0, 1, 0, 1], [0.8415, 0.5403, 0.01, 0.99995], [0.9093, -0.4161, 0.02, 0.9998]])
+    torch.testing.assert_close(pe, expected, atol=1e-4, rtol=0)
+    with pytest.raises(PromptError):
+        A.sinusoidal_encoding(3, 5)
+
+
+def test_kv_cache_worked_number():
+    assert A.kv_cache_bytes(n_layers=16, n_kv_heads=8, head_dim=64, n_tokens=1024, bytes_per_value=2) == 33_554_432
+    # DESIGN.md: SmolLM2-135M, 2 x 30 x 3 x 64 x 2 B = 23,040 B per token in bf16
+    assert A.architecture_card(load_model(DEFAULT))["KV cache / token (16-bit)"] == 23_040
+
+
+# --- architecture card ----------------------------------------------------------------------------
+
+def _cache_bytes(cache) -> int:
+    if hasattr(cache, "layers"):
+        pairs = [(l.keys, l.values) for l in cache.layers]
+    else:  # older transformers
+        pairs = list(zip(cache.key_cache, cache.value_cache))
+    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in pairs)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_param_counts_and_kv_cache_are_real(name):
+    lm = load_model(name)
+    counts = A.param_counts(lm)
+    assert counts["other"] == 0
+    assert counts["total"] == sum(p.numel() for p in lm.model.parameters()) == lm.n_params
+    assert sum(v for k, v in counts.items() if k != "total") == counts["total"]
+    card = A.architecture_card(lm)
+    assert card["params: total"] == lm.n_params
+    # KV-cache bytes per token = the size of a real cache after one token
+    with torch.inference_mode():
+        out = lm.model(input_ids=torch.tensor([[lm.tokenizer.bos_token_id or 1]]), use_cache=True)
+    assert card["KV cache / token"] == _cache_bytes(out.past_key_values)
+
+
+def test_untied_unembedding_is_counted():
+    from transformers import AutoConfig
+
+    from model_core.registry import RANDOM_CONFIGS
+
+    cfg = dict(RANDOM_CONFIGS["random-llama-tiny"], tie_word_embeddings=False)
+    model = A.config_only_model(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
+    counts = A.param_counts(model)
+    assert counts["unembedding"] == 258 * 64 and counts["embedding"] == 258 * 64
+    assert counts["total"] == sum(p.numel() for p in model.parameters())
+    assert A.architecture_card(model)["weight tying"].startswith("untied")
+
+
+def test_gpt2_small_config_card():
+    from transformers import GPT2Config
+
+    card = A.architecture_card(A.config_only_model(GPT2Config()))
+    assert card["params: total"] == 124_439_808  # GPT-2 small, the well-known number
+    assert card["layers"] == 12 and card["query heads"] == 12 and card["FFN width"] == 3072
+
+
+def test_cards_read_the_architecture():
+    smol = A.architecture_card(load_model(DEFAULT))
+    assert (smol["layers"], smol["d_model"], smol["query heads"], smol["key/value heads"], smol["head dim"]) == \
+        (30, 576, 9, 3, 64)
+    assert smol["attention"].startswith("GQA") and "3 query heads per K/V head" in smol["attention"]
+    assert smol["FFN type"] == "SwiGLU" and smol["FFN width"] == 1536
+    assert smol["norm"].startswith("RMSNorm") and smol["norm placement"].startswith("pre-norm")
+    assert "100,000" in smol["positions"] and smol["vocabulary"] == 49152 and smol["context length"] == 8192
+    assert smol["weight tying"].startswith("tied")
+    gpt2 = A.architecture_card(load_model("random-gpt2-tiny"))
+    assert gpt2["attention"].startswith("MHA") and gpt2["FFN type"].startswith("GELU")
+    assert gpt2["norm"].startswith("LayerNorm") and gpt2["positions"].startswith("learned absolute")
+    gemma = A.architecture_card(load_model("random-gemma3-tiny"))
+    assert gemma["attention"].startswith("MQA") and gemma["FFN type"] == "GeGLU"
+    assert "post-norm" in gemma["norm placement"] and "(1 + w)" in gemma["norm"] and "QK-norm" in gemma
+    assert "1,000,000 (full_attention)" in gemma["positions"]
+    table = A.compare_models({"smol": load_model(DEFAULT), "gpt2": load_model("random-gpt2-tiny"),
+                              "gemma": gemma})
+    assert list(table.columns) == ["property", "smol", "gpt2", "gemma"]
+    assert table.set_index("property").loc["layers", "smol"] == "30"
+
+
+# --- module tree --------------------------------------------------------------------------------
+
+def test_module_tree_shapes(lm_tr):
+    lm, tr = lm_tr
+    rows = A.module_tree(lm, tr.token_ids)
+    T, s = tr.n_tokens, lm.shape
+    by_path = {r["path"]: r for r in rows}
+    embed_path = next(p for p, r in by_path.items() if r["module"].endswith(("Embedding",)) and "wpe" not in p)
+    assert by_path[embed_path]["shape"] == [T, s.d_model]
+    assert rows[-1]["shape"] == [T, s.vocab_size]  # lm_head: logits [T, vocab]
+    assert any(r["path"].startswith("…") for r in rows) or s.n_layers < 3
+    assert not A.tree_frame(rows).empty
+
+
+# --- attention, step by step --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def eager_attentions(lm_tr):
+    lm, tr = lm_tr
+    ref = load_model(lm.name, attn_implementation="eager")
+    with torch.inference_mode():
+        return ref.model(torch.tensor([tr.token_ids]), output_attentions=True).attentions
+
+
+def test_attention_steps_equal_the_model(lm_tr, eager_attentions):
+    lm, tr = lm_tr
+    for l in _layers_to_check(lm):
+        traced = tr.attention_pattern(l)
+        for h in range(lm.shape.n_heads):
+            s = A.attention_step(tr, l, h)
+            # each step from the one before it
+            torch.testing.assert_close(s["raw"], s["q"] @ s["k"].T, atol=1e-4, rtol=1e-4)
+            if s["softcap"] is None:
+                torch.testing.assert_close(s["scaled"], s["raw"] * s["scale"], atol=1e-5, rtol=1e-5)
+            mine = torch.softmax(s["scaled"].masked_fill(~s["mask"], float("-inf")), -1)
+            torch.testing.assert_close(mine, s["pattern"], atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(s["pattern"] @ s["v"], s["z"], atol=1e-5, rtol=1e-4)
+            # ... equals the traced pattern and transformers' eager attentions
+            torch.testing.assert_close(mine, traced[h].float(), atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(mine, eager_attentions[l][0, h].float(), atol=1e-5, rtol=1e-4)
+            # variants
+            upper = torch.ones_like(s["mask"]).triu(1)
+            assert torch.all(s["no_mask"][upper] > 0) and torch.all(s["pattern"][upper] == 0)
+            torch.testing.assert_close(s["no_mask"].sum(-1), torch.ones(tr.n_tokens))
+            torch.testing.assert_close(
+                s["no_scale"], torch.softmax(s["raw"].masked_fill(~s["mask"], float("-inf")), -1))
+    if lm.adapter.sliding_window(0):  # Gemma tiny layer 0: query 10 cannot see key 0
+        assert not A.attention_step(tr, 0, 0)["mask"][10, 0]
+
+
+def test_heads_through_output_matrix_sum_to_attn_out(lm_tr):
+    """sum_h z_h W_O[h] (+ bias) = the output projection's result; for Llama/GPT-2 that is
+    attn_out, for Gemma 3 attn_out = post_attention_layernorm(o_proj output)."""
+    lm, tr = lm_tr
+    ad = lm.adapter
+    for l in _layers_to_check(lm):
+        seen = {}
+        o = ad.attn_z_module(ad.layers[l])
+        handle = o.register_forward_hook(lambda m, i, out: seen.__setitem__("o", out[0]))
+        try:
+            with torch.inference_mode():
+                lm.model(torch.tensor([tr.token_ids]), use_cache=False)
+        finally:
+            handle.remove()
+        per_head, bias = A.head_outputs(tr, l)
+        assert per_head.shape == (lm.shape.n_heads, tr.n_tokens, lm.shape.d_model)
+        total = per_head.sum(0) + (bias if bias is not None else 0)
+        torch.testing.assert_close(total, seen["o"], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(A.attn_out_from_heads(tr, l), tr.attn_out[l], atol=1e-4, rtol=1e-4)
+
+
+# --- positions --------------------------------------------------------------------------------------
+
+def test_rope_angles_are_the_models(lm_tr):
+    lm, tr = lm_tr
+    if not lm.adapter.uses_rope:
+        pytest.skip("learned positions")
+    for l in _layers_to_check(lm):
+        cos, sin = tr.rope[l]
+        ang = A.rope_angles(lm, l, tr.n_tokens)
+        half = ang.shape[1]
+        torch.testing.assert_close(cos[0, :, :half].float(), ang.cos(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(sin[0, :, half:].float(), ang.sin(), atol=1e-5, rtol=1e-5)
+    # relative position: the score depends on the distance only, not on where the pair sits
+    a = A.rope_score_vs_distance(lm, 0, 32)
+    b = A.rope_score_vs_distance(lm, 0, 32, query_position=200)
+    torch.testing.assert_close(a["score"], b["score"], atol=1e-3, rtol=1e-4)
+    assert float(a["score"][0]) == pytest.approx(a["unrotated"], rel=1e-5)
+
+
+def test_gpt2_learned_positions_are_what_the_model_adds():
+    lm = load_model("random-gpt2-tiny")
+    tr = trace(lm, PROMPT)
+    wpe = A.learned_positions(lm, tr.n_tokens)
+    wte = lm.model.transformer.wte.weight[tr.token_ids]
+    torch.testing.assert_close(tr.embed - wte, wpe, atol=1e-6, rtol=1e-6)
+    assert A.learned_positions(load_model("random-gemma3-tiny")) is None
+
+
+# --- embeddings -----------------------------------------------------------------------------------
+
+def test_embedding_neighbours_and_analogy():
+    lm = load_model(DEFAULT)
+    near = A.nearest_tokens(lm, " Paris", k=8)
+    cos = [r["cosine"] for r in near]
+    assert cos == sorted(cos, reverse=True) and all(r["token"] != "␣Paris" for r in near)
+    E = lm.model.model.embed_tokens.weight
+    i, j = A.token_id(lm, " Paris"), near[0]["id"]
+    assert cos[0] == pytest.approx(float(torch.cosine_similarity(E[i], E[j], dim=0)), abs=1e-5)
+    # a - a + c = c: the analogy's neighbours are c's neighbours (without a)
+    ana = [r["id"] for r in A.analogy(lm, " king", " king", " Paris", k=5)]
+    assert ana == [r["id"] for r in near if r["id"] != A.token_id(lm, " king")][:5]
+    assert A.token_id(lm, "#42") == 42
+    with pytest.raises(PromptError):
+        A.token_id(lm, "antidisestablishmentarianism")
+
+
+# --- norms, MLP, output ------------------------------------------------------------------------
+
+def test_norm_step_equals_norm_module(lm_tr):
+    lm, tr = lm_tr
+    ad = lm.adapter
+    pos = 3
+    for l in _layers_to_check(lm):
+        with torch.inference_mode():
+            for which, x in (("attn", tr.resid_pre[l]), ("mlp", tr.resid_mid(l))):
+                s = A.norm_step(tr, l, pos, which)
+                ref = A.norm_module(lm, l, which)(x[pos])
+                torch.testing.assert_close(s["out"], ref.float(), atol=1e-5, rtol=1e-5)
+    s = A.norm_step(tr, 0, pos, "final")
+    torch.testing.assert_close(s["out"], tr.ln_final[pos].float(), atol=1e-4, rtol=1e-5)
+    if s["type"] == "LayerNorm":
+        assert abs(float(s["normalized"].mean())) < 1e-5 and float(s["normalized"].std(unbiased=False)) == \
+            pytest.approx(1, abs=1e-2)  # eps shrinks it a little
+    else:
+        assert float(s["normalized"].pow(2).mean().sqrt()) == pytest.approx(1, abs=1e-2)  # eps shrinks it a little
+
+
+def test_mlp_step_equals_mlp_post(lm_tr):
+    lm, tr = lm_tr
+    for l in _layers_to_check(lm):
+        s = A.mlp_step(tr, l, 2)
+        hidden = s["product"] if s["gated"] else s["post"]
+        torch.testing.assert_close(hidden, tr.mlp_post(l)[2].float(), atol=1e-5, rtol=1e-5)
+        if s["gated"]:
+            torch.testing.assert_close(s["product"], s["gate"] * s["up"])
+        assert len(s["top_neurons"]) == 20
+
+
+def test_output_step_is_the_models_output(lm_tr):
+    lm, tr = lm_tr
+    o = A.output_step(tr, top_k=5)
+    torch.testing.assert_close(o["logits"], tr.next_logits.float(), atol=1e-4, rtol=1e-5)
+    assert o["probs"].sum() == pytest.approx(1, abs=1e-5)
+    assert o["top"][0]["id"] == int(tr.next_logits.argmax())
+    if lm.name == DEFAULT:
+        assert o["top"][0]["token"] == "␣France" or o["top"][0]["token"].startswith("␣")
