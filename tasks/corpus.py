@@ -23,7 +23,7 @@ from model_core import paths
 from model_core.errors import LmscopeError
 from tasks import config
 
-BUILTIN_VERSION = "stdlib-docstrings-v1"
+BUILTIN_VERSION = "stdlib-docstrings-v2"
 BUILTIN_MAX_BYTES = 4 * 1024 * 1024
 HELDOUT_EVERY = 10
 
@@ -52,10 +52,10 @@ def _docstrings(src: str) -> list[str]:
 
 
 def build_builtin(dest: Path | None = None) -> Path:
-    """Extract the stdlib docstrings into dest/{train,heldout}.txt (documents separated by a
-    blank line). Deterministic for a given Python version."""
+    """Extract the stdlib docstrings into dest/{train,heldout}.jsonl (one {"text": docstring} per
+    line). Deterministic for a given Python version."""
     dest = dest or _builtin_dir()
-    if (dest / "train.txt").exists() and (dest / "heldout.txt").exists():
+    if (dest / "train.jsonl").exists() and (dest / "heldout.jsonl").exists():
         return dest
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in stdlib.rglob("*.py")
@@ -80,9 +80,9 @@ def build_builtin(dest: Path | None = None) -> Path:
             break
     dest.mkdir(parents=True, exist_ok=True)
     for name, docs in (("train", train), ("heldout", held)):
-        tmp = dest / f"{name}.txt.tmp{os.getpid()}"
-        tmp.write_text("\n\n".join(docs) + "\n", encoding="utf-8")
-        os.replace(tmp, dest / f"{name}.txt")
+        tmp = dest / f"{name}.jsonl.tmp{os.getpid()}"
+        tmp.write_text("".join(json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in docs), encoding="utf-8")
+        os.replace(tmp, dest / f"{name}.jsonl")
     return dest
 
 
@@ -91,7 +91,8 @@ def split_docs(text: str) -> list[str]:
 
 
 def builtin_docs(split: str = "train", max_bytes: int | None = None) -> list[str]:
-    docs = split_docs((build_builtin() / f"{split}.txt").read_text(encoding="utf-8"))
+    path = build_builtin() / f"{split}.jsonl"
+    docs = [json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines() if line]
     if max_bytes:
         out, n = [], 0
         for d in docs:
