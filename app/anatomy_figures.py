@@ -1,0 +1,196 @@
+"""Anatomy view figures: pure functions, data (tensors / lists) -> plotly Figure."""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+import torch
+from plotly.subplots import make_subplots
+
+SMALL = dict(margin=dict(l=40, r=10, t=40, b=30), height=320)
+
+
+def _np(t):
+    if torch.is_tensor(t):
+        return t.detach().float().cpu().numpy()
+    return t
+
+
+def token_labels(tokens: list[dict]) -> list[str]:
+    """Unique axis labels: 'position:token'."""
+    return [f"{i}:{t['display']}" for i, t in enumerate(tokens)]
+
+
+def heatmap(matrix, x=None, y=None, title: str = "", colorscale: str = "RdBu", zmid: float | None = 0.0,
+            height: int = 320, xtitle: str = "", ytitle: str = "") -> go.Figure:
+    z = _np(matrix)
+    fig = go.Figure(go.Heatmap(z=z, x=x, y=y, colorscale=colorscale, zmid=zmid,
+                               reversescale=colorscale == "RdBu", hoverongaps=False))
+    fig.update_layout(title=title, **{**SMALL, "height": height})
+    fig.update_yaxes(autorange="reversed", title=ytitle)
+    fig.update_xaxes(title=xtitle)
+    return fig
+
+
+def param_breakdown(counts_by_model: dict[str, dict]) -> go.Figure:
+    """Stacked bars: parameters by part for each model (share of its total)."""
+    parts = ["embedding", "attention", "mlp", "norms", "unembedding"]
+    fig = go.Figure()
+    for part in parts:
+        fig.add_bar(name=part, x=list(counts_by_model),
+                    y=[100 * c.get(part, 0) / max(1, c["total"]) for c in counts_by_model.values()],
+                    customdata=[c.get(part, 0) for c in counts_by_model.values()],
+                    hovertemplate="%{x}<br>" + part + ": %{customdata:,} (%{y:.1f}%)<extra></extra>")
+    fig.update_layout(barmode="stack", title="Parameters by part (% of each model)", yaxis_title="%", **SMALL)
+    return fig
+
+
+def attention_steps(step: dict, tokens: list[dict]) -> go.Figure:
+    """Q, K, raw scores, scaled, masked, softmax, V and the weighted sum z, one small heatmap each."""
+    labels = token_labels(tokens)
+    dims = list(range(step["q"].shape[1]))
+    masked = step["masked"].clone()
+    masked[~step["mask"]] = float("nan")  # shown as gaps: the mask removes them
+    panels = [
+        ("Q (queries)", step["q"], dims, labels),
+        ("K (keys)", step["k"], dims, labels),
+        ("raw scores Q·Kᵀ", step["raw"], labels, labels),
+        (f"scaled × {step['scale']:.4g}", step["scaled"], labels, labels),
+        ("causal mask applied", masked, labels, labels),
+        ("softmax = pattern", step["pattern"], labels, labels),
+        ("V (values)", step["v"], dims, labels),
+        ("z = pattern · V", step["z"], dims, labels),
+    ]
+    fig = make_subplots(rows=2, cols=4, subplot_titles=[p[0] for p in panels],
+                        horizontal_spacing=0.05, vertical_spacing=0.12)
+    for idx, (name, m, x, y) in enumerate(panels):
+        r, c = divmod(idx, 4)
+        prob = name.startswith("softmax")
+        fig.add_trace(go.Heatmap(z=_np(m), x=x, y=y, showscale=False, hoverongaps=False,
+                                 colorscale="Viridis" if prob else "RdBu", reversescale=not prob,
+                                 zmid=None if prob else 0.0, name=name,
+                                 hovertemplate="row %{y}<br>col %{x}<br>%{z:.4g}<extra>" + name + "</extra>"),
+                      row=r + 1, col=c + 1)
+        fig.update_yaxes(autorange="reversed", showticklabels=c == 0, row=r + 1, col=c + 1)
+        fig.update_xaxes(showticklabels=False, row=r + 1, col=c + 1)
+    fig.update_layout(height=560, margin=dict(l=90, r=10, t=50, b=20),
+                      title=f"Layer {step['layer']}, head {step['head']} (K/V head {step['kv_head']})")
+    return fig
+
+
+def attention_variants(step: dict, tokens: list[dict], no_scale: bool, no_mask: bool) -> go.Figure:
+    """The model's softmax beside what it would be without the 1/sqrt(d_k) scaling or the mask."""
+    labels = token_labels(tokens)
+    panels = [("the model's softmax", step["pattern"])]
+    if no_scale:
+        panels.append(("without scaling", step["no_scale"]))
+    if no_mask:
+        panels.append(("without the causal mask", step["no_mask"]))
+    fig = make_subplots(rows=1, cols=len(panels), subplot_titles=[p[0] for p in panels], horizontal_spacing=0.06)
+    for i, (name, m) in enumerate(panels):
+        fig.add_trace(go.Heatmap(z=_np(m), x=labels, y=labels, colorscale="Viridis", zmin=0, zmax=1,
+                                 showscale=i == len(panels) - 1, name=name), row=1, col=i + 1)
+        fig.update_yaxes(autorange="reversed", showticklabels=i == 0, row=1, col=i + 1)
+        fig.update_xaxes(showticklabels=False, row=1, col=i + 1)
+    ent = [float(-(m.clamp_min(1e-30).log() * m).sum(-1).mean()) for _, m in panels]
+    fig.update_layout(height=360, margin=dict(l=90, r=10, t=60, b=20),
+                      title="Mean row entropy: " + ", ".join(f"{p[0]} {e:.2f} nats" for p, e in zip(panels, ent)))
+    return fig
+
+
+def rope_distance(data: dict, title: str = "") -> go.Figure:
+    fig = go.Figure(go.Scatter(x=_np(data["distance"]), y=_np(data["score"]), mode="lines"))
+    fig.add_hline(y=data["unrotated"], line_dash="dot", annotation_text="without rotation")
+    fig.update_layout(title=title or "Score of two fixed vectors vs their distance", xaxis_title="distance m − n",
+                      yaxis_title="q_m · k_n", **SMALL)
+    return fig
+
+
+def rope_angles(angles: torch.Tensor) -> go.Figure:
+    """cos(angle) per position and dimension pair: fast pairs spin, slow pairs barely move."""
+    return heatmap(torch.cos(angles), title="RoPE: cos(position × θᵢ) per dimension pair",
+                   xtitle="dimension pair i", ytitle="position", colorscale="RdBu", zmid=0.0, height=340)
+
+
+def positions_side_by_side(own: torch.Tensor | None, own_title: str, sinus: torch.Tensor) -> go.Figure:
+    cols = 2 if own is not None else 1
+    titles = ([own_title] if own is not None else []) + ["sinusoidal (Vaswani et al. 2017)"]
+    fig = make_subplots(rows=1, cols=cols, subplot_titles=titles, horizontal_spacing=0.08)
+    mats = ([own] if own is not None else []) + [sinus]
+    for i, m in enumerate(mats):
+        fig.add_trace(go.Heatmap(z=_np(m), colorscale="RdBu", reversescale=True, zmid=0.0,
+                                 showscale=i == cols - 1), row=1, col=i + 1)
+        fig.update_yaxes(autorange="reversed", title="position" if i == 0 else None, row=1, col=i + 1)
+        fig.update_xaxes(title="dimension", row=1, col=i + 1)
+    fig.update_layout(height=380, margin=dict(l=50, r=10, t=50, b=40))
+    return fig
+
+
+def neighbours_bar(rows: list[dict], title: str) -> go.Figure:
+    fig = go.Figure(go.Bar(x=[r["cosine"] for r in rows][::-1], y=[f"{r['token']} (#{r['id']})" for r in rows][::-1],
+                           orientation="h"))
+    fig.update_layout(title=title, xaxis_title="cosine similarity", **{**SMALL, "height": 60 + 24 * max(1, len(rows))})
+    return fig
+
+
+def norm_before_after(step: dict) -> go.Figure:
+    dims = list(range(step["x"].numel()))
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1,
+                        subplot_titles=["before: residual x", "after: the norm's output y"])
+    fig.add_bar(x=dims, y=_np(step["x"]), name="x", row=1, col=1)
+    fig.add_bar(x=dims, y=_np(step["out"]), name="y", row=2, col=1)
+    if step["type"] == "LayerNorm":
+        scale = f"mean {step['mean']:.4g}, std {step['std']:.4g}"
+    else:
+        scale = f"RMS {step['rms']:.4g}"
+    fig.update_layout(title=f"{step['type']} ({scale}; divided by {step['scale']:.4g})", height=420,
+                      showlegend=False, margin=dict(l=40, r=10, t=60, b=30))
+    fig.update_xaxes(title="dimension", row=2, col=1)
+    return fig
+
+
+def mlp_neurons(step: dict, n: int = 40) -> go.Figure:
+    """The strongest neurons of one token: gated (gate, up, product) or GELU (pre, post)."""
+    idx = step["top_neurons"][:n].tolist()
+    labels = [str(i) for i in idx]
+    fig = go.Figure()
+    if step["gated"]:
+        fig.add_bar(name="act(gate)", x=labels, y=_np(step["gate"][idx]))
+        fig.add_bar(name="up", x=labels, y=_np(step["up"][idx]))
+        fig.add_bar(name="product", x=labels, y=_np(step["product"][idx]))
+        title = f"Top {len(idx)} neurons by |act(gate) × up| (act = {step['activation']})"
+    else:
+        fig.add_bar(name="pre-activation", x=labels, y=_np(step["pre"][idx]))
+        fig.add_bar(name="post-activation", x=labels, y=_np(step["post"][idx]))
+        title = f"Top {len(idx)} neurons by |{step['activation']}(pre)|"
+    fig.update_layout(barmode="group", title=title, xaxis_title="neuron", xaxis_type="category", **SMALL)
+    return fig
+
+
+def mlp_gate_scatter(step: dict) -> go.Figure:
+    """Every neuron: the activation's input vs output (the gate's curve, or GELU's)."""
+    if step["gated"]:
+        x, y, xt, yt = step["gate_pre"], step["gate"], "gate pre-activation W_gate·x", "act(gate)"
+    else:
+        x, y, xt, yt = step["pre"], step["post"], "pre-activation", "GELU(pre)"
+    fig = go.Figure(go.Scattergl(x=_np(x), y=_np(y), mode="markers", marker=dict(size=3, opacity=0.5)))
+    opened = float((y > 0.5).float().mean()) if step["gated"] else float((y > 0).float().mean())
+    fig.update_layout(title=f"All {x.numel()} neurons ({opened:.0%} {'opened > 0.5' if step['gated'] else 'positive'})",
+                      xaxis_title=xt, yaxis_title=yt, **SMALL)
+    return fig
+
+
+def output_bars(step: dict) -> go.Figure:
+    top = step["top"]
+    labels = [f"{r['token']} (#{r['id']})" for r in top][::-1]
+    fig = make_subplots(rows=1, cols=2, subplot_titles=["logits", "softmax probability"], horizontal_spacing=0.25)
+    fig.add_bar(x=[r["logit"] for r in top][::-1], y=labels, orientation="h", row=1, col=1)
+    fig.add_bar(x=[r["prob"] for r in top][::-1], y=labels, orientation="h", row=1, col=2)
+    fig.update_layout(showlegend=False, title=f"Next token (entropy {step['entropy']:.2f} nats)",
+                      **{**SMALL, "height": 80 + 26 * len(top)})
+    return fig
+
+
+def logits_histogram(step: dict) -> go.Figure:
+    fig = go.Figure(go.Histogram(x=_np(step["logits"]), nbinsx=100))
+    fig.update_layout(title=f"All {step['logits'].numel():,} logits", xaxis_title="logit", yaxis_type="log", **SMALL)
+    return fig

@@ -1,0 +1,438 @@
+"""Anatomy tab: every part of a decoder, computed on the loaded model for the user's prompt.
+
+Each panel has a plain-language caption, the formula it computes, and a live check line that
+compares the panel's hand computation with the model's own forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections import OrderedDict
+
+import gradio as gr
+import pandas as pd
+import torch
+
+from app import anatomy_figures as fig
+from app.context import Shared, default_model, get_model
+from model_core import anatomy as A
+from model_core import trace as run_trace
+from model_core.errors import LmscopeError
+from model_core.registry import REGISTRY, RANDOM_CONFIGS, list_models
+
+LATEX = [{"left": "$$", "right": "$$", "display": True}, {"left": "$", "right": "$", "display": False}]
+GPT2_SMALL = "gpt2-small (config only)"
+DEFAULT_COMPARE = ["random-gpt2-tiny", "random-gemma3-tiny"]
+
+# --- captions and formulas -------------------------------------------------------------------
+TEXT = {
+    "card": """**Architecture card.** Everything below is read from the loaded model's config and weights.
+Parameter counts are sums of the real tensors (a tied unembedding is the embedding matrix, counted once).
+The KV cache keeps each layer's keys and values for every past token, so generation does not recompute them:
+$$\\text{KV bytes per token} = 2 \\times \\text{layers} \\times \\text{kv heads} \\times d_{head} \\times \\text{bytes per value}$$""",
+    "tree": """**Module tree.** One forward pass on your prompt with a hook on every module: each row is a module in the
+order it runs, with the shape of what it outputs (batch dimension dropped; $T$ = number of tokens).
+Text goes in as token ids; the embedding turns them into vectors $[T, d_{model}]$, each layer keeps that shape,
+and the unembedding turns the last vectors into scores for every vocabulary entry $[T, V]$.""",
+    "attn": """**Attention, step by step.** Each token asks a question (its query $q$), every earlier token offers a label
+(its key $k$) and a content (its value $v$). Their dot products are scaled by $1/\\sqrt{d_k}$ so they do not grow with
+the head size, future tokens are masked out (a decoder cannot look ahead), softmax turns each row into weights that
+sum to 1, and the head's output is the weighted sum of the values.
+$$z = \\operatorname{softmax}\\!\\left(\\frac{QK^\\top}{\\sqrt{d_k}} + M\\right)V,\\qquad M_{ij} = \\begin{cases}0 & j \\le i\\\\ -\\infty & j > i\\end{cases}$$
+The toggles show what the softmax would be without the scaling (sharper, often nearly one-hot) or without the mask
+(every token also sees the future).""",
+    "rope": """**RoPE (rotary position embedding).** Instead of adding a position vector, the query and key are rotated
+by an angle proportional to their position, pair of dimensions by pair of dimensions, each pair at its own speed
+$\\theta_i$. The score of two rotated vectors then depends only on their distance $m-n$:
+$$(R_{m}q)^\\top (R_{n}k) = q^\\top R_{n-m}\\,k,\\qquad \\theta_i = \\text{base}^{-2i/d_{head}}$$
+Below: two fixed vectors (all ones) at distance $m-n$, and the angle each pair has turned at each position.""",
+    "pos": """**Positions.** Attention itself does not know word order, so the model needs position information.
+Left: the model's own scheme (GPT-2 adds a *learned* vector per position; RoPE models rotate q and k, shown as
+$\\cos(p\\,\\theta_i)$). Right, for comparison, the fixed sinusoidal encoding of the original Transformer:
+$$PE_{p,2i} = \\sin\\!\\left(\\frac{p}{10000^{2i/d}}\\right),\\qquad PE_{p,2i+1} = \\cos\\!\\left(\\frac{p}{10000^{2i/d}}\\right)$$""",
+    "embed": """**Embedding space.** Each token id selects one row of the embedding matrix $E$. Tokens used alike end up with
+similar rows. Nearest neighbours by cosine similarity, and analogy arithmetic on the real matrix (leading spaces
+matter: ` Paris` and `Paris` are different tokens; `#123` means token id 123):
+$$\\cos(a,b) = \\frac{a\\cdot b}{\\lVert a\\rVert\\,\\lVert b\\rVert},\\qquad \\text{analogy} = E_a - E_b + E_c$$""",
+    "norm": """**Normalisation.** Before attention and before the MLP (and at the end), each token's residual vector is
+rescaled to a standard size, then multiplied by a learned gain $g$ (LayerNorm also centres it and adds a bias $b$):
+$$\\text{RMSNorm: } y = \\frac{x}{\\sqrt{\\tfrac1d\\sum_i x_i^2 + \\epsilon}}\\odot g \\qquad \\text{LayerNorm: } y = \\frac{x-\\mu}{\\sqrt{\\sigma^2+\\epsilon}}\\odot g + b$$
+(Gemma stores the gain as an offset and multiplies by $1+g$.)""",
+    "mlp": """**MLP.** Each token, on its own, goes through a wide hidden layer of "neurons". In gated MLPs (SwiGLU / GeGLU)
+one projection is passed through a smooth switch (the gate) and multiplies another; the gate decides which neurons
+open. GPT-2 uses a plain GELU.
+$$\\text{SwiGLU: } h = \\operatorname{SiLU}(W_{gate}x)\\odot (W_{up}x),\\quad y = W_{down}h \\qquad \\text{GELU MLP: } h = \\operatorname{GELU}(W_{in}x+b),\\quad y = W_{out}h + b'$$""",
+    "out": """**Output.** The last position's residual vector goes through the final norm, the unembedding matrix $W_U$ turns it
+into one score (logit) per vocabulary entry, and softmax turns scores into probabilities:
+$$\\text{logits} = W_U\\,\\operatorname{norm}(x_L),\\qquad p_i = \\frac{e^{\\text{logit}_i}}{\\sum_j e^{\\text{logit}_j}}$$""",
+}
+
+
+def _md(text):
+    return gr.Markdown(text, latex_delimiters=LATEX)
+
+
+def _guard(fn):
+    """Turn every lmscope error (one user-facing sentence) into a gr.Error."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except gr.Error:
+            raise
+        except LmscopeError as e:
+            raise gr.Error(str(e)) from None
+        except (KeyError, IndexError, ValueError) as e:
+            raise gr.Error(f"Bad input: {e}") from None
+    return wrapper
+
+
+# --- traces: a small LRU so panel controls do not re-run the model ---------------------------
+_TRACES: "OrderedDict[tuple, object]" = OrderedDict()
+_LOCK = threading.Lock()
+
+
+def _trace(model_name, prompt, chat):
+    lm = get_model(model_name)
+    key = (lm.name, prompt, bool(chat))
+    with _LOCK:
+        if key in _TRACES:
+            _TRACES.move_to_end(key)
+            return lm, _TRACES[key]
+    tr = run_trace(lm, prompt, chat=bool(chat))
+    with _LOCK:
+        _TRACES[key] = tr
+        while len(_TRACES) > 4:
+            _TRACES.popitem(last=False)
+    return lm, tr
+
+
+def _layer(lm, layer):
+    L = lm.shape.n_layers
+    layer = int(layer or 0)
+    if not 0 <= layer < L:
+        raise gr.Error(f"Layer must be between 0 and {L - 1} for this model.")
+    return layer
+
+
+def _position(tr, position):
+    p = int(position if position is not None else -1)
+    if not -tr.n_tokens <= p < tr.n_tokens:
+        raise gr.Error(f"Position must be between 0 and {tr.n_tokens - 1} (or -1 for the last token).")
+    return p % tr.n_tokens
+
+
+def _check(label, a, b):
+    diff = float((a.float().cpu() - b.float().cpu()).abs().max())
+    mark = "✅" if diff < 1e-3 else "⚠️"
+    return f"{mark} check: {label}, max |difference| = {diff:.2e}"
+
+
+# --- panels ----------------------------------------------------------------------------------------
+
+def compare_choices() -> list[str]:
+    names = [r["name"] for r in list_models() if r["installed"]]
+    return names + [GPT2_SMALL]
+
+
+def _card_source(name):
+    """A LoadedModel for real models; a weightless meta-device model for configs."""
+    if name == GPT2_SMALL:
+        from transformers import GPT2Config
+
+        return A.config_only_model(GPT2Config())
+    entry = REGISTRY.get(name)
+    if entry is not None and entry.source == "random":
+        from transformers import AutoConfig
+
+        cfg = dict(RANDOM_CONFIGS[name])
+        return A.config_only_model(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
+    return get_model(name)
+
+
+@_guard
+def card_panel(model_name, compare):
+    lm = get_model(model_name)
+    card = A.architecture_card(lm)
+    cards = OrderedDict([(lm.name, card)])
+    for name in compare or []:
+        if name and name not in cards:
+            cards[name] = A.architecture_card(_card_source(name))
+    counts = {n: {k.replace("params: ", ""): v for k, v in c.items() if k.startswith("params: ")} for n, c in cards.items()}
+    for c in counts.values():
+        c["total"] = c.get("total", 0)
+    return A.card_frame(card), A.compare_models(cards), fig.param_breakdown(counts)
+
+
+@_guard
+def tree_panel(model_name, prompt, chat):
+    lm, tr = _trace(model_name, prompt, chat)
+    rows = A.module_tree(lm, tr.token_ids)
+    T = tr.n_tokens
+    note = (f"T = {T} tokens: " + " ".join(f"`{t['display']}`" for t in tr.tokens[:40])
+            + (" …" if T > 40 else ""))
+    return A.tree_frame(rows), note
+
+
+@_guard
+def attention_panel(model_name, prompt, chat, layer, head, no_scale, no_mask):
+    lm, tr = _trace(model_name, prompt, chat)
+    layer = _layer(lm, layer)
+    H = lm.shape.n_heads
+    head = int(head or 0)
+    if not 0 <= head < H:
+        raise gr.Error(f"Head must be between 0 and {H - 1} for this model.")
+    step = A.attention_step(tr, layer, head)
+    traced = tr.attention_pattern(layer)[head]
+    extra = ""
+    if step["softcap"]:
+        extra += f" The model also soft-caps scores: $c\\tanh(s/c)$ with $c = {step['softcap']}$."
+    window = lm.adapter.sliding_window(layer)
+    if window:
+        extra += f" This layer uses a sliding window: each token sees only the last {window} tokens."
+    info = (f"Scale used by the model: {step['scale']:.5g} (1/√d_k = {1 / lm.shape.d_head ** 0.5:.5g}).{extra}\n\n"
+            + _check("softmax(scaled, masked scores) vs the traced attention pattern", step["pattern"], traced))
+    return (fig.attention_steps(step, tr.tokens), fig.attention_variants(step, tr.tokens, no_scale, no_mask),
+            info)
+
+
+@_guard
+def rope_panel(model_name, layer, max_distance):
+    lm = get_model(model_name)
+    if not lm.adapter.uses_rope:
+        return None, None, f"Model '{lm.name}' does not use RoPE: it adds learned position vectors (see Positions)."
+    layer = _layer(lm, layer)
+    data = A.rope_score_vs_distance(lm, layer, int(max_distance or 256))
+    inv = A.rope_inv_freq(lm, layer)
+    theta = inv[1] ** (-lm.shape.d_head / 2) if inv.numel() > 1 else float("nan")
+    info = (f"Layer {layer}: {inv.numel()} dimension pairs, base θ ≈ {float(theta):,.0f}; fastest pair turns "
+            f"{float(inv[0]):.3g} rad per position, slowest {float(inv[-1]):.3g} rad "
+            f"(a full turn every {2 * 3.14159 / float(inv[-1]):,.0f} positions).")
+    return (fig.rope_distance(data, f"Layer {layer}: score of q = k = 1 vs distance"),
+            fig.rope_angles(A.rope_angles(lm, layer, 128)), info)
+
+
+@_guard
+def positions_panel(model_name, n_positions):
+    lm = get_model(model_name)
+    n = int(n_positions or 64)
+    n = max(2, min(n, lm.shape.context_length))
+    learned = A.learned_positions(lm, n)
+    if learned is not None:
+        own, title = learned, f"learned position embeddings [{n}, {learned.shape[1]}]"
+        d = learned.shape[1]
+    else:
+        ang = A.rope_angles(lm, 0, n)
+        own, title = torch.cos(ang), f"RoPE cos(p·θᵢ), layer 0 [{n}, {ang.shape[1]} pairs]"
+        d = lm.shape.d_model
+    return fig.positions_side_by_side(own, title, A.sinusoidal_encoding(n, d))
+
+
+@_guard
+def embed_panel(model_name, token, a, b, c, k):
+    lm = get_model(model_name)
+    k = max(1, min(int(k or 10), 50))
+    near = A.nearest_tokens(lm, token, k)
+    ana = A.analogy(lm, a, b, c, k)
+    return (fig.neighbours_bar(near, f"Nearest to '{token}'"),
+            fig.neighbours_bar(ana, f"'{a}' − '{b}' + '{c}'"))
+
+
+@_guard
+def norm_panel(model_name, prompt, chat, layer, position, which):
+    lm, tr = _trace(model_name, prompt, chat)
+    layer = _layer(lm, layer)
+    pos = _position(tr, position)
+    which = {"before attention": "attn", "before MLP": "mlp", "final norm": "final"}[which]
+    s = A.norm_step(tr, layer, pos, which)
+    with torch.inference_mode():
+        if which == "final":
+            ref = tr.ln_final[pos]
+        else:
+            src = tr.resid_pre[layer] if which == "attn" else tr.resid_mid(layer)
+            ref = A.norm_module(lm, layer, which)(src[pos])
+    stats = (f"mean {s['mean']:.4g}, std {s['std']:.4g}" if s["type"] == "LayerNorm" else f"RMS {s['rms']:.4g}")
+    info = (f"Token {pos} `{tr.tokens[pos]['display']}` — {s['class']}: {stats}, ε = {s['eps']:g}; the vector is divided "
+            f"by {s['scale']:.4g}, then multiplied by the gain (mean {float(s['gain'].mean()):.3g}).\n\n"
+            + _check("hand computation vs the model's norm module", s["out"], ref))
+    return fig.norm_before_after(s), info
+
+
+@_guard
+def mlp_panel(model_name, prompt, chat, layer, position):
+    lm, tr = _trace(model_name, prompt, chat)
+    layer = _layer(lm, layer)
+    pos = _position(tr, position)
+    s = A.mlp_step(tr, layer, pos, top_k=40)
+    hidden = s["product"] if s["gated"] else s["post"]
+    info = (f"Token {pos} `{tr.tokens[pos]['display']}`, layer {layer}: {hidden.numel()} neurons.\n\n"
+            + _check("hidden activation vs the input of the model's down projection (trace mlp_post)",
+                     hidden, tr.mlp_post(layer)[pos]))
+    return fig.mlp_neurons(s), fig.mlp_gate_scatter(s), info
+
+
+@_guard
+def output_panel(model_name, prompt, chat, k):
+    lm, tr = _trace(model_name, prompt, chat)
+    s = A.output_step(tr, top_k=max(1, min(int(k or 10), 50)))
+    info = (f"Last position: `{tr.tokens[-1]['display']}`; final hidden state [{s['hidden'].numel()}] → "
+            f"logits [{s['logits'].numel():,}] → softmax.\n\n"
+            + _check("W_U · final norm vs the model's own logits", s["logits"], tr.next_logits))
+    return fig.output_bars(s), fig.logits_histogram(s), info
+
+
+@_guard
+def model_changed(model_name, layer, head):
+    lm = get_model(model_name)
+    L, H = lm.shape.n_layers, lm.shape.n_heads
+    sl = lambda mx, v: gr.Slider(minimum=0, maximum=mx, step=1, value=min(int(v or 0), mx))  # noqa: E731
+    return sl(L - 1, layer), sl(H - 1, head), sl(L - 1, layer), sl(L - 1, layer), sl(L - 1, layer)
+
+
+def _initial_shape(name: str) -> tuple[int, int]:
+    """Layers and heads of the default model for the sliders' first range, read from its config
+    without loading weights (the first 'Show anatomy' sets the real range for any model)."""
+    try:
+        from transformers import AutoConfig
+
+        from model_core.registry import converted_dir, is_ready
+
+        if name in RANDOM_CONFIGS:
+            cfg = dict(RANDOM_CONFIGS[name])
+            config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+        elif is_ready(name) and name in REGISTRY:
+            config = AutoConfig.from_pretrained(str(converted_dir(name)))
+        else:
+            return 1, 1
+        return int(config.num_hidden_layers), int(config.num_attention_heads)
+    except Exception:  # noqa: BLE001 - only a slider range; the real one comes with the first event
+        return 1, 1
+
+
+# --- layout ------------------------------------------------------------------------------------------
+
+def build(shared: Shared) -> None:
+    """Build the Anatomy panels inside an already-open gr.Tab."""
+    L0, H0 = _initial_shape(default_model())
+    gr.Markdown("Every part of a decoder, computed on the selected model for your prompt. "
+                "Press **Show anatomy**; panel controls then update their own panel.")
+    go_btn = gr.Button("Show anatomy", variant="primary", elem_id="anatomy-go")
+    m, p, c = shared.model, shared.prompt, shared.chat
+
+    with gr.Accordion("Architecture card", open=True, elem_id="anatomy-card"):
+        _md(TEXT["card"])
+        with gr.Row():
+            card_df = gr.Dataframe(label="This model", interactive=False, wrap=True, scale=2)
+            with gr.Column(scale=3):
+                compare = gr.Dropdown(choices=compare_choices(), value=DEFAULT_COMPARE, multiselect=True,
+                                      label="Compare with", allow_custom_value=False)
+                compare_df = gr.Dataframe(label="Side by side", interactive=False, wrap=True)
+        params_plot = gr.Plot(label="Parameters by part")
+
+    with gr.Accordion("Module tree with shapes", open=False, elem_id="anatomy-tree"):
+        _md(TEXT["tree"])
+        tree_note = gr.Markdown()
+        tree_df = gr.Dataframe(interactive=False, max_height=600)
+
+    with gr.Accordion("Attention, step by step", open=True, elem_id="anatomy-attention"):
+        _md(TEXT["attn"])
+        with gr.Row():
+            a_layer = gr.Slider(0, L0 - 1, value=0, step=1, label="Layer")
+            a_head = gr.Slider(0, H0 - 1, value=0, step=1, label="Head")
+            no_scale = gr.Checkbox(value=True, label="show without scaling")
+            no_mask = gr.Checkbox(value=True, label="show without mask")
+        attn_info = _md("")
+        attn_plot = gr.Plot(label="Steps")
+        attn_var = gr.Plot(label="Variants")
+
+    with gr.Accordion("RoPE: rotation and distance", open=False, elem_id="anatomy-rope"):
+        _md(TEXT["rope"])
+        with gr.Row():
+            r_layer = gr.Slider(0, L0 - 1, value=0, step=1, label="Layer (Gemma 3: local and global layers differ)")
+            r_dist = gr.Slider(8, 2048, value=256, step=8, label="Max distance")
+        rope_info = gr.Markdown()
+        with gr.Row():
+            rope_plot = gr.Plot()
+            rope_ang = gr.Plot()
+
+    with gr.Accordion("Positions", open=False, elem_id="anatomy-positions"):
+        _md(TEXT["pos"])
+        n_pos = gr.Slider(8, 512, value=64, step=8, label="Positions shown")
+        pos_plot = gr.Plot()
+
+    with gr.Accordion("Embedding space", open=False, elem_id="anatomy-embedding"):
+        _md(TEXT["embed"])
+        with gr.Row():
+            e_tok = gr.Textbox(value=" Paris", label="Token")
+            e_a = gr.Textbox(value=" king", label="a")
+            e_b = gr.Textbox(value=" man", label="− b")
+            e_c = gr.Textbox(value=" woman", label="+ c")
+            e_k = gr.Number(value=10, precision=0, minimum=1, maximum=50, label="How many")
+            e_btn = gr.Button("Find")
+        with gr.Row():
+            near_plot = gr.Plot()
+            ana_plot = gr.Plot()
+
+    with gr.Accordion("Normalisation", open=False, elem_id="anatomy-norm"):
+        _md(TEXT["norm"])
+        with gr.Row():
+            n_layer = gr.Slider(0, L0 - 1, value=0, step=1, label="Layer")
+            n_posn = gr.Number(value=-1, precision=0, label="Token position (-1 = last)")
+            n_which = gr.Radio(["before attention", "before MLP", "final norm"], value="before attention",
+                               label="Which norm")
+        norm_info = _md("")
+        norm_plot = gr.Plot()
+
+    with gr.Accordion("MLP", open=False, elem_id="anatomy-mlp"):
+        _md(TEXT["mlp"])
+        with gr.Row():
+            m_layer = gr.Slider(0, L0 - 1, value=0, step=1, label="Layer")
+            m_pos = gr.Number(value=-1, precision=0, label="Token position (-1 = last)")
+        mlp_info = _md("")
+        with gr.Row():
+            mlp_plot = gr.Plot()
+            mlp_scatter = gr.Plot()
+
+    with gr.Accordion("Output: hidden state → logits → probabilities", open=True, elem_id="anatomy-output"):
+        _md(TEXT["out"])
+        o_k = gr.Slider(3, 30, value=10, step=1, label="Top k")
+        out_info = _md("")
+        with gr.Row():
+            out_plot = gr.Plot()
+            out_hist = gr.Plot()
+
+    # --- events ---
+    card_io = dict(fn=card_panel, inputs=[m, compare], outputs=[card_df, compare_df, params_plot])
+    tree_io = dict(fn=tree_panel, inputs=[m, p, c], outputs=[tree_df, tree_note])
+    attn_io = dict(fn=attention_panel, inputs=[m, p, c, a_layer, a_head, no_scale, no_mask],
+                   outputs=[attn_plot, attn_var, attn_info])
+    rope_io = dict(fn=rope_panel, inputs=[m, r_layer, r_dist], outputs=[rope_plot, rope_ang, rope_info])
+    pos_io = dict(fn=positions_panel, inputs=[m, n_pos], outputs=[pos_plot])
+    emb_io = dict(fn=embed_panel, inputs=[m, e_tok, e_a, e_b, e_c, e_k], outputs=[near_plot, ana_plot])
+    norm_io = dict(fn=norm_panel, inputs=[m, p, c, n_layer, n_posn, n_which], outputs=[norm_plot, norm_info])
+    mlp_io = dict(fn=mlp_panel, inputs=[m, p, c, m_layer, m_pos], outputs=[mlp_plot, mlp_scatter, mlp_info])
+    out_io = dict(fn=output_panel, inputs=[m, p, c, o_k], outputs=[out_plot, out_hist, out_info])
+
+    ev = go_btn.click(fn=model_changed, inputs=[m, a_layer, a_head], outputs=[a_layer, a_head, n_layer, m_layer, r_layer])
+    for io in (card_io, tree_io, attn_io, rope_io, pos_io, norm_io, mlp_io, out_io, emb_io):
+        ev = ev.then(**io)
+
+    m.change(fn=model_changed, inputs=[m, a_layer, a_head], outputs=[a_layer, a_head, n_layer, m_layer, r_layer])
+    compare.change(**card_io)
+    for ctl in (a_layer, a_head, no_scale, no_mask):
+        ctl.change(**attn_io)
+    for ctl in (r_layer, r_dist):
+        ctl.release(**rope_io)
+    n_pos.release(**pos_io)
+    e_btn.click(**emb_io)
+    for ctl in (n_layer, n_posn, n_which):
+        ctl.change(**norm_io)
+    for ctl in (m_layer, m_pos):
+        ctl.change(**mlp_io)
+    o_k.release(**out_io)
+
+
+def card_table_for(names: list[str]) -> pd.DataFrame:
+    """The comparison table for a list of model names (used by docs and tests)."""
+    return A.compare_models(OrderedDict((n, _card_source(n)) for n in names))
