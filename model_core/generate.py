@@ -340,7 +340,7 @@ def iter_generate(lm, prompt: str | None = None, *, max_new_tokens: int = 32,
                   stop: list[str] | None = None, should_stop: ShouldStop = None, token_ids=None,
                   attention: bool = False, keep_logits: bool = False, keep_probs: bool = False,
                   ignore_eos: bool = False, top_k_recorded: int = TOP_K_RECORDED,
-                  max_prompt_tokens: int | None = 1024, truncate: bool = False,
+                  max_prompt_tokens: int | None = 1024, truncate: bool = False, eos_token_id=None,
                   ) -> Iterator[tuple[Step, Generation]]:
     """Stream a generation: yields (step, generation) right after each token is produced;
     `generation` is the same object every time, filled in as it goes (text, steps, and at the
@@ -350,6 +350,8 @@ def iter_generate(lm, prompt: str | None = None, *, max_new_tokens: int = 32,
     settings: SamplingSettings (temperature <= 0 means greedy; default greedy).
     seed: the torch.Generator seed for sampled draws (same seed -> same sample).
     stop: strings that end generation once they appear in the continuation (cut from `text`).
+    eos_token_id: id or ids that end generation (default: the model's generation config and
+      tokenizer EOS); ignore_eos=True never stops early (benchmarks).
     should_stop: threading.Event or callable; checked before every step (cancellation).
     attention: after the last step, attach to every step the attention of the query that
       produced it over its context ([layers, context], averaged over heads).
@@ -362,7 +364,12 @@ def iter_generate(lm, prompt: str | None = None, *, max_new_tokens: int = 32,
     room = lm.shape.context_length - len(ids)
     n_steps = min(max_new, room)
     dev = lm.device
-    eos = set() if ignore_eos else set(eos_ids(lm))
+    if eos_token_id is not None:
+        eos = {int(e) for e in (eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id])}
+    else:
+        eos = set(eos_ids(lm))
+    if ignore_eos:
+        eos = set()
     tok = lm.tokenizer
     k = max(1, min(int(top_k_recorded), lm.shape.vocab_size))
     all_ids = torch.empty(len(ids) + n_steps, dtype=torch.long, device=dev)
@@ -448,14 +455,15 @@ def generate(lm, prompt: str | None = None, *, max_new_tokens: int = 32, setting
              should_stop: ShouldStop = None, token_ids=None, attention: bool = False, keep_logits: bool = False,
              keep_probs: bool = False, ignore_eos: bool = False, top_k_recorded: int = TOP_K_RECORDED,
              on_step: Callable[[Step, Generation], None] | None = None,
-             max_prompt_tokens: int | None = 1024, truncate: bool = False) -> Generation:
+             max_prompt_tokens: int | None = 1024, truncate: bool = False, eos_token_id=None) -> Generation:
     """Generate up to max_new_tokens tokens and return the Generation with every step recorded.
     Arguments as in iter_generate; on_step(step, gen) is called after each step."""
     gen = None
     it = iter_generate(lm, prompt, max_new_tokens=max_new_tokens, settings=settings, seed=seed, chat=chat,
                        stop=stop, should_stop=should_stop, token_ids=token_ids, attention=attention,
                        keep_logits=keep_logits, keep_probs=keep_probs, ignore_eos=ignore_eos,
-                       top_k_recorded=top_k_recorded, max_prompt_tokens=max_prompt_tokens, truncate=truncate)
+                       top_k_recorded=top_k_recorded, max_prompt_tokens=max_prompt_tokens, truncate=truncate,
+                       eos_token_id=eos_token_id)
     for step, gen in it:
         if on_step is not None:
             on_step(step, gen)
