@@ -1,0 +1,136 @@
+"""The Blocks layout: header, the shared model/prompt bar, one tab per view. Callbacks live in the
+tab modules; this file only arranges them and keeps the view state in the URL."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import gradio as gr
+
+from app.context import Shared, allowed_models, default_model, get_model
+from app.explore_tab import ExploreTab
+from model_core.registry import list_models
+
+EXAMPLE_PROMPT = "The animal didn't cross the street because it was too tired"
+
+# Optional tabs: (module, title). Each module exposes build(shared).
+OTHER_TABS = [("app.generate_tab", "Generate"), ("app.interventions_tab", "Interventions"),
+              ("app.anatomy_tab", "Anatomy"), ("app.jobs_tab", "Jobs")]
+
+# Everything a teammate needs to reproduce a view, mirrored into the page URL.
+URL_KEYS = ["model", "prompt", "chat", "layer", "head", "query", "temperature", "top_k", "top_p", "min_p", "rep"]
+URL_JS = """(...v) => {
+  const keys = %s;
+  const q = new URLSearchParams();
+  keys.forEach((k, i) => { let x = v[i]; if (typeof x === 'boolean') x = x ? 1 : 0;
+                           if (x !== null && x !== undefined && x !== '') q.set(k, x); });
+  history.replaceState(null, '', '?' + q.toString());
+  return [];
+}""" % (URL_KEYS,)
+
+
+def model_choices() -> list[tuple[str, str]]:
+    allowed = allowed_models()
+    rows = [r for r in list_models(include_random=True) if allowed is None or r["name"] in allowed]
+    out = []
+    for r in rows:
+        size = f"{r['parameters'] / 1e6:.0f}M" if r.get("parameters") and r["parameters"] >= 1e6 else (
+            f"{r['parameters'] / 1e3:.0f}k" if r.get("parameters") else "?")
+        state = "" if r["installed"] else " · not installed"
+        out.append((f"{r['name']}  ({r['architecture']}, {size}, {r['source']}{state})", r["name"]))
+    return out
+
+
+def model_info(name: str) -> str:
+    try:
+        lm = get_model(name)
+    except gr.Error as e:
+        return f"⚠️ {e.message}"
+    s = lm.summary()
+    kind = "MHA" if s["kv_heads"] == s["heads"] else ("MQA" if s["kv_heads"] == 1 else "GQA")
+    return (f"**{s['name']}** · {s['parameters'] / 1e6:.1f}M parameters · {s['layers']} layers · "
+            f"{s['heads']} query heads / {s['kv_heads']} key-value heads ({kind}) · d_model {s['d_model']} · "
+            f"vocab {s['vocab_size']:,} · {s['dtype']} on {s['device']} · loaded in {lm.load_seconds:.1f} s"
+            + (" · has a chat template" if s["chat_template"] else ""))
+
+
+def from_url(request: gr.Request):
+    """Initial values from ?model=...&prompt=...; returns updates for the shared and explore inputs."""
+    q = dict(request.query_params) if request is not None else {}
+
+    def num(k, cast, default):
+        try:
+            return cast(q[k])
+        except (KeyError, ValueError, TypeError):
+            return default
+    model = q.get("model") or default_model()
+    if model not in [v for _, v in model_choices()]:
+        model = default_model()
+    return (model, q.get("prompt", EXAMPLE_PROMPT), q.get("chat") in ("1", "true"),
+            max(0, num("layer", int, 0)), max(0, num("head", int, 0)), max(0, num("query", int, 0)),
+            num("temperature", float, 1.0), num("top_k", int, 0), num("top_p", float, 1.0),
+            num("min_p", float, 0.0), num("rep", float, 1.0),
+            {"run": bool(q.get("prompt")), "query": num("query", int, -1)})
+
+
+def build_demo() -> gr.Blocks:
+    with gr.Blocks(title="lmscope") as demo:
+        with gr.Column(elem_id="lmscope-header"):
+            gr.Markdown("# lmscope\nSee inside a language model: type a prompt, run one forward pass, and explore "
+                        "what every layer and head did with it.")
+        with gr.Row():
+            model = gr.Dropdown(model_choices(), value=default_model(), label="Model", scale=2, elem_id="model")
+            chat = gr.Checkbox(label="Wrap in chat template (instruct models)", value=False, scale=1,
+                               elem_id="chat")
+        info = gr.Markdown(elem_id="model-info")
+        with gr.Row():
+            prompt = gr.Textbox(value=EXAMPLE_PROMPT, label="Prompt", lines=2, max_lines=12, scale=5,
+                                elem_id="prompt", placeholder="Type a prompt and press Run")
+            run = gr.Button("Run", variant="primary", scale=1, elem_id="run")
+        shared = Shared(model=model, prompt=prompt, chat=chat)
+        autorun = gr.State({"run": False, "query": -1})
+
+        with gr.Tabs():
+            with gr.Tab("Explore", id="explore"):
+                explore = ExploreTab(shared)
+            for module, title in OTHER_TABS:
+                if importlib.util.find_spec(module) is None:
+                    continue
+                with gr.Tab(title, id=title.lower()):
+                    importlib.import_module(module).build(shared)
+
+        ev_run, ev_submit = explore.wire(run)
+        model.change(model_info, [model], [info])
+        url_inputs = [model, prompt, chat, explore.layer, explore.head, explore.query, *explore.sampling_inputs]
+        for ev in (ev_run, ev_submit):
+            ev.then(None, url_inputs, None, js=URL_JS)
+        for comp in (explore.layer, explore.head, explore.query, *explore.sampling_inputs):
+            comp.input(None, url_inputs, None, js=URL_JS)
+
+        load = demo.load(from_url, None, [*url_inputs, autorun])
+        load.then(model_info, [model], [info]).then(
+            _autorun, [autorun, model, prompt, chat, explore.truncate, explore.layer, explore.head,
+                       explore.lens_colour, *explore.sampling_inputs],
+            [explore.state, explore.status, explore.tokens, explore.layer, explore.head, explore.query,
+             *explore.view_outputs, explore.next_plot, explore.stages],
+            concurrency_id="model",
+        ).then(_overview_if_ready, [explore.state, explore.metric, explore.layer, explore.head], [explore.overview])
+    return demo
+
+
+def _autorun(autorun, model, prompt, chat, truncate, layer, head, *rest):
+    """A shared link (?prompt=...) reproduces the view at once; a plain visit waits for Run."""
+    from app.explore_tab import run_trace
+
+    if not autorun.get("run"):
+        return [gr.skip()] * 18
+    return run_trace(model, prompt, chat, truncate, layer, head, autorun.get("query", -1), *rest)
+
+
+def _overview_if_ready(state, metric, layer, head):
+    from app.explore_tab import overview
+
+    if not state or not state.get("key"):
+        return gr.skip()
+    return overview(state, metric, layer, head)

@@ -1,0 +1,37 @@
+"""Small timing helpers shared by the benchmarks: interleaved repeats and medians, because these
+machines are noisy and only ratios measured in the same run mean anything."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def interleaved(fns: dict, repeats: int, device="cpu", warmup: int = 1) -> dict[str, float]:
+    """Median seconds per function, running them round-robin so drift hits all alike."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+            sync(device)
+    times = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def device_info() -> str:
+    if torch.cuda.is_available():
+        return f"cuda: {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+    return f"cpu: {torch.get_num_threads()} threads, torch {torch.__version__}"

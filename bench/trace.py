@@ -1,0 +1,127 @@
+"""Trace cost against a plain transformers forward, measured in the same run.
+
+  python bench/trace.py                 # CPU, real default model (fp32)
+  python bench/trace.py --random        # default architecture with random weights
+  PYTHONPATH=. python bench/trace.py --random --device cuda --lengths 16 128 512 2048 --parity
+
+Prints, per prompt length: median seconds of a plain forward (SDPA), of lmscope's trace, of the
+trace plus its first view (one layer's attention pattern, moved to the host), of the trace with
+every layer's pattern materialised, and of transformers' output_attentions + output_hidden_states
+(eager; plus copying everything to the host on GPU) — each as a ratio to the plain forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from common import device_info, interleaved, sync  # noqa: E402
+from model_core import load_model, trace  # noqa: E402
+
+
+def load_times(name: str) -> tuple[float | None, float]:
+    """Cold (GGUF -> safetensors conversion into an empty cache) and warm load, each in a fresh process."""
+    code = ("import time,sys; t=time.perf_counter(); from model_core import load_model; "
+            "lm=load_model(sys.argv[1]); print(time.perf_counter()-t)")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    cold = None
+    if not name.startswith("random-"):
+        with tempfile.TemporaryDirectory() as d:
+            out = subprocess.run([sys.executable, "-c", code, name], env={**env, "LMSCOPE_CACHE_DIR": d},
+                                 capture_output=True, text=True, check=True)
+            cold = float(out.stdout.strip().splitlines()[-1])
+    out = subprocess.run([sys.executable, "-c", code, name], env=env, capture_output=True, text=True, check=True)
+    return cold, float(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--random", action="store_true", help="random weights of the default architecture")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[16, 128, 512])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--parity", action="store_true", help="check CPU-vs-device parity on random weights")
+    ap.add_argument("--no-load", action="store_true")
+    args = ap.parse_args()
+
+    name = "random-smollm2-135m" if args.random else "smollm2-135m-instruct"
+    lm = load_model(name, device=args.device, dtype=args.dtype)
+    eager = load_model(name, device=args.device, dtype=args.dtype, attn_implementation="eager")
+    dev = lm.device
+    print(f"# bench/trace.py  model={name}  {device_info()}  dtype={lm.dtype}")
+    if not args.no_load:
+        cold, warm = load_times(name) if dev.type == "cpu" else (None, lm.load_seconds)
+        print(f"load: cold (GGUF convert) {cold if cold is None else round(cold, 2)} s, warm (cache) {warm:.2f} s"
+              " (fresh process, includes imports)")
+    g = torch.Generator().manual_seed(0)
+    print(f"{'T':>5} {'plain s':>9} {'trace':>7} {'+1st view':>9} {'+all pat':>9} {'hf attn+hid':>11}"
+          f" {'captured MB':>11} {'patterns MB':>11} {'peak GPU MB':>11}")
+    for T in args.lengths:
+        ids = torch.randint(300, 40000 if not args.random else 49000, (1, T), generator=g).to(dev)
+        mid = lm.shape.n_layers // 2
+
+        def plain():
+            with torch.inference_mode():
+                lm.model(input_ids=ids, use_cache=False)
+
+        def tr_only():
+            trace(lm, token_ids=ids[0])
+
+        def first_view():
+            tr = trace(lm, token_ids=ids[0])
+            tr.attention_pattern(mid)[0].float().cpu()  # one head's heatmap, what the page shows
+
+        def all_patterns():
+            tr = trace(lm, token_ids=ids[0])
+            tr.cache_size = 10**6
+            for l in range(lm.shape.n_layers):
+                tr.attention_pattern(l)
+
+        def hf_full():
+            with torch.inference_mode():
+                out = eager.model(input_ids=ids, output_attentions=True, output_hidden_states=True, use_cache=False)
+                if dev.type == "cuda":
+                    [a.cpu() for a in out.attentions]
+                    [h.cpu() for h in out.hidden_states]
+
+        reps = args.repeats if T <= 512 else max(3, args.repeats // 2)
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        t = interleaved({"plain": plain, "trace": tr_only, "first": first_view, "all": all_patterns,
+                         "hf": hf_full}, reps, dev)
+        peak = torch.cuda.max_memory_allocated() / 2**20 if dev.type == "cuda" else float("nan")
+        tr = trace(lm, token_ids=ids[0])
+        cap = tr.captured_bytes() / 2**20
+        pat = lm.shape.n_layers * lm.shape.n_heads * T * T * torch.finfo(lm.dtype).bits / 8 / 2**20
+        p = t["plain"]
+        print(f"{T:>5} {p:>9.4f} {t['trace'] / p:>6.3f}x {t['first'] / p:>8.3f}x {t['all'] / p:>8.3f}x"
+              f" {t['hf'] / p:>10.3f}x {cap:>11.1f} {pat:>11.1f} {peak:>11.0f}")
+        print(f"      absolute: trace {t['trace'] * 1e3:.1f} ms, trace + first view {t['first'] * 1e3:.1f} ms,"
+              f" hf attn+hidden{' + host copy' if dev.type == 'cuda' else ''} {t['hf'] * 1e3:.1f} ms")
+        del tr
+    if args.parity and dev.type != "cpu":
+        cpu = load_model("random-smollm2-135m", device="cpu", dtype="float32")
+        gpu32 = load_model("random-smollm2-135m", device=str(dev), dtype="float32")
+        ids = torch.randint(300, 49000, (256,), generator=g)
+        a, b = trace(cpu, token_ids=ids), trace(gpu32, token_ids=ids)
+        dl = (a.next_logits - b.next_logits.cpu()).abs().max().item()
+        dp = max((a.attention_pattern(l) - b.attention_pattern(l).cpu()).abs().max().item() for l in range(30))
+        c = trace(lm, token_ids=ids)
+        top_match = (a.logits().argmax(-1) == c.logits().float().cpu().argmax(-1)).float().mean().item()
+        print(f"parity CPU fp32 vs {dev} fp32: max |dlogits| {dl:.2e}, max |dpattern| {dp:.2e};"
+              f" CPU fp32 vs {dev} {lm.dtype}: top-1 agreement {top_match:.3f}")
+
+
+if __name__ == "__main__":
+    main()
