@@ -267,3 +267,16 @@ def token_pieces(tok: Tokenizer, text: str) -> list[dict]:
     if pos < len(text) and out:
         out[-1]["text"] += text[pos:]
     return out
+
+
+def hf_pieces(hf_tok, text: str) -> list[dict]:
+    """Same as token_pieces for a transformers fast tokenizer (e.g. the default model's)."""
+    enc = hf_tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    out, pos = [], 0
+    for i, (a, b) in zip(enc["input_ids"], enc["offset_mapping"]):
+        a, b = min(max(a, pos), pos), max(b, pos)
+        out.append({"id": int(i), "text": text[a:b]})
+        pos = b
+    if pos < len(text) and out:
+        out[-1]["text"] += text[pos:]
+    return out

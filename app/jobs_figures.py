@@ -1,0 +1,153 @@
+"""Pure view functions for the Jobs tab: job records / tokenizer reports -> tables, HTML, plotly."""
+
+from __future__ import annotations
+
+import html
+import time
+
+import pandas as pd
+import plotly.graph_objects as go
+
+JOB_COLUMNS = ["id", "kind", "state", "progress", "stage", "eta", "created", "details"]
+PALETTE = ["#fde68a", "#bfdbfe", "#bbf7d0", "#fecaca", "#ddd6fe", "#fed7aa", "#a5f3fc", "#f5d0fe"]
+STATE_COLOUR = {"queued": "#9ca3af", "running": "#3b82f6", "succeeded": "#16a34a", "failed": "#dc2626",
+                "cancelled": "#a16207"}
+
+
+def _ago(t: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else ""
+
+
+def job_details(rec: dict) -> str:
+    p = rec.get("params", {})
+    if rec.get("kind") == "tokenizer":
+        src = p.get("corpus", "builtin")
+        if src == "upload":
+            src = ", ".join(p.get("corpus_files", [])) or "upload"
+        return f"{p.get('algorithm')} · vocab {p.get('vocab_size')} · {src}"
+    return ""
+
+
+def jobs_table(records: list[dict]) -> pd.DataFrame:
+    rows = []
+    for r in records:
+        pr = r.get("progress") or {}
+        eta = pr.get("eta_seconds")
+        rows.append([r["id"], r["kind"], r["state"], f"{100 * (pr.get('fraction') or 0):.0f}%",
+                     pr.get("stage", ""), f"{eta:.0f} s" if eta and r["state"] == "running" else "",
+                     _ago(r.get("created")), job_details(r)])
+    return pd.DataFrame(rows, columns=JOB_COLUMNS)
+
+
+def progress_html(rec: dict | None) -> str:
+    if not rec:
+        return "<div class='lmscope-job-progress'><em>Select a job in the list.</em></div>"
+    pr = rec.get("progress") or {}
+    frac = max(0.0, min(1.0, float(pr.get("fraction") or 0)))
+    colour = STATE_COLOUR.get(rec["state"], "#6b7280")
+    eta = pr.get("eta_seconds")
+    bits = [f"<b>{html.escape(rec['id'])}</b> · {html.escape(rec['state'])}", html.escape(str(pr.get("stage", "")))]
+    if eta and rec["state"] == "running":
+        bits.append(f"about {eta:.0f} s left")
+    if rec.get("started") and rec.get("finished"):
+        bits.append(f"ran {rec['finished'] - rec['started']:.1f} s")
+    err = f"<div style='color:#dc2626'>{html.escape(rec['error'])}</div>" if rec.get("error") else ""
+    return (f"<div class='lmscope-job-progress' data-state='{rec['state']}' data-fraction='{frac:.4f}'>"
+            f"<div>{' · '.join(bits)}</div>"
+            f"<div style='background:#e5e7eb;border-radius:6px;height:14px;overflow:hidden;margin:6px 0'>"
+            f"<div style='width:{frac * 100:.1f}%;background:{colour};height:100%;transition:width .8s'></div></div>"
+            f"<div style='font-size:85%'>{frac * 100:.0f}%</div>{err}</div>")
+
+
+def histogram_figure(report: dict | None) -> go.Figure:
+    fig = go.Figure()
+    if report:
+        h = report["token_length_histogram"]
+        labels = [str(n) for n in h["lengths"]]
+        labels[-1] = f"{h['lengths'][-1]}+"
+        fig.add_bar(x=labels, y=h["counts"], marker_color="#3b82f6", name="tokens")
+    fig.update_layout(title="Vocabulary: token length (characters)", xaxis_title="characters",
+                      yaxis_title="tokens in vocabulary", height=300, margin=dict(l=40, r=10, t=40, b=40))
+    return fig
+
+
+def compression_rows(reports: dict[str, dict]) -> list[list]:
+    """[[name, vocab, chars/token, tokens/word]] for each report plus its reference tokenizer."""
+    rows, refs = [], {}
+    for name, rep in reports.items():
+        c = rep["compression"]
+        rows.append([name, rep["vocab_size"], c["chars_per_token"], c["tokens_per_word"]])
+        ref = rep.get("reference") or {}
+        if "chars_per_token" in ref:
+            refs[ref["name"]] = [ref["name"] + " (default model)", ref.get("vocab_size"), ref["chars_per_token"],
+                                 ref["tokens_per_word"]]
+    return rows + list(refs.values())
+
+
+def compression_figure(reports: dict[str, dict]) -> go.Figure:
+    rows = compression_rows(reports)
+    fig = go.Figure()
+    if rows:
+        names = [r[0] for r in rows]
+        fig.add_bar(x=names, y=[r[2] for r in rows], name="characters per token", marker_color="#16a34a")
+        fig.add_bar(x=names, y=[r[3] for r in rows], name="tokens per word", marker_color="#f59e0b")
+    fig.update_layout(title="Compression on held-out text (higher chars/token, lower tokens/word = tighter)",
+                      barmode="group", height=320, margin=dict(l=40, r=10, t=40, b=80))
+    return fig
+
+
+def merges_table(report: dict | None) -> pd.DataFrame:
+    if not report or not report.get("first_merges"):
+        return pd.DataFrame([], columns=["rank", "left", "right", "merged"])
+    n = report["num_merges"]
+    rows = [[i + 1, a, b, a + b] for i, (a, b) in enumerate(report["first_merges"])]
+    last = report["last_merges"]
+    rows += [[n - len(last) + i + 1, a, b, a + b] for i, (a, b) in enumerate(last)]
+    df = pd.DataFrame(rows, columns=["rank", "left", "right", "merged"])
+    for c in ("left", "right", "merged"):
+        df[c] = df[c].map(lambda s: s.replace(" ", "␣").replace("\n", "↵"))
+    return df
+
+
+def summary_markdown(rec: dict | None, report: dict | None) -> str:
+    if not rec:
+        return ""
+    if not report:
+        return f"Job **{rec['id']}** is {rec['state']}; its report appears when it succeeds."
+    c, ref, tr = report["compression"], report.get("reference") or {}, report.get("train") or {}
+    lines = [f"**{report['algorithm']}** tokenizer · vocabulary **{report['vocab_size']:,}**"
+             + (f" · {report['num_merges']:,} merges" if report.get("num_merges") else "")
+             + (f" · trained on {tr.get('bytes', 0) / 2**20:.2f} MB in {tr.get('seconds', 0):.2f} s "
+                f"({tr.get('mb_per_s', 0):.2f} MB/s)" if tr else ""),
+             f"Held-out text: {report['heldout']['source']} ({report['heldout']['documents']} documents). "
+             f"This tokenizer: **{c['chars_per_token']} chars/token**, {c['tokens_per_word']} tokens/word, "
+             f"round trip exact on {c.get('roundtrip_exact_fraction', 0) * 100:.0f}% of documents."]
+    if "chars_per_token" in ref:
+        lines.append(f"{ref['name']} (vocab {ref.get('vocab_size', '?'):,}): **{ref['chars_per_token']} chars/token**, "
+                     f"{ref['tokens_per_word']} tokens/word.")
+    elif ref.get("unavailable"):
+        lines.append(f"Reference tokenizer unavailable: {ref['unavailable']}.")
+    return "\n\n".join(lines)
+
+
+def _piece(text: str) -> str:
+    if text == "":
+        return "<span style='opacity:.5'>▁</span>"
+    return html.escape(text).replace(" ", "&nbsp;").replace("\n", "↵<br>").replace("\t", "⇥")
+
+
+def tokens_html(rows: list[tuple[str, list[dict] | str]]) -> str:
+    """rows: (tokenizer name, [{id, text}] or an error sentence). Token boundaries as alternating colours."""
+    out = ["<div class='lmscope-token-compare'>"]
+    for name, pieces in rows:
+        if isinstance(pieces, str):
+            out.append(f"<div style='margin:8px 0'><b>{html.escape(name)}</b>: <em>{html.escape(pieces)}</em></div>")
+            continue
+        spans = "".join(
+            f"<span title='id {p['id']}' style='background:{PALETTE[i % len(PALETTE)]};border-radius:3px;"
+            f"padding:1px 0;margin-right:1px;font-family:monospace'>{_piece(p['text'])}</span>"
+            for i, p in enumerate(pieces))
+        out.append(f"<div style='margin:8px 0'><div><b>{html.escape(name)}</b> · {len(pieces)} tokens</div>"
+                   f"<div style='line-height:1.9;color:#111'>{spans}</div></div>")
+    out.append("</div>")
+    return "".join(out)
