@@ -159,6 +159,7 @@ class Generation:
     prefill_seconds: float = 0.0
     seconds: float = 0.0
     kv_cache: dict | None = None  # kv_cache_report at the end
+    kv_series: list[tuple[int, int]] = field(default_factory=list)  # (tokens cached, measured bytes) per step
 
     @property
     def finished(self) -> bool:
@@ -428,6 +429,7 @@ def iter_generate(lm, prompt: str | None = None, *, max_new_tokens: int = 32,
                     logits = _forward(lm, all_ids[None, cur_len - 1: cur_len], cache)
                 step.seconds = time.perf_counter() - t0
                 gen.steps.append(step)
+                gen.kv_series.append(_cache_size(cache))
                 if gen.finish_reason is None and stopped():
                     gen.finish_reason = "cancelled"
                 if gen.finish_reason is not None:
@@ -572,6 +574,15 @@ def cache_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return list(zip(cache.key_cache, cache.value_cache))  # older caches
 
 
+def _cache_size(cache) -> tuple[int, int]:
+    total, tokens = 0, 0
+    for k, v in cache_tensors(cache):
+        if torch.is_tensor(k) and k.numel():
+            total += k.numel() * k.element_size() + v.numel() * v.element_size()
+            tokens = max(tokens, int(k.shape[-2]))
+    return tokens, total
+
+
 def kv_cache_report(lm, cache) -> dict:
     """Formula next to the measured bytes of the cache's real key/value tensors, per layer."""
     measured, tokens_per_layer = [], []
@@ -676,5 +687,5 @@ def generation_to_json(lm, gen: Generation) -> dict:
         "finish_reason": gen.finish_reason, "stop_string": gen.stop_string,
         "n_tokens": len(gen.token_ids), "prefill_seconds": round(gen.prefill_seconds, 6),
         "seconds": round(gen.seconds, 6), "tokens_per_second": round(gen.tokens_per_second, 3),
-        "kv_cache": gen.kv_cache, "steps": [step_to_json(lm, s) for s in gen.steps],
+        "kv_cache": gen.kv_cache, "kv_series": [list(x) for x in gen.kv_series], "steps": [step_to_json(lm, s) for s in gen.steps],
     }

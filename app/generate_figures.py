@@ -1,0 +1,173 @@
+"""Pure figure functions for the Generation lab: plain data (the JSON of model_core.generate)
+in, a plotly Figure out. No gradio, no model."""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+STAGE_COLOURS = {"top_k": "#d62728", "top_p": "#ff7f0e", "min_p": "#9467bd", "greedy": "#7f7f7f", None: "#1f77b4"}
+_MARGIN = dict(l=50, r=20, t=40, b=40)
+
+
+def _label(step: dict) -> str:
+    return step["chosen"].get("display") or step["chosen"]["token"]
+
+
+def prob_bucket(p: float) -> str:
+    """Category for colouring a token by the model's probability of it."""
+    if p >= 0.9:
+        return "p ≥ 0.9"
+    if p >= 0.5:
+        return "0.5–0.9"
+    if p >= 0.1:
+        return "0.1–0.5"
+    return "< 0.1"
+
+
+BUCKET_COLOURS = {"p ≥ 0.9": "#b7e4c7", "0.5–0.9": "#d8f3dc", "0.1–0.5": "#ffe8a1", "< 0.1": "#ffb3b3"}
+
+
+def timeline_figure(steps: list[dict], color_by: str = "prob", selected: int | None = None) -> go.Figure:
+    """One bar per generated token: height = the model's probability of the chosen token (or the
+    entropy of the distribution in nats), colour = the same value."""
+    fig = go.Figure()
+    if not steps:
+        fig.update_layout(title="No steps yet: press Generate", margin=_MARGIN, height=260)
+        return fig
+    by_entropy = color_by == "entropy"
+    ys = [s["entropy"] if by_entropy else s["chosen"]["prob"] for s in steps]
+    xs = [s["index"] for s in steps]
+    hover = [
+        f"step {s['index']}: {_label(s)!s}<br>p = {s['chosen']['prob']:.3f} (rank {s['chosen']['rank']})"
+        f"<br>p after filters = {s['chosen'].get('prob_filtered', float('nan')):.3f}"
+        f"<br>entropy = {s['entropy']:.2f} nats" for s in steps
+    ]
+    colours = ys
+    fig.add_bar(
+        x=xs, y=ys, hovertext=hover, hoverinfo="text",
+        marker=dict(color=colours, colorscale="Viridis" if by_entropy else "RdYlGn",
+                    cmin=0, cmax=max(ys + [1e-9]) if by_entropy else 1,
+                    colorbar=dict(title="nats" if by_entropy else "p", thickness=10),
+                    line=dict(width=[3 if s["index"] == selected else 0 for s in steps], color="black")),
+        text=[_label(s) for s in steps], textposition="outside", cliponaxis=False,
+    )
+    fig.update_layout(
+        title=("Entropy of each step's distribution" if by_entropy else "Probability of each chosen token"),
+        xaxis_title="step", yaxis_title="entropy (nats)" if by_entropy else "p (model, before filters)",
+        margin=_MARGIN, height=300, showlegend=False, bargap=0.15,
+    )
+    if not by_entropy:
+        fig.update_yaxes(range=[0, 1.15])
+    return fig
+
+
+def distribution_figure(step: dict | None) -> go.Figure:
+    """Top candidates before the filters (model softmax; coloured by the filter that removed
+    them) next to the distribution after the filters (what the token was drawn from)."""
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("before filters (model)", "after filters (drawn from)"),
+                        horizontal_spacing=0.18)
+    if not step:
+        fig.update_layout(title="Select a step", margin=_MARGIN, height=360)
+        return fig
+    before = list(reversed(step["top_before"]))
+    after = list(reversed(step["top_after"]))
+    chosen = step["chosen"]["id"]
+
+    def name(c):
+        star = " ★" if c["id"] == chosen else ""
+        return f"{c['token']}{star} ·{c['id']}"
+
+    fig.add_bar(
+        row=1, col=1, orientation="h", x=[c["prob"] for c in before], y=[name(c) for c in before],
+        marker_color=[STAGE_COLOURS.get(c.get("removed_by"), "#1f77b4") for c in before],
+        hovertext=[f"{c['token']}: p = {c['prob']:.4f}" + (f", removed by {c['removed_by']}" if c.get("removed_by")
+                                                         else ", kept") for c in before],
+        hoverinfo="text", showlegend=False,
+    )
+    fig.add_bar(
+        row=1, col=2, orientation="h", x=[c["prob"] for c in after], y=[name(c) for c in after],
+        marker_color=["#2ca02c" if c["id"] == chosen else "#1f77b4" for c in after],
+        hovertext=[f"{c['token']}: p = {c['prob']:.4f}" for c in after], hoverinfo="text", showlegend=False,
+    )
+    for stage, colour in STAGE_COLOURS.items():  # legend for the removal colours
+        if stage:
+            fig.add_scatter(x=[None], y=[None], mode="markers", marker=dict(color=colour, size=10, symbol="square"),
+                            name=f"removed by {stage}", row=1, col=1)
+    fig.update_layout(title=f"Step {step['index']}: chose {step['chosen'].get('display', step['chosen']['token'])!s} "
+                            f"(p = {step['chosen']['prob']:.3f}, rank {step['chosen']['rank']})",
+                      margin=dict(l=10, r=10, t=70, b=40), height=380, legend=dict(orientation="h", y=-0.15))
+    fig.update_xaxes(title_text="probability", rangemode="tozero")
+    return fig
+
+
+def removed_summary(step: dict | None) -> str:
+    """Markdown: what each filter removed at this step."""
+    if not step:
+        return ""
+    rows = ["| filter | tokens removed | probability mass kept |", "|---|---|---|"]
+    for stage, r in step.get("removed", {}).items():
+        rows.append(f"| {stage} | {r['n_removed']:,} | {r['kept_mass']:.3f} |")
+    if len(rows) == 2:
+        rows.append("| (none active) | 0 | 1.000 |")
+    kept = step.get("n_candidates")
+    gone = [c for c in step["top_before"] if c.get("removed_by")]
+    tail = (f"\n\n{kept:,} tokens could be drawn. Among the model's top {len(step['top_before'])}, removed: "
+            + (", ".join(f"`{c['token']}` ({c['removed_by']})" for c in gone) if gone else "none") + ".")
+    return "\n".join(rows) + tail
+
+
+def attention_figure(attention: list[list[float]] | None, context_labels: list[str], step_index: int | None = None
+                     ) -> go.Figure:
+    """[layers, context] attention of the query that produced the step's token (head mean)."""
+    fig = go.Figure()
+    if not attention:
+        fig.update_layout(title="Attention: select a step", margin=_MARGIN, height=300)
+        return fig
+    n_layers = len(attention)
+    fig.add_heatmap(z=attention, x=list(range(len(context_labels))), y=list(range(n_layers)), colorscale="Blues",
+                    zmin=0, customdata=[[lab for lab in context_labels]] * n_layers,
+                    hovertemplate="layer %{y}<br>key %{x}: %{customdata}<br>weight %{z:.3f}<extra></extra>")
+    fig.update_layout(title=f"Attention over the context when producing step {step_index} (mean over heads)",
+                      xaxis=dict(title="context position", tickmode="array", tickvals=list(range(len(context_labels))),
+                                 ticktext=context_labels if len(context_labels) <= 40 else None),
+                      yaxis_title="layer", margin=_MARGIN, height=max(280, 12 * n_layers + 120))
+    return fig
+
+
+def kv_cache_figure(report: dict | None, growth: dict | None = None) -> go.Figure:
+    """Left: bytes per layer, formula next to measured. Right: total bytes as the sequence grows."""
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("per layer at the end", "total as the sequence grows"))
+    if not report:
+        fig.update_layout(title="KV cache: generate something first", margin=_MARGIN, height=320)
+        return fig
+    layers = list(range(len(report["formula_per_layer"])))
+    fig.add_bar(x=layers, y=report["formula_per_layer"], name="formula", marker_color="#9ecae1", row=1, col=1)
+    fig.add_bar(x=layers, y=report["measured_per_layer"], name="measured tensors", marker_color="#3182bd",
+                row=1, col=1)
+    if growth:
+        fig.add_scatter(x=growth["tokens"], y=growth["total"], mode="lines", name="formula total", row=1, col=2,
+                        line=dict(color="#9ecae1"))
+    if report.get("measured_series"):
+        xs, ys = zip(*report["measured_series"])
+        fig.add_scatter(x=list(xs), y=list(ys), mode="markers", name="measured total", row=1, col=2,
+                        marker=dict(color="#3182bd", size=6))
+    fig.update_xaxes(title_text="layer", row=1, col=1)
+    fig.update_xaxes(title_text="tokens in the cache", row=1, col=2)
+    fig.update_yaxes(title_text="bytes", row=1, col=1)
+    fig.update_layout(barmode="group", margin=_MARGIN, height=340,
+                      title=f"KV cache: {report['measured_total']:,} B measured, {report['formula_total']:,} B by "
+                            f"the formula ({report['tokens']} tokens)")
+    return fig
+
+
+def samples_figure(samples: list[dict]) -> go.Figure:
+    """One line per sample: the probability of each chosen token, to compare diversity."""
+    fig = go.Figure()
+    for s in samples:
+        fig.add_scatter(x=[st["index"] for st in s["steps"]], y=[st["chosen"]["prob"] for st in s["steps"]],
+                        mode="lines+markers", name=f"seed {s['seed']}",
+                        hovertext=[st["chosen"].get("display", st["chosen"]["token"]) for st in s["steps"]])
+    fig.update_layout(title="Chosen-token probability per step, one line per seed", xaxis_title="step",
+                      yaxis=dict(title="p", range=[0, 1.05]), margin=_MARGIN, height=300)
+    return fig

@@ -1,0 +1,273 @@
+"""Generation lab tab: token-by-token generation with live sampling settings, every step's
+distribution before and after the filters, N samples side by side, and the KV cache.
+
+`build(shared)` is called inside an open `gr.Tab`. All heavy lifting is model_core.generate;
+figures come from app.generate_figures (pure functions)."""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from app import generate_figures as F
+from app.context import Shared, get_model
+from model_core.errors import LmscopeError
+from model_core.generate import (
+    generation_to_json,
+    iter_generate,
+    kv_cache_growth,
+    max_new_tokens_cap,
+    step_attention,
+    step_to_json,
+    time_cache_vs_no_cache,
+)
+from model_core.sampling import SamplingSettings
+
+MAX_SAMPLES = 8
+SAMPLE_TOKENS_CAP = 64  # each of the N samples is at most this long (N x tokens of CPU time)
+TIMELINE_EVERY = 4  # redraw the timeline every few streamed steps (and at the end)
+
+
+def parse_stop(text: str | None) -> list[str]:
+    r"""One stop string per line; `\n` and `\t` are written as escapes."""
+    if not text:
+        return []
+    return [line.replace("\\n", "\n").replace("\\t", "\t") for line in text.split("\n") if line != ""]
+
+
+def _settings(temperature, top_k, top_p, min_p, repetition_penalty) -> SamplingSettings:
+    try:
+        return SamplingSettings.from_values(temperature, top_k, top_p, min_p, repetition_penalty)
+    except LmscopeError as e:
+        raise gr.Error(str(e)) from None
+
+
+def _highlight(steps: list[dict]) -> list[tuple[str, str]]:
+    return [(s["chosen"].get("display") or s["chosen"]["token"], F.prob_bucket(s["chosen"]["prob"])) for s in steps]
+
+
+def _status(gen_json: dict, running: bool) -> str:
+    n = gen_json["n_tokens"]
+    if running:
+        return f"Generating… {n} tokens"
+    why = {"length": "reached max new tokens", "eos": "the model ended its text (EOS)",
+           "stop_string": f"stop string {gen_json.get('stop_string')!r} appeared",
+           "cancelled": "stopped", "context_full": "the model's context is full"}.get(gen_json["finish_reason"],
+                                                                                   gen_json["finish_reason"])
+    return (f"**{n} tokens**, finished because {why}. {gen_json['tokens_per_second']:.1f} tokens/s "
+            f"(prompt: {len(gen_json['prompt_token_ids'])} tokens, {gen_json['prefill_seconds'] * 1000:.0f} ms).")
+
+
+def _kv_markdown(kv: dict | None) -> str:
+    if not kv:
+        return ""
+    ok = "equal" if kv["measured_total"] == kv["formula_total"] else "differ (sliding-window layers keep fewer tokens)"
+    return (f"Formula: **{kv['expression']} = {kv['formula_total']:,} B**; measured key/value tensors: "
+            f"**{kv['measured_total']:,} B** ({ok}). That is {kv['bytes_per_token']:,} B per token in "
+            f"{kv['bytes_per_value'] * 8}-bit values.")
+
+
+def _light_state(lm, gen, steps_json) -> dict:
+    kv = dict(gen.kv_cache or {})
+    kv["measured_series"] = [list(x) for x in gen.kv_series]
+    return {"model": lm.name, "ids": gen.all_ids, "prompt_len": len(gen.prompt_ids), "steps": steps_json,
+            "kv": kv, "growth": kv_cache_growth(lm, max(1, len(gen.all_ids)))}
+
+
+def build(shared: Shared) -> None:
+    cap = max_new_tokens_cap()
+    state = gr.State(None)  # per user: the last generation (ids, step records, KV report)
+    gr.Markdown(
+        "### Generation lab\nThe model writes one token at a time. At every step it gives a probability to "
+        "every token; the sampling settings reshape and cut that distribution, then one token is picked."
+    )
+    with gr.Row():
+        with gr.Column(scale=1, min_width=260):
+            max_new = gr.Slider(1, cap, value=min(32, cap), step=1, label="max new tokens", elem_id="gen-max-new")
+            temperature = gr.Slider(0, 2, value=0.0, step=0.05, label="temperature (0 = greedy)",
+                                    elem_id="gen-temperature")
+            top_k = gr.Number(value=0, precision=0, label="top-k (0 = off)", elem_id="gen-top-k")
+            top_p = gr.Slider(0.01, 1, value=1.0, step=0.01, label="top-p (1 = off)", elem_id="gen-top-p")
+            min_p = gr.Slider(0, 1, value=0.0, step=0.01, label="min-p (0 = off)", elem_id="gen-min-p")
+            rep = gr.Slider(0.5, 2.0, value=1.0, step=0.05, label="repetition penalty (1 = off)", elem_id="gen-rep")
+            seed = gr.Number(value=0, precision=0, label="seed", elem_id="gen-seed")
+            stop = gr.Textbox(label="stop strings (one per line, \\n for newline)", lines=2, elem_id="gen-stop")
+            with gr.Row():
+                go_btn = gr.Button("Generate", variant="primary", elem_id="gen-generate")
+                stop_btn = gr.Button("Stop", elem_id="gen-stop-btn")
+        with gr.Column(scale=3):
+            gr.Markdown("Tokens appear as they are generated, coloured by how likely the model found them. "
+                        "Click a token to inspect that step.")
+            out_text = gr.Textbox(label="generated text", lines=4, interactive=False, elem_id="gen-output")
+            tokens = gr.HighlightedText(label="tokens (click one)", color_map=F.BUCKET_COLOURS, show_legend=True,
+                                        combine_adjacent=False, elem_id="gen-tokens")
+            status = gr.Markdown(elem_id="gen-status")
+            color_by = gr.Radio(["prob", "entropy"], value="prob", label="timeline colour", elem_id="gen-colour-by")
+            gr.Markdown("The timeline: one bar per step. Low bars (probability) or high bars (entropy) are where "
+                        "the model was unsure and the sampling settings matter most.")
+            timeline = gr.Plot(F.timeline_figure([]), label="timeline", elem_id="gen-timeline")
+
+    gr.Markdown("#### One step\nLeft: the model's top candidates before any filter (coloured by the filter that "
+                "removed them). Right: the distribution the token was actually drawn from.")
+    with gr.Row():
+        step_sel = gr.Slider(0, 1, value=0, step=1, label="step", elem_id="gen-step")
+        show_att = gr.Checkbox(value=True, label="show attention for the step (one extra forward pass)",
+                               elem_id="gen-show-att")
+    dist = gr.Plot(F.distribution_figure(None), elem_id="gen-dist")
+    removed_md = gr.Markdown(elem_id="gen-removed")
+    gr.Markdown("Attention: where the token that produced this step looked, layer by layer (mean over heads).")
+    att_plot = gr.Plot(F.attention_figure(None, []), elem_id="gen-attention")
+
+    gr.Markdown("#### N samples\nThe same prompt and settings drawn with consecutive seeds, side by side. "
+                f"Greedy (temperature 0) gives the same text every time; raise the temperature for variety "
+                f"(each sample at most {SAMPLE_TOKENS_CAP} tokens).")
+    with gr.Row():
+        n_samples = gr.Slider(2, MAX_SAMPLES, value=5, step=1, label="samples", elem_id="gen-n-samples")
+        samples_btn = gr.Button("Draw samples", elem_id="gen-samples-btn")
+    samples_df = gr.Dataframe(headers=["seed", "text", "tokens", "mean p", "finish"], interactive=False,
+                              wrap=True, elem_id="gen-samples")
+    samples_plot = gr.Plot(F.samples_figure([]), elem_id="gen-samples-plot")
+
+    gr.Markdown("#### KV cache\nEach layer keeps the keys and values of every earlier token so a step only "
+                "processes the newest one. Its size: 2 × layers × kv_heads × head_dim × tokens × bytes per value.")
+    kv_plot = gr.Plot(F.kv_cache_figure(None), elem_id="gen-kv")
+    kv_md = gr.Markdown(elem_id="gen-kv-md")
+    with gr.Row():
+        timing_btn = gr.Button("Time with vs without the cache (16 tokens)", elem_id="gen-timing-btn")
+    timing_md = gr.Markdown(elem_id="gen-timing")
+
+    # --- callbacks --------------------------------------------------------------------
+    def run(model_name, prompt, chat, n_new, t, k, p, m, r, sd, stop_text, colour):
+        lm = get_model(model_name)
+        settings = _settings(t, k, p, m, r)
+        try:
+            it = iter_generate(lm, prompt, max_new_tokens=n_new, settings=settings, seed=sd, chat=bool(chat),
+                               stop=parse_stop(stop_text))
+            steps_json: list[dict] = []
+            gen = None
+            for step, gen in it:
+                steps_json.append(step_to_json(lm, step))
+                if not gen.finished:
+                    redraw = len(steps_json) % TIMELINE_EVERY == 1
+                    yield (gen.text, _highlight(steps_json), f"Generating… {len(steps_json)} tokens",
+                           F.timeline_figure(steps_json, colour) if redraw else gr.skip(),
+                           gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip())
+        except LmscopeError as e:
+            raise gr.Error(str(e)) from None
+        if gen is None:
+            yield ("", [], "Stopped before the first token.", F.timeline_figure([]), gr.skip(), gr.skip(),
+                   gr.skip(), gr.skip(), gr.skip(), None)
+            return
+        gj = generation_to_json(lm, gen)
+        st = _light_state(lm, gen, steps_json)
+        last = max(0, len(steps_json) - 1)
+        yield (gen.text, _highlight(steps_json), _status(gj, False), F.timeline_figure(steps_json, colour, 0),
+               gr.update(minimum=0, maximum=max(1, last), value=0), F.distribution_figure(steps_json[0] if steps_json
+                                                                                         else None),
+               F.removed_summary(steps_json[0] if steps_json else None),
+               F.kv_cache_figure(st["kv"], st["growth"]), _kv_markdown(st["kv"]), st)
+
+    gen_outputs = [out_text, tokens, status, timeline, step_sel, dist, removed_md, kv_plot, kv_md, state]
+    gen_inputs = [shared.model, shared.prompt, shared.chat, max_new, temperature, top_k, top_p, min_p, rep, seed,
+                  stop, color_by]
+    gen_event = go_btn.click(run, gen_inputs, gen_outputs)
+
+    def show_step(i, st, colour, with_att):
+        if not st or not st["steps"]:
+            return F.distribution_figure(None), "", F.attention_figure(None, []), gr.skip()
+        i = int(max(0, min(int(i or 0), len(st["steps"]) - 1)))
+        step = st["steps"][i]
+        att_fig = F.attention_figure(None, [])
+        if with_att:
+            lm = get_model(st["model"])
+            try:
+                a = step_attention(lm, st["ids"], step["position"]).float().mean(1)  # [layers, context]
+            except LmscopeError as e:
+                raise gr.Error(str(e)) from None
+            from model_core.tokenization import describe_tokens
+
+            labels = [t["display"] for t in describe_tokens(lm.tokenizer, st["ids"][: step["position"]])]
+            att_fig = F.attention_figure(a.tolist(), labels, i)
+        return (F.distribution_figure(step), F.removed_summary(step), att_fig,
+                F.timeline_figure(st["steps"], colour, i))
+
+    step_sel.release(show_step, [step_sel, state, color_by, show_att], [dist, removed_md, att_plot, timeline])
+    show_att.change(show_step, [step_sel, state, color_by, show_att], [dist, removed_md, att_plot, timeline])
+
+    def pick_token(st, colour, with_att, evt: gr.SelectData):
+        idx = evt.index if isinstance(evt.index, int) else (evt.index[0] if evt.index else 0)
+        return (gr.update(value=idx), *show_step(idx, st, colour, with_att))
+
+    tokens.select(pick_token, [state, color_by, show_att], [step_sel, dist, removed_md, att_plot, timeline])
+
+    def recolour(st, colour, i):
+        return F.timeline_figure(st["steps"] if st else [], colour, int(i or 0))
+
+    color_by.change(recolour, [state, color_by, step_sel], [timeline])
+
+    def samples(model_name, prompt, chat, n_new, t, k, p, m, r, sd, stop_text, n):
+        lm = get_model(model_name)
+        settings = _settings(t, k, p, m, r)
+        n = int(max(2, min(int(n or 2), MAX_SAMPLES)))
+        base = int(sd or 0)
+        rows, gens = [], []
+        try:
+            for j in range(n):
+                gen = None
+                for _, gen in iter_generate(lm, prompt, max_new_tokens=min(int(n_new or 1), SAMPLE_TOKENS_CAP),
+                                            settings=settings, seed=base + j, chat=bool(chat),
+                                            stop=parse_stop(stop_text)):
+                    pass
+                gj = generation_to_json(lm, gen)
+                mean_p = sum(s["chosen"]["prob"] for s in gj["steps"]) / max(1, len(gj["steps"]))
+                rows.append([base + j, gen.text, len(gen.token_ids), round(mean_p, 3), gen.finish_reason])
+                gens.append({"seed": base + j, "steps": gj["steps"]})
+                yield rows, gr.skip()
+        except LmscopeError as e:
+            raise gr.Error(str(e)) from None
+        if settings.greedy:
+            gr.Info("Temperature 0 is greedy: every seed gives the same text.")
+        distinct = len({row[1] for row in rows})
+        rows.append(["", f"{distinct} distinct texts out of {len(rows)}", "", "", ""])
+        yield rows, F.samples_figure(gens)
+
+    samples_event = samples_btn.click(samples, gen_inputs[:-1] + [n_samples], [samples_df, samples_plot])
+
+    # Stop: cancelling closes the running generator, which ends generation at once (model_core
+    # checks nothing more; the iterator is simply not advanced) and frees the model.
+    stop_btn.click(None, None, None, cancels=[gen_event, samples_event])
+
+    def timing(st):
+        if not st:
+            raise gr.Error("Generate something first: the timing uses the current prompt.")
+        lm = get_model(st["model"])
+        try:
+            t = time_cache_vs_no_cache(lm, st["ids"][: st["prompt_len"]], new_tokens=16)
+        except LmscopeError as e:
+            raise gr.Error(str(e)) from None
+        return (f"16 new tokens after a {t['prompt_tokens']}-token prompt: **{t['with_cache_s'] * 1000:.0f} ms with "
+                f"the cache** ({t['with_cache_tok_s']:.1f} tokens/s) vs **{t['without_cache_s'] * 1000:.0f} ms "
+                f"without** ({t['without_cache_tok_s']:.1f} tokens/s): {t['speedup']:.1f}× faster with it. "
+                f"Without the cache every step re-processes the whole sequence. Same tokens both ways: "
+                f"{'yes' if t['same_tokens'] else 'no'}.")
+
+    timing_btn.click(timing, [state], [timing_md])
+
+
+def demo() -> gr.Blocks:
+    """Standalone page with just this tab (development and browser tests)."""
+    from app.context import default_model
+
+    with gr.Blocks(title="lmscope · generation") as d:
+        model = gr.Dropdown([default_model(), "random-llama-tiny"], value=default_model(), label="model",
+                            elem_id="model")
+        prompt = gr.Textbox(value="The capital of France is", label="prompt", elem_id="prompt")
+        chat = gr.Checkbox(value=False, label="chat template", elem_id="chat")
+        with gr.Tab("Generate"):
+            build(Shared(model=model, prompt=prompt, chat=chat))
+    return d
+
+
+if __name__ == "__main__":
+    import os
+
+    demo().queue().launch(server_name="127.0.0.1", server_port=int(os.environ.get("PORT", "7861")), show_error=True)
