@@ -113,7 +113,7 @@ def rope_angles(angles: torch.Tensor) -> go.Figure:
 
 def positions_side_by_side(own: torch.Tensor | None, own_title: str, sinus: torch.Tensor) -> go.Figure:
     cols = 2 if own is not None else 1
-    titles = ([own_title] if own is not None else []) + ["sinusoidal (Vaswani et al. 2017)"]
+    titles = ([own_title] if own is not None else []) + ["sinusoidal (Vaswani et al. 2017): sines | cosines"]
     fig = make_subplots(rows=1, cols=cols, subplot_titles=titles, horizontal_spacing=0.08)
     mats = ([own] if own is not None else []) + [sinus]
     for i, m in enumerate(mats):

@@ -49,7 +49,8 @@ $$(R_{m}q)^\\top (R_{n}k) = q^\\top R_{n-m}\\,k,\\qquad \\theta_i = \\text{base}
 Below: two fixed vectors (all ones) at distance $m-n$, and the angle each pair has turned at each position.""",
     "pos": """**Positions.** Attention itself does not know word order, so the model needs position information.
 Left: the model's own scheme (GPT-2 adds a *learned* vector per position; RoPE models rotate q and k, shown as
-$\\cos(p\\,\\theta_i)$). Right, for comparison, the fixed sinusoidal encoding of the original Transformer:
+$\\cos(p\\,\\theta_i)$). Right, for comparison, the fixed sinusoidal encoding of the original Transformer
+(drawn as all sine columns, then all cosine columns):
 $$PE_{p,2i} = \\sin\\!\\left(\\frac{p}{10000^{2i/d}}\\right),\\qquad PE_{p,2i+1} = \\cos\\!\\left(\\frac{p}{10000^{2i/d}}\\right)$$""",
     "embed": """**Embedding space.** Each token id selects one row of the embedding matrix $E$. Tokens used alike end up with
 similar rows. Nearest neighbours by cosine similarity, and analogy arithmetic on the real matrix (leading spaces
@@ -125,7 +126,7 @@ def _position(tr, position):
 
 def _check(label, a, b):
     diff = float((a.float().cpu() - b.float().cpu()).abs().max())
-    mark = "✅" if diff < 1e-3 else "⚠️"
+    mark = "✓" if diff < 1e-3 else "✗ MISMATCH"
     return f"{mark} check: {label}, max |difference| = {diff:.2e}"
 
 
@@ -226,7 +227,9 @@ def positions_panel(model_name, n_positions):
         ang = A.rope_angles(lm, 0, n)
         own, title = torch.cos(ang), f"RoPE cos(p·θᵢ), layer 0 [{n}, {ang.shape[1]} pairs]"
         d = lm.shape.d_model
-    return fig.positions_side_by_side(own, title, A.sinusoidal_encoding(n, d))
+    pe = A.sinusoidal_encoding(n, d)
+    # shown as all sines, then all cosines (the usual picture; stored interleaved sin, cos, sin, ...)
+    return fig.positions_side_by_side(own, title, torch.cat([pe[:, 0::2], pe[:, 1::2]], dim=1))
 
 
 @_guard
@@ -322,12 +325,12 @@ def build(shared: Shared) -> None:
 
     with gr.Accordion("Architecture card", open=True, elem_id="anatomy-card"):
         _md(TEXT["card"])
-        with gr.Row():
-            card_df = gr.Dataframe(label="This model", interactive=False, wrap=True, scale=2)
-            with gr.Column(scale=3):
-                compare = gr.Dropdown(choices=compare_choices(), value=DEFAULT_COMPARE, multiselect=True,
-                                      label="Compare with", allow_custom_value=False)
-                compare_df = gr.Dataframe(label="Side by side", interactive=False, wrap=True)
+        with gr.Accordion("This model only", open=False):
+            card_df = gr.Dataframe(label="This model", interactive=False, wrap=True)
+        compare = gr.Dropdown(choices=compare_choices(), value=DEFAULT_COMPARE, multiselect=True,
+                              label="Compare with (the selected model is the first column)",
+                              allow_custom_value=False)
+        compare_df = gr.Dataframe(label="Side by side", interactive=False, wrap=True, max_height=900)
         params_plot = gr.Plot(label="Parameters by part")
 
     with gr.Accordion("Module tree with shapes", open=False, elem_id="anatomy-tree"):
