@@ -1,0 +1,87 @@
+"""Helpers for the browser tests: a live `lmscope serve` on a free loopback port, and Debian's
+Chromium driven by Playwright (never a downloaded browser)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = ROOT / "artifacts" / "screenshots"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    def __init__(self, extra_env: dict | None = None, args: tuple = ("--no-services",)):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/"
+        env = {**os.environ, "LMSCOPE_DEVICE": "cpu", "GRADIO_ANALYTICS_ENABLED": "False", **(extra_env or {})}
+        self.log = open(ROOT / "artifacts" / f"server-{self.port}.log", "w") if (ROOT / "artifacts").exists() else subprocess.DEVNULL
+        self.proc = subprocess.Popen([sys.executable, "-m", "model_core.cli", "serve", "--port", str(self.port), *args],
+                                     cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}")
+            try:
+                urllib.request.urlopen(self.url, timeout=2)
+                return
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError("server did not start in 180 s")
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def launch_browser(playwright):
+    return playwright.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+
+
+def plot_data(page, elem_id: str) -> list[dict]:
+    """The Plotly traces currently drawn in the gr.Plot with this elem_id."""
+    return json.loads(page.evaluate(
+        """(id) => { const el = document.querySelector('#' + id + ' .js-plotly-plot');
+                     if (!el || !el._fullData) return '[]';
+                     // typed arrays (Plotly's binary encoding, decoded) -> plain arrays
+                     const norm = v => ArrayBuffer.isView(v) ? Array.from(v) : (Array.isArray(v) ? v.map(norm) : v);
+                     return JSON.stringify(el._fullData.map(t => ({type: t.type, x: norm(t.x), y: norm(t.y),
+                                                                    z: norm(t.z), text: norm(t.text)}))); }""",
+        elem_id))
+
+
+def plot_title(page, elem_id: str) -> str:
+    return page.evaluate(
+        """(id) => { const el = document.querySelector('#' + id + ' .js-plotly-plot');
+                     return el && el.layout && el.layout.title ? (el.layout.title.text || '') : ''; }""", elem_id)
+
+
+def set_number(page, elem_id: str, value) -> None:
+    """Type into a slider's/number's number box and commit it like a user (Enter)."""
+    box = page.locator(f"#{elem_id} input[type=number]").first
+    box.fill(str(value))
+    box.press("Enter")
+
+
+def screenshot(page, name: str) -> Path:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    path = ARTIFACTS / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    return path

@@ -1,0 +1,98 @@
+"""The Explore view in real headless Chromium against a live server on the real default model."""
+
+import time
+
+import pytest
+from playwright.sync_api import sync_playwright
+
+from browser import LiveServer, launch_browser, plot_data, plot_title, screenshot, set_number
+
+pytestmark = pytest.mark.browser
+PROMPT = "The animal didn't cross the street because it was too tired"
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = LiveServer()
+    yield s
+    s.stop()
+
+
+def _wait_title(page, elem_id, needle, timeout=60):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if needle in plot_title(page, elem_id):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{elem_id} title never contained {needle!r}: {plot_title(page, elem_id)!r}")
+
+
+def test_explore_in_the_browser(server):
+    with sync_playwright() as pw:
+        browser = launch_browser(pw)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(server.url)
+        page.locator("#prompt textarea").fill(PROMPT)
+        page.click("#run")
+        for plot in ("head-grid", "head-big", "head-bars", "lens", "resid", "next-token", "neurons"):
+            page.wait_for_selector(f"#{plot} .js-plotly-plot", timeout=120_000)
+        _wait_title(page, "head-grid", "Layer 0")
+
+        # real data: 9 heads of 12x12 attention rows summing to 1; 30 lens rows; a proper distribution
+        grid = plot_data(page, "head-grid")
+        assert len(grid) == 9 and len(grid[0]["z"]) == 12
+        for row in grid[0]["z"]:
+            assert abs(sum(row) - 1) < 1e-2
+        lens = plot_data(page, "lens")[0]
+        assert len(lens["y"]) == 30 and len(lens["text"][0]) == 12
+        assert any(cell.strip() for row in lens["text"] for cell in row)
+        resid = plot_data(page, "resid")[0]
+        assert len(resid["z"]) == 31
+        base, final = plot_data(page, "next-token")[:2]
+        assert 0.05 < base["y"][0] <= 1 and base["y"] == sorted(base["y"], reverse=True)
+        assert "tokens" in page.inner_text("#tokens") and "perplexity" in page.inner_text("#tokens")
+        screenshot(page, "explore-run")
+
+        # switch layer and head: only the views change (no new forward pass)
+        set_number(page, "layer", 5)
+        _wait_title(page, "head-grid", "Layer 5")
+        set_number(page, "head", 3)
+        _wait_title(page, "head-big", "Layer 5, head 3")
+        assert plot_data(page, "head-grid")[0]["z"] != grid[0]["z"]
+
+        # temperature changes the distribution shown after the settings
+        set_number(page, "temperature", 2.5)
+        deadline = time.time() + 30
+        while plot_data(page, "next-token")[1]["y"] == final["y"] and time.time() < deadline:
+            time.sleep(0.2)
+        hot = plot_data(page, "next-token")[1]["y"]
+        assert hot != final["y"] and hot[0] < final["y"][0]  # flatter: the top token loses mass
+        screenshot(page, "explore-layer5-head3-t2.5")
+
+        # the URL carries the view: a teammate opening it sees the same thing
+        shared = page.url
+        assert "layer=5" in shared and "head=3" in shared and "temperature=2.5" in shared
+        other = browser.new_page(viewport={"width": 1400, "height": 1000})
+        other.goto(shared)
+        other.wait_for_selector("#head-big .js-plotly-plot", timeout=120_000)
+        _wait_title(other, "head-big", "Layer 5, head 3")
+        assert other.locator("#prompt textarea").input_value() == PROMPT
+        deadline = time.time() + 30
+        while plot_data(other, "next-token")[1:2] == [] and time.time() < deadline:
+            time.sleep(0.2)
+        assert plot_data(other, "next-token")[1]["y"] == hot
+        screenshot(other, "explore-shared-url")
+
+        # bad input: a clear message, and the app keeps serving
+        page.locator("#prompt textarea").fill("   ")
+        page.click("#run")
+        page.wait_for_selector("text=The prompt is empty", timeout=30_000)
+        page.locator("#prompt textarea").fill("e\u0301 🦜 שלום \x07")
+        page.click("#run")
+        deadline = time.time() + 60
+        while "<0x07>" not in page.inner_text("#tokens") and time.time() < deadline:
+            time.sleep(0.2)
+        assert "<0x07>" in page.inner_text("#tokens")
+        assert plot_title(page, "head-grid").startswith("Layer 5")
+        screenshot(page, "explore-odd-unicode")
+        browser.close()
