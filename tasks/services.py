@@ -91,6 +91,26 @@ def worker_command(concurrency: int = 1, name: str | None = None) -> list[str]:
     return [sys.executable, "-m", "celery", "-A", "tasks.celery_app"] + argv
 
 
+def _die_with_parent() -> None:
+    """Linux: the worker gets SIGTERM (warm shutdown) when the process that started it dies, so a
+    killed web app leaves no orphan worker behind. No-op elsewhere."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _exit_on_sigterm() -> None:
+    """`docker stop` / systemd send SIGTERM: turn it into SystemExit so the caller's finally block
+    (handle.stop()) runs. Only installs itself over the default handler, in the main thread."""
+    import threading
+
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 def start_worker(redis_url: str, data_dir: Path, concurrency: int = 1, log_path: Path | None = None,
                  extra_env: dict | None = None, name: str | None = None) -> subprocess.Popen:
     env = dict(os.environ)
@@ -101,7 +121,7 @@ def start_worker(redis_url: str, data_dir: Path, concurrency: int = 1, log_path:
     log_path = log_path or Path(data_dir) / "worker.log"
     log = open(log_path, "ab")
     proc = subprocess.Popen(worker_command(concurrency, name), stdout=log, stderr=subprocess.STDOUT, env=env,
-                            cwd=str(ROOT), start_new_session=True)
+                            cwd=str(ROOT), start_new_session=True, preexec_fn=_die_with_parent)
     log.close()
     return proc
 
@@ -162,6 +182,7 @@ def ensure_services(data_dir: str | os.PathLike | None = None, start_worker_proc
     elif start_worker_proc is None:
         start_worker_proc = os.environ.get("LMSCOPE_START_WORKER") == "1"
     worker = None
+    _exit_on_sigterm()
     if start_worker_proc:
         worker = start_worker(url, data_dir, concurrency)
         notes.append(f"started worker pid {worker.pid} (log {data_dir / 'worker.log'})")

@@ -236,3 +236,61 @@ def test_cli_submit_wait_json_end_to_end(svc, tmp_path):
     bad = subprocess.run(cmd + ["submit", "tokenizer", "--vocab-size", "10"], capture_output=True, text=True,
                          env=env, cwd=ROOT, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "too small" in bad.stderr
+
+
+def test_ensure_services_embedded_reuse_and_url_file(tmp_path, monkeypatch):
+    from tasks import services
+    from tests.jobs_helpers import free_port
+
+    port = free_port()
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    monkeypatch.setenv("LMSCOPE_REDIS_PORT", str(port))
+    h1 = services.ensure_services(tmp_path, start_worker_proc=False)
+    try:
+        assert h1.redis_url == f"redis://127.0.0.1:{port}/0" and h1.redis_proc is not None
+        assert (tmp_path / "redis.url").read_text().strip() == h1.redis_url
+        conf = (tmp_path / "redis" / "valkey.conf").read_text()
+        assert "appendonly yes" in conf
+        h2 = services.ensure_services(tmp_path, start_worker_proc=False)  # a second run reuses the server
+        assert h2.redis_proc is None and h2.redis_url == h1.redis_url
+        h2.stop()  # stops nothing it did not start
+        assert services._ping("127.0.0.1", port)
+    finally:
+        h1.stop()
+    assert not services._ping("127.0.0.1", port)
+    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")  # REDIS_URL set: start nothing
+    h3 = services.ensure_services(tmp_path)
+    assert h3.redis_proc is None and h3.worker_proc is None and h3.redis_url == "redis://127.0.0.1:1/0"
+
+
+def test_jobs_tab_callbacks_against_live_worker(svc, jobs):
+    """The Jobs tab's callbacks (what the buttons and the timer call), without a browser."""
+    import gradio as gr
+
+    from app import jobs_tab
+
+    owner, job_id, msg = jobs_tab.submit("", "bpe", 400, 2, "<unk>, <s>", "builtin", None, 0.1)
+    assert owner.startswith("browser-") and job_id in msg
+    for _ in range(300):
+        _, table, status, prog, log = jobs_tab.refresh(owner, False, job_id)
+        if "data-state='succeeded'" in prog:
+            break
+        time.sleep(0.2)
+    assert list(table["id"]) == [job_id] and table["state"][0] == "succeeded" and status == ""
+    prog, log, summary, hist, merges, comp, files = jobs_tab.show_selected(job_id, "")
+    assert "vocabulary **400**" in summary and len(merges) == 40 and len(files) == 2
+    assert merges["rank"].iloc[-1] == int(json.loads(Path(files[1]).read_text())["num_merges"])
+    html, fig = jobs_tab.compare("Tokenize this, please.", [], job_id)
+    assert html.count("<b>") == 2 and html.count("title='id ") > 5
+    from tokenizers import Tokenizer
+
+    from tasks.tokenizer_train import hf_pieces, reference_tokenizer, token_pieces
+
+    text = "Tokenize  this,\nplease."
+    tok = Tokenizer.from_file(files[0])
+    assert "".join(p["text"] for p in token_pieces(tok, text)) == text  # boundaries cover the prompt
+    ref, _ = reference_tokenizer()
+    if ref is not None:
+        assert "".join(p["text"] for p in hf_pieces(ref, text)) == text
+    with pytest.raises(gr.Error, match="too small"):
+        jobs_tab.submit(owner, "bpe", 20, 2, "", "builtin", None, None)
