@@ -185,8 +185,11 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def heartbeat_dead(job_id: str, r: redis.Redis | None = None, stale_after: float | None = None) -> str | None:
-    """Why the running execution of job_id is gone, or None if it may still be alive."""
+def heartbeat_dead(job_id: str, r: redis.Redis | None = None, stale_after: float | None = None,
+                   check_pid: bool = True) -> str | None:
+    """Why the running execution of job_id is gone, or None if it may still be alive.
+    check_pid: also count a dead process on this host (used by a redelivered task to take over
+    at once; the reaper only trusts the heartbeat age, so a redelivery gets to retry first)."""
     stale_after = config.stale_after_s() if stale_after is None else stale_after
     hb = heartbeat_of(job_id, r)
     rec = get(job_id, r)
@@ -198,7 +201,7 @@ def heartbeat_dead(job_id: str, r: redis.Redis | None = None, stale_after: float
             return f"no heartbeat for {stale_after:.0f} s"
         return None
     t, pid, host = hb
-    if host == socket.gethostname() and not pid_alive(pid):
+    if check_pid and host == socket.gethostname() and not pid_alive(pid):
         return f"worker process {pid} died"
     if time.time() - t > stale_after:
         return f"no heartbeat for {stale_after:.0f} s"
@@ -206,12 +209,13 @@ def heartbeat_dead(job_id: str, r: redis.Redis | None = None, stale_after: float
 
 
 def reap(r: redis.Redis | None = None, stale_after: float | None = None) -> list[str]:
-    """Mark running jobs whose worker is gone (heartbeat older than stale_after, default
-    LMSCOPE_JOB_STALE_SECONDS=30 s, or its process dead on this host) as failed. Returns their ids."""
+    """Mark running jobs whose heartbeat is older than stale_after (default
+    LMSCOPE_JOB_STALE_SECONDS=30 s) as failed: "worker lost". Returns their ids. A task process
+    killed under a live worker is redelivered (reject_on_worker_lost) and retried well before that."""
     r = r or client()
     reaped = []
     for job_id in active_ids(r):
-        why = heartbeat_dead(job_id, r, stale_after)
+        why = heartbeat_dead(job_id, r, stale_after, check_pid=False)
         if why is None:
             continue
 
