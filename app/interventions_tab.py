@@ -1,0 +1,280 @@
+"""Interventions tab: ablate heads / MLPs / neurons, patch a clean prompt into a corrupted one,
+attribute the answer to layers and heads, and compare two prompts side by side.
+
+Everything here is a thin wire between widgets, model_core.interventions / attribution, and the
+pure figure functions in app.interventions_figures. Interventions run inside a per-request
+Recorder (a ContextVar), so nothing a user toggles here changes another user's model.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+
+import gradio as gr
+import torch
+
+from app import interventions_figures as fig
+from app.context import Shared, default_model, get_model
+from model_core import paths
+from model_core.attribution import direct_logit_attribution
+from model_core.errors import LmscopeError
+from model_core.interventions import (Ablation, ablate, compare_prompts, make_metric, patch_heads, patch_residual)
+from model_core.lens import logit_lens
+from model_core.registry import RANDOM_CONFIGS, REGISTRY, converted_dir
+
+CLEAN = "The Eiffel Tower is in the city of"
+CORRUPT = "The Colosseum is in the city of"
+TARGET, OTHER = " Paris", " Rome"
+MAX_SWEEP_CELLS = 4000  # larger sweeps belong in a background job
+
+INTRO = """**What if?** Switch parts of the model off, or transplant activations from one prompt into another,
+and watch the prediction move. The clean/corrupted pair below differs only in the landmark; the metric is read at
+the last position (logit difference `target − other`, or `log p(target)`).
+
+- **Ablate**: zero (or replace by its mean over the prompt's positions) the chosen heads, MLP layers or neurons,
+  on the *clean* prompt.
+- **Patch**: run the *corrupted* prompt, but copy one activation from the clean run (one layer × position of the
+  residual stream, or one head's output at every position). 0 = no better than corrupted, 1 = fully clean.
+- **Attribute**: how much each head / attention layer / MLP writes directly toward the target through the final norm
+  (its scale frozen as the model applied it), on the clean prompt. Adds up exactly to the logit.
+- **Compare**: the two prompts side by side."""
+
+
+def _guard(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except gr.Error:
+            raise
+        except LmscopeError as e:
+            raise gr.Error(str(e)) from None
+        except (KeyError, IndexError, ValueError) as e:
+            raise gr.Error(f"Bad input: {e}") from None
+    return wrapper
+
+
+# --- head choices without loading the model ------------------------------------------------
+
+def _config_for(name: str) -> dict | None:
+    entry = REGISTRY.get(name)
+    if entry is not None and entry.random_config:
+        return dict(entry.random_config)
+    for d in (converted_dir(name), paths.finetuned_dir() / name):
+        try:
+            return json.loads((d / "config.json").read_text())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def shape_of(name: str) -> tuple[int, int] | None:
+    """(layers, heads) from a model's config file, or None when unknown before loading."""
+    cfg = _config_for((name or "").strip() or default_model())
+    if not cfg:
+        return None
+    cfg = cfg.get("text_config", cfg)
+    L = cfg.get("num_hidden_layers", cfg.get("n_layer"))
+    H = cfg.get("num_attention_heads", cfg.get("n_head"))
+    return (int(L), int(H)) if L and H else None
+
+
+def head_choices(n_layers: int, n_heads: int) -> list[str]:
+    return [f"L{l}H{h}" for l in range(n_layers) for h in range(n_heads)]
+
+
+def _choices_update(name):
+    s = shape_of(name)
+    if s is None:
+        try:
+            lm = get_model(name)
+            s = (lm.shape.n_layers, lm.shape.n_heads)
+        except gr.Error:
+            s = (0, 0)
+    return (gr.update(choices=head_choices(*s), value=[]), gr.update(choices=[str(l) for l in range(s[0])], value=[]))
+
+
+_HEAD = re.compile(r"^\s*L?(\d+)\s*[.:H]\s*(\d+)\s*$", re.I)
+_NEURON = re.compile(r"^\s*L?(\d+)\s*[.:N]\s*(\d+)\s*$", re.I)
+
+
+def parse_pairs(items, pattern=_HEAD, what="head") -> tuple[tuple[int, int], ...]:
+    """['L3H2', '5.1'] or 'L3N100, 4:7' -> ((3, 2), (5, 1))."""
+    if isinstance(items, str):
+        items = [p for p in re.split(r"[,\s;]+", items) if p.strip()]
+    out = []
+    for it in items or []:
+        m = pattern.match(str(it))
+        if not m:
+            raise gr.Error(f"Could not read {what} '{it}': write it like "
+                           f"{'L3H2' if what == 'head' else 'L3N120'} (layer, then index).")
+        out.append((int(m.group(1)), int(m.group(2))))
+    return tuple(out)
+
+
+def _metric(lm, target, other, kind):
+    other = other if kind == "logit_diff" else None
+    return make_metric(lm, target, other or None, kind="logit_diff" if other else "logprob")
+
+
+def _tok(lm, i: int) -> str:
+    return repr(lm.tokenizer.decode([int(i)]))[1:-1] or "∅"
+
+
+def _pos_labels(lm, ids) -> list[str]:
+    return [f"{p}:{_tok(lm, t)}" for p, t in enumerate(ids)]
+
+
+# --- handlers ----------------------------------------------------------------------------------
+
+@_guard
+def run_ablation(model, clean, target, other, kind, heads, mlps, neurons, mode):
+    lm = get_model(model)
+    ab = Ablation(heads=parse_pairs(heads), mlps=tuple(int(l) for l in (mlps or [])),
+                  neurons=parse_pairs(neurons, _NEURON, "neuron"), mode=mode or "zero")
+    m = _metric(lm, target, other, kind)
+    res = ablate(lm, clean, ab, metric=m)
+    top = res.next_token_probs(10)
+    bars = fig.next_token_compare([_tok(lm, i) for i in top["ids"]], top["clean"], top["ablated"],
+                                  title=f"Next token: clean vs {ab.describe()}")
+    follow = int(torch.argmax(res.clean.next_logits)) if m.kind == "logprob" else m.target
+    T = res.clean.n_tokens
+    lc = logit_lens(res.clean, positions=[T - 1], k=1, targets=[follow])
+    la = logit_lens(res.ablated, positions=[T - 1], k=1, targets=[follow])
+    lens = fig.lens_change(lc.layers, lc.target_probs[:, 0].tolist(), la.target_probs[:, 0].tolist(),
+                           lm.tokenizer.decode([follow]),
+                           [_tok(lm, i) for i in lc.top_ids[:, 0, 0].tolist()],
+                           [_tok(lm, i) for i in la.top_ids[:, 0, 0].tolist()])
+    summary = (f"**{ab.describe()}** on the clean prompt ({T} tokens). {m.describe(lm)}: "
+               f"clean **{res.clean_metric:.3f}** → ablated **{res.ablated_metric:.3f}** "
+               f"(Δ {res.ablated_metric - res.clean_metric:+.3f}).")
+    return summary, bars, lens
+
+
+@_guard
+def run_patching(model, clean, corrupt, target, other, kind, what, align, progress=gr.Progress()):
+    lm = get_model(model)
+    m = _metric(lm, target, other, kind)
+    L = lm.shape.n_layers
+    progress(0.0, desc="clean and corrupted runs")
+
+    def report(f):
+        progress(f, desc="patched runs")
+    align_mode = "right" if align else "error"
+    if what == "heads":
+        res = patch_heads(lm, clean, corrupt, m, align=align_mode, progress=report)
+        cols = [f"H{h}" for h in res.cols]
+    else:
+        n_tokens = len(lm.tokenizer(corrupt)["input_ids"]) if isinstance(corrupt, str) else 0
+        if L * n_tokens > MAX_SWEEP_CELLS:
+            raise gr.Error(f"That sweep is {L} layers × {n_tokens} positions = {L * n_tokens} patched runs; the "
+                           f"interactive limit is {MAX_SWEEP_CELLS}. Shorten the prompts.")
+        res = patch_residual(lm, clean, corrupt, m, align=align_mode, progress=report)
+        cols = [_pos_labels(lm, res.corrupted_ids)[p] for p in res.cols]
+    title = (f"Patching clean → corrupted ({'head outputs' if what == 'heads' else 'residual stream'}): "
+             f"{m.describe(lm)}")
+    heat = fig.patching_heatmap(res.normalized, res.rows, cols, title, kind=res.kind)
+    n = res.normalized
+    best = torch.nan_to_num(n, nan=-1e9).flatten().argmax()
+    r, c = divmod(int(best), n.shape[1])
+    summary = (f"{m.describe(lm)}: clean **{res.clean_value:.3f}**, corrupted **{res.corrupted_value:.3f}**. "
+               f"{n.numel()} cells in {res.n_forward} forward passes (batches of {res.batch_size}), "
+               f"{res.seconds:.1f} s; prompts {res.aligned}. Strongest cell: L{res.rows[r]} · {cols[c]} "
+               f"restores {float(n[r, c]):.2f} of the clean effect.")
+    if abs(res.clean_value - res.corrupted_value) < 1e-6:
+        summary += " Clean and corrupted score the same, so the normalised effect is undefined (blank)."
+    return summary, heat
+
+
+@_guard
+def run_attribution(model, clean, target, other, kind):
+    lm = get_model(model)
+    m = _metric(lm, target, other, kind)
+    a = direct_logit_attribution(lm, clean, m)
+    what = f"logit[{lm.tokenizer.decode([m.target])!r}]" + (
+        f" − logit[{lm.tokenizer.decode([m.other])!r}]" if a.other is not None else "")
+    heads = fig.head_attribution(a.heads.tolist(), title=f"Direct attribution per head toward {what}")
+    bars = fig.layer_bars(a.attn.tolist(), a.mlp.tolist(), a.embed, title=f"Per layer toward {what}")
+    top = torch.topk(a.heads.flatten().abs(), k=min(5, a.heads.numel())).indices.tolist()
+    H = a.heads.shape[1]
+    tops = ", ".join(f"L{i // H}H{i % H} {float(a.heads.flatten()[i]):+.2f}" for i in top)
+    summary = (f"Sum of the parts **{a.total:.3f}** = the model's logit **{a.logit:.3f}** "
+               f"(embedding {a.embed:+.2f}, attention {float(a.attn.sum()):+.2f}, MLPs {float(a.mlp.sum()):+.2f}, "
+               f"final bias {a.final_bias:+.2f}; final-norm scale frozen at "
+               f"{a.final_scale:.3f}). Largest heads: {tops}.")
+    return summary, heads, bars
+
+
+@_guard
+def run_compare(model, a, b):
+    lm = get_model(model)
+    c = compare_prompts(lm, a, b, k=10)
+    fa = fig.distribution([_tok(lm, i) for i in c.top["a"]["ids"]], c.top["a"]["probs"], "Prompt A: next token")
+    fb = fig.distribution([_tok(lm, i) for i in c.top["b"]["ids"]], c.top["b"]["probs"], "Prompt B: next token",
+                          color=fig.OTHER)
+    diff = fig.resid_difference(c.resid_diff_norm.tolist(), c.resid_rel_diff.tolist())
+    return fa, fb, diff
+
+
+def build(shared: Shared) -> None:
+    s0 = shape_of(default_model()) or (0, 0)
+    gr.Markdown(INTRO)
+    with gr.Row():
+        clean = gr.Textbox(CLEAN, label="Clean prompt", scale=3, elem_id="iv-clean")
+        corrupt = gr.Textbox(CORRUPT, label="Corrupted prompt", scale=3, elem_id="iv-corrupt")
+    with gr.Row():
+        target = gr.Textbox(TARGET, label="Target token (mind the leading space)", elem_id="iv-target")
+        other = gr.Textbox(OTHER, label="Other token (for a logit difference)", elem_id="iv-other")
+        kind = gr.Radio([("logit difference", "logit_diff"), ("target log-prob", "logprob")], value="logit_diff",
+                        label="Metric", elem_id="iv-metric")
+
+    with gr.Accordion("Ablate heads, MLPs, neurons (clean prompt)", open=True):
+        with gr.Row():
+            heads = gr.Dropdown(head_choices(*s0), value=[], multiselect=True, label="Heads to switch off",
+                                scale=3, elem_id="iv-heads")
+            mlps = gr.Dropdown([str(l) for l in range(s0[0])], value=[], multiselect=True, label="MLP layers",
+                               scale=1, elem_id="iv-mlps")
+            neurons = gr.Textbox("", label="Neurons (e.g. L3N120, L5N7)", scale=1, elem_id="iv-neurons")
+            mode = gr.Radio([("zero", "zero"), ("mean over positions", "mean")], value="zero", label="Ablation",
+                            scale=1, elem_id="iv-mode")
+        ablate_btn = gr.Button("Run ablation", variant="primary", elem_id="iv-ablate")
+        ablate_md = gr.Markdown(elem_id="iv-ablate-summary")
+        with gr.Row():
+            ablate_bars = gr.Plot(label="Next-token distribution", elem_id="iv-ablate-bars")
+            ablate_lens = gr.Plot(label="Logit lens (last position)", elem_id="iv-ablate-lens")
+
+    with gr.Accordion("Activation patching (clean → corrupted)", open=True):
+        with gr.Row():
+            what = gr.Radio([("residual stream: layers × positions", "resid"), ("head outputs: layers × heads", "heads")],
+                            value="resid", label="Patch", scale=3, elem_id="iv-patch-kind")
+            align = gr.Checkbox(False, label="Different lengths: align at the last token", scale=1,
+                                elem_id="iv-align")
+        patch_btn = gr.Button("Run patching sweep", variant="primary", elem_id="iv-patch")
+        patch_md = gr.Markdown(elem_id="iv-patch-summary")
+        patch_plot = gr.Plot(label="Patching effect", elem_id="iv-patch-plot")
+
+    with gr.Accordion("Direct logit attribution (clean prompt)", open=True):
+        attr_btn = gr.Button("Attribute", variant="primary", elem_id="iv-attr")
+        attr_md = gr.Markdown(elem_id="iv-attr-summary")
+        with gr.Row():
+            attr_heads = gr.Plot(label="Per head", elem_id="iv-attr-heads")
+            attr_layers = gr.Plot(label="Per layer", elem_id="iv-attr-layers")
+
+    with gr.Accordion("Compare the two prompts", open=False):
+        cmp_btn = gr.Button("Compare clean and corrupted", elem_id="iv-compare")
+        with gr.Row():
+            cmp_a = gr.Plot(label="Clean", elem_id="iv-cmp-a")
+            cmp_b = gr.Plot(label="Corrupted", elem_id="iv-cmp-b")
+        cmp_diff = gr.Plot(label="Residual difference", elem_id="iv-cmp-diff")
+
+    m = shared.model
+    ablate_btn.click(run_ablation, [m, clean, target, other, kind, heads, mlps, neurons, mode],
+                     [ablate_md, ablate_bars, ablate_lens], concurrency_id="model")
+    patch_btn.click(run_patching, [m, clean, corrupt, target, other, kind, what, align], [patch_md, patch_plot],
+                    concurrency_id="model")
+    attr_btn.click(run_attribution, [m, clean, target, other, kind], [attr_md, attr_heads, attr_layers],
+                   concurrency_id="model")
+    cmp_btn.click(run_compare, [m, clean, corrupt], [cmp_a, cmp_b, cmp_diff], concurrency_id="model")
+    m.change(_choices_update, [m], [heads, mlps])
