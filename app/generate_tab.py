@@ -150,12 +150,12 @@ def build(shared: Shared) -> None:
                     redraw = len(steps_json) % TIMELINE_EVERY == 1
                     yield (gen.text, _highlight(steps_json), f"Generating… {len(steps_json)} tokens",
                            F.timeline_figure(steps_json, colour) if redraw else gr.skip(),
-                           gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip())
+                           gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip())
         except LmscopeError as e:
             raise gr.Error(str(e)) from None
         if gen is None:
             yield ("", [], "Stopped before the first token.", F.timeline_figure([]), gr.skip(), gr.skip(),
-                   gr.skip(), gr.skip(), gr.skip(), None)
+                   gr.skip(), F.attention_figure(None, []), gr.skip(), gr.skip(), None)
             return
         gj = generation_to_json(lm, gen)
         st = _light_state(lm, gen, steps_json)
@@ -163,10 +163,10 @@ def build(shared: Shared) -> None:
         yield (gen.text, _highlight(steps_json), _status(gj, False), F.timeline_figure(steps_json, colour, 0),
                gr.update(minimum=0, maximum=max(1, last), value=0), F.distribution_figure(steps_json[0] if steps_json
                                                                                          else None),
-               F.removed_summary(steps_json[0] if steps_json else None),
+               F.removed_summary(steps_json[0] if steps_json else None), F.attention_figure(None, []),
                F.kv_cache_figure(st["kv"], st["growth"]), _kv_markdown(st["kv"]), st)
 
-    gen_outputs = [out_text, tokens, status, timeline, step_sel, dist, removed_md, kv_plot, kv_md, state]
+    gen_outputs = [out_text, tokens, status, timeline, step_sel, dist, removed_md, att_plot, kv_plot, kv_md, state]
     gen_inputs = [shared.model, shared.prompt, shared.chat, max_new, temperature, top_k, top_p, min_p, rep, seed,
                   stop, color_by]
     gen_event = go_btn.click(run, gen_inputs, gen_outputs)

@@ -233,13 +233,14 @@ def sample_step(logits: torch.Tensor, settings: SamplingSettings, context_ids: t
     once per step. Ids are exact in float32 up to 2^24 (16.7M-token vocabularies)."""
     raw = logits
     cur = S.repetition_penalty(raw, context_ids, settings.repetition_penalty)
-    removed_masks: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (code, mask, kept mass)
+    # Per filter: (code, logits before, logits after). What it removed is derived cheaply: the
+    # kept mass is exp(logsumexp(after) - logsumexp(before)), the count is the drop in finite
+    # logits, and "which of the top candidates" is a gather of 2 x k values.
+    filters: list[tuple[int, torch.Tensor, torch.Tensor]] = []
 
     def filt(name, new):
         nonlocal cur
-        removed = torch.isneginf(new) & ~torch.isneginf(cur)
-        kept = torch.softmax(cur, -1).masked_fill(removed, 0).sum()
-        removed_masks.append((_STAGE_CODES[name], removed, kept))
+        filters.append((_STAGE_CODES[name], cur, new))
         cur = new
 
     if settings.greedy:
@@ -260,29 +261,43 @@ def sample_step(logits: torch.Tensor, settings: SamplingSettings, context_ids: t
     else:
         chosen = torch.multinomial(probs, 1, generator=generator)
 
-    base_logp = torch.log_softmax(raw, -1)
-    base = base_logp.exp()
+    base = torch.softmax(raw, -1)
     k = min(k, raw.numel())
     top_p_, top_i = torch.topk(base, k)
     aft_p, aft_i = torch.topk(probs, k)
+    zero = torch.zeros((), device=raw.device)
     removed_by = torch.zeros(k, device=raw.device)
-    n_removed, kept = [], []
-    for code, mask, kept_mass in reversed(removed_masks):  # earliest stage wins
-        removed_by = torch.where(mask[top_i], torch.full_like(removed_by, code), removed_by)
-    for code in (1, 2, 3, 4):
-        hit = [(m, km) for c, m, km in removed_masks if c == code]
-        if hit:
-            n_removed.append(hit[0][0].sum().float())
-            kept.append(hit[0][1])
-        else:
-            n_removed.append(torch.zeros((), device=raw.device))
-            kept.append(torch.ones((), device=raw.device))
+    n_removed, kept = {}, {}
+    finite = {}
+
+    def n_finite(t):
+        if id(t) not in finite:
+            finite[id(t)] = (t > S.FILTER_VALUE).sum().float()
+        return finite[id(t)]
+
+    for code, before, after in reversed(filters):  # the earliest stage that removed a candidate wins
+        gone = torch.isneginf(after[top_i]) & ~torch.isneginf(before[top_i])
+        removed_by = torch.where(gone, torch.full_like(removed_by, code), removed_by)
+    lses = {}
+
+    def lse(t):
+        if id(t) not in lses:
+            lses[id(t)] = torch.logsumexp(t, -1)
+        return lses[id(t)]
+
+    for code, before, after in filters:
+        n_removed[code] = n_finite(before) - n_finite(after)
+        kept[code] = torch.exp(lse(after) - lse(before))
+    n_removed_l = [n_removed.get(c, zero) for c in (1, 2, 3, 4)]
+    kept_l = [kept.get(c, zero + 1) for c in (1, 2, 3, 4)]
     raw_c = raw[chosen]
     rank = (raw > raw_c).sum().float() + 1
     head = torch.stack([
         chosen[0].float(), rank, base[chosen][0], probs[chosen][0],
-        torch.special.entr(base).sum(), torch.special.entr(probs).sum(), (probs > 0).sum().float(),
-        *n_removed, *kept,
+        # entropy H = logsumexp(x) - sum(p * x) (cheaper than summing -p log p over the vocabulary)
+        lse(raw) - (base * raw).sum(), lse(cur) - (probs * cur.nan_to_num(neginf=0.0)).sum(),
+        (probs > 0).sum().float(),
+        *n_removed_l, *kept_l,
     ])
     packed = torch.cat([head, top_i.float(), top_p_, removed_by, aft_i.float(), aft_p])
     return chosen, packed, cur

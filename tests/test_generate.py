@@ -126,7 +126,7 @@ def test_every_step_distribution_equals_transformers_processors(default_lm, s):
         base = torch.softmax(st.logits, -1)
         assert st.top_ids == base.topk(10).indices.tolist()
         assert st.chosen_rank == int((st.logits > st.logits[st.chosen_id]).sum()) + 1
-        assert abs(st.entropy - float(torch.special.entr(base).sum())) < 1e-4
+        assert abs(st.entropy - float(torch.special.entr(base).sum())) < 1e-3
         # per-filter counts and kept mass agree with the visible pipeline (sampling.apply_sampling)
         res = apply_sampling(st.logits, s, context_ids=ids + g.token_ids[: st.index])
         stages = {x.name: x for x in res.stages}

@@ -1,0 +1,146 @@
+"""Generation throughput: lmscope's recorded generation against transformers' generate.
+
+For greedy and sampled settings, in the same run and on the same model:
+  - tokens/s of model_core.generate.generate (every step recorded: top candidates before/after
+    the filters, chosen rank and probability, entropies, per-filter counts),
+  - tokens/s of transformers' model.generate with the same settings (dynamic cache; and on
+    CUDA, with --hf-static, cache_implementation="static" which compiles the forward),
+  - the ratio (recording overhead; the target is at most 10% slower),
+  - the KV-cache on/off ratio (greedy decoding with and without the cache).
+
+CPU:  .venv/bin/python bench/generate.py            (the real default model)
+      .venv/bin/python bench/generate.py --random   (random-smollm2-135m, same architecture)
+GPU:  PYTHONPATH=. python bench/generate.py --device cuda   (random-smollm2-135m in bf16;
+      no gguf needed). Prints one line per measurement and a JSON summary at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _hf_generate(lm, ids, n, s, static=False):
+    kw = dict(max_new_tokens=n, min_new_tokens=n, pad_token_id=lm.tokenizer.pad_token_id or 0,
+              attention_mask=torch.ones_like(ids))
+    if static:
+        kw["cache_implementation"] = "static"
+    if s.greedy:
+        kw.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+        if s.repetition_penalty != 1:
+            kw["repetition_penalty"] = s.repetition_penalty
+    else:
+        kw.update(do_sample=True, temperature=s.temperature, top_k=s.top_k or None, top_p=s.top_p,
+                  min_p=s.min_p or None, repetition_penalty=s.repetition_penalty)
+    with torch.inference_mode():
+        return lm.model.generate(ids, **kw)
+
+
+def _time(fn, dev, repeats):
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        _sync(dev)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _time_pair(a, b, dev, repeats):
+    """Best-of-N wall time of a and b, alternating runs so that machine noise hits both alike."""
+    ta = tb = float("inf")
+    for _ in range(repeats):
+        ta = min(ta, _time(a, dev, 1))
+        tb = min(tb, _time(b, dev, 1))
+    return ta, tb
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    ap.add_argument("--random", action="store_true", help="random-smollm2-135m instead of the real default model")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--tokens", type=int, default=None, help="new tokens per run (default 32 CPU, 256 GPU)")
+    ap.add_argument("--prompt", default="The history of the printing press begins")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads (default 1: on a shared 2-core machine more threads spin and slow down)")
+    ap.add_argument("--hf-static", action="store_true", help="also time transformers with the static cache (CUDA)")
+    ap.add_argument("--no-cache-tokens", type=int, default=16, help="new tokens for the cache on/off ratio")
+    args = ap.parse_args(argv)
+
+    dev_name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    os.environ.setdefault("LMSCOPE_DEVICE", dev_name)
+    if dev_name == "cpu":
+        torch.set_num_threads(args.threads or 1)
+    n = args.tokens or (256 if dev_name == "cuda" else 32)
+    os.environ["LMSCOPE_MAX_NEW_TOKENS"] = str(max(n, args.no_cache_tokens, 256))
+
+    from model_core.generate import generate, time_cache_vs_no_cache
+    from model_core.registry import load_model
+    from model_core.sampling import SamplingSettings
+
+    name = args.model or ("random-smollm2-135m" if (args.random or dev_name == "cuda") else "smollm2-135m-instruct")
+    lm = load_model(name, device=dev_name)
+    dev = lm.device
+    ids_list = lm.tokenizer(args.prompt)["input_ids"]
+    ids = torch.tensor([ids_list], device=dev)
+    import transformers
+
+    info = {"model": name, "device": str(dev), "dtype": str(lm.dtype).replace("torch.", ""),
+            "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "prompt_tokens": len(ids_list), "new_tokens": n, "repeats": args.repeats}
+    print("bench/generate.py", json.dumps(info))
+    results = {"info": info, "settings": {}}
+    for label, s in [("greedy", SamplingSettings(temperature=0)),
+                     ("sampled", SamplingSettings(temperature=0.8, top_k=50, top_p=0.95, min_p=0.02,
+                                                  repetition_penalty=1.1))]:
+        ours = lambda: generate(lm, token_ids=ids_list, max_new_tokens=n, settings=s, seed=0, ignore_eos=True)  # noqa: E731
+        hf = lambda: _hf_generate(lm, ids, n, s)  # noqa: E731
+        ours(), hf()  # warm up
+        g = ours()
+        assert len(g.steps) == n
+        t_ours, t_hf = _time_pair(ours, hf, dev, args.repeats)
+        row = {"lmscope_tok_s": n / t_ours, "hf_dynamic_tok_s": n / t_hf, "ratio_vs_hf_dynamic": t_hf / t_ours,
+               "recording_overhead_pct": 100 * (t_ours / t_hf - 1)}
+        if args.hf_static and dev.type == "cuda":
+            hfs = lambda: _hf_generate(lm, ids, n, s, static=True)  # noqa: E731
+            hfs(), hfs()
+            t_s = _time(hfs, dev, args.repeats)
+            row.update(hf_static_tok_s=n / t_s, ratio_vs_hf_static=t_s / t_ours)
+        if s.greedy:
+            ref = hf()[0, len(ids_list):].tolist()
+            row["greedy_equals_hf"] = ref == g.token_ids
+        results["settings"][label] = row
+        print(f"{label:8s} lmscope {row['lmscope_tok_s']:8.1f} tok/s (every step recorded) | transformers generate "
+              f"{row['hf_dynamic_tok_s']:8.1f} tok/s | ratio {row['ratio_vs_hf_dynamic']:.3f} "
+              f"(recording overhead {row['recording_overhead_pct']:+.1f}%)"
+              + (f" | hf static {row['hf_static_tok_s']:.1f} tok/s, ratio {row['ratio_vs_hf_static']:.3f}"
+                 if "hf_static_tok_s" in row else "")
+              + (f" | greedy == hf: {row['greedy_equals_hf']}" if "greedy_equals_hf" in row else ""))
+    c = time_cache_vs_no_cache(lm, ids_list, new_tokens=args.no_cache_tokens, repeats=max(1, args.repeats - 1))
+    results["cache"] = c
+    print(f"cache    on {c['with_cache_tok_s']:8.1f} tok/s | off {c['without_cache_tok_s']:8.1f} tok/s | "
+          f"on/off ratio {c['speedup']:.2f} ({c['new_tokens']} tokens after a {c['prompt_tokens']}-token prompt; "
+          f"same tokens: {c['same_tokens']})")
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
