@@ -107,6 +107,10 @@ class ExploreTab:
         return [self.temperature, self.top_k, self.top_p, self.min_p, self.rep]
 
     @property
+    def layer_head_outputs(self):
+        return [self.head_grid, self.head_big, self.head_bars, self.neurons, self.neuron_bars]
+
+    @property
     def view_outputs(self):
         return [self.head_grid, self.head_big, self.head_bars, self.lens, self.target, self.contrib, self.resid,
                 self.neurons, self.neuron_bars]
@@ -122,8 +126,10 @@ class ExploreTab:
         for e in (ev, ev2):
             e.then(overview, [self.state, self.metric, self.layer, self.head], [self.overview])
         slice_inputs = [self.state, self.layer, self.head, self.query, self.lens_colour]
-        for comp in (self.layer, self.head, self.query):
-            comp.input(update_views, slice_inputs, self.view_outputs, concurrency_id="views")
+        # Layer/head only change the attention and neuron views; the query position changes all.
+        for comp in (self.layer, self.head):
+            comp.input(update_layer_head, slice_inputs, self.layer_head_outputs, concurrency_id="views")
+        self.query.input(update_views, slice_inputs, self.view_outputs, concurrency_id="views")
         self.lens_colour.input(update_views, slice_inputs, self.view_outputs, concurrency_id="views")
         self.metric.input(overview, [self.state, self.metric, self.layer, self.head], [self.overview])
         for comp in self.sampling_inputs:
@@ -162,7 +168,7 @@ def _clamp(v, hi) -> int:
     return max(0, min(hi, v))
 
 
-def render_views(tr, layer: int, head: int, query: int, lens_colour: str) -> list:
+def render_layer_head(tr, layer: int, head: int, query: int) -> list:
     labels = views.labels(tr)
     av = views.attention_view(tr, layer, head, query)
     pos = av["positions"]
@@ -170,6 +176,15 @@ def render_views(tr, layer: int, head: int, query: int, lens_colour: str) -> lis
     big = figures.attention_heatmap(av["patterns"][head], labels, pos, layer, head, query)
     note = f" (+{av['outside_mass']:.0%} on earlier tokens not shown)" if av["outside_mass"] > 0.005 else ""
     bars = figures.attention_bars(av["row"], labels, pos, labels[query] + note, layer, head)
+    nv = views.neuron_view(tr, layer, query)
+    neurons = figures.neuron_heatmap(nv["acts"], nv["neurons"], labels, nv["positions"], layer)
+    nbars = figures.top_neurons_bars(nv["query_values"], nv["query_neurons"], labels[query], layer)
+    return [grid, big, bars, neurons, nbars]
+
+
+def render_views(tr, layer: int, head: int, query: int, lens_colour: str) -> list:
+    grid, big, bars, neurons, nbars = render_layer_head(tr, layer, head, query)
+    labels = views.labels(tr)
     lv = views.lens_view(tr, query, "probability" if lens_colour == "probability" else "entropy")
     lens = figures.logit_lens_grid(lv["top"], lv["probs"], lv["colour"], lens_colour, labels, lv["positions"],
                                    lv["layers"])
@@ -177,9 +192,6 @@ def render_views(tr, layer: int, head: int, query: int, lens_colour: str) -> lis
     rv = views.residual_view(tr, query)
     contrib = figures.block_contributions(rv["attn"], rv["mlp"], labels[query])
     resid = figures.residual_norms(rv["norms"], labels, rv["positions"])
-    nv = views.neuron_view(tr, layer, query)
-    neurons = figures.neuron_heatmap(nv["acts"], nv["neurons"], labels, nv["positions"], layer)
-    nbars = figures.top_neurons_bars(nv["query_values"], nv["query_neurons"], labels[query], layer)
     return [grid, big, bars, lens, target, contrib, resid, neurons, nbars]
 
 
@@ -220,6 +232,13 @@ def update_views(state, layer, head, query, lens_colour):
     s = tr._lm.shape
     return render_views(tr, _clamp(layer, s.n_layers - 1), _clamp(head, s.n_heads - 1),
                         _clamp(query, tr.n_tokens - 1), lens_colour)
+
+
+def update_layer_head(state, layer, head, query, lens_colour):
+    tr = _get_trace(state)
+    s = tr._lm.shape
+    return render_layer_head(tr, _clamp(layer, s.n_layers - 1), _clamp(head, s.n_heads - 1),
+                             _clamp(query, tr.n_tokens - 1))
 
 
 def update_next(state, temperature, top_k, top_p, min_p, rep):

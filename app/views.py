@@ -76,7 +76,9 @@ def lens_view(tr: Trace, query: int, colour: str = "probability") -> dict:
     tok = tr._lm.tokenizer
     # target at each position = the actual next prompt token (or the model's own top-1 at the end)
     nxt = tr.token_ids[1:] + [int(torch.argmax(tr.next_logits))]
-    res = logit_lens(tr, positions=pos, k=1, targets=[nxt[p] for p in pos])
+    # The lens is the costly view (layers x positions rows through the unembedding): cache it
+    # per window so slider moves that keep the window reuse it.
+    res = tr._cached(("lens", tuple(pos)), lambda: logit_lens(tr, positions=pos, k=1, targets=[nxt[p] for p in pos]))
     top = [[_show(tok, int(i)) for i in row] for row in res.top_ids[:, :, 0]]
     probs = to_np(res.top_probs[:, :, 0])
     col = probs if colour == "probability" else to_np(res.entropy)
