@@ -1,0 +1,793 @@
+"""Supervised fine-tuning (SFT): chat data -> masked labels -> Trainer (full or LoRA) -> a registered model.
+
+Pure torch + transformers + peft (no celery, no gradio). The Celery job (tasks/sft_job.py), the
+bench (bench/sft.py) and the tests all call `run_sft`.
+
+Data: JSONL, one example per line, either {"messages": [{"role", "content"}, ...]} (at least one
+assistant turn) or {"prompt": str, "completion": str} (= one user turn and one assistant turn).
+Malformed lines raise DatasetError naming their line numbers.
+
+Loss mask: labels are -100 on every token that is not assistant content. The assistant spans come
+from the chat template itself, prefix by prefix: for the i-th message (an assistant turn),
+render messages[:i] with the generation prompt (text A) and messages[:i+1] (text B); the
+characters B[len(A):] are what the assistant "said", and we keep them up to and including the
+end-of-turn token (the tokenizer's eos, `<|im_end|>` for SmolLM2) and drop the template glue
+after it (SmolLM2: the "\n" after `<|im_end|>`). Tokens of the full rendering are assistant
+tokens when their first character lies in such a span (offset mapping of the fast tokenizer).
+So the model learns to answer and to end its turn, and nothing else. This works for any
+template whose renderings are prefix-stable (SmolLM2's, ChatML, Llama 3, Gemma); one that is
+not (e.g. a template that rewrites earlier turns) is refused with a clear error.
+
+Training: transformers' Trainer (optimizer, schedule, grad clipping, eval loop, seeds, bf16 on
+GPU, torch.compile) with a callback for progress / cancel / NaN. LoRA via peft, merged into the
+base weights before saving, so every checkpoint loads as a plain model.
+
+Output: a safetensors checkpoint with tokenizer + chat template, written to a staging directory
+under <data dir>/sft-staging and renamed to <data dir>/models/<name> only after success (a
+cancelled or failed run never shows up as a model), with lmscope.json = {parent, parameters,
+training, dataset, accuracy_before, accuracy_after, metrics}.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+import shutil
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from model_core import paths
+from model_core.errors import LmscopeError, SettingsError
+
+BUILTIN = "builtin"
+IGNORE = -100
+
+# Given to tokenizers without a chat template (the byte tokenizer of the random-* test models), so
+# that chat data and the compare view work on them too. One line per turn, ended by eos.
+SIMPLE_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] + ': ' + message['content'] + eos_token + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+)
+
+H100_BF16_PEAK = 989e12  # dense bf16 FLOP/s, datasheet
+
+
+class SFTError(LmscopeError):
+    """A run that cannot start or did not finish; str() is one sentence for the user."""
+
+
+class DatasetError(SFTError):
+    pass
+
+
+class SFTCancelled(Exception):
+    """The should_stop callback asked the run to stop; nothing was registered."""
+
+
+def mfu(n_params: float, tokens_per_s: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation of training: 6 N FLOPs per token (forward 2N + backward 4N)."""
+    return 6.0 * float(n_params) * float(tokens_per_s) / float(peak_flops)
+
+
+# =============================================================================================
+# Settings
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+
+@dataclass
+class SFTSettings:
+    model: str = "smollm2-135m-instruct"
+    dataset: str = BUILTIN  # "builtin" or a JSONL path
+    output_name: str | None = None  # default "<model>-sft-<time>"
+    method: str = "full"  # "full" | "lora"
+    lora_rank: int = 8
+    lora_alpha: float | None = None  # default 2 x rank
+    learning_rate: float | None = None  # default 1e-4 full, 1e-3 LoRA
+    max_steps: int | None = None  # wins over epochs when set
+    epochs: float = 1.0
+    batch_size: int = 8
+    max_length: int = 256
+    eval_fraction: float = 0.1  # of the dataset, for eval loss (and held-out accuracy on uploads)
+    eval_every: int | None = None  # steps; default: 5 evaluations per run
+    warmup_steps: int = 0
+    seed: int = 0
+    builtin_train_size: int = 512
+    accuracy_examples: int = 50  # held-out prompts generated before/after (0 = skip)
+    device: str | None = None
+    torch_compile: bool = False
+    overwrite: bool = False
+
+    def lr(self) -> float:
+        return self.learning_rate or (1e-3 if self.method == "lora" else 1e-4)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["learning_rate"] = self.lr()
+        d["lora_alpha"] = self.lora_alpha or 2 * self.lora_rank
+        if self.method != "lora":
+            d.pop("lora_rank"), d.pop("lora_alpha")
+        return d
+
+
+def _num(d: dict, key: str, cast, lo=None, hi=None, allow_none=False):
+    v = d.get(key)
+    if v is None or v == "":
+        if allow_none:
+            return None
+        raise SettingsError(f"Setting '{key}' is required.")
+    try:
+        if isinstance(v, bool):
+            raise ValueError
+        x = cast(v)
+        if cast is int and float(v) != x:
+            raise ValueError
+    except (TypeError, ValueError):
+        raise SettingsError(f"Setting '{key}' must be a number, got {v!r}.") from None
+    if isinstance(x, float) and not math.isfinite(x):
+        raise SettingsError(f"Setting '{key}' must be finite.")
+    if (lo is not None and x < lo) or (hi is not None and x > hi):
+        raise SettingsError(f"Setting '{key}' must be between {lo} and {hi}, got {v}.")
+    return x
+
+
+def validate_settings(raw: dict | SFTSettings) -> SFTSettings:
+    """Check and normalise user settings; SettingsError (one sentence) for anything wrong."""
+    d = asdict(raw) if isinstance(raw, SFTSettings) else dict(raw or {})
+    known = set(SFTSettings.__dataclass_fields__)
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise SettingsError(f"Unknown SFT setting(s): {', '.join(unknown)}.")
+    base = SFTSettings()
+    for k in known:
+        if d.get(k) is None and k not in ("output_name", "learning_rate", "max_steps", "lora_alpha",
+                                          "eval_every", "device"):
+            d[k] = getattr(base, k)
+    method = str(d["method"]).lower()
+    if method not in ("full", "lora"):
+        raise SettingsError(f"Method must be 'full' or 'lora', got {d['method']!r}.")
+    s = SFTSettings(
+        model=str(d["model"]).strip(), dataset=str(d["dataset"]).strip() or BUILTIN,
+        output_name=(str(d["output_name"]).strip() or None) if d.get("output_name") else None,
+        method=method,
+        lora_rank=_num(d, "lora_rank", int, 1, 1024),
+        lora_alpha=_num(d, "lora_alpha", float, 1e-6, 1e6, allow_none=True),
+        learning_rate=_num(d, "learning_rate", float, 1e-8, 1.0, allow_none=True),
+        max_steps=_num(d, "max_steps", int, 1, 10**7, allow_none=True),
+        epochs=_num(d, "epochs", float, 0.01, 1000),
+        batch_size=_num(d, "batch_size", int, 1, 4096),
+        max_length=_num(d, "max_length", int, 8, 1 << 17),
+        eval_fraction=_num(d, "eval_fraction", float, 0.0, 0.5),
+        eval_every=_num(d, "eval_every", int, 1, 10**7, allow_none=True),
+        warmup_steps=_num(d, "warmup_steps", int, 0, 10**6),
+        seed=_num(d, "seed", int, 0, 2**31 - 1),
+        builtin_train_size=_num(d, "builtin_train_size", int, 8, 100_000),
+        accuracy_examples=_num(d, "accuracy_examples", int, 0, 10_000),
+        device=(str(d["device"]) if d.get("device") else None),
+        torch_compile=bool(d.get("torch_compile")), overwrite=bool(d.get("overwrite")),
+    )
+    if not s.model:
+        raise SettingsError("No model given to fine-tune.")
+    if s.output_name is not None and not _NAME_RE.match(s.output_name):
+        raise SettingsError("The output name may use letters, digits, '.', '_' and '-' (max 100), "
+                            "and must start with a letter or digit.")
+    return s
+
+
+def default_output_name(model: str) -> str:
+    base = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(model).name).strip("-.") or "model"
+    return f"{base[:60]}-sft-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+# =============================================================================================
+# Data: JSONL parsing
+
+def _check_messages(msgs, where: str) -> list[dict]:
+    if not isinstance(msgs, list) or not msgs:
+        raise DatasetError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects.")
+    out = []
+    for j, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DatasetError(f"{where}: message {j + 1} must be an object with string 'role' and 'content'.")
+        role = m["role"].strip().lower()
+        if role not in ("system", "user", "assistant"):
+            raise DatasetError(f"{where}: message {j + 1} has role {m['role']!r}; use system, user or assistant.")
+        out.append({"role": role, "content": m["content"]})
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in out):
+        raise DatasetError(f"{where}: no assistant turn (nothing to learn from).")
+    return out
+
+
+def parse_example(obj, where: str = "example") -> list[dict]:
+    """One JSON object -> a list of messages (prompt/completion becomes user + assistant)."""
+    if not isinstance(obj, dict):
+        raise DatasetError(f"{where}: expected a JSON object, got {type(obj).__name__}.")
+    if "messages" in obj:
+        return _check_messages(obj["messages"], where)
+    if "prompt" in obj or "completion" in obj:
+        p, c = obj.get("prompt"), obj.get("completion")
+        if not isinstance(p, str) or not isinstance(c, str):
+            raise DatasetError(f"{where}: 'prompt' and 'completion' must both be strings.")
+        if not c.strip():
+            raise DatasetError(f"{where}: no assistant turn (the completion is empty).")
+        return [{"role": "user", "content": p}, {"role": "assistant", "content": c}]
+    raise DatasetError(f"{where}: needs 'messages', or 'prompt' and 'completion'.")
+
+
+def load_jsonl(path: str | os.PathLike, max_errors: int = 5) -> list[list[dict]]:
+    """Parse a chat JSONL file. Blank lines are skipped. All bad lines are found; the error names
+    up to `max_errors` of them with their line numbers."""
+    p = Path(path)
+    if not p.exists():
+        raise DatasetError(f"Dataset file '{p.name}' does not exist.")
+    convs, errors, n_bad = [], [], 0
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"Dataset file '{p.name}' is not UTF-8 text (byte {e.start}).") from None
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            n_bad += 1
+            if len(errors) < max_errors:
+                errors.append(f"line {i}: not valid JSON ({e.msg} at column {e.colno})")
+            continue
+        try:
+            convs.append(parse_example(obj, f"line {i}"))
+        except DatasetError as e:
+            n_bad += 1
+            if len(errors) < max_errors:
+                errors.append(str(e))
+    if n_bad:
+        more = f" (and {n_bad - len(errors)} more)" if n_bad > len(errors) else ""
+        raise DatasetError(f"{n_bad} malformed line(s) in '{p.name}': " + "; ".join(errors) + more + ".")
+    if not convs:
+        raise DatasetError(f"Dataset file '{p.name}' has no examples.")
+    return convs
+
+
+# =============================================================================================
+# The built-in demo task: rewrite an ISO date as DD/MM/YYYY.
+#
+# Checkable (exact match), generated offline from a seed, and a pure format rule that a model must
+# copy digits for: SmolLM2-135M-Instruct usually answers in another format, swaps day and month,
+# or adds words; a few minutes of SFT on this CPU teach it the rule (see the README for numbers).
+
+BUILTIN_TASK = "date-reformat"
+_TEST_SEED_OFFSET = 10_007
+
+
+def _date_example(rng: random.Random) -> tuple[str, str]:
+    y, m = rng.randint(1950, 2049), rng.randint(1, 12)
+    d = rng.randint(1, 28 if m == 2 else (30 if m in (4, 6, 9, 11) else 31))
+    q = f"Rewrite the date {y:04d}-{m:02d}-{d:02d} in the format DD/MM/YYYY. Answer with the date only."
+    return q, f"{d:02d}/{m:02d}/{y:04d}"
+
+
+def builtin_dataset(n_train: int = 512, n_test: int = 50, seed: int = 0):
+    """(train conversations, held-out [(messages without the answer, answer)]); disjoint questions."""
+    rng = random.Random(seed)
+    test_rng = random.Random(seed + _TEST_SEED_OFFSET)
+    test, seen = [], set()
+    while len(test) < n_test:
+        q, a = _date_example(test_rng)
+        if q not in seen:
+            seen.add(q)
+            test.append(([{"role": "user", "content": q}], a))
+    train = []
+    while len(train) < n_train:
+        q, a = _date_example(rng)
+        if q in seen:
+            continue
+        seen.add(q)
+        train.append([{"role": "user", "content": q}, {"role": "assistant", "content": a}])
+    return train, test
+
+
+def write_builtin_jsonl(path: str | os.PathLike, n: int = 512, seed: int = 0) -> Path:
+    train, _ = builtin_dataset(n, 0, seed)
+    p = Path(path)
+    p.write_text("".join(json.dumps({"messages": c}) + "\n" for c in train), encoding="utf-8")
+    return p
+
+
+# =============================================================================================
+# Tokenisation with the loss mask
+
+def ensure_chat_template(tokenizer) -> bool:
+    """Give a template-less tokenizer SIMPLE_CHAT_TEMPLATE. True if one was added."""
+    if getattr(tokenizer, "chat_template", None):
+        return False
+    tokenizer.chat_template = SIMPLE_CHAT_TEMPLATE
+    return True
+
+
+def _render(tokenizer, messages, add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """(full rendered text, [(start, end)) character spans of the assistant turns incl. end-of-turn)."""
+    full = _render(tokenizer, messages, False)
+    eos = tokenizer.eos_token or ""
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        a = _render(tokenizer, messages[:i], True)
+        b = _render(tokenizer, messages[: i + 1], False)
+        if not (b.startswith(a) and full.startswith(b)):
+            raise SFTError("This model's chat template is not prefix-stable (rendering a conversation changes "
+                           "its earlier turns), so the assistant tokens cannot be located; use prompt/completion "
+                           "data with a simpler template.")
+        start, end = len(a), len(b)
+        if eos:
+            k = b.rfind(eos, start)
+            if k >= 0:
+                end = k + len(eos)  # keep the end-of-turn token, drop the glue after it
+        if end > start:
+            spans.append((start, end))
+    return full, spans
+
+
+def encode_conversation(tokenizer, messages: list[dict]) -> dict:
+    """{input_ids, labels, assistant_mask} for one conversation (no truncation)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise SFTError("The tokenizer has no chat template; call ensure_chat_template first.")
+    full, spans = assistant_char_spans(tokenizer, messages)
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids = [int(x) for x in enc["input_ids"]]
+    mask = []
+    for s, _e in enc["offset_mapping"]:  # a token belongs to the turn its first character is in
+        mask.append(any(a <= s < b for a, b in spans))
+    labels = [t if m else IGNORE for t, m in zip(ids, mask)]
+    return {"input_ids": ids, "labels": labels, "assistant_mask": mask}
+
+
+@dataclass
+class EncodedData:
+    examples: list[dict]
+    total: int
+    truncated: int
+    dropped: int
+    tokens: int
+    trained_tokens: int
+
+    def stats(self) -> dict:
+        return {"examples": len(self.examples), "total": self.total, "truncated": self.truncated,
+                "dropped": self.dropped, "tokens": self.tokens, "trained_tokens": self.trained_tokens}
+
+
+def encode_dataset(tokenizer, convs: list[list[dict]], max_length: int) -> EncodedData:
+    """Encode and cut to max_length tokens (right truncation). An example whose assistant tokens all
+    fall beyond max_length is dropped (it would teach nothing); the counts are reported."""
+    out, truncated, dropped, tok, trained = [], 0, 0, 0, 0
+    for msgs in convs:
+        ex = encode_conversation(tokenizer, msgs)
+        if len(ex["input_ids"]) > max_length:
+            ex = {k: v[:max_length] for k, v in ex.items()}
+            if not any(ex["assistant_mask"][1:]):
+                dropped += 1
+                continue
+            truncated += 1
+        # The first token is never predicted (labels are shifted inside the model).
+        if not any(l != IGNORE for l in ex["labels"][1:]):
+            dropped += 1
+            continue
+        tok += len(ex["input_ids"])
+        trained += sum(1 for l in ex["labels"][1:] if l != IGNORE)
+        out.append(ex)
+    if not out:
+        raise DatasetError(f"All {len(convs)} examples are longer than max_length={max_length} before their "
+                           "assistant turn; raise max_length.")
+    return EncodedData(out, len(convs), truncated, dropped, tok, trained)
+
+
+class Collator:
+    """Right-pad a batch; labels padded with -100."""
+
+    def __init__(self, pad_id: int):
+        self.pad_id = pad_id
+
+    def __call__(self, batch: list[dict]) -> dict:
+        T = max(len(b["input_ids"]) for b in batch)
+        ids = torch.full((len(batch), T), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(batch), T), IGNORE, dtype=torch.long)
+        att = torch.zeros((len(batch), T), dtype=torch.long)
+        for i, b in enumerate(batch):
+            n = len(b["input_ids"])
+            ids[i, :n] = torch.tensor(b["input_ids"])
+            labels[i, :n] = torch.tensor(b["labels"])
+            att[i, :n] = 1
+        return {"input_ids": ids, "labels": labels, "attention_mask": att}
+
+
+class _ListDataset(torch.utils.data.Dataset):
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        r = self.rows[i]
+        return {"input_ids": r["input_ids"], "labels": r["labels"]}
+
+
+# =============================================================================================
+# Held-out accuracy by greedy generation
+
+def normalise_answer(s: str) -> str:
+    return " ".join(s.strip().split()).rstrip(".").strip()
+
+
+@torch.no_grad()
+def greedy_answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int = 24,
+                   batch_size: int = 16, should_stop: Callable[[], bool] | None = None) -> list[str]:
+    """Greedy completions (assistant turn only, special tokens dropped) of chat prompts."""
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    was_training = model.training
+    model.eval()
+    outs = []
+    try:
+        for i in range(0, len(prompts), batch_size):
+            if should_stop and should_stop():
+                raise SFTCancelled()
+            enc = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
+                   for p in prompts[i:i + batch_size]]
+            ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in enc]
+            T = max(map(len, ids))
+            x = torch.full((len(ids), T), pad, dtype=torch.long)
+            att = torch.zeros_like(x)
+            for j, s in enumerate(ids):  # left padding
+                x[j, T - len(s):] = torch.tensor(s)
+                att[j, T - len(s):] = 1
+            gen = model.generate(input_ids=x.to(device), attention_mask=att.to(device), do_sample=False,
+                                 max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                                 pad_token_id=pad)
+            for row in gen[:, T:]:
+                outs.append(tokenizer.decode(row.tolist(), skip_special_tokens=True))
+    finally:
+        model.train(was_training)
+    return outs
+
+
+def evaluate_accuracy(model, tokenizer, items: list[tuple[list[dict], str]], max_new_tokens: int | None = None,
+                      should_stop=None, n_show: int = 5) -> dict | None:
+    """Exact match (whitespace- and final-period-insensitive) of greedy answers to references."""
+    if not items:
+        return None
+    if max_new_tokens is None:
+        longest = max(len(tokenizer(a, add_special_tokens=False)["input_ids"]) for _, a in items)
+        max_new_tokens = min(128, longest + 8)
+    got = greedy_answers(model, tokenizer, [p for p, _ in items], max_new_tokens, should_stop=should_stop)
+    ok = [normalise_answer(g) == normalise_answer(a) for g, (_, a) in zip(got, items)]
+    return {"accuracy": sum(ok) / len(ok), "correct": sum(ok), "n": len(ok),
+            "examples": [{"prompt": p[-1]["content"], "expected": a, "got": g, "correct": c}
+                         for (p, a), g, c in list(zip(items, got, ok))[:n_show]]}
+
+
+def heldout_from_convs(convs: list[list[dict]]) -> list[tuple[list[dict], str]]:
+    """Held-out items from eval conversations: everything before the last assistant turn -> its text."""
+    items = []
+    for c in convs:
+        last = max(i for i, m in enumerate(c) if m["role"] == "assistant")
+        items.append((c[:last], c[last]["content"]))
+    return items
+
+
+# =============================================================================================
+# Model setup
+
+def load_trainable(name: str, device: str | None = None):
+    """A fresh, trainable (fp32 master weights) copy of a registry/fine-tuned/local model, its tokenizer
+    and its device. Not the cached inference copy the explorer uses."""
+    from model_core.registry import _load_uncached, resolve_device
+
+    dev, _ = resolve_device(device)
+    lm = _load_uncached(name, dev, torch.float32, "sdpa", True, False)
+    lm.model.requires_grad_(True)
+    lm.model.train()
+    tok = lm.tokenizer
+    if tok.pad_token_id is None and tok.eos_token_id is not None:
+        tok.pad_token = tok.eos_token
+    return lm.model, tok, dev
+
+
+def apply_lora(model, rank: int, alpha: float | None, seed: int = 0):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    cfg = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, lora_dropout=0.0, target_modules="all-linear",
+                     task_type="CAUSAL_LM")
+    return get_peft_model(model, cfg)
+
+
+def count_params(model) -> tuple[int, int]:
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return total, trainable
+
+
+# =============================================================================================
+# The run
+
+@dataclass
+class SFTResult:
+    name: str
+    path: Path
+    info: dict
+    history: list[dict] = field(default_factory=list)
+
+
+ProgressFn = Callable[[dict], None]
+
+
+def _staging_root() -> Path:
+    p = paths.data_dir() / "sft-staging"
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def sweep_staging() -> int:
+    """Remove staging dirs left by runs whose process died (their pid is in the dir name)."""
+    n = 0
+    for d in _staging_root().iterdir():
+        try:
+            pid = int(d.name.rsplit(".", 2)[-2])
+        except (ValueError, IndexError):
+            continue
+        try:
+            os.kill(pid, 0)
+            alive = True
+        except ProcessLookupError:
+            alive = False
+        except PermissionError:
+            alive = True
+        if not alive:
+            shutil.rmtree(d, ignore_errors=True)
+            n += 1
+    return n
+
+
+def _split(convs, eval_fraction: float, seed: int):
+    idx = list(range(len(convs)))
+    random.Random(seed).shuffle(idx)
+    n_eval = int(round(len(convs) * eval_fraction))
+    if eval_fraction > 0 and len(convs) >= 4:
+        n_eval = max(1, n_eval)
+    n_eval = min(n_eval, len(convs) - 1)
+    return [convs[i] for i in idx[n_eval:]], [convs[i] for i in idx[:n_eval]]
+
+
+def prepare_data(s: SFTSettings, tokenizer):
+    """-> (train EncodedData, eval EncodedData | None, held-out accuracy items, dataset description)."""
+    if s.dataset == BUILTIN:
+        convs, test = builtin_dataset(s.builtin_train_size, s.accuracy_examples, s.seed)
+        desc = {"source": BUILTIN, "task": BUILTIN_TASK, "size": len(convs)}
+    else:
+        convs = load_jsonl(s.dataset)
+        test = None
+        desc = {"source": "upload", "file": Path(s.dataset).name, "size": len(convs)}
+    train_c, eval_c = _split(convs, s.eval_fraction, s.seed)
+    if test is None:
+        test = heldout_from_convs(eval_c)[: s.accuracy_examples]
+    train = encode_dataset(tokenizer, train_c, s.max_length)
+    ev = encode_dataset(tokenizer, eval_c, s.max_length) if eval_c else None
+    return train, ev, test, desc
+
+
+def run_sft(settings: SFTSettings | dict, progress: ProgressFn | None = None,
+            should_stop: Callable[[], bool] | None = None, log: Callable[[str], None] | None = None) -> SFTResult:
+    """Fine-tune and register. progress(dict) gets {phase, step, max_steps, epoch, loss, eval_loss,
+    tokens_per_s, lr, eta_s, elapsed_s, tokens_seen}; should_stop() is polled between steps (cancel ->
+    SFTCancelled, nothing registered); NaN/inf loss -> SFTError. Returns the registered model."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    s = validate_settings(settings)
+    say = log or (lambda m: None)
+    emit = progress or (lambda d: None)
+    stop = should_stop or (lambda: False)
+    name = s.output_name or default_output_name(s.model)
+    final = paths.finetuned_dir() / name
+    if final.exists() and not s.overwrite:
+        raise SFTError(f"A model named '{name}' already exists; choose another output name.")
+    if name in _registry_names():
+        raise SFTError(f"'{name}' is a built-in model name; choose another output name.")
+    sweep_staging()
+    staging = _staging_root() / f"{name}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
+    t_start = time.time()
+    try:
+        emit({"phase": "loading model", "step": 0})
+        set_seed(s.seed)
+        try:
+            model, tok, dev = load_trainable(s.model, s.device)
+        except torch.cuda.OutOfMemoryError:
+            raise SFTError(f"Model '{s.model}' does not fit in GPU memory.") from None
+        added_template = ensure_chat_template(tok)
+        if added_template:
+            say("the tokenizer has no chat template; using lmscope's simple 'role: content<eos>' template")
+        train, ev, test, desc = prepare_data(s, tok)
+        say(f"data: {train.total} train examples ({train.truncated} truncated, {train.dropped} dropped at "
+            f"max_length {s.max_length}), {ev.total if ev else 0} eval, {len(test)} held-out prompts; "
+            f"{train.trained_tokens} of {train.tokens} train tokens count in the loss")
+        if stop():
+            raise SFTCancelled()
+        n_params = sum(p.numel() for p in model.parameters())
+        acc_before = None
+        if test:
+            emit({"phase": "accuracy before", "step": 0})
+            acc_before = evaluate_accuracy(model, tok, test, should_stop=stop)
+            say(f"held-out accuracy before: {acc_before['correct']}/{acc_before['n']}")
+        if s.method == "lora":
+            model = apply_lora(model, s.lora_rank, s.lora_alpha, s.seed)
+        total, trainable = count_params(model)
+        steps_per_epoch = math.ceil(len(train.examples) / s.batch_size)
+        max_steps = s.max_steps or max(1, math.ceil(steps_per_epoch * s.epochs))
+        eval_every = s.eval_every or max(1, max_steps // 5)
+        say(f"training {s.method} ({trainable:,} of {total:,} parameters trainable) for {max_steps} steps, "
+            f"batch {s.batch_size}, lr {s.lr():g}, on {dev}")
+
+        cb = _Callback(emit, stop, max_steps, t_start)
+        use_cuda = dev.type == "cuda"
+        args = TrainingArguments(
+            output_dir=str(staging / "trainer"), max_steps=max_steps, per_device_train_batch_size=s.batch_size,
+            per_device_eval_batch_size=s.batch_size, learning_rate=s.lr(), lr_scheduler_type="linear",
+            warmup_steps=s.warmup_steps, weight_decay=0.0, max_grad_norm=1.0, seed=s.seed, data_seed=s.seed,
+            logging_steps=1, logging_nan_inf_filter=False, save_strategy="no", report_to="none",
+            eval_strategy="steps" if ev else "no", eval_steps=eval_every if ev else None,
+            disable_tqdm=True, dataloader_num_workers=0, remove_unused_columns=False,
+            use_cpu=not use_cuda, bf16=use_cuda and torch.cuda.is_bf16_supported(),
+            torch_compile=s.torch_compile, include_num_input_tokens_seen="non_padding",
+            optim="adamw_torch",
+        )
+        trainer = Trainer(model=model, args=args, train_dataset=_ListDataset(train.examples),
+                          eval_dataset=_ListDataset(ev.examples) if ev else None,
+                          data_collator=Collator(tok.pad_token_id), callbacks=[cb])
+        for c in (PrinterCallback, ProgressCallback):
+            trainer.remove_callback(c)
+        try:
+            trainer.train()
+        except torch.cuda.OutOfMemoryError:
+            raise SFTError("Training ran out of GPU memory; lower the batch size or max length, or use LoRA.") from None
+        if cb.nan_step is not None:
+            raise SFTError(f"The loss became NaN/inf at step {cb.nan_step}; training stopped. Lower the learning "
+                           "rate (or check the data).")
+        if cb.cancelled or stop():
+            raise SFTCancelled()
+        model = trainer.model
+        del trainer
+        if s.method == "lora":
+            model = model.merge_and_unload()
+        model.eval()
+        acc_after = None
+        if test:
+            emit({"phase": "accuracy after", "step": max_steps})
+            acc_after = evaluate_accuracy(model, tok, test, should_stop=stop)
+            say(f"held-out accuracy after: {acc_after['correct']}/{acc_after['n']}")
+        if stop():
+            raise SFTCancelled()
+        emit({"phase": "saving", "step": max_steps})
+        info = {
+            "parent": s.model, "parameters": n_params, "training": s.to_json(), "dataset": desc,
+            "data": {"train": train.stats(), "eval": ev.stats() if ev else None},
+            "accuracy_before": acc_before, "accuracy_after": acc_after,
+            "metrics": cb.summary(n_params), "history": cb.history,
+            "chat_template_added": added_template, "created": time.time(),
+        }
+        staging.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging / "trainer", ignore_errors=True)
+        model.to("cpu").save_pretrained(staging, safe_serialization=True)
+        tok.save_pretrained(staging)
+        (staging / "lmscope.json").write_text(json.dumps(info, indent=1))
+        if stop():
+            raise SFTCancelled()
+        if final.exists() and s.overwrite:
+            shutil.rmtree(final)
+        os.rename(staging, final)  # atomic on one filesystem: the model appears complete or not at all
+        say(f"registered model '{name}' at {final}")
+        emit({"phase": "done", "step": max_steps})
+        return SFTResult(name=name, path=final, info=info, history=cb.history)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _registry_names() -> set[str]:
+    from model_core.registry import REGISTRY
+
+    return set(REGISTRY)
+
+
+class _Callback:
+    """Trainer callback: progress rows, cancel between steps, stop on a non-finite loss."""
+
+    def __new__(cls, *a, **k):
+        from transformers import TrainerCallback
+
+        class Impl(TrainerCallback):
+            def __init__(self, emit, stop, max_steps, t_start):
+                self.emit, self.stop, self.max_steps, self.t_start = emit, stop, max_steps, t_start
+                self.history: list[dict] = []
+                self.nan_step = None
+                self.cancelled = False
+                self.train_time = 0.0
+                self.t_last = None
+                self.t_train0 = None
+                self.last_eval = None
+
+            def on_train_begin(self, args, state, control, **kw):
+                self.t_last = self.t_train0 = time.time()
+
+            def on_step_end(self, args, state, control, **kw):
+                now = time.time()
+                self.train_time += now - self.t_last
+                self.t_last = now
+                if self.stop():
+                    self.cancelled = True
+                    control.should_training_stop = True
+                    control.should_evaluate = False
+                    control.should_log = False
+
+            def _row(self, state, **extra):
+                step = state.global_step
+                elapsed = time.time() - self.t_train0
+                eta = elapsed / step * (self.max_steps - step) if step else None
+                toks = state.num_input_tokens_seen or 0
+                return {"phase": "training", "step": step, "max_steps": self.max_steps,
+                        "epoch": round(state.epoch or 0.0, 4), "tokens_seen": int(toks),
+                        "tokens_per_s": toks / self.train_time if self.train_time > 0 else None,
+                        "elapsed_s": round(time.time() - self.t_start, 2),
+                        "eta_s": round(eta, 1) if eta is not None else None, **extra}
+
+            def on_log(self, args, state, control, logs=None, **kw):
+                logs = logs or {}
+                if "loss" in logs:
+                    loss = float(logs["loss"])
+                    row = self._row(state, loss=loss, lr=logs.get("learning_rate"), eval_loss=None,
+                                    grad_norm=logs.get("grad_norm"))
+                    self.history.append(row)
+                    self.emit(row)
+                    if not math.isfinite(loss):
+                        self.nan_step = state.global_step
+                        control.should_training_stop = True
+                        control.should_evaluate = False
+                self.t_last = time.time()
+
+            def on_evaluate(self, args, state, control, metrics=None, **kw):
+                ev = (metrics or {}).get("eval_loss")
+                if ev is not None:
+                    ev = float(ev)
+                    for r in reversed(self.history):
+                        if r["step"] == state.global_step:
+                            r["eval_loss"] = ev
+                            break
+                    self.last_eval = ev
+                    self.emit(self._row(state, eval_loss=ev, loss=None, lr=None))
+                    if not math.isfinite(ev):
+                        self.nan_step = state.global_step
+                        control.should_training_stop = True
+                self.t_last = time.time()
+
+            def summary(self, n_params):
+                last = self.history[-1] if self.history else {}
+                tps = last.get("tokens_per_s")
+                first_loss = next((r["loss"] for r in self.history if r.get("loss") is not None), None)
+                return {"steps": last.get("step", 0), "train_seconds": round(self.train_time, 2),
+                        "tokens_seen": last.get("tokens_seen", 0), "tokens_per_s": tps,
+                        "first_loss": first_loss, "final_loss": last.get("loss"), "final_eval_loss": self.last_eval,
+                        "training_flops": 6 * n_params * last.get("tokens_seen", 0)}
+
+        return Impl(*a, **k)
