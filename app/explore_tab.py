@@ -121,7 +121,7 @@ class ExploreTab:
                       self.lens_colour, *self.sampling_inputs]
         run_outputs = [self.state, self.status, self.tokens, self.layer, self.head, self.query,
                        *self.view_outputs, self.next_plot, self.stages]
-        ev = run_button.click(run_trace, run_inputs, run_outputs, concurrency_id="model")
+        ev = run_button.click(run_trace, run_inputs, run_outputs, concurrency_id="model", api_name="trace")
         ev2 = s.prompt.submit(run_trace, run_inputs, run_outputs, concurrency_id="model")
         for e in (ev, ev2):
             e.then(overview, [self.state, self.metric, self.layer, self.head], [self.overview])

@@ -1,7 +1,9 @@
 """Jobs tab: submit tokenizer training, watch jobs move, cancel, download, and compare tokenizers.
 
 Owner: a per-browser uuid kept in localStorage (gr.BrowserState), so a reload keeps your jobs; the
-record's `owner` field is where sign-in will plug in later. "All sessions" shows everyone's jobs.
+record's `owner` field. With sign-in on (LMSCOPE_AUTH), the owner is the signed-in user name and
+each user sees, cancels and downloads only their own jobs ("All sessions" is ignored). Without
+sign-in, "All sessions" shows everyone's jobs, but only the browser that submitted a job cancels it.
 """
 
 from __future__ import annotations
@@ -28,8 +30,16 @@ def _jobs():
     return jobs
 
 
-def _owner(owner: str | None) -> str:
+def _owner(owner: str | None, request: gr.Request | None = None) -> str:
+    user = getattr(request, "username", None) if request is not None else None
+    if user:
+        return user
     return owner or f"browser-{uuid.uuid4().hex[:12]}"
+
+
+def _strict(owner: str | None, request: gr.Request | None) -> str | None:
+    """The owner every read is checked against: the signed-in user; None (no check) without sign-in."""
+    return getattr(request, "username", None) if request is not None else None
 
 
 @functools.lru_cache(maxsize=16)
@@ -55,9 +65,11 @@ def _report(rec: dict | None) -> dict | None:
         return None
 
 
-def refresh(owner, show_all, selected):
+def refresh(owner, show_all, selected, request: gr.Request = None):
     """Timer tick: job list, and the selected job's progress + log."""
-    owner = _owner(owner)
+    owner = _owner(owner, request)
+    if _strict(owner, request):
+        show_all = False
     try:
         recs = _jobs().list_jobs(owner=None if show_all else owner, limit=100)
         status = ""
@@ -66,15 +78,15 @@ def refresh(owner, show_all, selected):
     sel = next((r for r in recs if r["id"] == selected), None)
     if sel is None and selected:
         try:
-            sel = _jobs().get_job(selected)
+            sel = _jobs().get_job(selected, _strict(owner, request))
         except LmscopeError:
             sel = None
     log = "\n".join(sel["log"]) if sel else ""
     return owner, jf.jobs_table(recs), status, jf.progress_html(sel), log
 
 
-def submit(owner, algorithm, vocab, min_freq, specials, corpus_kind, files, corpus_mb):
-    owner = _owner(owner)
+def submit(owner, algorithm, vocab, min_freq, specials, corpus_kind, files, corpus_mb, request: gr.Request = None):
+    owner = _owner(owner, request)
     params = {"algorithm": algorithm, "vocab_size": vocab, "min_frequency": min_freq,
               "special_tokens": specials or None, "corpus": "builtin",
               "corpus_max_mb": corpus_mb if corpus_mb else None}
@@ -95,13 +107,13 @@ def select_job(evt: gr.SelectData):
     return row[0] if row else None
 
 
-def show_selected(selected, prompt):
+def show_selected(selected, prompt, owner=None, request: gr.Request = None):
     """Everything below the list for the selected job: progress, log, report, downloads."""
     if not selected:
         return (jf.progress_html(None), "", "", jf.histogram_figure(None), jf.merges_table(None),
                 jf.compression_figure({}), None)
     try:
-        rec = _jobs().get_job(selected)
+        rec = _jobs().get_job(selected, _strict(owner, request))
     except LmscopeError as e:
         raise gr.Error(str(e)) from None
     rep = _report(rec)
@@ -119,19 +131,21 @@ def show_selected(selected, prompt):
             jf.merges_table(rep), jf.compression_figure(reports), files or None)
 
 
-def cancel(selected):
+def cancel(selected, owner=None, request: gr.Request = None):
     if not selected:
         raise gr.Error("Select a job to cancel.")
     try:
-        rec = _jobs().cancel_job(selected)
+        rec = _jobs().cancel_job(selected, owner=_owner(owner, request))
     except LmscopeError as e:
         raise gr.Error(str(e)) from None
     return f"Job **{rec['id']}** is {rec['state']}."
 
 
-def tokenizer_choices(owner, show_all):
+def tokenizer_choices(owner, show_all, request: gr.Request = None):
+    if _strict(owner, request):
+        show_all = False
     try:
-        recs = _jobs().list_jobs(owner=None if show_all else _owner(owner), limit=100)
+        recs = _jobs().list_jobs(owner=None if show_all else _owner(owner, request), limit=100)
     except LmscopeError:
         return gr.update()
     ch = [(f"{r['id']} · {jf.job_details(r)}", r["id"]) for r in recs
@@ -139,7 +153,7 @@ def tokenizer_choices(owner, show_all):
     return gr.update(choices=ch)
 
 
-def compare(prompt, ids, selected):
+def compare(prompt, ids, selected, owner=None, request: gr.Request = None):
     """The prompt tokenized by the default model's tokenizer and each chosen job's tokenizer."""
     from tasks.tokenizer_train import hf_pieces, token_pieces
 
@@ -153,7 +167,7 @@ def compare(prompt, ids, selected):
     reports = {}
     for job_id in ids:
         try:
-            rec = _jobs().get_job(job_id)
+            rec = _jobs().get_job(job_id, _strict(owner, request))
         except LmscopeError as e:
             rows.append((job_id, str(e)))
             continue
@@ -231,17 +245,17 @@ def build(shared: Shared) -> None:
     submit_btn.click(submit, [owner, algorithm, vocab, min_freq, specials, corpus_kind, files, corpus_mb],
                      [owner, selected, status]).then(refresh, [owner, show_all, selected], tick_out)
     table.select(select_job, None, [selected])
-    selected.change(show_selected, [selected, shared.prompt], detail_out).then(
+    selected.change(show_selected, [selected, shared.prompt, owner], detail_out).then(
         tokenizer_choices, [owner, show_all], [others])
-    cancel_btn.click(cancel, [selected], [status]).then(refresh, [owner, show_all, selected], tick_out)
+    cancel_btn.click(cancel, [selected, owner], [status]).then(refresh, [owner, show_all, selected], tick_out)
     # when the selected job finishes, load its report once
-    progress.change(_maybe_report, [selected, progress], detail_out, show_progress="hidden")
-    compare_btn.click(compare, [shared.prompt, others, selected], [compared, comp])
+    progress.change(_maybe_report, [selected, progress, owner], detail_out, show_progress="hidden")
+    compare_btn.click(compare, [shared.prompt, others, selected, owner], [compared, comp])
     others.focus(tokenizer_choices, [owner, show_all], [others])
 
 
-def _maybe_report(selected, progress_html):
+def _maybe_report(selected, progress_html, owner=None, request: gr.Request = None):
     h = progress_html or ""
     if selected and any(f"data-state='{s}'" in h for s in ("succeeded", "failed", "cancelled")):
-        return show_selected(selected, None)
+        return show_selected(selected, None, owner, request)
     return [gr.skip()] * 7

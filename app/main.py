@@ -1,32 +1,135 @@
 """Entry point for `lmscope serve`: embedded services (Redis + worker) unless told otherwise,
-then the Gradio app."""
+then the Gradio app mounted on a FastAPI app that also answers the operator's endpoints:
+
+  GET /healthz  -> 200 {"status": "ok"}; public (for load balancers and compose health checks).
+  GET /metrics  -> JSON: job queue length, jobs by state, loaded models and their devices, GPU memory,
+                   trace cache size. With sign-in on it needs `Authorization: Bearer <token>`
+                   (LMSCOPE_AUTH_TOKEN, or `user:password` of a users-file user).
+
+Configuration: app.settings.Settings (environment variables; see that module's table).
+"""
 
 from __future__ import annotations
 
 import importlib.util
-import os
+import sys
+import time
 from pathlib import Path
 
+from fastapi import Request  # module level: FastAPI resolves the route's annotation by name
+
 STATIC = Path(__file__).resolve().parent.parent / "static"
+STARTED = time.time()
+
+
+def metrics(settings) -> dict:
+    """What an operator needs to see at a glance; every part degrades to an 'error' field."""
+    out: dict = {"uptime_s": round(time.time() - STARTED, 1), "auth": settings.auth}
+    try:
+        import redis
+
+        from tasks import celery_app, config, store
+
+        r = redis.Redis.from_url(config.redis_url(), socket_timeout=1, socket_connect_timeout=1)
+        queue = getattr(celery_app, "QUEUE", "lmscope")
+        by_state: dict[str, int] = {}
+        for jid in r.zrange(config.KEY_PREFIX + "jobs", -1000, -1):
+            raw = r.get(config.KEY_PREFIX + "job:" + (jid.decode() if isinstance(jid, bytes) else jid))
+            if raw:
+                import json
+
+                st = json.loads(raw).get("state", "unknown")
+                by_state[st] = by_state.get(st, 0) + 1
+        out["jobs"] = {"redis": "ok", "queue_length": int(r.llen(queue)), "by_state": by_state,
+                       "active": int(r.scard(config.KEY_PREFIX + "jobs:active"))}
+        del store
+    except Exception as e:  # noqa: BLE001 - the operator wants to see that Redis is down, not a 500
+        out["jobs"] = {"redis": "unreachable", "error": str(e).splitlines()[0] if str(e) else type(e).__name__}
+    try:
+        from model_core import registry
+
+        out["models"] = [{"name": lm.name, "device": str(lm.device), "dtype": str(lm.dtype).replace("torch.", ""),
+                          "source": lm.source, "load_seconds": round(lm.load_seconds, 2)}
+                         for lm in list(registry._LOADED.values())]
+    except Exception as e:  # noqa: BLE001
+        out["models"] = {"error": str(e)}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            out["gpu"] = [{"index": i, "name": torch.cuda.get_device_name(i),
+                           "allocated_bytes": torch.cuda.memory_allocated(i),
+                           "reserved_bytes": torch.cuda.memory_reserved(i),
+                           "total_bytes": torch.cuda.get_device_properties(i).total_memory}
+                          for i in range(torch.cuda.device_count())]
+        else:
+            out["gpu"] = []
+    except Exception as e:  # noqa: BLE001
+        out["gpu"] = {"error": str(e)}
+    try:
+        from app.trace_store import STORE
+
+        out["trace_cache"] = {"items": len(STORE), "max_items": STORE.max_items}
+    except Exception as e:  # noqa: BLE001
+        out["trace_cache"] = {"error": str(e)}
+    return out
+
+
+def build_app(settings=None):
+    """The FastAPI app: /healthz, /metrics and the Gradio UI at /. Returns (app, demo)."""
+    import gradio as gr
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    from app import auth
+    from app.settings import Settings
+    from app.ui import build_demo
+
+    settings = settings or Settings.from_env()
+    api = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+
+    @api.get("/healthz")
+    def healthz():
+        return {"status": "ok"}
+
+    @api.get("/metrics")
+    def metrics_route(request: Request):
+        if not auth.bearer_ok(settings, request.headers.get("authorization")):
+            return JSONResponse({"error": "Send Authorization: Bearer <LMSCOPE_AUTH_TOKEN>."}, status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})
+        return metrics(settings)
+
+    demo = build_demo()
+    demo.queue(default_concurrency_limit=settings.queue_concurrency, max_size=settings.queue_max)
+    app = gr.mount_gradio_app(
+        api, demo, path="", auth=auth.authenticator(settings),
+        auth_message="Sign in to lmscope." if settings.auth_on else None,
+        show_error=True, css_paths=[str(STATIC / "lmscope.css")], footer_links=["api"],
+        max_file_size=int(settings.upload_max_mb * 1024 * 1024),
+    )
+    return app, demo
 
 
 def serve(host: str = "127.0.0.1", port: int = 7860, embedded_services: bool = True) -> None:
+    from app.settings import Settings, SettingsError
     from model_core import paths
 
+    try:
+        settings = Settings.from_env()
+    except SettingsError as e:
+        print(f"lmscope: bad configuration: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     services = None
     if embedded_services and importlib.util.find_spec("tasks.services") is not None:
         from tasks.services import ensure_services
 
         services = ensure_services(paths.data_dir())
     try:
-        from app.ui import build_demo
+        import uvicorn
 
-        demo = build_demo()
-        concurrency = int(os.environ.get("LMSCOPE_QUEUE_CONCURRENCY", "2"))
-        demo.queue(default_concurrency_limit=concurrency, max_size=int(os.environ.get("LMSCOPE_QUEUE_MAX", "64")))
-        print(f"lmscope: serving on http://{host}:{port}", flush=True)
-        demo.launch(server_name=host, server_port=port, show_error=True, css_paths=[str(STATIC / "lmscope.css")],
-                    footer_links=["api"], quiet=True)
+        app, _ = build_app(settings)
+        print(f"lmscope: serving on http://{host}:{port} (sign-in: {settings.auth})", flush=True)
+        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
     finally:
         if services is not None:
             services.stop()

@@ -80,7 +80,21 @@ def submit_tokenizer(params: dict, owner: str = "cli", files: list[str | Path] |
     return rec
 
 
+def check_rate(owner: str) -> None:
+    """LMSCOPE_JOBS_PER_HOUR (default 20; 0 = no limit) jobs per owner per hour; the CLI is exempt."""
+    import os
+
+    limit = int(os.environ.get("LMSCOPE_JOBS_PER_HOUR") or 20)
+    if limit <= 0 or owner == "cli":
+        return
+    hour_ago = time.time() - 3600
+    n = sum(1 for rec in store.list_records(owner, limit + 1, _r()) if rec.get("created", 0) >= hour_ago)
+    if n >= limit:
+        raise JobError(f"You have submitted {n} jobs in the last hour; the limit is {limit}. Try again later.")
+
+
 def submit(kind: str, params: dict, owner: str = "cli", files=None) -> dict:
+    check_rate(owner)
     if kind == "tokenizer":
         return submit_tokenizer(params, owner, files)
     raise JobError(f"Unknown job kind '{kind}'; known: {', '.join(KINDS)}.")
@@ -92,19 +106,21 @@ def list_jobs(owner: str | None = None, limit: int = 100) -> list[dict]:
     return store.list_records(owner, limit, r)
 
 
-def get_job(job_id: str) -> dict:
+def get_job(job_id: str, owner: str | None = None) -> dict:
+    """The job's record; with `owner`, someone else's job is reported as missing (not revealed)."""
     r = _r()
     store.reap(r)
     rec = store.get(job_id, r)
-    if rec is None:
+    if rec is None or (owner is not None and rec.get("owner") != owner):
         raise JobError(f"No job with id '{job_id}'.")
     return rec
 
 
-def cancel_job(job_id: str) -> dict:
+def cancel_job(job_id: str, owner: str | None = None) -> dict:
     """Cancel a queued job (it will never start) or a running one (cooperative flag between steps
-    plus a revoke that terminates the worker's task process). Final jobs are left as they are."""
-    rec = get_job(job_id)
+    plus a revoke that terminates the worker's task process). Final jobs are left as they are.
+    With `owner`, only that owner's job can be cancelled."""
+    rec = get_job(job_id, owner)
     if rec["state"] in store.TERMINAL:
         return rec
     store.request_cancel(job_id)
@@ -128,7 +144,7 @@ def cancel_job(job_id: str) -> dict:
             app.control.revoke(job_id, terminate=was.get("state") == "running", signal="SIGTERM")
         except Exception:  # noqa: BLE001 - the flag and the record already stop it
             pass
-    return get_job(job_id)
+    return get_job(job_id, owner)
 
 
 def wait_job(job_id: str, timeout: float | None = None, poll: float = 0.5, on_update=None) -> dict:
