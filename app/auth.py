@@ -93,6 +93,19 @@ def authenticator(settings):
     return None
 
 
+def async_authenticator(settings):
+    """The same check for Gradio's login route, off the event loop (PBKDF2 takes ~0.1 s by design)."""
+    check = authenticator(settings)
+    if check is None:
+        return None
+
+    async def check_async(username: str, password: str) -> bool:
+        import asyncio
+
+        return await asyncio.to_thread(check, username, password)
+    return check_async
+
+
 def bearer_ok(settings, header: str | None) -> bool:
     """Authorization: Bearer <token> for the operator endpoints. With LMSCOPE_AUTH=users the token is
     LMSCOPE_AUTH_TOKEN when set; otherwise 'user:password' of any user is accepted."""

@@ -102,7 +102,7 @@ def build_app(settings=None):
     demo = build_demo()
     demo.queue(default_concurrency_limit=settings.queue_concurrency, max_size=settings.queue_max)
     app = gr.mount_gradio_app(
-        api, demo, path="", auth=auth.authenticator(settings),
+        api, demo, path="", auth=auth.async_authenticator(settings),
         auth_message="Sign in to lmscope." if settings.auth_on else None,
         show_error=True, css_paths=[str(STATIC / "lmscope.css")], footer_links=["api"],
         max_file_size=int(settings.upload_max_mb * 1024 * 1024),
