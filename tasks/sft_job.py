@@ -1,0 +1,256 @@
+"""Supervised fine-tuning as a background job: model_core.sft.run_sft on the worker.
+
+Params: model_core.sft.SFTSettings fields (model, dataset 'builtin' or an uploaded JSONL, method
+full|lora, lora_rank, learning_rate, max_steps / epochs, batch_size, max_length, eval_fraction,
+seed, output_name, ...). Submission validates the settings and parses an uploaded dataset, so bad
+input (malformed JSONL with line numbers, no assistant turn, unknown model, name taken) fails at
+once and nothing is queued.
+
+Progress: 'loading model' (0-2 %), 'accuracy before' (2-5 %), 'training' (5-90 %, by step),
+'accuracy after' (90-97 %), 'saving' (97-100 %). The record gets an extra field `sft`:
+{history: [{step, loss, eval_loss, lr, tokens_per_s, eta_s, ...}], latest, data, accuracy_before,
+accuracy_after, model_name}; the Jobs/SFT tabs draw loss curves from it.
+
+Cancel: run_sft polls the cancel flag between steps (the revoke from jobs.cancel_job also
+terminates the process); either way the staging directory is never renamed into <data dir>/models,
+so a cancelled or killed run registers nothing (a killed run's staging dir is swept by the next run).
+The record machinery (claim, heartbeat thread, final-state writes) is the tokenizer job's.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+
+from model_core import sft
+from model_core.errors import LmscopeError, SettingsError
+from tasks import config, store
+from tasks.celery_app import app
+from tasks.tokenizer_job import _claim, _finish, _Progress
+
+MAX_HISTORY = 2000  # loss-curve points kept in the record (thinned evenly beyond this)
+_PUSH_EVERY_S = 0.5
+PHASES = {"loading model": (0.0, 0.02), "accuracy before": (0.02, 0.05), "training": (0.05, 0.90),
+          "accuracy after": (0.90, 0.97), "saving": (0.97, 1.0), "done": (1.0, 1.0)}
+
+
+def validate_params(params: dict) -> dict:
+    """Settings as run_sft will see them (a JSON-able dict); SettingsError for bad values."""
+    from model_core.registry import REGISTRY, _finetuned_path
+
+    p = dict(params or {})
+    p.pop("dataset_file", None)
+    s = sft.validate_settings(p)
+    if s.model not in REGISTRY and _finetuned_path(s.model) is None and not Path(s.model).is_dir():
+        raise SettingsError(f"Unknown model '{s.model}'; pick a registry or fine-tuned model.")
+    out = {k: v for k, v in s.__dict__.items()}
+    out["dataset_file"] = params.get("dataset_file")
+    return out
+
+
+def submit_sft(params: dict, owner: str = "cli", files: list | None = None) -> dict:
+    """Validate, record and queue an SFT job (called by tasks.jobs.submit). `files`: one uploaded
+    JSONL (then dataset = 'upload'); or params['dataset'] = 'builtin' or a JSONL path."""
+    from tasks import jobs
+
+    p = dict(params or {})
+    files = [Path(getattr(f, "name", f)) for f in (files or [])]
+    ds = str(p.get("dataset") or sft.BUILTIN)
+    if not files and ds not in (sft.BUILTIN, "upload"):
+        files = [Path(ds)]
+    if len(files) > 1:
+        raise sft.DatasetError("Upload one JSONL dataset file.")
+    if ds == "upload" and not files:
+        raise sft.DatasetError("No dataset file was uploaded.")
+    if files:
+        f = files[0]
+        if not f.exists():
+            raise sft.DatasetError(f"Dataset file '{f.name}' does not exist.")
+        if f.stat().st_size > config.upload_max_bytes():
+            raise sft.DatasetError(f"Dataset file '{f.name}' is larger than "
+                                   f"{config.upload_max_bytes() // 2**20} MB.")
+        sft.load_jsonl(f)  # malformed lines fail here, with line numbers; nothing is queued
+        p["dataset"], p["dataset_file"] = "upload", f.name
+    else:
+        p["dataset"] = sft.BUILTIN
+    p["output_name"] = p.get("output_name") or None
+    v = validate_params({**p, "dataset": sft.BUILTIN})  # the path is fixed up on the worker
+    v["dataset"], v["dataset_file"] = p["dataset"], p.get("dataset_file")
+    r = jobs._r()
+    rec = store.new_record("sft", v, owner)
+    if not v["output_name"]:
+        v["output_name"] = sft.default_output_name(v["model"], rec["id"][:8])
+    if (sft.paths.finetuned_dir() / v["output_name"]).exists() and not v.get("overwrite"):
+        raise sft.SFTError(f"A model named '{v['output_name']}' already exists; choose another output name.")
+    if files:
+        inp = config.job_dir(rec["id"]) / "input"
+        inp.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(files[0], inp / files[0].name)
+    rec["sft"] = {"history": [], "latest": None, "model_name": v["output_name"]}
+    store.create(rec, r)
+    try:
+        run_sft_job.apply_async(args=[rec["id"]], task_id=rec["id"])
+    except Exception as e:  # noqa: BLE001
+        def fail(x):
+            x.update(state="failed", error=f"could not queue the job: {e}", finished=time.time())
+            return x
+
+        store.update(rec["id"], fail, r)
+        raise jobs.JobError(f"Could not queue the job: {str(e).splitlines()[0]}") from None
+    return rec
+
+
+def _thin(hist: list[dict]) -> list[dict]:
+    if len(hist) <= MAX_HISTORY:
+        return hist
+    keep = set(round(i * (len(hist) - 1) / (MAX_HISTORY - 1)) for i in range(MAX_HISTORY))
+    return [h for i, h in enumerate(hist) if i in keep or h.get("eval_loss") is not None]
+
+
+class _SFTProgress(_Progress):
+    """The tokenizer job's progress/heartbeat, plus the training curves in record['sft']."""
+
+    def __init__(self, job_id: str, attempt: int):
+        super().__init__(job_id, attempt)
+        self.history: list[dict] = []
+        self.latest: dict | None = None
+        self.eta: float | None = None
+        self.extra: dict = {}
+
+    def on_row(self, row: dict) -> None:
+        phase = row.get("phase", "training")
+        lo, hi = PHASES.get(phase, (0.0, 0.0))
+        f = lo
+        if phase == "training" and row.get("max_steps"):
+            f = lo + (hi - lo) * row["step"] / row["max_steps"]
+        with self.lock:
+            self.stage, self.fraction, self.est = phase, max(self.fraction, f), None
+            if phase == "training":
+                if row.get("loss") is not None or row.get("eval_loss") is not None:
+                    self.history.append({k: v for k, v in row.items() if k != "phase"})
+                self.latest = row
+                self.eta = row.get("eta_s")
+
+    def push(self, log: str | None = None) -> None:
+        stage, f = self.current()
+        with self.lock:
+            hist, latest, eta, extra = list(self.history), self.latest, self.eta, dict(self.extra)
+        if eta is None and f > 0.05:
+            eta = round((time.time() - self.t_start) / f * (1 - f), 1)
+
+        def fn(rec):
+            if rec["state"] != "running" or rec.get("attempts") != self.attempt:
+                return None
+            rec["progress"] = {"fraction": round(f, 4), "stage": stage, "eta_seconds": eta}
+            s = rec.setdefault("sft", {})
+            s.update(extra, history=_thin(hist), latest=latest)
+            if log:
+                rec["log"].append(store.log_line(log))
+            return rec
+
+        store.update(self.job_id, fn)
+
+
+@app.task(bind=True, name="lmscope.sft", acks_late=True, reject_on_worker_lost=True)
+def run_sft_job(self, job_id: str) -> str:
+    rec = _claim(job_id, self.request.hostname or "?")
+    if rec is None:
+        return "skipped"
+    attempt = rec["attempts"]
+    prog = _SFTProgress(job_id, attempt)
+    hb = threading.Thread(target=prog.heartbeat_loop, name=f"heartbeat-{job_id}", daemon=True)
+    hb.start()
+    jdir = config.job_dir(job_id)
+    jdir.mkdir(parents=True, exist_ok=True)
+
+    def cancelled() -> bool:
+        if prog.cancelled.is_set():
+            return True
+        try:
+            return store.cancel_requested(job_id)
+        except Exception:  # noqa: BLE001 - a Redis hiccup is not a cancel
+            return False
+
+    last_push = [0.0]
+
+    def on_progress(row: dict) -> None:
+        prog.on_row(row)
+        now = time.time()
+        if row.get("phase") != "training" or row.get("eval_loss") is not None or now - last_push[0] >= _PUSH_EVERY_S:
+            last_push[0] = now
+            prog.push()
+
+    try:
+        params = dict(rec["params"])
+        if params.get("dataset") == "upload":
+            params["dataset"] = str(jdir / "input" / params["dataset_file"])
+        params.pop("dataset_file", None)
+        settings = sft.validate_settings(params)
+        res = sft.run_sft(settings, progress=on_progress, should_stop=cancelled, log=lambda m: prog.push(m))
+        info = res.info
+        with prog.lock:
+            prog.extra = {"data": info["data"], "accuracy_before": info["accuracy_before"],
+                          "accuracy_after": info["accuracy_after"], "metrics": info["metrics"],
+                          "model_name": res.name, "model_path": str(res.path)}
+        prog.push()
+        arts = [{"name": n, "path": str(res.path / n), "bytes": (res.path / n).stat().st_size}
+                for n in ("lmscope.json", "model.safetensors") if (res.path / n).exists()]
+        acc = ""
+        if info["accuracy_before"] and info["accuracy_after"]:
+            acc = (f", held-out accuracy {info['accuracy_before']['accuracy']:.0%} -> "
+                   f"{info['accuracy_after']['accuracy']:.0%}")
+        _finish(job_id, attempt, state="succeeded", artifacts=arts,
+                log=f"done: model '{res.name}' registered{acc}")
+        return "succeeded"
+    except sft.SFTCancelled:
+        _finish(job_id, attempt, state="cancelled", log="cancelled; no model was registered")
+        return "cancelled"
+    except LmscopeError as e:
+        _finish(job_id, attempt, state="failed", error=str(e), log=f"failed: {e}")
+        return "failed"
+    except Exception as e:  # noqa: BLE001 - the record gets one line, the worker log the traceback
+        msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+        _finish(job_id, attempt, state="failed", error=msg, log=f"failed: {msg}")
+        raise
+    finally:
+        prog.stop.set()
+
+
+# ---- CLI: `lmscope jobs submit sft ...` (wired from tasks/cli.py) ----------------------------
+
+def add_sft_arguments(s) -> None:
+    """Options for kind 'sft'. --model and --batch-size are shared with other kinds when present."""
+    g = s.add_argument_group("sft (kind 'sft': supervised fine-tuning)")
+    have = {a for act in s._actions for a in act.option_strings}
+
+    def add(flag, **kw):
+        if flag not in have:
+            g.add_argument(flag, **kw)
+
+    add("--model", default=None, help="model to fine-tune (default: the default model)")
+    add("--batch-size", type=int, default=None, help="examples per step (sft default 8)")
+    add("--dataset", default="builtin", help="'builtin' (date-reformat task) or a chat .jsonl path")
+    add("--method", choices=["full", "lora"], default=None, help="full (default) or lora; --lora-rank implies lora")
+    add("--lora-rank", type=int, default=None)
+    add("--lr", type=float, default=None, help="learning rate (default 1e-4 full, 1e-3 LoRA)")
+    add("--max-steps", type=int, default=None)
+    add("--epochs", type=float, default=None)
+    add("--max-length", type=int, default=None)
+    add("--eval-fraction", type=float, default=None)
+    add("--seed", type=int, default=None)
+    add("--output-name", default=None, help="name of the registered model")
+
+
+def sft_params_from_args(args) -> tuple[dict, list]:
+    from model_core.registry import DEFAULT_MODEL
+
+    method = args.method or ("lora" if args.lora_rank else "full")
+    params = {"model": args.model or DEFAULT_MODEL, "method": method, "lora_rank": args.lora_rank,
+              "learning_rate": args.lr, "max_steps": args.max_steps, "epochs": args.epochs,
+              "batch_size": getattr(args, "batch_size", None), "max_length": args.max_length,
+              "eval_fraction": args.eval_fraction, "seed": args.seed, "output_name": args.output_name,
+              "dataset": "builtin"}
+    files = [] if args.dataset in (None, "builtin") else [args.dataset]
+    return {k: v for k, v in params.items() if v is not None}, files

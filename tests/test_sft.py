@@ -1,0 +1,246 @@
+"""SFT: the loss mask on the real SmolLM2 template, bad data, MFU arithmetic, tiny end-to-end runs
+(full and LoRA) that register loadable models, cancel and NaN that register nothing, and one job
+through a real Celery worker and a real Valkey server."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from model_core import sft
+
+TINY = "random-llama-tiny"
+TINY_RUN = {"model": TINY, "dataset": "builtin", "builtin_train_size": 48, "batch_size": 8,
+            "learning_rate": 3e-3, "accuracy_examples": 4, "eval_fraction": 0.1}
+
+
+@pytest.fixture
+def data_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("LMSCOPE_DATA_DIR", str(tmp_path / "data"))
+    return tmp_path / "data"
+
+
+# ---- the loss mask ---------------------------------------------------------------------------
+
+def test_loss_mask_smollm2_token_by_token(default_lm):
+    """Trained tokens are exactly the assistant content and its <|im_end|>: not the system prompt
+    the template inserts, not the user turns, not '<|im_start|>assistant\\n', not the '\\n' after
+    <|im_end|>."""
+    tok = default_lm.tokenizer
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"},
+            {"role": "user", "content": "again"}, {"role": "assistant", "content": "ok."}]
+    ex = sft.encode_conversation(tok, msgs)
+    ids = ex["input_ids"]
+    # the same ids the template gives when it tokenizes itself
+    assert ids == list(tok.apply_chat_template(msgs, tokenize=True, return_dict=False))
+    pieces = tok.convert_ids_to_tokens(ids)
+    trained = [(i, p) for i, (p, l) in enumerate(zip(pieces, ex["labels"])) if l != sft.IGNORE]
+    assert [p for _, p in trained] == ["hello", "Ġthere", "<|im_end|>", "ok", ".", "<|im_end|>"]
+    # positions: each assistant turn starts right after '<|im_start|>', 'ass', 'istant', 'Ċ'
+    for i, p in trained:
+        if p in ("hello", "ok"):
+            assert pieces[i - 4: i] == ["<|im_start|>", "ass", "istant", "Ċ"]
+    assert pieces[trained[2][0] + 1] == "Ċ" and ex["labels"][trained[2][0] + 1] == sft.IGNORE
+    for i, (t, l) in enumerate(zip(ids, ex["labels"])):
+        assert l == sft.IGNORE or l == t
+    assert sum(ex["assistant_mask"]) == 6 and len(ids) == len(ex["labels"])
+    # the default system prompt is in the sequence and masked
+    assert "ĠSm" in pieces[: trained[0][0]]
+
+
+def test_loss_mask_byte_template_and_prompt_completion():
+    from model_core.tokenization import byte_tokenizer
+
+    tok = byte_tokenizer()
+    assert sft.ensure_chat_template(tok) is True
+    msgs = sft.parse_example({"prompt": "2+2?", "completion": "4"})
+    ex = sft.encode_conversation(tok, msgs)
+    text = "".join(tok.decode([t]) for t in ex["input_ids"])
+    assert text == "user: 2+2?<eos>\nassistant: 4<eos>\n"
+    kept = [tok.decode([t]) for t, m in zip(ex["input_ids"], ex["assistant_mask"]) if m]
+    assert kept == ["4", "<eos>"]
+
+
+def test_truncation_and_dropping_are_counted(default_lm):
+    tok = default_lm.tokenizer
+    short = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    long_answer = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "word " * 200}]
+    long_prompt = [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "b"}]
+    d = sft.encode_dataset(tok, [short, long_answer, long_prompt], max_length=64)
+    assert (d.total, d.truncated, d.dropped, len(d.examples)) == (3, 1, 1, 2)
+    assert all(len(e["input_ids"]) <= 64 for e in d.examples)
+    with pytest.raises(sft.DatasetError, match="max_length"):
+        sft.encode_dataset(tok, [long_prompt], max_length=64)
+
+
+# ---- bad data ----------------------------------------------------------------------------------
+
+def test_malformed_jsonl_names_line_numbers(tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_text("\n".join([
+        json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}),
+        '{"messages": [',  # line 2: broken JSON
+        json.dumps({"messages": [{"role": "user", "content": "q"}]}),  # line 3: no assistant turn
+        "",
+        json.dumps({"messages": [{"role": "robot", "content": "x"}]}),  # line 5: bad role
+        json.dumps({"text": "x"}),  # line 6: wrong keys
+        json.dumps({"prompt": "q", "completion": "a"}),
+    ]) + "\n")
+    with pytest.raises(sft.DatasetError) as e:
+        sft.load_jsonl(p)
+    msg = str(e.value)
+    assert msg.startswith("4 malformed line(s) in 'bad.jsonl'")
+    assert "line 2: not valid JSON" in msg and "line 3: no assistant turn" in msg
+    assert "line 5: message 1 has role 'robot'" in msg and "line 6: needs 'messages'" in msg
+    assert "line 1" not in msg and "line 7" not in msg
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"prompt": "q", "completion": "a"}) + "\n\n")
+    assert sft.load_jsonl(good) == [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]]
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(sft.DatasetError, match="no examples"):
+        sft.load_jsonl(empty)
+
+
+def test_settings_are_checked():
+    with pytest.raises(sft.SettingsError, match="learning_rate"):
+        sft.validate_settings({"learning_rate": "fast"})
+    with pytest.raises(sft.SettingsError, match="Method"):
+        sft.validate_settings({"method": "qlora"})
+    with pytest.raises(sft.SettingsError, match="output name"):
+        sft.validate_settings({"output_name": "../evil"})
+    with pytest.raises(sft.SettingsError, match="Unknown SFT setting"):
+        sft.validate_settings({"lr": 1})
+    s = sft.validate_settings({"method": "lora", "lora_rank": 4})
+    assert s.lr() == 1e-3 and s.to_json()["lora_alpha"] == 8
+
+
+def test_builtin_dataset_is_deterministic_and_disjoint():
+    train, test = sft.builtin_dataset(200, 50, seed=0)
+    assert sft.builtin_dataset(200, 50, seed=0) == (train, test)
+    qs = {c[0]["content"] for c in train}
+    assert len(qs) == 200 and not qs & {p[0]["content"] for p, _ in test}
+    q, a = test[0][0][0]["content"], test[0][1]
+    y, m, d = q.split("date ")[1].split(" ")[0].split("-")
+    assert a == f"{d}/{m}/{y}"
+
+
+# ---- MFU -----------------------------------------------------------------------------------------
+
+def test_mfu_worked_example():
+    # 6 x 125M parameters x 200k tokens/s = 1.5e17 FLOP/s of a 312 TFLOP/s peak
+    assert sft.mfu(125e6, 200e3, 312e12) == pytest.approx(0.4808, abs=1e-4)
+    assert round(sft.mfu(125e6, 200e3, 312e12), 2) == 0.48
+
+
+# ---- end to end on the tiny random model -------------------------------------------------------
+
+def test_tiny_full_sft_registers_a_loadable_model(data_dir):
+    from model_core import list_models, load_model, trace
+
+    rows = []
+    res = sft.run_sft({**TINY_RUN, "max_steps": 24, "output_name": "tiny-full", "eval_every": 12},
+                      progress=rows.append)
+    losses = [r["loss"] for r in rows if r.get("loss") is not None]
+    assert len(losses) == 24
+    assert sum(losses[-4:]) / 4 < 0.75 * sum(losses[:4]) / 4, losses
+    evals = [r["eval_loss"] for r in rows if r.get("eval_loss") is not None and r.get("loss") is None]
+    assert len(evals) == 2 and evals[1] < evals[0]
+    last = [r for r in rows if r.get("loss") is not None][-1]
+    assert last["step"] == 24 and last["tokens_per_s"] > 0 and last["lr"] is not None and last["eta_s"] == 0
+    path = data_dir / "models" / "tiny-full"
+    assert res.path == path and (path / "model.safetensors").exists() and (path / "chat_template.jinja").exists()
+    info = json.loads((path / "lmscope.json").read_text())
+    assert info["parent"] == TINY and info["parameters"] > 0 and info["training"]["max_steps"] == 24
+    assert info["accuracy_before"]["n"] == 4 and info["accuracy_after"]["n"] == 4
+    assert not any((data_dir / "sft-staging").iterdir())
+    lm = load_model("tiny-full")
+    assert lm.source == "finetuned" and lm.meta["parent"] == TINY and lm.has_chat_template
+    tr = trace(lm, "Rewrite the date 2001-02-03", chat=True)
+    assert tr.n_tokens > 10 and torch.isfinite(tr.next_logits).all()
+    assert {"name": "tiny-full", "parent": TINY}.items() <= next(
+        r for r in list_models() if r["name"] == "tiny-full").items()
+    with pytest.raises(sft.SFTError, match="already exists"):
+        sft.run_sft({**TINY_RUN, "max_steps": 1, "output_name": "tiny-full"})
+
+
+def test_tiny_lora_is_merged_into_a_plain_checkpoint(data_dir):
+    from model_core import load_model
+
+    res = sft.run_sft({**TINY_RUN, "method": "lora", "lora_rank": 4, "max_steps": 6, "learning_rate": 1e-2,
+                       "accuracy_examples": 0, "output_name": "tiny-lora"})
+    files = {p.name for p in res.path.iterdir()}
+    assert "adapter_config.json" not in files and "model.safetensors" in files
+    ft, base = load_model("tiny-lora"), load_model(TINY)
+    assert ft.n_params == base.n_params
+    diff = [n for (n, a), (_, b) in zip(ft.model.named_parameters(), base.model.named_parameters())
+            if not torch.equal(a, b)]
+    assert diff and all("proj" in n for n in diff)  # LoRA touched the linear layers only
+    assert res.info["training"]["method"] == "lora" and res.info["training"]["lora_rank"] == 4
+
+
+def test_cancel_mid_run_registers_nothing(data_dir):
+    seen = []
+
+    def stop():
+        return len(seen) >= 3
+
+    with pytest.raises(sft.SFTCancelled):
+        sft.run_sft({**TINY_RUN, "max_steps": 50, "output_name": "tiny-cancel", "accuracy_examples": 0},
+                    progress=lambda r: seen.append(r) if r.get("loss") is not None else None, should_stop=stop)
+    assert 3 <= len(seen) < 50
+    assert not (data_dir / "models" / "tiny-cancel").exists()
+    assert not any((data_dir / "sft-staging").iterdir())
+
+
+def test_nan_loss_stops_with_a_clear_error(data_dir, tmp_path):
+    from model_core import load_model
+
+    lm = load_model(TINY)
+    bad = tmp_path / "nan-model"
+    sd = {k: v.clone() for k, v in lm.model.state_dict().items()}
+    sd["model.layers.0.mlp.up_proj.weight"][0, 0] = float("nan")
+    lm.model.save_pretrained(bad, state_dict=sd)
+    lm.tokenizer.save_pretrained(bad)
+    with pytest.raises(sft.SFTError, match="NaN/inf at step 1"):
+        sft.run_sft({**TINY_RUN, "model": str(bad), "max_steps": 5, "accuracy_examples": 0, "output_name": "nan"})
+    assert not (data_dir / "models" / "nan").exists()
+
+
+# ---- a real worker --------------------------------------------------------------------------------
+
+@pytest.mark.integration
+def test_sft_job_through_a_real_worker(tmp_path):
+    from tests.jobs_helpers import LiveServices
+
+    svc = LiveServices(tmp_path / "jobs-data", stale_s=6.0).start()
+    try:
+        from tasks import jobs
+
+        if "sft" not in jobs.KINDS:
+            pytest.skip("the 'sft' kind is not wired into tasks.jobs yet")
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text('{"prompt": "q", "completion": "a"}\n{"prompt": "q"}\n')
+        with pytest.raises(sft.DatasetError, match="line 2"):
+            jobs.submit("sft", {"model": TINY}, owner="t", files=[bad])
+        assert jobs.list_jobs(owner="t") == []
+        rec = jobs.submit("sft", {**TINY_RUN, "max_steps": 12, "eval_every": 6}, owner="t")
+        done = jobs.wait_job(rec["id"], timeout=120, poll=0.2)
+        assert done["state"] == "succeeded", (done, svc.worker_log())
+        s = done["sft"]
+        name = s["model_name"]
+        assert [h["step"] for h in s["history"] if h.get("loss") is not None] == list(range(1, 13))
+        assert s["accuracy_before"]["n"] == 4 and s["accuracy_after"]["n"] == 4
+        assert (svc.data_dir / "models" / name / "model.safetensors").exists()
+        assert {a["name"] for a in done["artifacts"]} == {"lmscope.json", "model.safetensors"}
+        from model_core import load_model, trace
+
+        lm = load_model(name)
+        assert lm.meta["parent"] == TINY and trace(lm, "hello").n_tokens == 5
+    finally:
+        svc.stop()
