@@ -19,7 +19,7 @@ def add_jobs_parser(subparsers, func) -> None:
     js = j.add_subparsers(dest="jobs_command", required=True)
 
     s = js.add_parser("submit", help="queue a job")
-    s.add_argument("kind", choices=["tokenizer"])
+    s.add_argument("kind", choices=["tokenizer", "patching"])
     s.add_argument("--algorithm", choices=list(tt.ALGORITHMS), default="byte-level-bpe")
     s.add_argument("--vocab-size", type=int, default=4000,
                    help=f"{tt.VOCAB_MIN}..{tt.VOCAB_MAX} (default 4000)")
@@ -27,6 +27,7 @@ def add_jobs_parser(subparsers, func) -> None:
     s.add_argument("--special-tokens", default=None, help="comma-separated (default depends on the algorithm)")
     s.add_argument("--corpus", default="builtin", help="'builtin' (stdlib docstrings) or a .txt/.jsonl path")
     s.add_argument("--corpus-max-mb", type=float, default=None, help="train on the first N MB only")
+    _add_patching_args(s)
     s.add_argument("--owner", default="cli")
     s.add_argument("--wait", action="store_true", help="wait for the job to finish and print its record")
     s.add_argument("--timeout", type=float, default=None, help="with --wait: give up after N seconds")
@@ -49,6 +50,32 @@ def add_jobs_parser(subparsers, func) -> None:
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=func)
 
+
+# ---- patching jobs (tasks/patching_job.py) --------------------------------------------------
+
+def _add_patching_args(s) -> None:
+    g = s.add_argument_group("patching (kind 'patching': activation-patching sweep, clean -> corrupted)")
+    g.add_argument("--model", default=None, help="model name (default: the default model)")
+    g.add_argument("--clean", default=None, help="clean prompt")
+    g.add_argument("--corrupted", default=None, help="corrupted prompt")
+    g.add_argument("--target", default=None, help="target token, one token, mind the leading space: ' Paris'")
+    g.add_argument("--other", default=None, help="second token: the metric becomes logit[target] - logit[other]")
+    g.add_argument("--kind", dest="sweep", choices=["residual", "heads"], default="residual",
+                   help="residual: layers x positions; heads: layers x heads (default residual)")
+    g.add_argument("--align", choices=["error", "right"], default="error",
+                   help="prompts of different lengths: refuse (error) or align at the last token (right)")
+    g.add_argument("--batch-size", type=int, default=None, help="patched runs per forward pass")
+
+
+def _patching_params(args) -> dict:
+    from model_core.registry import DEFAULT_MODEL
+
+    return {"model": args.model or DEFAULT_MODEL, "clean": args.clean, "corrupted": args.corrupted,
+            "target": args.target, "other": args.other, "sweep": args.sweep, "align": args.align,
+            "batch_size": args.batch_size}
+
+
+# ---- shared ---------------------------------------------------------------------------------
 
 def _dump(obj) -> None:
     json.dump(obj, sys.stdout, ensure_ascii=False, indent=2)
@@ -79,9 +106,13 @@ def jobs_command(args) -> int:
 
     cmd = args.jobs_command
     if cmd == "submit":
-        params = {"algorithm": args.algorithm, "vocab_size": args.vocab_size, "min_frequency": args.min_frequency,
-                  "special_tokens": args.special_tokens, "corpus": "builtin", "corpus_max_mb": args.corpus_max_mb}
-        files = [] if args.corpus == "builtin" else [args.corpus]
+        if args.kind == "patching":
+            params, files = _patching_params(args), []
+        else:
+            params = {"algorithm": args.algorithm, "vocab_size": args.vocab_size,
+                      "min_frequency": args.min_frequency, "special_tokens": args.special_tokens,
+                      "corpus": "builtin", "corpus_max_mb": args.corpus_max_mb}
+            files = [] if args.corpus == "builtin" else [args.corpus]
         rec = jobs.submit(args.kind, params, owner=args.owner, files=files)
         if args.wait:
             last = [None]

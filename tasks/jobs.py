@@ -16,7 +16,7 @@ from model_core.errors import LmscopeError
 from tasks import config, corpus, store
 from tasks import tokenizer_train as tt
 
-KINDS = ("tokenizer",)
+KINDS = ("tokenizer", "patching")
 
 
 class JobError(LmscopeError):
@@ -97,6 +97,10 @@ def submit(kind: str, params: dict, owner: str = "cli", files=None) -> dict:
     check_rate(owner)
     if kind == "tokenizer":
         return submit_tokenizer(params, owner, files)
+    if kind == "patching":  # activation-patching sweep: tasks/patching_job.py
+        from tasks.patching_job import submit_patching
+
+        return submit_patching(params, owner)
     raise JobError(f"Unknown job kind '{kind}'; known: {', '.join(KINDS)}.")
 
 
