@@ -153,8 +153,34 @@ def run_ablation(model, clean, target, other, kind, heads, mlps, neurons, mode):
     return summary, bars, lens
 
 
+def _patch_summary(d: dict, cols: list[str], metric_desc: str) -> str:
+    """One paragraph under the heatmap, from a PatchingResult.to_dict() (interactive or job)."""
+    best, where = None, None
+    for r, row in enumerate(d["normalized"]):
+        for c, v in enumerate(row):
+            if v is not None and not (isinstance(v, float) and v != v) and (best is None or v > best):
+                best, where = v, (r, c)
+    n_cells = sum(len(row) for row in d["values"])
+    out = (f"{metric_desc}: clean **{d['clean_value']:.3f}**, corrupted **{d['corrupted_value']:.3f}**. "
+           f"{n_cells} cells in {d['n_forward']} forward passes (batches of {d['batch_size']}), "
+           f"{d['seconds']:.1f} s; prompts {d['aligned']}.")
+    if where is not None:
+        out += (f" Strongest cell: L{d['rows'][where[0]]} · {cols[where[1]]} restores {best:.2f} of the "
+                f"clean effect.")
+    if abs(d["clean_value"] - d["corrupted_value"]) < 1e-6:
+        out += " Clean and corrupted score the same, so the normalised effect is undefined (blank)."
+    return out
+
+
+def _patch_title(what: str, metric_desc: str) -> str:
+    return (f"Patching clean → corrupted ({'head outputs' if what == 'heads' else 'residual stream'}): "
+            f"{metric_desc}")
+
+
 @_guard
 def run_patching(model, clean, corrupt, target, other, kind, what, align, progress=gr.Progress()):
+    """Interactive sweep. Returns (summary, heatmap, job-offer visibility): a residual sweep over
+    MAX_SWEEP_CELLS cells is not run here; the 'Run as a background job' box is shown instead."""
     lm = get_model(model)
     m = _metric(lm, target, other, kind)
     L = lm.shape.n_layers
@@ -169,23 +195,82 @@ def run_patching(model, clean, corrupt, target, other, kind, what, align, progre
     else:
         n_tokens = len(lm.tokenizer(corrupt)["input_ids"]) if isinstance(corrupt, str) else 0
         if L * n_tokens > MAX_SWEEP_CELLS:
-            raise gr.Error(f"That sweep is {L} layers × {n_tokens} positions = {L * n_tokens} patched runs; the "
-                           f"interactive limit is {MAX_SWEEP_CELLS}. Shorten the prompts.")
+            return (f"That sweep is {L} layers × {n_tokens} positions = **{L * n_tokens} patched runs**, more "
+                    f"than the {MAX_SWEEP_CELLS} this page runs while you wait. Run it as a background job "
+                    f"below (it keeps running if you close the page), or shorten the prompts.",
+                    gr.skip(), gr.update(visible=True))
         res = patch_residual(lm, clean, corrupt, m, align=align_mode, progress=report)
         cols = [_pos_labels(lm, res.corrupted_ids)[p] for p in res.cols]
-    title = (f"Patching clean → corrupted ({'head outputs' if what == 'heads' else 'residual stream'}): "
-             f"{m.describe(lm)}")
-    heat = fig.patching_heatmap(res.normalized, res.rows, cols, title, kind=res.kind)
-    n = res.normalized
-    best = torch.nan_to_num(n, nan=-1e9).flatten().argmax()
-    r, c = divmod(int(best), n.shape[1])
-    summary = (f"{m.describe(lm)}: clean **{res.clean_value:.3f}**, corrupted **{res.corrupted_value:.3f}**. "
-               f"{n.numel()} cells in {res.n_forward} forward passes (batches of {res.batch_size}), "
-               f"{res.seconds:.1f} s; prompts {res.aligned}. Strongest cell: L{res.rows[r]} · {cols[c]} "
-               f"restores {float(n[r, c]):.2f} of the clean effect.")
-    if abs(res.clean_value - res.corrupted_value) < 1e-6:
-        summary += " Clean and corrupted score the same, so the normalised effect is undefined (blank)."
-    return summary, heat
+    heat = fig.patching_heatmap(res.normalized, res.rows, cols, _patch_title(what, m.describe(lm)), kind=res.kind)
+    return _patch_summary(res.to_dict(), cols, m.describe(lm)), heat, gr.update(visible=False)
+
+
+# --- the same sweep as a background job (tasks/patching_job.py) ------------------------------
+
+JOB_POLL_S = 1.0
+
+
+def _jobs():
+    from tasks import jobs
+
+    return jobs
+
+
+@_guard
+def submit_patch_job(owner, model, clean, corrupt, target, other, kind, what, align):
+    """Queue the sweep on the worker. Returns (owner, job id, progress HTML, timer, summary)."""
+    import uuid
+
+    from app import jobs_figures as jf
+
+    lm = get_model(model)  # the server's allow-list, and a bad target fails here, not on the worker
+    m = _metric(lm, target, other, kind)
+    owner = owner or f"browser-{uuid.uuid4().hex[:12]}"
+    params = {"model": (model or "").strip() or default_model(), "clean": clean, "corrupted": corrupt,
+              "target": target, "other": other if m.kind == "logit_diff" else None,
+              "sweep": "heads" if what == "heads" else "residual", "align": "right" if align else "error"}
+    rec = _jobs().submit("patching", params, owner=owner)
+    return (owner, rec["id"], jf.progress_html(rec), gr.Timer(active=True),
+            f"Queued background job **{rec['id']}**; the heatmap appears here when it finishes. "
+            f"It is also listed in the Jobs tab.")
+
+
+def poll_patch_job(job_id):
+    """Timer tick: progress; when the job has finished, the heatmap from its patching.json."""
+    from app import jobs_figures as jf
+    from tasks.patching_job import read_result
+
+    if not job_id:
+        return gr.skip(), gr.skip(), gr.skip(), gr.Timer(active=False)
+    try:
+        rec = _jobs().get_job(job_id)
+    except LmscopeError as e:
+        return f"⚠️ {e}", gr.skip(), gr.skip(), gr.Timer(active=False)
+    bar = jf.progress_html(rec)
+    if rec["state"] in ("queued", "running"):
+        return bar, gr.skip(), gr.skip(), gr.skip()
+    if rec["state"] != "succeeded":
+        why = rec.get("error") or rec["state"]
+        return bar, f"Background job **{job_id}** {rec['state']}: {why}", gr.skip(), gr.Timer(active=False)
+    d = read_result(rec)
+    if d is None:
+        return bar, f"Job **{job_id}** finished but its result file is missing.", gr.skip(), gr.Timer(active=False)
+    what = "heads" if d["kind"] == "heads" else "resid"
+    heat = fig.patching_heatmap(d["normalized"], d["rows"], d["col_labels"],
+                                _patch_title(what, d["metric_description"]), kind=d["kind"])
+    summary = f"Background job **{job_id}**: " + _patch_summary(d, d["col_labels"], d["metric_description"])
+    return bar, summary, heat, gr.Timer(active=False)
+
+
+def cancel_patch_job(job_id):
+    from app import jobs_figures as jf
+
+    if not job_id:
+        return gr.skip()
+    try:
+        return jf.progress_html(_jobs().cancel_job(job_id))
+    except LmscopeError as e:
+        raise gr.Error(str(e)) from None
 
 
 @_guard
@@ -253,7 +338,15 @@ def build(shared: Shared) -> None:
                                 elem_id="iv-align")
         patch_btn = gr.Button("Run patching sweep", variant="primary", elem_id="iv-patch")
         patch_md = gr.Markdown(elem_id="iv-patch-summary")
+        with gr.Group(visible=False, elem_id="iv-job-box") as job_box:
+            with gr.Row():
+                job_btn = gr.Button("Run as a background job", variant="primary", elem_id="iv-job-submit")
+                job_cancel = gr.Button("Cancel job", variant="stop", elem_id="iv-job-cancel")
+            job_bar = gr.HTML(elem_id="iv-job-progress")
         patch_plot = gr.Plot(label="Patching effect", elem_id="iv-patch-plot")
+        owner = gr.BrowserState("", storage_key="lmscope_owner")  # the Jobs tab's per-browser owner
+        job_id = gr.State(None)
+        job_timer = gr.Timer(JOB_POLL_S, active=False)
 
     with gr.Accordion("Direct logit attribution (clean prompt)", open=True):
         attr_btn = gr.Button("Attribute", variant="primary", elem_id="iv-attr")
@@ -272,8 +365,12 @@ def build(shared: Shared) -> None:
     m = shared.model
     ablate_btn.click(run_ablation, [m, clean, target, other, kind, heads, mlps, neurons, mode],
                      [ablate_md, ablate_bars, ablate_lens], concurrency_id="model")
-    patch_btn.click(run_patching, [m, clean, corrupt, target, other, kind, what, align], [patch_md, patch_plot],
-                    concurrency_id="model")
+    patch_btn.click(run_patching, [m, clean, corrupt, target, other, kind, what, align],
+                    [patch_md, patch_plot, job_box], concurrency_id="model")
+    job_btn.click(submit_patch_job, [owner, m, clean, corrupt, target, other, kind, what, align],
+                  [owner, job_id, job_bar, job_timer, patch_md])
+    job_timer.tick(poll_patch_job, [job_id], [job_bar, patch_md, patch_plot, job_timer], show_progress="hidden")
+    job_cancel.click(cancel_patch_job, [job_id], [job_bar])
     attr_btn.click(run_attribution, [m, clean, target, other, kind], [attr_md, attr_heads, attr_layers],
                    concurrency_id="model")
     cmp_btn.click(run_compare, [m, clean, corrupt], [cmp_a, cmp_b, cmp_diff], concurrency_id="model")

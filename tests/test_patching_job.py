@@ -176,3 +176,37 @@ def test_cli_submit_patching_wait_json(svc):
     assert rec["state"] == "succeeded" and rec["kind"] == "patching" and rec["params"]["sweep"] == "heads"
     res = json.loads(Path(rec["artifacts"][0]["path"]).read_text())
     assert len(res["values"]) == 3 and len(res["values"][0]) == 4
+
+
+def test_interventions_tab_offers_and_runs_the_job(svc, jobs, monkeypatch):
+    """The tab's callbacks end to end: over the interactive cap -> job offer -> submit -> poll until
+    the heatmap is drawn from the job's patching.json."""
+    from app import interventions_tab as tab
+
+    monkeypatch.setattr(tab, "MAX_SWEEP_CELLS", 50)  # 3 layers x 34 positions is over it
+    summary, plot, offer = tab.run_patching(MODEL, CLEAN, CORRUPT, "P", "R", "logit_diff", "resid", False,
+                                            progress=lambda *a, **k: None)
+    assert "background job" in summary and "102 patched runs" in summary and offer["visible"] is True
+    owner, job_id, bar, timer, msg = tab.submit_patch_job("", MODEL, CLEAN, CORRUPT, "P", "R", "logit_diff",
+                                                          "resid", False)
+    assert owner.startswith("browser-") and job_id in msg and "data-state='queued'" in bar
+    assert jobs.get_job(job_id)["owner"] == owner
+    t0 = time.time()
+    while True:
+        bar, summary, heat, timer = tab.poll_patch_job(job_id)
+        if not isinstance(heat, dict):  # gr.skip() while it runs
+            break
+        assert time.time() - t0 < 120, svc.worker_log()
+        time.sleep(0.2)
+    assert "data-state='succeeded'" in bar and "Strongest cell" in summary
+    from tasks.patching_job import read_result
+
+    z = heat.data[0].z
+    want = read_result(jobs.get_job(job_id))["normalized"]
+    assert len(z) == 3 and len(z[0]) == 34
+    assert all(_same(a, b) for ra, rb in zip(z, want) for a, b in zip(ra, rb))
+    # a bad target fails in the page, before anything is queued
+    n = len(jobs.list_jobs(limit=1000))
+    with pytest.raises(Exception, match="6 tokens"):
+        tab.submit_patch_job(owner, MODEL, CLEAN, CORRUPT, " Paris", "R", "logit_diff", "resid", False)
+    assert len(jobs.list_jobs(limit=1000)) == n
