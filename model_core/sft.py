@@ -791,3 +791,81 @@ class _Callback:
                         "training_flops": 6 * n_params * last.get("tokens_seen", 0)}
 
         return Impl(*a, **k)
+
+
+# =============================================================================================
+# Base vs fine-tuned: one prompt through both models
+
+def compare_models(base, tuned, prompt: str | None = None, token_ids=None, chat: bool = False, k: int = 10,
+                   max_tokens: int = 256) -> dict:
+    """One prompt through two LoadedModels with the same vocabulary (a fine-tuned model and its parent).
+
+    Returns plain lists (JSON-able) for the views:
+      tokens            the prompt's tokens [{id, text, display}] (tokenized by the base model)
+      next              {"base": [(token, p)], "tuned": [(token, p)]} top-k next-token candidates
+      kl                per position KL(tuned || base) of the next-token distributions (nats), [T]
+      lens_kl           [L][T]: KL(tuned || base) of the logit lens at each layer's residual output
+      lens_top          {"base": [L] top-1 lens token at the last position, "tuned": [L]} (model_core.lens)
+      attn_diff         [L][H]: mean over query positions of the total-variation distance between the
+                        two models' attention rows (0 = same pattern, 1 = disjoint)
+    """
+    from model_core.lens import logit_lens
+    from model_core.trace import encode_prompt, trace
+
+    if base.shape.vocab_size != tuned.shape.vocab_size or base.shape.n_layers != tuned.shape.n_layers \
+            or base.shape.n_heads != tuned.shape.n_heads:
+        raise SettingsError("These two models have different shapes (vocabulary, layers or heads); compare a "
+                            "fine-tuned model with its parent.")
+    if token_ids is None:
+        # a template-less base (random test models) borrows the template SFT gave its fine-tuned child
+        enc = tuned if chat and not base.has_chat_template and tuned.has_chat_template else base
+        token_ids = encode_prompt(enc, prompt or "", chat=chat, max_tokens=max_tokens)
+    tb = trace(base, token_ids=token_ids)
+    tt = trace(tuned, token_ids=token_ids)
+    T = len(token_ids)
+
+    def kl(lp_t, lp_b):  # KL(tuned || base) over the last dim
+        return (lp_t.exp() * (lp_t - lp_b)).sum(-1)
+
+    with torch.inference_mode():
+        lb = torch.log_softmax(tb.logits().float(), -1)
+        lt = torch.log_softmax(tt.logits().float(), -1)
+        pos_kl = kl(lt, lb).clamp_min(0)
+        lens_kl = []
+        for layer in range(base.shape.n_layers):
+            a = torch.log_softmax(base.adapter.logits_from_resid(tb.resid_post(layer)).float(), -1)
+            b = torch.log_softmax(tuned.adapter.logits_from_resid(tt.resid_post(layer)).float(), -1)
+            lens_kl.append(kl(b, a).clamp_min(0).cpu().tolist())
+        attn = []
+        for layer in range(base.shape.n_layers):
+            pa, pb = tb.attention_pattern(layer).float(), tt.attention_pattern(layer).float()
+            attn.append((0.5 * (pa - pb).abs().sum(-1)).mean(-1).cpu().tolist())  # [H]
+
+    def top(lp):
+        p, i = lp[-1].exp().topk(min(k, lp.shape[-1]))
+        return [(base.tokenizer.decode([int(t)]), float(q)) for q, t in zip(p, i)]
+
+    lens = {}
+    for key, tr, lm in (("base", tb, base), ("tuned", tt, tuned)):
+        r = logit_lens(tr, positions=[T - 1], k=1)
+        lens[key] = [lm.tokenizer.decode([int(r.top_ids[l, 0, 0])]) for l in range(len(r.layers))]
+        lens[key + "_p"] = [float(r.top_probs[l, 0, 0]) for l in range(len(r.layers))]
+    return {"tokens": tb.tokens, "next": {"base": top(lb), "tuned": top(lt)}, "kl": pos_kl.cpu().tolist(),
+            "lens_kl": lens_kl, "lens_top": lens, "attn_diff": attn, "n_layers": base.shape.n_layers,
+            "n_heads": base.shape.n_heads}
+
+
+def mask_view(tokenizer, messages: list[dict]) -> list[dict]:
+    """[{display, id, trained}] for one conversation: what the loss sees, token by token."""
+    import copy
+
+    from model_core.tokenization import describe_tokens
+
+    if not getattr(tokenizer, "chat_template", None):
+        tokenizer = copy.deepcopy(tokenizer)  # never mutate the explorer's cached tokenizer
+        ensure_chat_template(tokenizer)
+    ex = encode_conversation(tokenizer, messages)
+    rows = describe_tokens(tokenizer, ex["input_ids"])
+    for r, m in zip(rows, ex["assistant_mask"]):
+        r["trained"] = bool(m)
+    return rows

@@ -1,0 +1,192 @@
+"""Pure view functions for the SFT tab: job record / compare result -> plotly figures and HTML."""
+
+from __future__ import annotations
+
+import html
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+TRAINED_BG = "#bbf7d0"
+MASKED_BG = "#e5e7eb"
+
+
+def _layout(fig: go.Figure, title: str, height: int = 340, **kw) -> go.Figure:
+    fig.update_layout(title=dict(text=title, x=0.01, font=dict(size=14)), height=height,
+                      margin=dict(l=50, r=20, t=40, b=40), template="plotly_white", **kw)
+    return fig
+
+
+def empty_figure(message: str, height: int = 300) -> go.Figure:
+    fig = go.Figure()
+    fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper",
+                       font=dict(size=13, color="#6b7280"))
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    return _layout(fig, "", height)
+
+
+def loss_figure(history: list[dict] | None) -> go.Figure:
+    """Train loss per step (line) and eval loss at its steps (markers)."""
+    hist = history or []
+    tr = [(h["step"], h["loss"]) for h in hist if h.get("loss") is not None]
+    ev = [(h["step"], h["eval_loss"]) for h in hist if h.get("eval_loss") is not None]
+    if not tr and not ev:
+        return empty_figure("Loss curves appear here while a job trains.")
+    fig = go.Figure()
+    if tr:
+        fig.add_scatter(x=[s for s, _ in tr], y=[v for _, v in tr], mode="lines", name="train loss",
+                        line=dict(color="#2563eb"))
+    if ev:
+        fig.add_scatter(x=[s for s, _ in ev], y=[v for _, v in ev], mode="lines+markers", name="eval loss",
+                        line=dict(color="#dc2626", dash="dot"), marker=dict(size=8))
+    fig.update_xaxes(title="step")
+    fig.update_yaxes(title="cross-entropy on assistant tokens (nats)", rangemode="tozero")
+    return _layout(fig, "Loss", legend=dict(orientation="h", y=1.12, x=1, xanchor="right"))
+
+
+def throughput_figure(history: list[dict] | None) -> go.Figure:
+    """Tokens per second (cumulative average over training time) and the learning rate, per step."""
+    hist = [h for h in (history or []) if h.get("loss") is not None]
+    if not hist:
+        return empty_figure("Tokens per second and learning rate appear here.")
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    steps = [h["step"] for h in hist]
+    fig.add_scatter(x=steps, y=[h.get("tokens_per_s") for h in hist], name="tokens/s", line=dict(color="#16a34a"),
+                    secondary_y=False)
+    fig.add_scatter(x=steps, y=[h.get("lr") for h in hist], name="learning rate", line=dict(color="#a16207"),
+                    secondary_y=True)
+    fig.update_xaxes(title="step")
+    fig.update_yaxes(title="tokens/s", secondary_y=False, rangemode="tozero")
+    fig.update_yaxes(title="lr", secondary_y=True, rangemode="tozero", exponentformat="e")
+    return _layout(fig, "Throughput and learning rate", legend=dict(orientation="h", y=1.12, x=1, xanchor="right"))
+
+
+def _fmt_s(s) -> str:
+    if s is None:
+        return "–"
+    s = float(s)
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"
+
+
+def status_markdown(rec: dict | None) -> str:
+    """Latest step, loss, tokens/s, lr, ETA; data counts; accuracy before/after; the model's name."""
+    if not rec:
+        return "_Submit a job or pick one to follow it here._"
+    s = rec.get("sft") or {}
+    lines = [f"**Job {rec['id']}** · {rec['state']} · stage: {(rec.get('progress') or {}).get('stage', '')}"]
+    last = s.get("latest") or {}
+    if last:
+        def num(v, f):
+            return "–" if v is None else format(v, f)
+        lines.append(f"step {last.get('step')}/{last.get('max_steps')} · loss {num(last.get('loss'), '.4f')} · "
+                     f"eval loss {num(last.get('eval_loss'), '.4f')} · {num(last.get('tokens_per_s'), '.0f')} tokens/s"
+                     f" · lr {num(last.get('lr'), '.2e')} · ETA {_fmt_s(last.get('eta_s'))}")
+    d = (s.get("data") or {}).get("train")
+    if d:
+        lines.append(f"data: {d['examples']} training examples ({d['truncated']} truncated, {d['dropped']} dropped "
+                     f"at max length); {d['trained_tokens']:,} of {d['tokens']:,} tokens count in the loss")
+    b, a = s.get("accuracy_before"), s.get("accuracy_after")
+    if b or a:
+        def acc(x):
+            return f"{x['correct']}/{x['n']} ({x['accuracy']:.0%})" if x else "–"
+        lines.append(f"held-out accuracy (greedy, exact match): before **{acc(b)}** → after **{acc(a)}**")
+    m = s.get("metrics")
+    if m and m.get("tokens_per_s"):
+        lines.append(f"trained {m['steps']} steps in {_fmt_s(m['train_seconds'])} at {m['tokens_per_s']:.0f} tokens/s")
+    if rec["state"] == "succeeded" and s.get("model_name"):
+        lines.append(f"registered as **{s['model_name']}**: pick it in the model menu (reload the page) or compare "
+                     "it with its base below")
+    if rec.get("error"):
+        lines.append(f"⚠️ {rec['error']}")
+    return "\n\n".join(lines)
+
+
+def accuracy_examples_html(rec: dict | None) -> str:
+    s = (rec or {}).get("sft") or {}
+    b, a = s.get("accuracy_before"), s.get("accuracy_after")
+    if not b or not a:
+        return ""
+    rows = []
+    for eb, ea in zip(b["examples"], a["examples"]):
+        def cell(e):
+            c = "#16a34a" if e["correct"] else "#dc2626"
+            return f"<td style='color:{c}'><code>{html.escape(e['got'])}</code></td>"
+        rows.append(f"<tr><td>{html.escape(eb['prompt'])}</td><td><code>{html.escape(eb['expected'])}</code></td>"
+                    f"{cell(eb)}{cell(ea)}</tr>")
+    return ("<table class='lmscope-sft-examples'><tr><th>held-out prompt</th><th>expected</th><th>before</th>"
+            "<th>after</th></tr>" + "".join(rows) + "</table>")
+
+
+def mask_html(rows: list[dict]) -> str:
+    """Each token as a chip: green = counts in the loss (assistant), grey = masked (label -100)."""
+    if not rows:
+        return "<em>No example.</em>"
+    chips = []
+    for i, r in enumerate(rows):
+        bg = TRAINED_BG if r["trained"] else MASKED_BG
+        title = f"#{i} id {r['id']} · {'in the loss' if r['trained'] else 'masked (-100)'}"
+        chips.append(f"<span class='lmscope-mask-tok' data-trained='{int(r['trained'])}' title='{html.escape(title)}' "
+                     f"style='background:{bg};border-radius:3px;padding:1px 2px;margin:1px;display:inline-block;"
+                     f"font-family:monospace'>{html.escape(r['display'])}</span>")
+        if r["display"].endswith("↵"):
+            chips.append("<br>")
+    n = sum(r["trained"] for r in rows)
+    legend = (f"<div style='margin-bottom:6px'><span style='background:{TRAINED_BG};padding:1px 4px'>in the loss</span> "
+              f"<span style='background:{MASKED_BG};padding:1px 4px'>masked (label −100)</span> · "
+              f"{n} of {len(rows)} tokens count</div>")
+    return f"<div class='lmscope-mask'>{legend}{''.join(chips)}</div>"
+
+
+def next_token_figure(nxt: dict, base_name: str, tuned_name: str) -> go.Figure:
+    """Top next-token candidates of both models, side by side."""
+    fig = make_subplots(rows=1, cols=2, subplot_titles=(base_name, tuned_name), horizontal_spacing=0.18)
+    for col, key, colour in ((1, "base", "#6b7280"), (2, "tuned", "#2563eb")):
+        items = nxt.get(key) or []
+        fig.add_bar(x=[p for _, p in items][::-1], y=[repr(t)[1:-1] or "∅" for t, _ in items][::-1],
+                    orientation="h", marker_color=colour, row=1, col=col, showlegend=False,
+                    text=[f"{p:.2f}" for _, p in items][::-1], textposition="outside")
+        fig.update_xaxes(range=[0, 1.15], title="probability", row=1, col=col)
+    return _layout(fig, "Next-token distribution", 380)
+
+
+def kl_figure(tokens: list[dict], kl: list[float]) -> go.Figure:
+    labels = [f"{i}:{t['display']}" for i, t in enumerate(tokens)]
+    fig = go.Figure(go.Bar(x=list(range(len(kl))), y=kl, marker_color="#7c3aed",
+                           hovertext=labels, hovertemplate="%{hovertext}<br>KL %{y:.4f} nats<extra></extra>"))
+    fig.update_xaxes(title="position (predicting the next token)", tickvals=list(range(len(kl))),
+                     ticktext=[t["display"][:10] for t in tokens], tickangle=-60)
+    fig.update_yaxes(title="KL(tuned ‖ base), nats", rangemode="tozero")
+    return _layout(fig, "Where the fine-tuned model disagrees, per position", 360)
+
+
+def lens_kl_figure(tokens: list[dict], lens_kl: list[list[float]]) -> go.Figure:
+    fig = go.Figure(go.Heatmap(z=lens_kl, x=[f"{i}:{t['display'][:10]}" for i, t in enumerate(tokens)],
+                               y=[f"L{l}" for l in range(len(lens_kl))], colorscale="Purples",
+                               colorbar=dict(title="KL"),
+                               hovertemplate="%{y} · %{x}<br>KL %{z:.4f}<extra></extra>"))
+    fig.update_yaxes(autorange="reversed")
+    return _layout(fig, "Logit-lens difference per layer and position: KL(tuned ‖ base)",
+                   max(300, 22 * len(lens_kl) + 100))
+
+
+def attn_diff_figure(attn_diff: list[list[float]]) -> go.Figure:
+    fig = go.Figure(go.Heatmap(z=attn_diff, x=[f"H{h}" for h in range(len(attn_diff[0]) if attn_diff else 0)],
+                               y=[f"L{l}" for l in range(len(attn_diff))], colorscale="Oranges", zmin=0,
+                               colorbar=dict(title="TV"),
+                               hovertemplate="%{y} %{x}<br>mean TV distance %{z:.4f}<extra></extra>"))
+    fig.update_yaxes(autorange="reversed")
+    return _layout(fig, "Attention difference per layer and head (mean total-variation distance of rows)",
+                   max(300, 22 * len(attn_diff) + 100))
+
+
+def lens_table_html(lens_top: dict, base_name: str, tuned_name: str) -> str:
+    b, t = lens_top.get("base", []), lens_top.get("tuned", [])
+    rows = []
+    for l, (x, y) in enumerate(zip(b, t)):
+        diff = " style='background:#fef3c7'" if x != y else ""
+        rows.append(f"<tr{diff}><td>L{l}</td><td><code>{html.escape(repr(x)[1:-1])}</code> "
+                    f"{lens_top['base_p'][l]:.2f}</td><td><code>{html.escape(repr(y)[1:-1])}</code> "
+                    f"{lens_top['tuned_p'][l]:.2f}</td></tr>")
+    return (f"<table class='lmscope-sft-lens'><tr><th>layer</th><th>{html.escape(base_name)}</th>"
+            f"<th>{html.escape(tuned_name)}</th></tr>" + "".join(rows) + "</table>")

@@ -1,0 +1,219 @@
+"""SFT tab: fine-tune a model as a background job, follow its loss curves, see the loss mask of a
+training example, and compare the fine-tuned model with its base on one prompt.
+
+Jobs go through tasks.jobs (the same queue and records as the Jobs tab, kind 'sft'); the owner is
+the Jobs tab's (per-browser id in localStorage, or the signed-in user). Figures: app/sft_figures.py.
+"""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from app import sft_figures as sf
+from app.context import Shared, default_model, get_model
+from model_core import sft
+from model_core.errors import LmscopeError
+
+REFRESH_S = 2.0
+
+
+def _jobs():
+    from tasks import jobs
+
+    return jobs
+
+
+def _owner(owner, request):
+    from app.jobs_tab import _owner as o
+
+    return o(owner, request)
+
+
+def _strict(owner, request):
+    from app.jobs_tab import _strict as s
+
+    return s(owner, request)
+
+
+def _path(f):
+    return f if isinstance(f, str) or f is None else getattr(f, "name", f)
+
+
+def _finetuned_choices() -> list[str]:
+    from model_core.registry import list_models
+
+    return [r["name"] for r in list_models(include_random=False) if r["source"] == "finetuned"]
+
+
+def _base_choices() -> list[str]:
+    from app.ui import model_choices
+
+    return [v for _, v in model_choices()]
+
+
+def submit(owner, model, dataset_kind, upload, method, rank, lr, steps, batch, max_len, seed, name,
+           request: gr.Request = None):
+    owner = _owner(owner, request)
+    params = {"model": model or default_model(), "method": method, "lora_rank": int(rank or 8),
+              "learning_rate": lr or None, "max_steps": int(steps) if steps else None,
+              "batch_size": int(batch or 8), "max_length": int(max_len or 256), "seed": int(seed or 0),
+              "output_name": (name or "").strip() or None}
+    files = []
+    if dataset_kind == "upload":
+        if not upload:
+            raise gr.Error("Upload a .jsonl dataset, or choose the built-in one.")
+        files = [_path(upload)]
+    try:
+        rec = _jobs().submit("sft", params, owner=owner, files=files)
+    except LmscopeError as e:
+        raise gr.Error(str(e)) from None
+    return (owner, rec["id"], gr.update(choices=_job_choices(owner, request), value=rec["id"]),
+            f"Queued job **{rec['id']}**; it will register **{rec['sft']['model_name']}**.")
+
+
+def _job_choices(owner, request=None) -> list[tuple[str, str]]:
+    try:
+        recs = _jobs().list_jobs(owner=_owner(owner, request), limit=100)
+    except LmscopeError:
+        return []
+    return [(f"{r['id']} · {r['state']} · {r['params'].get('model')} ({r['params'].get('method')})", r["id"])
+            for r in recs if r["kind"] == "sft"]
+
+
+def job_choices(owner, request: gr.Request = None):
+    return gr.update(choices=_job_choices(owner, request))
+
+
+def refresh(owner, selected, request: gr.Request = None):
+    """Timer tick: the selected job's progress, curves and accuracy."""
+    if not selected:
+        return sf.status_markdown(None), gr.skip(), gr.skip(), ""
+    try:
+        rec = _jobs().get_job(selected, _strict(owner, request))
+    except LmscopeError as e:
+        return f"⚠️ {e}", gr.skip(), gr.skip(), ""
+    hist = (rec.get("sft") or {}).get("history")
+    return (sf.status_markdown(rec), sf.loss_figure(hist), sf.throughput_figure(hist),
+            sf.accuracy_examples_html(rec))
+
+
+def cancel(owner, selected, request: gr.Request = None):
+    if not selected:
+        raise gr.Error("Pick a job to cancel.")
+    try:
+        rec = _jobs().cancel_job(selected, owner=_owner(owner, request))
+    except LmscopeError as e:
+        raise gr.Error(str(e)) from None
+    return f"Job **{rec['id']}** is {rec['state']}."
+
+
+def show_mask(model, dataset_kind, upload, index):
+    """One training example, each token coloured by whether it counts in the loss."""
+    lm = get_model(model)
+    try:
+        if dataset_kind == "upload" and upload:
+            convs = sft.load_jsonl(_path(upload))
+        else:
+            convs, _ = sft.builtin_dataset(max(8, int(index or 0) + 1), 0, 0)
+        i = max(0, min(int(index or 0), len(convs) - 1))
+        return sf.mask_html(sft.mask_view(lm.tokenizer, convs[i]))
+    except LmscopeError as e:
+        raise gr.Error(str(e)) from None
+
+
+def compare(base, tuned, prompt, chat):
+    """One prompt through base and fine-tuned models."""
+    if not tuned:
+        raise gr.Error("Pick a fine-tuned model to compare.")
+    t = get_model(tuned)
+    base = base or t.meta.get("parent") or default_model()
+    b = get_model(base)
+    try:
+        r = sft.compare_models(b, t, prompt, chat=bool(chat))
+    except LmscopeError as e:
+        raise gr.Error(str(e)) from None
+    return (sf.next_token_figure(r["next"], base, tuned), sf.kl_figure(r["tokens"], r["kl"]),
+            sf.lens_kl_figure(r["tokens"], r["lens_kl"]), sf.lens_table_html(r["lens_top"], base, tuned),
+            sf.attn_diff_figure(r["attn_diff"]))
+
+
+def parent_of(tuned):
+    if not tuned:
+        return gr.skip()
+    from model_core.registry import list_models
+
+    row = next((r for r in list_models(include_random=True) if r["name"] == tuned), None)
+    return gr.update(value=row.get("parent")) if row and row.get("parent") else gr.skip()
+
+
+def build(shared: Shared) -> None:
+    owner = gr.BrowserState("", storage_key="lmscope_owner")
+    selected = gr.State(None)
+    gr.Markdown("Fine-tune a model on chat data in the background (loss on assistant tokens only), then compare "
+                "it with its base. The built-in dataset asks to rewrite ISO dates as DD/MM/YYYY: the base "
+                "SmolLM2-135M-Instruct gets it wrong, a few minutes of training fix it.")
+    with gr.Row():
+        with gr.Column(scale=1, min_width=300):
+            gr.Markdown("### Fine-tune")
+            model = gr.Dropdown(_base_choices(), value=default_model(), label="Model", elem_id="sft-model")
+            dataset_kind = gr.Radio([("Built-in: dates → DD/MM/YYYY", "builtin"), ("Upload .jsonl", "upload")],
+                                    value="builtin", label="Dataset", elem_id="sft-dataset")
+            upload = gr.File(file_types=[".jsonl"], label='{"messages": [...]} or {"prompt", "completion"} per line',
+                             visible=False, elem_id="sft-upload")
+            method = gr.Radio(["full", "lora"], value="full", label="Method", elem_id="sft-method")
+            rank = gr.Number(8, label="LoRA rank", precision=0, visible=False, elem_id="sft-rank")
+            with gr.Row():
+                lr = gr.Number(None, label="Learning rate (empty: 1e-4 full, 1e-3 LoRA)", elem_id="sft-lr")
+                steps = gr.Number(None, label="Steps (empty: 1 epoch)", precision=0, elem_id="sft-steps")
+            with gr.Row():
+                batch = gr.Number(8, label="Batch size", precision=0, elem_id="sft-batch")
+                max_len = gr.Number(256, label="Max length (tokens)", precision=0, elem_id="sft-maxlen")
+                seed = gr.Number(0, label="Seed", precision=0, elem_id="sft-seed")
+            name = gr.Textbox("", label="Name of the new model (empty: <model>-sft-<job>)", elem_id="sft-name")
+            submit_btn = gr.Button("Start fine-tuning", variant="primary", elem_id="sft-submit")
+            status = gr.Markdown(elem_id="sft-status")
+        with gr.Column(scale=2):
+            with gr.Row():
+                job = gr.Dropdown([], label="Your SFT jobs", scale=4, elem_id="sft-job")
+                cancel_btn = gr.Button("Cancel job", variant="stop", scale=1, elem_id="sft-cancel")
+            info = gr.Markdown(sf.status_markdown(None), elem_id="sft-info")
+            with gr.Row():
+                loss_plot = gr.Plot(sf.loss_figure(None), elem_id="sft-loss")
+                tput_plot = gr.Plot(sf.throughput_figure(None), elem_id="sft-throughput")
+            examples = gr.HTML(elem_id="sft-examples")
+
+    with gr.Accordion("Loss mask: which tokens of a training example count", open=False):
+        with gr.Row():
+            index = gr.Number(0, label="Example #", precision=0, scale=1, elem_id="sft-mask-index")
+            mask_btn = gr.Button("Show", scale=1, elem_id="sft-mask-show")
+        mask_out = gr.HTML(elem_id="sft-mask")
+
+    gr.Markdown("### Compare a fine-tuned model with its base (the prompt box above)")
+    with gr.Row():
+        tuned = gr.Dropdown(_finetuned_choices(), label="Fine-tuned model", scale=2, elem_id="sft-tuned")
+        base = gr.Dropdown(_base_choices(), value=None, label="Base (default: its parent)", scale=2,
+                           elem_id="sft-base", allow_custom_value=False)
+        refresh_models = gr.Button("↻ models", scale=1, elem_id="sft-refresh-models")
+        cmp_btn = gr.Button("Compare", variant="primary", scale=1, elem_id="sft-compare")
+    next_plot = gr.Plot(elem_id="sft-next")
+    kl_plot = gr.Plot(elem_id="sft-kl")
+    with gr.Row():
+        lens_plot = gr.Plot(elem_id="sft-lens")
+        attn_plot = gr.Plot(elem_id="sft-attn")
+    lens_table = gr.HTML(elem_id="sft-lens-table")
+
+    dataset_kind.change(lambda k: gr.update(visible=k == "upload"), [dataset_kind], [upload])
+    method.change(lambda m: gr.update(visible=m == "lora"), [method], [rank])
+    submit_btn.click(submit, [owner, model, dataset_kind, upload, method, rank, lr, steps, batch, max_len, seed, name],
+                     [owner, selected, job, status])
+    job.change(lambda j: j, [job], [selected])
+    job.focus(job_choices, [owner], [job])
+    timer = gr.Timer(REFRESH_S)
+    timer.tick(refresh, [owner, selected], [info, loss_plot, tput_plot, examples], show_progress="hidden",
+               queue=False)
+    cancel_btn.click(cancel, [owner, selected], [status])
+    mask_btn.click(show_mask, [model, dataset_kind, upload, index], [mask_out])
+    refresh_models.click(lambda: gr.update(choices=_finetuned_choices()), None, [tuned])
+    tuned.change(parent_of, [tuned], [base])
+    cmp_btn.click(compare, [base, tuned, shared.prompt, shared.chat],
+                  [next_plot, kl_plot, lens_plot, lens_table, attn_plot], concurrency_id="model")
