@@ -267,35 +267,26 @@ def sample_step(logits: torch.Tensor, settings: SamplingSettings, context_ids: t
     aft_p, aft_i = torch.topk(probs, k)
     zero = torch.zeros((), device=raw.device)
     removed_by = torch.zeros(k, device=raw.device)
-    n_removed, kept = {}, {}
-    finite = {}
-
-    def n_finite(t):
-        if id(t) not in finite:
-            finite[id(t)] = (t > S.FILTER_VALUE).sum().float()
-        return finite[id(t)]
-
     for code, before, after in reversed(filters):  # the earliest stage that removed a candidate wins
         gone = torch.isneginf(after[top_i]) & ~torch.isneginf(before[top_i])
         removed_by = torch.where(gone, torch.full_like(removed_by, code), removed_by)
-    lses = {}
-
-    def lse(t):
-        if id(t) not in lses:
-            lses[id(t)] = torch.logsumexp(t, -1)
-        return lses[id(t)]
-
-    for code, before, after in filters:
-        n_removed[code] = n_finite(before) - n_finite(after)
-        kept[code] = torch.exp(lse(after) - lse(before))
+    # Each filter's input is the previous one's output: one count and one logsumexp per link of
+    # the chain (plain lists, no memo keyed on object ids, so torch.compile can trace it).
+    chain = [filters[0][1], *(f[2] for f in filters)] if filters else [cur]
+    finite = [(t > S.FILTER_VALUE).sum().float() for t in chain]
+    lses = [torch.logsumexp(t, -1) for t in chain]
+    n_removed = {code: finite[j] - finite[j + 1] for j, (code, _, _) in enumerate(filters)}
+    kept = {code: torch.exp(lses[j + 1] - lses[j]) for j, (code, _, _) in enumerate(filters)}
     n_removed_l = [n_removed.get(c, zero) for c in (1, 2, 3, 4)]
     kept_l = [kept.get(c, zero + 1) for c in (1, 2, 3, 4)]
     raw_c = raw[chosen]
     rank = (raw > raw_c).sum().float() + 1
+    lse_raw = torch.logsumexp(raw, -1)
+    lse_cur = lses[-1] if filters else torch.logsumexp(cur, -1)
     head = torch.stack([
         chosen[0].float(), rank, base[chosen][0], probs[chosen][0],
         # entropy H = logsumexp(x) - sum(p * x) (cheaper than summing -p log p over the vocabulary)
-        lse(raw) - (base * raw).sum(), lse(cur) - (probs * cur.nan_to_num(neginf=0.0)).sum(),
+        lse_raw - (base * raw).sum(), lse_cur - (probs * cur.nan_to_num(neginf=0.0)).sum(),
         (probs > 0).sum().float(),
         *n_removed_l, *kept_l,
     ])
