@@ -76,7 +76,7 @@ def heatmap(values, row_labels: Sequence[str], col_labels: Sequence[str], title:
 def patching_heatmap(values, layers: Sequence[int], col_labels: Sequence[str], title: str,
                      kind: str = "resid", normalized: bool = True) -> go.Figure:
     return heatmap(values, [f"L{l}" for l in layers], col_labels, title,
-                   colorbar="restored" if normalized else "Δ metric",
+                   colorbar="share of the<br>clean answer<br>restored" if normalized else "Δ metric",
                    x_title="corrupted prompt position" if kind == "resid" else "head",
                    y_title="layer (patched at its input)" if kind == "resid" else "layer",
                    hover="effect (0 = corrupted, 1 = clean)" if normalized else "Δ metric")

@@ -161,12 +161,22 @@ def _patch_summary(d: dict, cols: list[str], metric_desc: str) -> str:
             if v is not None and not (isinstance(v, float) and v != v) and (best is None or v > best):
                 best, where = v, (r, c)
     n_cells = sum(len(row) for row in d["values"])
+    n_c, n_k = len(d["clean_ids"]), len(d["corrupted_ids"])
+    lengths = f"both prompts are {n_k} tokens" if n_c == n_k else f"prompts of {n_c} and {n_k} tokens, {d['aligned']}"
     out = (f"{metric_desc}: clean **{d['clean_value']:.3f}**, corrupted **{d['corrupted_value']:.3f}**. "
-           f"{n_cells} cells in {d['n_forward']} forward passes (batches of {d['batch_size']}), "
-           f"{d['seconds']:.1f} s; prompts {d['aligned']}.")
+           f"{n_cells} patched runs in {d['n_forward']} forward passes (batches of {d['batch_size']}), "
+           f"{d['seconds']:.1f} s; {lengths}.")
     if where is not None:
         out += (f" Strongest cell: L{d['rows'][where[0]]} · {cols[where[1]]} restores {best:.2f} of the "
-                f"clean effect.")
+                f"clean answer.")
+    if d["kind"] == "resid":
+        out += ("\n\n*How to read it:* each cell is one run of the corrupted prompt with the residual stream at "
+                "that position, entering that layer, copied from the clean run. **1** (dark red) = the model "
+                "now answers as on the clean prompt, **0** (white) = no better than the corrupted prompt, "
+                "negative (blue) = pushed further away.")
+    else:
+        out += ("\n\n*How to read it:* each cell is one run of the corrupted prompt with that head's output "
+                "(at every position) copied from the clean run. **1** = clean answer restored, **0** = no effect.")
     if abs(d["clean_value"] - d["corrupted_value"]) < 1e-6:
         out += " Clean and corrupted score the same, so the normalised effect is undefined (blank)."
     return out

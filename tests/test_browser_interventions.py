@@ -1,0 +1,89 @@
+"""The Interventions tab in real headless Chromium against a live server on the real default model:
+ablate heads (multiselect), then run the starter patching example and read the heatmap."""
+
+import time
+
+import pytest
+from playwright.sync_api import sync_playwright
+
+from browser import LiveServer, launch_browser, plot_data, plot_title, screenshot
+
+pytestmark = pytest.mark.browser
+HEADS = ["L0H1", "L3H2"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = LiveServer()
+    yield s
+    s.stop()
+
+
+def _wait_plot(page, elem_id, needle, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if needle in plot_title(page, elem_id):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{elem_id} title never contained {needle!r}: {plot_title(page, elem_id)!r}")
+
+
+def _pick(page, elem_id, option):
+    """Gradio multiselect: type into its input to filter the options, then Enter takes the match."""
+    box = page.locator(f"#{elem_id} input").first
+    box.click()
+    box.fill(option)
+    page.wait_for_selector(f'ul[role=listbox] li[role=option][aria-label="{option}"]', timeout=10_000)
+    box.press("Enter")
+    page.keyboard.press("Escape")
+
+
+def test_interventions_in_the_browser(server):
+    with sync_playwright() as pw:
+        browser = launch_browser(pw)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(server.url)
+        page.get_by_role("tab", name="Interventions").click()
+        page.wait_for_selector("#iv-heads", state="visible", timeout=60_000)
+        assert page.locator("#iv-clean textarea").input_value() == "The Eiffel Tower is in the city of"
+
+        # ablation: two heads switched off on the clean prompt
+        for h in HEADS:
+            _pick(page, "iv-heads", h)
+        chips = page.inner_text("#iv-heads")
+        assert all(h in chips for h in HEADS), chips
+        t0 = time.time()
+        page.click("#iv-ablate")
+        _wait_plot(page, "iv-ablate-bars", "L0H1")
+        t_ablate = time.time() - t0
+        clean, ablated = plot_data(page, "iv-ablate-bars")[:2]
+        assert clean["x"] == ablated["x"] and len(clean["y"]) == 10
+        assert all(0 <= p <= 1 for p in clean["y"] + ablated["y"])
+        assert clean["y"] != ablated["y"]
+        assert max(abs(a - b) for a, b in zip(clean["y"], ablated["y"])) > 1e-4
+        assert "Paris" in "".join(clean["x"])
+        lens = plot_data(page, "iv-ablate-lens")
+        assert len(lens) == 2 and len(lens[0]["y"]) == len(lens[1]["y"]) >= 30
+        summary = page.inner_text("#iv-ablate-summary")
+        assert "clean" in summary and "ablated" in summary
+        screenshot(page, "interventions-ablation")
+
+        # patching: the starter pair, residual stream, layers x positions
+        t0 = time.time()
+        page.click("#iv-patch")
+        _wait_plot(page, "iv-patch-plot", "residual stream", timeout=240)
+        t_patch = time.time() - t0
+        heat = plot_data(page, "iv-patch-plot")[0]
+        z = heat["z"]
+        assert len(z) == 30 and len(z[0]) >= 8
+        last = z[-1][-1]
+        assert last is not None and 0.8 < last < 1.2, last  # patching the last position at the last layer
+        first_row_not_last = [v for v in z[0][:-1] if v is not None]
+        assert max(abs(v) for v in z[0][:1]) < 0.2  # the first token ("The") is the same in both prompts
+        assert first_row_not_last  # real numbers, not blanks
+        summary = page.inner_text("#iv-patch-summary")
+        assert "Strongest cell" in summary, summary
+        assert not page.locator("#iv-job-box").is_visible()  # small sweep: no job offer
+        screenshot(page, "interventions-patching")
+        print(f"ablation {t_ablate:.1f} s, patching {t_patch:.1f} s")
+        browser.close()
