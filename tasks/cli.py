@@ -19,7 +19,7 @@ def add_jobs_parser(subparsers, func) -> None:
     js = j.add_subparsers(dest="jobs_command", required=True)
 
     s = js.add_parser("submit", help="queue a job")
-    s.add_argument("kind", choices=["tokenizer", "patching"])
+    s.add_argument("kind", choices=["tokenizer", "patching", "sft"])
     s.add_argument("--algorithm", choices=list(tt.ALGORITHMS), default="byte-level-bpe")
     s.add_argument("--vocab-size", type=int, default=4000,
                    help=f"{tt.VOCAB_MIN}..{tt.VOCAB_MAX} (default 4000)")
@@ -28,6 +28,9 @@ def add_jobs_parser(subparsers, func) -> None:
     s.add_argument("--corpus", default="builtin", help="'builtin' (stdlib docstrings) or a .txt/.jsonl path")
     s.add_argument("--corpus-max-mb", type=float, default=None, help="train on the first N MB only")
     _add_patching_args(s)
+    from tasks.sft_job import add_sft_arguments  # kind 'sft' (tasks/sft_job.py)
+
+    add_sft_arguments(s)
     s.add_argument("--owner", default="cli")
     s.add_argument("--wait", action="store_true", help="wait for the job to finish and print its record")
     s.add_argument("--timeout", type=float, default=None, help="with --wait: give up after N seconds")
@@ -106,7 +109,11 @@ def jobs_command(args) -> int:
 
     cmd = args.jobs_command
     if cmd == "submit":
-        if args.kind == "patching":
+        if args.kind == "sft":
+            from tasks.sft_job import sft_params_from_args
+
+            params, files = sft_params_from_args(args)
+        elif args.kind == "patching":
             params, files = _patching_params(args), []
         else:
             params = {"algorithm": args.algorithm, "vocab_size": args.vocab_size,

@@ -16,7 +16,7 @@ from model_core.errors import LmscopeError
 from tasks import config, corpus, store
 from tasks import tokenizer_train as tt
 
-KINDS = ("tokenizer", "patching")
+KINDS = ("tokenizer", "patching", "sft")
 
 
 class JobError(LmscopeError):
@@ -101,6 +101,10 @@ def submit(kind: str, params: dict, owner: str = "cli", files=None) -> dict:
         from tasks.patching_job import submit_patching
 
         return submit_patching(params, owner)
+    if kind == "sft":  # supervised fine-tuning: tasks/sft_job.py
+        from tasks.sft_job import submit_sft
+
+        return submit_sft(params, owner, files)
     raise JobError(f"Unknown job kind '{kind}'; known: {', '.join(KINDS)}.")
 
 

@@ -19,6 +19,7 @@ The record machinery (claim, heartbeat thread, final-state writes) is the tokeni
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 import time
@@ -56,7 +57,7 @@ def submit_sft(params: dict, owner: str = "cli", files: list | None = None) -> d
     from tasks import jobs
 
     p = dict(params or {})
-    files = [Path(getattr(f, "name", f)) for f in (files or [])]
+    files = [Path(f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", f)) for f in (files or [])]
     ds = str(p.get("dataset") or sft.BUILTIN)
     if not files and ds not in (sft.BUILTIN, "upload"):
         files = [Path(ds)]
