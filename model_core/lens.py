@@ -33,11 +33,12 @@ def logit_lens(trace: Trace, positions=None, layers=None, k: int = 5, targets=No
     layers = trace.captured_layers if layers is None else list(layers)
     adapter = trace._lm.adapter
     tops_i, tops_p, ents, t_probs, t_ranks = [], [], [], [], []
-    tgt = None if targets is None else torch.tensor(targets, device=trace.device)
+    tgt = None if targets is None else torch.tensor(targets, device=adapter.unembed.weight.device)
     with torch.inference_mode():
         for l in layers:
             resid = trace.resid_post(l) if point == "resid_post" else trace.resid_mid(l)
-            logits = adapter.logits_from_resid(resid[positions]).float()
+            x = resid[positions].to(adapter.final_norm.weight.device)  # split models: the norm's GPU
+            logits = adapter.logits_from_resid(x).float()
             logp = torch.log_softmax(logits, dim=-1)
             p = logp.exp()
             tp, ti = p.topk(min(k, p.shape[-1]), dim=-1)

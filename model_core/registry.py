@@ -132,9 +132,17 @@ class LoadedModel:
         }
 
 
+def wants_split(device: str | None = None) -> bool:
+    """device "auto" (or LMSCOPE_DEVICE=auto) spreads a model over every visible GPU."""
+    return (device or os.environ.get("LMSCOPE_DEVICE") or "") == "auto" and torch.cuda.device_count() > 1
+
+
 def resolve_device(device: str | None = None, dtype: str | None = None) -> tuple[torch.device, torch.dtype]:
-    """CUDA (bf16) when present, else CPU (fp32); LMSCOPE_DEVICE / LMSCOPE_DTYPE override."""
+    """CUDA (bf16) when present, else CPU (fp32); LMSCOPE_DEVICE / LMSCOPE_DTYPE override.
+    "auto" means every GPU (see wants_split); its inputs go to the first one."""
     device = device or os.environ.get("LMSCOPE_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "auto":
+        device = "cuda:0" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     dtype = dtype or os.environ.get("LMSCOPE_DTYPE")
     if dtype:
@@ -243,17 +251,30 @@ def _check_local_dir(p: Path) -> None:
         )
 
 
-def _load_dir(p: Path, device, dtype, attn_implementation):
+def _load_dir(p: Path, device, dtype, attn_implementation, split: bool = False):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(
         str(p), dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=False,
+        **({"device_map": "auto"} if split else {}),
     )
     tok = AutoTokenizer.from_pretrained(str(p), trust_remote_code=False)
-    return model.to(device), tok
+    return (model if split else model.to(device)), tok
 
 
-def _random_model(entry: RegistryEntry, device, dtype, attn_implementation):
+def split_over_gpus(model, dtype):
+    """Place a model's layers across every visible GPU, balanced (what device_map="balanced"
+    does in from_pretrained), for models built in memory such as random configs."""
+    from accelerate import dispatch_model, infer_auto_device_map
+    from accelerate.utils import get_balanced_memory
+
+    no_split = getattr(model, "_no_split_modules", None) or []
+    mem = get_balanced_memory(model, dtype=dtype, no_split_module_classes=no_split)
+    device_map = infer_auto_device_map(model, max_memory=mem, no_split_module_classes=no_split, dtype=dtype)
+    return dispatch_model(model.to(dtype), device_map=device_map)
+
+
+def _random_model(entry: RegistryEntry, device, dtype, attn_implementation, split: bool = False):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from model_core.tokenization import byte_tokenizer
@@ -264,6 +285,8 @@ def _random_model(entry: RegistryEntry, device, dtype, attn_implementation):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if split:
+        return split_over_gpus(model, dtype), byte_tokenizer()
     return model.to(device=device, dtype=dtype), byte_tokenizer()
 
 
@@ -287,12 +310,13 @@ def load_model(name: str = DEFAULT_MODEL, device: str | None = None, dtype: str 
     if not name:
         raise ModelLoadError("No model name given.")
     dev, dt = resolve_device(device, dtype)
-    key = (name, str(dev), dt, attn_implementation)
+    split = wants_split(device)
+    key = (name, "split" if split else str(dev), dt, attn_implementation)
     with _LOCK:
         if key in _LOADED:
             _LOADED.move_to_end(key)
             return _LOADED[key]
-        lm = _load_uncached(name, dev, dt, attn_implementation, allow_paths, allow_hub)
+        lm = _load_uncached(name, dev, dt, attn_implementation, allow_paths, allow_hub, split)
         lm.model.eval()
         lm.model.requires_grad_(False)
         _LOADED[key] = lm
@@ -301,21 +325,21 @@ def load_model(name: str = DEFAULT_MODEL, device: str | None = None, dtype: str 
         return lm
 
 
-def _load_uncached(name, dev, dt, attn_implementation, allow_paths, allow_hub) -> LoadedModel:
+def _load_uncached(name, dev, dt, attn_implementation, allow_paths, allow_hub, split=False) -> LoadedModel:
     t0 = time.perf_counter()
     meta: dict = {}
     entry = REGISTRY.get(name)
     try:
         if entry is not None and entry.source == "random":
-            model, tok = _random_model(entry, dev, dt, attn_implementation)
+            model, tok = _random_model(entry, dev, dt, attn_implementation, split)
             source = "random"
         elif entry is not None:
             d = convert_gguf(entry)
-            model, tok = _load_dir(d, dev, dt, attn_implementation)
+            model, tok = _load_dir(d, dev, dt, attn_implementation, split)
             source = "gguf-package"
         elif (ft := _finetuned_path(name)) is not None:
             _check_local_dir(ft)
-            model, tok = _load_dir(ft, dev, dt, attn_implementation)
+            model, tok = _load_dir(ft, dev, dt, attn_implementation, split)
             source = "finetuned"
             info = ft / "lmscope.json"
             if info.exists():
@@ -323,7 +347,7 @@ def _load_uncached(name, dev, dt, attn_implementation, allow_paths, allow_hub) -
         elif allow_paths and Path(os.path.expanduser(name)).is_dir():
             p = Path(os.path.expanduser(name)).resolve()
             _check_local_dir(p)
-            model, tok = _load_dir(p, dev, dt, attn_implementation)
+            model, tok = _load_dir(p, dev, dt, attn_implementation, split)
             source = "local"
         elif allow_hub and looks_like_hub_id(name):
             model, tok = _load_hub(name, dev, dt, attn_implementation)
@@ -342,6 +366,9 @@ def _load_uncached(name, dev, dt, attn_implementation, allow_paths, allow_hub) -
         first = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
         raise ModelLoadError(f"Could not load model '{name}': {first}") from e
     adapter = adapter_for(model)
+    if split:  # inputs go where the embedding lives
+        dev = adapter.embed_tokens.weight.device
+        meta["device_map"] = {k: str(v) for k, v in getattr(model, "hf_device_map", {}).items()}
     if tok.pad_token_id is None and tok.eos_token_id is not None:
         tok.pad_token = tok.eos_token
     return LoadedModel(name=name, model=model, tokenizer=tok, adapter=adapter, device=dev, dtype=dt,

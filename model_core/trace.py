@@ -212,16 +212,19 @@ def trace(lm, prompt: str | None = None, token_ids=None, *, layers=None, chat: b
     if len(token_ids) > 1:
         with torch.inference_mode():
             lsm = torch.log_softmax(logits[:-1].float(), dim=-1)
-            logprobs[1:] = lsm.gather(-1, ids[0, 1:, None])[:, 0]
+            logprobs[1:] = lsm.gather(-1, ids[0, 1:, None].to(lsm.device))[:, 0]
     s = rec.store
+    # A model split over GPUs hands each block its input before accelerate moves it: keep every
+    # layer's tensors on that layer's device (a no-op on one device).
+    where = {l: s[f"blocks.{l}.hook_attn_out"].device for l in wanted}
     tr = Trace(
         model_name=lm.name, token_ids=token_ids, tokens=describe_tokens(lm.tokenizer, token_ids),
         n_layers=n_layers, captured_layers=wanted,
-        resid_pre={l: s[f"blocks.{l}.hook_resid_pre"][0] for l in wanted},
+        resid_pre={l: s[f"blocks.{l}.hook_resid_pre"][0].to(where[l]) for l in wanted},
         attn_out={l: s[f"blocks.{l}.hook_attn_out"][0] for l in wanted},
         mlp_out={l: s[f"blocks.{l}.hook_mlp_out"][0] for l in wanted},
         ln_final=s["ln_final.hook_normalized"][0], next_logits=logits[-1].clone(), token_logprobs=logprobs,
-        rope={l: tuple(t[:1] for t in pe) for l, pe in rec.rope.items()},
+        rope={l: tuple(t[:1].to(where[l]) for t in pe) for l, pe in rec.rope.items()},
         seconds=time.perf_counter() - t0, _lm=lm,
     )
     return tr
