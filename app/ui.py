@@ -16,7 +16,7 @@ EXAMPLE_PROMPT = "The animal didn't cross the street because it was too tired"
 
 # Optional tabs: (module, title). Each module exposes build(shared).
 OTHER_TABS = [("app.generate_tab", "Generate"), ("app.interventions_tab", "Interventions"),
-              ("app.anatomy_tab", "Anatomy"), ("app.jobs_tab", "Jobs")]
+              ("app.anatomy_tab", "Anatomy"), ("app.sft_tab", "Fine-tune"), ("app.jobs_tab", "Jobs")]
 
 # Everything a teammate needs to reproduce a view, mirrored into the page URL.
 URL_KEYS = ["model", "prompt", "chat", "layer", "head", "query", "temperature", "top_k", "top_p", "min_p", "rep"]
