@@ -38,8 +38,14 @@ browser:
 test: setup browser
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
+# CPU benchmarks; each prints ratios against a baseline measured in the same run.
 bench: setup
 	$(BIN)/python bench/trace.py
+	$(BIN)/python bench/explore.py
+	$(BIN)/python bench/generate.py
+	$(BIN)/python bench/patching.py --layers 2
+	$(BIN)/python bench/tokenizer.py
+	$(BIN)/python bench/sft.py
 
 clean:
 	rm -rf $(VENV) data .pytest_cache
