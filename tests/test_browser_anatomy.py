@@ -1,0 +1,327 @@
+"""The Anatomy view in real headless Chromium against a live server: every panel on the default
+model (SmolLM2, Llama-style: RoPE, GQA, SwiGLU, RMSNorm), then on a GPT-2 style model (learned
+positions, MHA, GELU MLP, LayerNorm) and a Gemma 3 style model (MQA, sliding window, GeGLU)."""
+
+import json
+import re
+import time
+
+import pytest
+from playwright.sync_api import sync_playwright
+
+from browser import ARTIFACTS, LiveServer, launch_browser, screenshot
+
+pytestmark = pytest.mark.browser
+
+PANELS = ["anatomy-card", "anatomy-tree", "anatomy-attention", "anatomy-rope", "anatomy-positions",
+          "anatomy-embedding", "anatomy-norm", "anatomy-mlp", "anatomy-output"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = LiveServer()
+    yield s
+    s.stop()
+
+
+# --- reading the page -----------------------------------------------------------------------------
+
+def plots(page, panel: str) -> list[dict]:
+    """Every Plotly figure drawn inside a panel, in page order: title, subplot titles, traces."""
+    return json.loads(page.evaluate(
+        """(id) => { const norm = v => ArrayBuffer.isView(v) ? Array.from(v) : (Array.isArray(v) ? v.map(norm) : v);
+                     return JSON.stringify(Array.from(document.querySelectorAll('#' + id + ' .js-plotly-plot')).map(el => ({
+                       title: (el.layout && el.layout.title && el.layout.title.text) || '',
+                       annotations: ((el.layout && el.layout.annotations) || []).map(a => a.text),
+                       width: el.getBoundingClientRect().width,
+                       traces: (el._fullData || []).map(t => ({type: t.type, name: t.name, x: norm(t.x),
+                                                                y: norm(t.y), z: norm(t.z)}))}))); }""",
+        panel))
+
+
+def table(page, panel: str, label: str | None = None) -> list[list[str]]:
+    """A gr.Dataframe's rows (header first) as cell texts. Its rows are virtual (only those in view
+    are in the DOM), so scroll through it and collect them by index."""
+    return page.evaluate(
+        """async ([panel, label]) => {
+             const grid = document.querySelector(`#${panel} [role=grid]` + (label ? `[aria-label="${label}"]` : ''));
+             if (!grid) return [];
+             const cells = r => Array.from(r.querySelectorAll('[role=columnheader], [role=gridcell]')).map(c => c.innerText.trim());
+             const head = grid.querySelector('thead [role=row]');
+             const rows = new Map(), view = grid.querySelector('.virtual-table-viewport');
+             const grab = () => grid.querySelectorAll('.virtual-row[role=row]').forEach(r => rows.set(+r.dataset.index, cells(r)));
+             grab();
+             for (let y = 0; view && y < view.scrollHeight; y += 300) {
+               view.scrollTop = y; await new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r))); grab(); }
+             if (view) view.scrollTop = 0;
+             return [head ? cells(head) : [], ...[...rows.keys()].sort((a, b) => a - b).map(k => rows.get(k))];
+           }""", [panel, label])
+
+
+def text(page, panel: str) -> str:
+    return page.inner_text(f"#{panel}")
+
+
+def wait_for(fn, what: str, timeout: float = 90):
+    deadline, last = time.time() + timeout, None
+    while time.time() < deadline:
+        try:
+            last = fn()
+            if last:
+                return last
+        except Exception as e:  # noqa: BLE001 - the page is still rendering
+            last = e
+        time.sleep(0.25)
+    raise AssertionError(f"timed out waiting for {what} (last: {str(last)[:300]})")
+
+
+def open_panel(page, panel: str):
+    label = page.locator(f"#{panel} > button.label-wrap")
+    if "open" not in (label.get_attribute("class") or "").split():
+        label.click()
+    page.wait_for_function(
+        "(id) => getComputedStyle(document.querySelector('#' + id + ' [data-testid=accordion-content]')).display !== 'none'",
+        arg=panel)
+
+
+def shoot_panels(page, prefix: str):
+    screenshot(page, prefix)
+    for panel in PANELS:
+        page.locator(f"#{panel}").screenshot(path=str(ARTIFACTS / f"{prefix}-{panel.removeprefix('anatomy-')}.png"))
+
+
+def pick_model(page, name: str):
+    box = page.locator("#model input[role=combobox]")
+    box.click()
+    box.fill(name)
+    page.get_by_role("option", name=re.compile(re.escape(name))).first.click()
+    wait_for(lambda: name in page.inner_text("#model-info"), f"model info for {name}", 120)
+
+
+def row_sums_ok(z) -> bool:
+    return all(abs(sum(v for v in row if v is not None) - 1) < 1e-3 for row in z)
+
+
+def checks_pass(page, panel: str, n: int = 1) -> bool:
+    t = text(page, panel)
+    assert "MISMATCH" not in t, t
+    return t.count("✓ check") >= n
+
+
+# --- panel by panel ---------------------------------------------------------------------------------
+
+def check_card(page, model: str, want: dict):
+    rows = wait_for(lambda: (r := table(page, "anatomy-card", "Side by side")) and r[0][1:2] == [model]
+                    and len(r) > 20 and r, f"architecture card for {model}")
+    header, body = rows[0], {r[0]: r[1:] for r in rows[1:]}
+    assert header[0] == "property" and len(header) >= 3, header  # selected model first, then the comparisons
+    assert len(rows) == int(page.get_attribute('#anatomy-card [role=grid][aria-label="Side by side"]', "aria-rowcount"))
+    for key, value in want.items():
+        assert value in body[key][0], (key, body[key][0], value)
+    assert int(body["params: total"][0].replace(",", "")) > 0
+    assert int(body["KV cache / token"][0].replace(",", "")) > 0
+    bars = wait_for(lambda: (p := plots(page, "anatomy-card")) and p[0]["traces"][0]["x"][0] == model
+                    and p[0]["traces"], "parameters-by-part bars")
+    assert [t["name"] for t in bars][:4] == ["embedding", "attention", "mlp", "norms"]
+    per_model = [sum((t["y"][i] or 0) for t in bars) for i in range(len(bars[0]["x"]))]
+    assert all(abs(s - 100) < 0.5 for s in per_model), per_model  # each bar is 100 % of its model
+    assert bars[0]["x"][0] == model
+    return body
+
+
+def check_single_card(page, body: dict):
+    single = wait_for(lambda: (r := table(page, "anatomy-card", "This model")) and len(r) > 20 and r, "single card")
+    mine = {r[0]: r[1] for r in single[1:]}
+    assert all(mine[k] == v[0] for k, v in body.items() if k in mine), (mine, body)
+    assert len(mine) >= 20
+
+
+def check_tree(page, T: int, d: int, vocab: int):
+    rows = wait_for(lambda: (r := table(page, "anatomy-tree")) and any(f"[{T}, {vocab}]" in c for x in r for c in x) and r,
+                    "module tree with logits shape")
+    cells = [c for r in rows for c in r]
+    assert f"[{T}, {d}]" in cells  # embedding and every layer keep [T, d_model]
+    assert f"[{T}, {vocab}]" in cells  # the unembedding gives one score per vocabulary entry
+    assert sum(bool(re.fullmatch(r"\[\d+(, \d+)*\]", c)) for c in cells) >= 8
+    assert f"T = {T} tokens" in text(page, "anatomy-tree")
+
+
+def check_attention(page, T: int, d_head: int, title: str):
+    steps, var = wait_for(lambda: (p := plots(page, "anatomy-attention")) and len(p) == 2
+                          and title in p[0]["title"] and p, f"attention steps titled {title!r}")
+    names = steps["annotations"]
+    assert names[:3] == ["Q (queries)", "K (keys)", "raw scores Q·Kᵀ"] and "softmax = pattern" in names
+    tr = {t["name"]: t for t in steps["traces"]}
+    assert len(steps["traces"]) == 8
+    q, k, raw, soft, z = tr["Q (queries)"], tr["K (keys)"], tr["raw scores Q·Kᵀ"], tr["softmax = pattern"], tr["z = pattern · V"]
+    assert len(q["z"]) == T and len(q["z"][0]) == d_head and len(z["z"][0]) == d_head
+    assert len(raw["z"]) == T and all(len(r) == T for r in raw["z"])
+    assert any(abs(v) > 1e-6 for r in raw["z"] for v in r)
+    assert len(soft["z"]) == T and row_sums_ok(soft["z"])
+    assert all(abs(soft["z"][i][j] or 0) < 1e-6 for i in range(T) for j in range(i + 1, T))  # causal
+    masked = next(t for n, t in tr.items() if n == "causal mask applied")
+    assert masked["z"][0][1] is None and masked["z"][1][0] is not None  # the future is a gap
+    assert soft["y"][0].startswith("0:") and len(soft["y"]) == T
+    # variants: the model's softmax, without scaling, without the mask
+    assert [t["name"] for t in var["traces"]] == ["the model's softmax", "without scaling", "without the causal mask"]
+    for t in var["traces"]:
+        assert row_sums_ok(t["z"])
+    no_mask = var["traces"][2]["z"]
+    assert any((no_mask[0][j] or 0) > 1e-6 for j in range(1, T))  # without the mask, token 0 sees the future
+    assert "nats" in var["title"]
+    wait_for(lambda: checks_pass(page, "anatomy-attention"), "attention check line")
+
+
+def check_norm(page, d: int, kind: str):
+    fig = wait_for(lambda: (p := plots(page, "anatomy-norm")) and kind in p[0]["title"] and p[0], f"{kind} plot")
+    x, y = fig["traces"]
+    assert len(x["y"]) == d and len(y["y"]) == d
+    assert any(abs(v) > 1e-6 for v in x["y"]) and x["y"] != y["y"]
+    wait_for(lambda: checks_pass(page, "anatomy-norm"), "norm check line")
+
+
+def check_mlp(page, d_mlp: int, gated: bool):
+    bars, scatter = wait_for(lambda: (p := plots(page, "anatomy-mlp")) and len(p) == 2 and
+                             ("×" in p[0]["title"]) == gated and p, "MLP plots")
+    names = [t["name"] for t in bars["traces"]]
+    assert names == (["act(gate)", "up", "product"] if gated else ["pre-activation", "post-activation"])
+    assert len(bars["traces"][0]["x"]) == min(40, d_mlp)
+    assert len(scatter["traces"][0]["x"]) == d_mlp and f"All {d_mlp} neurons" in scatter["title"]
+    wait_for(lambda: checks_pass(page, "anatomy-mlp"), "MLP check line")
+
+
+def check_output(page, vocab: int):
+    bars, hist = wait_for(lambda: (p := plots(page, "anatomy-output")) and len(p) == 2
+                          and f"All {vocab:,} logits" in p[1]["title"] and p, "output plots")
+    logits, probs = bars["traces"]
+    assert len(probs["x"]) == 10 and probs["x"] == sorted(probs["x"])  # drawn bottom-up: largest last
+    assert 0 < probs["x"][-1] <= 1 and sum(probs["x"]) <= 1 + 1e-6
+    assert all(re.search(r"\(#\d+\)$", lab) for lab in probs["y"])
+    assert len(hist["traces"][0]["x"]) == vocab
+    wait_for(lambda: checks_pass(page, "anatomy-output"), "output check line")
+
+
+def check_embedding(page, token: str, k: int = 10):
+    near, ana = wait_for(lambda: (p := plots(page, "anatomy-embedding")) and len(p) == 2
+                         and token in p[0]["title"] and p, f"neighbours of {token!r}")
+    for fig in (near, ana):
+        bar = fig["traces"][0]
+        assert len(bar["y"]) == k and all(re.search(r"\(#\d+\)$", lab) for lab in bar["y"])
+        assert all(-1 <= c <= 1 for c in bar["x"]) and bar["x"] == sorted(bar["x"])
+    return near, ana
+
+
+# --- the walk ---------------------------------------------------------------------------------------
+
+def test_anatomy_in_the_browser(server):
+    t0 = time.time()
+    with sync_playwright() as pw:
+        browser = launch_browser(pw)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(server.url)
+        page.wait_for_selector("#prompt textarea", timeout=60_000)
+        page.get_by_role("tab", name="Anatomy").click()
+        page.click("#anatomy-go")
+
+        # --- the default model: SmolLM2-135M (30 layers, 9 query heads sharing 3 K/V heads) ---
+        T = 12  # the example prompt, as in the Explore test
+        card = check_card(page, "smollm2-135m-instruct", {
+            "architecture": "LlamaForCausalLM", "layers": "30", "d_model": "576", "query heads": "9",
+            "key/value heads": "3", "attention": "GQA", "head dim": "64", "FFN type": "SwiGLU",
+            "FFN width": "1,536", "norm": "RMSNorm", "positions": "RoPE", "vocabulary": "49,152",
+            "weight tying": "tied"})
+        check_output(page, 49152)
+        for panel in PANELS:  # the newcomer opens every panel after the first run
+            open_panel(page, panel)
+        check_embedding(page, "Paris")  # the last step of the chain: every panel has its data now
+        page.locator("#anatomy-card button.label-wrap", has_text="This model only").click()
+        check_single_card(page, card)
+        check_tree(page, T, 576, 49152)
+        check_attention(page, T, 64, "Layer 0, head 0 (K/V head 0)")
+        rope_line, rope_ang = wait_for(lambda: (p := plots(page, "anatomy-rope")) and len(p) == 2 and p, "RoPE plots")
+        assert len(rope_line["traces"][0]["x"]) == 257 and max(rope_line["traces"][0]["y"]) <= 64 + 1e-3
+        assert len(rope_ang["traces"][0]["z"]) == 128 and len(rope_ang["traces"][0]["z"][0]) == 32
+        assert "32 dimension pairs, base θ ≈ 100,000" in text(page, "anatomy-rope")
+        own, sinus = plots(page, "anatomy-positions")[0]["traces"]
+        assert len(own["z"]) == 64 and len(own["z"][0]) == 32 and len(sinus["z"][0]) == 576
+        assert abs(sinus["z"][0][0]) < 1e-6 and abs(sinus["z"][0][288] - 1) < 1e-6  # sin 0 = 0 | cos 0 = 1
+        check_norm(page, 576, "RMSNorm")
+        check_mlp(page, 1536, gated=True)
+        shoot_panels(page, "anatomy-smollm2")
+
+        # panel controls update only their panel: head 4 of layer 2 shares K/V head 1 (GQA, 3 per group)
+        attn_sliders = page.locator("#anatomy-attention input[type=number]")
+        attn_sliders.nth(0).fill("2")
+        attn_sliders.nth(0).press("Enter")
+        attn_sliders.nth(1).fill("4")
+        attn_sliders.nth(1).press("Enter")
+        check_attention(page, T, 64, "Layer 2, head 4 (K/V head 1)")
+        page.locator("#anatomy-attention label", has_text="show without scaling").click()
+        wait_for(lambda: [t["name"] for t in plots(page, "anatomy-attention")[1]["traces"]]
+                 == ["the model's softmax", "without the causal mask"], "variants without the no-scaling panel")
+        page.locator("#anatomy-attention label", has_text="show without scaling").click()
+        wait_for(lambda: len(plots(page, "anatomy-attention")[1]["traces"]) == 3, "all three variants again")
+        before = plots(page, "anatomy-norm")[0]["traces"][0]["y"]
+        page.locator("#anatomy-norm label", has_text="final norm").click()
+        wait_for(lambda: plots(page, "anatomy-norm")[0]["traces"][0]["y"] != before, "the final norm's input")
+        check_norm(page, 576, "RMSNorm")
+        emb = page.locator("#anatomy-embedding")
+        emb.locator("textarea, input[type=text]").first.fill(" London")
+        emb.get_by_role("button", name="Find").click()
+        check_embedding(page, "London")
+        screenshot(page, "anatomy-smollm2-controls")
+        t_default = time.time() - t0
+
+        # --- a GPT-2 style model: learned positions, MHA, GELU MLP, LayerNorm, byte tokens ---
+        pick_model(page, "random-gpt2-tiny")
+        page.click("#anatomy-go")
+        prompt = page.locator("#prompt textarea").input_value()
+        check_card(page, "random-gpt2-tiny", {
+            "architecture": "GPT2LMHeadModel", "layers": "3", "d_model": "64", "query heads": "4",
+            "key/value heads": "4", "attention": "MHA", "FFN type": "GELU MLP", "FFN width": "256",
+            "norm": "LayerNorm", "positions": "learned absolute", "vocabulary": "258"})
+        check_output(page, 258)
+        Tb = len(prompt.encode())  # one byte per token
+        check_tree(page, Tb, 64, 258)
+        check_attention(page, Tb, 16, "head")
+        wait_for(lambda: "does not use RoPE" in text(page, "anatomy-rope"), "the no-RoPE note")
+        own, sinus = wait_for(lambda: (p := plots(page, "anatomy-positions")) and "learned" in p[0]["annotations"][0]
+                              and p[0]["traces"], "learned position embeddings")
+        assert len(own["z"]) == 64 and len(own["z"][0]) == 64 and len(sinus["z"][0]) == 64
+        check_norm(page, 64, "LayerNorm")
+        check_mlp(page, 256, gated=False)
+        # byte tokens: a word is several tokens, so name single bytes
+        for box, value in zip(emb.locator("textarea, input[type=text]").all()[:4], ["e", "a", "b", "c"]):
+            box.fill(value)
+        emb.get_by_role("button", name="Find").click()
+        check_embedding(page, "'e'")
+        shoot_panels(page, "anatomy-gpt2")
+        t_gpt2 = time.time() - t0
+
+        # --- a Gemma 3 style model: MQA, sliding-window layers, GeGLU, RMSNorm with (1 + w) ---
+        pick_model(page, "random-gemma3-tiny")
+        emb.locator("textarea, input[type=text]").first.fill("t")  # marks the end of this run's chain
+        page.click("#anatomy-go")
+        check_card(page, "random-gemma3-tiny", {
+            "architecture": "Gemma3ForCausalLM", "layers": "4", "query heads": "4", "key/value heads": "1",
+            "attention": "MQA", "FFN type": "GeGLU", "norm": "RMSNorm with gain (1 + w)", "positions": "RoPE",
+            "sliding window": "3 of 4 layers", "QK-norm": "yes"})
+        check_embedding(page, "'t'")  # the chain's last step: every panel below is this model's
+        check_tree(page, Tb, 64, 258)
+        check_attention(page, Tb, 16, "(K/V head 0)")  # MQA: every query head shares K/V head 0
+        wait_for(lambda: "sliding window: each token sees only the last 6 tokens" in text(page, "anatomy-attention"),
+                 "sliding-window note")
+        soft = next(t for t in plots(page, "anatomy-attention")[0]["traces"] if t["name"] == "softmax = pattern")["z"]
+        assert all((soft[i][j] or 0) == 0 for i in range(Tb) for j in range(max(0, i - 20)))  # far past masked
+        assert "base θ ≈ 10,000" in text(page, "anatomy-rope")  # layer 2 is a local (sliding) layer
+        check_output(page, 258)
+        check_mlp(page, 128, gated=True)
+        check_norm(page, 64, "RMSNorm")
+        # the RoPE controls update on release: type layer 3 (global) and leave the box (Enter alone does nothing)
+        rope_layer = page.locator("#anatomy-rope input[type=number]").first
+        rope_layer.fill("3")
+        rope_layer.press("Tab")
+        wait_for(lambda: "base θ ≈ 1,000,000" in text(page, "anatomy-rope"), "the global layer's RoPE base")
+        shoot_panels(page, "anatomy-gemma3")
+        browser.close()
+    print(f"default model {t_default:.0f} s, + GPT-2 {t_gpt2 - t_default:.0f} s, + Gemma 3 {time.time() - t0 - t_gpt2:.0f} s")
