@@ -1,0 +1,131 @@
+"""Load test: N concurrent simulated users, each a gradio_client against a live `lmscope serve` on
+loopback, alternating trace (Explore's Run) and generate requests. For N = 1, 5, 20 it prints
+throughput, p50/p95 latency and the error count, and the p95 as a multiple of the single-user p50.
+
+    python bench/load.py                      # starts its own server (default model, CPU)
+    python bench/load.py --url http://host:7860/ --auth user:password
+    python bench/load.py --users 1 5 20 --requests 3 --new-tokens 8
+
+Target on the 2-core CPU box: 20 users, zero errors, p95 under 5x the single-user latency. With
+LMSCOPE_QUEUE_CONCURRENCY requests running at once, queueing makes a user's latency grow with N;
+the target is about the queue staying fair and nothing failing, not about N x the hardware.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MODEL = "smollm2-135m-instruct"
+PROMPTS = ["The capital of France is", "Once upon a time, there was a", "def add(a, b):\n    return",
+           "The animal didn't cross the street because it was too tired"]
+
+
+def trace_args(model, prompt):
+    return [model, prompt, False, False, 0, 0, "probability", 1.0, 0, 1.0, 0.0, 1.0]
+
+
+def gen_args(model, prompt, n):
+    return [model, prompt, False, n, 0.0, 0, 1.0, 0.0, 1.0, 0, None, "prob"]
+
+
+def user(url, auth, model, n_requests, new_tokens, idx, out, errors, start_evt):
+    from gradio_client import Client
+
+    try:
+        c = Client(url, auth=auth, verbose=False)
+    except Exception as e:  # noqa: BLE001
+        errors.append(f"user {idx}: connect: {e}")
+        return
+    start_evt.wait()
+    for r in range(n_requests):
+        prompt = PROMPTS[(idx + r) % len(PROMPTS)]
+        kind = "trace" if (idx + r) % 2 == 0 else "generate"
+        t0 = time.perf_counter()
+        try:
+            if kind == "trace":
+                c.predict(*trace_args(model, prompt), api_name="/trace")
+            else:
+                c.predict(*gen_args(model, prompt, new_tokens), api_name="/run")
+            out.append((kind, time.perf_counter() - t0))
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"user {idx} {kind}: {type(e).__name__}: {str(e)[:120]}")
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, int(round(q * (len(xs) - 1)))))]
+
+
+def run_level(url, auth, model, n_users, n_requests, new_tokens):
+    out, errors = [], []
+    start = threading.Event()
+    threads = [threading.Thread(target=user, args=(url, auth, model, n_requests, new_tokens, i, out, errors, start))
+               for i in range(n_users)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0 + 0.1 * n_users)  # let every client connect first
+    t0 = time.perf_counter()
+    start.set()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    lat = [x for _, x in out]
+    return {"users": n_users, "requests": len(out), "errors": len(errors), "wall_s": wall,
+            "throughput": len(out) / wall if wall else 0.0,
+            "p50": statistics.median(lat) if lat else float("nan"), "p95": pct(lat, 0.95) if lat else float("nan"),
+            "p50_trace": statistics.median([x for k, x in out if k == "trace"] or [float("nan")]),
+            "p50_generate": statistics.median([x for k, x in out if k == "generate"] or [float("nan")]),
+            "error_samples": errors[:5]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--url")
+    ap.add_argument("--auth", help="user:password")
+    ap.add_argument("--model", default=MODEL)
+    ap.add_argument("--users", type=int, nargs="+", default=[1, 5, 20])
+    ap.add_argument("--requests", type=int, default=3, help="requests per user per level")
+    ap.add_argument("--new-tokens", type=int, default=8)
+    args = ap.parse_args(argv)
+    server = None
+    url = args.url
+    auth = tuple(args.auth.split(":", 1)) if args.auth else None
+    if url is None:
+        from tests.browser import LiveServer
+
+        t0 = time.time()
+        server = LiveServer(extra_env={"REDIS_URL": "redis://127.0.0.1:1/0"})
+        url = server.url
+        print(f"server up in {time.time() - t0:.0f} s at {url}")
+    try:
+        # warm: load the model once so the first level does not pay for it
+        run_level(url, auth, args.model, 1, 2, args.new_tokens)
+        rows = [run_level(url, auth, args.model, n, args.requests, args.new_tokens) for n in args.users]
+    finally:
+        if server is not None:
+            server.stop()
+    base = rows[0]["p50"]
+    print(f"\nmodel {args.model}, {args.requests} requests per user (trace and generate {args.new_tokens} tokens "
+          f"alternating)")
+    print(f"{'users':>5} {'reqs':>5} {'errors':>6} {'req/s':>7} {'p50 s':>7} {'p95 s':>7} {'p95/p50(1)':>10} "
+          f"{'trace p50':>9} {'gen p50':>8}")
+    for r in rows:
+        print(f"{r['users']:>5} {r['requests']:>5} {r['errors']:>6} {r['throughput']:>7.2f} {r['p50']:>7.2f} "
+              f"{r['p95']:>7.2f} {r['p95'] / base:>10.1f} {r['p50_trace']:>9.2f} {r['p50_generate']:>8.2f}")
+        for e in r["error_samples"]:
+            print("   ", e)
+    last = rows[-1]
+    ok = last["errors"] == 0 and last["p95"] < 5 * base
+    print(f"\ntarget (N={last['users']}: zero errors, p95 < 5x single-user p50): {'met' if ok else 'NOT met'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

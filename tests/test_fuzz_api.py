@@ -1,0 +1,147 @@
+"""Fuzz the public API of a live `lmscope serve` (sign-in on, shared token) with 200+ malformed or
+hostile inputs: each must come back as a clear error or a valid result within a time limit, never a
+500 or a hang, and a normal request must still work afterwards.
+
+Endpoints: /trace (Explore's Run), /run (Generate, streaming), /model_info, plus raw HTTP calls
+without the sign-in cookie and with broken bodies.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import pytest
+
+pytestmark = [pytest.mark.browser, pytest.mark.real_model]
+
+MODEL = "smollm2-135m-instruct"
+TOKEN = "fuzz-token-0123456789"
+PER_CALL_S = 60
+
+# /trace: model, prompt, chat, truncate, layer, head, lens_colour, temperature, top_k, top_p, min_p, rep
+TRACE_OK = [MODEL, "Hi", False, False, 0, 0, "probability", 1.0, 0, 1.0, 0.0, 1.0]
+# /run (generate): model, prompt, chat, n_new, t, k, p, m, r, seed, stop, colour
+GEN_OK = [MODEL, "Hi", False, 2, 0.0, 0, 1.0, 0.0, 1.0, 0, None, "prob"]
+
+HOSTILE = [
+    None, "", -1, -10**12, 10**12, 1e308, -1e308, math.nan, math.inf, -math.inf, True, [1, 2], {"a": 1},
+    "../../etc/passwd", "/root", "org/model", "~/.ssh/id_rsa", "file:///etc/shadow",
+    "\u202eevil\u202c RTL", "👨\u200d👩\u200d👧\u200d👦 ZWJ", "e" + "\u0301" * 200, "nul\x00byte", "1e309",
+    "<script>alert(1)</script>",
+]
+BIG_STRINGS = ["x" * 200_000, "🙂" * 10_000, "ab " * 5000]
+
+
+SLOW_PARAMS = [2, 3, 4, 5, 6]  # chat, truncate, layer, head, lens colour: most values are clamped -> a full trace
+FEW = [None, -1, 10**12, math.nan, "../../etc/passwd"]
+
+
+def _cases():
+    """Endpoints x bad values. Parameters whose bad values fail fast get every value; those whose
+    values are clamped into a full trace get a few, to keep the test near a minute on 2 CPU cores."""
+    for i, v in itertools.product([0, 1, 7, 8, 9, 10, 11], HOSTILE):
+        args = list(TRACE_OK)
+        args[i] = v
+        yield "/trace", args
+    for i, v in itertools.product(SLOW_PARAMS, FEW):
+        args = list(TRACE_OK)
+        args[i] = v
+        yield "/trace", args
+    for v in BIG_STRINGS:
+        yield "/trace", [MODEL, v, *TRACE_OK[2:]]
+    for i, v in itertools.product([0, 3, 4, 5, 6, 8, 9], HOSTILE[:14]):
+        args = list(GEN_OK)
+        args[i] = v
+        yield "/run", args
+    for v in HOSTILE + BIG_STRINGS:
+        yield "/model_info", [v]
+
+
+def _redact(v):
+    s = repr(v)
+    return s if len(s) < 60 else s[:57] + "..."
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from tests.browser import LiveServer
+
+    s = LiveServer(extra_env={"LMSCOPE_AUTH": "token", "LMSCOPE_AUTH_TOKEN": TOKEN,
+                              "LMSCOPE_DATA_DIR": str(tmp_path_factory.mktemp("fuzz-data")),
+                              "REDIS_URL": "redis://127.0.0.1:1/0"})
+    yield s
+    s.stop()
+
+
+def _log(server) -> str:
+    from tests.browser import ROOT
+
+    p = ROOT / "artifacts" / f"server-{server.port}.log"
+    return p.read_text(errors="replace") if p.exists() else ""
+
+
+def _post(url, body: bytes, headers=None):
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=20) as r:
+            return r.status, r.read()[:2000].decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()[:2000].decode(errors="replace")
+
+
+def test_fuzz_public_api(server):
+    from gradio_client import Client
+
+    client = Client(server.url, auth=("fuzzer", TOKEN), verbose=False)
+    cases = list(_cases())
+    results = {"ok": 0, "error": 0}
+    bad = []
+    t_all = time.time()
+    for api, args in cases:
+        t0 = time.time()
+        job = client.submit(*args, api_name=api)
+        try:
+            job.result(timeout=PER_CALL_S)
+            results["ok"] += 1
+        except FutureTimeout:
+            bad.append((api, _redact(args), "hang"))
+            job.cancel()
+        except Exception as e:  # noqa: BLE001 - what kind, and is the message clear?
+            msg = str(e).strip()
+            results["error"] += 1
+            if not msg or re.search(r"\b500\b.*Internal|Internal Server Error", msg) or msg in ("None", "Error"):
+                bad.append((api, _redact(args), f"unclear error {type(e).__name__}: {msg[:200]}"))
+        assert time.time() - t0 < PER_CALL_S + 5
+    n_api = len(cases)
+
+    # raw HTTP without the sign-in cookie: refused, never run
+    raw = 0
+    for api, body in itertools.product(["trace", "run", "model_info", "export", "submit", "cancel"],
+                                       [json.dumps({"data": TRACE_OK}), "{", "[]", json.dumps({"data": "x"}), ""]):
+        code, text = _post(server.url + f"gradio_api/call/{api}", body.encode())
+        raw += 1
+        if code not in (401, 403, 422):  # 422: a body that is not JSON is refused before sign-in is checked
+            bad.append(("unauthenticated " + api, body[:40], f"HTTP {code}: {text[:100]}"))
+    for path in ("gradio_api/queue/join", "gradio_api/upload", "gradio_api/info", "config"):
+        code, text = _post(server.url + path, b'{"data": [], "fn_index": 0, "session_hash": "x"}')
+        raw += 1
+        if code == 500 or (path != "config" and code not in (401, 403, 405)):
+            bad.append(("unauthenticated " + path, "", f"HTTP {code}: {text[:100]}"))
+
+    print(f"\nfuzz: {n_api} API cases ({results}) + {raw} raw HTTP cases in {time.time() - t_all:.0f} s")
+    assert n_api + raw >= 200
+    tracebacks = len(re.findall(r"Traceback \(most recent call last\)", _log(server)))
+    print(f"server tracebacks (unexpected exceptions): {tracebacks}")
+    assert not bad, "\n".join(map(str, bad[:40]))
+
+    # the server keeps serving
+    out = client.predict(MODEL, "The capital of France is", *TRACE_OK[2:], api_name="/trace")
+    assert MODEL in out[0] and "tokens" in out[0]
+    assert urllib.request.urlopen(server.url + "healthz", timeout=5).status == 200
