@@ -37,14 +37,15 @@ PHASES = {"loading model": (0.0, 0.02), "accuracy before": (0.02, 0.05), "traini
           "accuracy after": (0.90, 0.97), "saving": (0.97, 1.0), "done": (1.0, 1.0)}
 
 
-def validate_params(params: dict) -> dict:
-    """Settings as run_sft will see them (a JSON-able dict); SettingsError for bad values."""
+def validate_params(params: dict, allow_paths: bool = False) -> dict:
+    """Settings as run_sft will see them (a JSON-able dict); SettingsError for bad values. Local model
+    directories only with allow_paths (the CLI on the server), never from the browser."""
     from model_core.registry import REGISTRY, _finetuned_path
 
     p = dict(params or {})
     p.pop("dataset_file", None)
     s = sft.validate_settings(p)
-    if s.model not in REGISTRY and _finetuned_path(s.model) is None and not Path(s.model).is_dir():
+    if s.model not in REGISTRY and _finetuned_path(s.model) is None and not (allow_paths and Path(s.model).is_dir()):
         raise SettingsError(f"Unknown model '{s.model}'; pick a registry or fine-tuned model.")
     out = {k: v for k, v in s.__dict__.items()}
     out["dataset_file"] = params.get("dataset_file")
@@ -77,7 +78,7 @@ def submit_sft(params: dict, owner: str = "cli", files: list | None = None) -> d
     else:
         p["dataset"] = sft.BUILTIN
     p["output_name"] = p.get("output_name") or None
-    v = validate_params({**p, "dataset": sft.BUILTIN})  # the path is fixed up on the worker
+    v = validate_params({**p, "dataset": sft.BUILTIN}, allow_paths=owner == "cli")  # dataset path: see worker
     v["dataset"], v["dataset_file"] = p["dataset"], p.get("dataset_file")
     r = jobs._r()
     rec = store.new_record("sft", v, owner)
