@@ -242,5 +242,17 @@ def test_sft_job_through_a_real_worker(tmp_path):
 
         lm = load_model(name)
         assert lm.meta["parent"] == TINY and trace(lm, "hello").n_tokens == 5
+        # the CLI: lmscope jobs submit sft ... --wait --json
+        import subprocess
+        import sys
+
+        out = subprocess.run([sys.executable, "-m", "model_core.cli", "jobs", "submit", "sft", "--model", TINY,
+                              "--lora-rank", "4", "--max-steps", "3", "--batch-size", "4", "--output-name",
+                              "tiny-cli", "--wait", "--timeout", "120", "--json"],
+                             capture_output=True, text=True, timeout=180, cwd=Path(__file__).resolve().parents[1])
+        rec = json.loads(out.stdout)
+        assert out.returncode == 0 and rec["state"] == "succeeded", (out.stderr[-2000:], svc.worker_log())
+        assert rec["params"]["method"] == "lora" and rec["sft"]["model_name"] == "tiny-cli"
+        assert (svc.data_dir / "models" / "tiny-cli" / "model.safetensors").exists()
     finally:
         svc.stop()
