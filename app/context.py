@@ -50,3 +50,49 @@ def get_model(name: str) -> LoadedModel:
 def user_error(e: Exception) -> gr.Error:
     """One sentence for the UI from any lmscope error."""
     return gr.Error(str(e))
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-user limits (hosted demos): how many model requests one user may have running at once,
+# and the longest prompt. Users are the signed-in name, else the browser session.
+
+import contextlib  # noqa: E402
+import threading  # noqa: E402
+
+_RUNNING: dict[str, int] = {}
+_RUNNING_LOCK = threading.Lock()
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return max(1, int(os.environ.get(name, "") or default))
+    except ValueError:
+        return default
+
+
+def max_prompt_tokens() -> int:
+    return _env_int("LMSCOPE_MAX_PROMPT_TOKENS", 1024)
+
+
+def user_key(request: gr.Request | None) -> str:
+    if request is None:
+        return "local"
+    return getattr(request, "username", None) or getattr(request, "session_hash", None) or "anonymous"
+
+
+@contextlib.contextmanager
+def user_slot(request: gr.Request | None):
+    """Hold one of the user's LMSCOPE_MAX_CONCURRENT_PER_USER request slots (released on return,
+    on error, and when a streaming client goes away)."""
+    key, limit = user_key(request), _env_int("LMSCOPE_MAX_CONCURRENT_PER_USER", 2)
+    with _RUNNING_LOCK:
+        if _RUNNING.get(key, 0) >= limit:
+            raise gr.Error(f"You already have {limit} requests running; wait for one to finish.")
+        _RUNNING[key] = _RUNNING.get(key, 0) + 1
+    try:
+        yield
+    finally:
+        with _RUNNING_LOCK:
+            _RUNNING[key] -= 1
+            if not _RUNNING[key]:
+                del _RUNNING[key]

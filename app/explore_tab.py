@@ -14,11 +14,11 @@ from pathlib import Path
 import gradio as gr
 
 from app import figures, views
-from app.context import Shared, get_model
+from app.context import Shared, get_model, max_prompt_tokens, user_slot
 from app.trace_store import STORE
 from model_core.errors import LmscopeError
 from model_core.sampling import SamplingSettings
-from model_core.trace import DEFAULT_MAX_TOKENS, trace
+from model_core.trace import trace
 
 OVERVIEW_METRICS = ["entropy (nats; low = focused)", "first-token attention (attention sink)",
                     "previous-token score"]
@@ -37,7 +37,7 @@ class ExploreTab:
         self.state = gr.State({})  # {"key", "model", "prompt", "chat", "truncate"}
         self.status = gr.Markdown(elem_id="explore-status")
         with gr.Row():
-            self.truncate = gr.Checkbox(label=f"Truncate prompts over {DEFAULT_MAX_TOKENS} tokens (keep the end)",
+            self.truncate = gr.Checkbox(label=f"Truncate prompts over {max_prompt_tokens()} tokens (keep the end)",
                                         value=False, scale=2)
             self.export_btn = gr.Button("Export trace data (JSON + CSV)", size="sm", scale=1)
         self.export_files = gr.File(label="Exported data", file_count="multiple", visible=False)
@@ -155,7 +155,8 @@ def _get_trace(state: dict):
         raise gr.Error("Run a prompt first.")
     # Evicted from the server's trace cache: re-run it transparently.
     lm = get_model(state["model"])
-    tr = trace(lm, state["prompt"], chat=state.get("chat", False), truncate=state.get("truncate", False))
+    tr = trace(lm, state["prompt"], chat=state.get("chat", False), truncate=state.get("truncate", False),
+               max_tokens=max_prompt_tokens())
     state["key"] = STORE.put(tr)
     return tr
 
@@ -203,13 +204,14 @@ def next_outputs(tr, settings: SamplingSettings):
 
 
 def run_trace(model, prompt, chat, truncate, layer, head, query, lens_colour, temperature, top_k, top_p, min_p,
-              rep):
+              rep, request: gr.Request = None):
     settings = _settings(temperature, top_k, top_p, min_p, rep)
     lm = get_model(model)
-    try:
-        tr = trace(lm, prompt, chat=bool(chat), truncate=bool(truncate))
-    except LmscopeError as e:
-        raise gr.Error(str(e)) from None
+    with user_slot(request):
+        try:
+            tr = trace(lm, prompt, chat=bool(chat), truncate=bool(truncate), max_tokens=max_prompt_tokens())
+        except LmscopeError as e:
+            raise gr.Error(str(e)) from None
     key = STORE.put(tr)
     shape = lm.shape
     L, H, T = shape.n_layers, shape.n_heads, tr.n_tokens
@@ -223,8 +225,8 @@ def run_trace(model, prompt, chat, truncate, layer, head, query, lens_colour, te
     figs = render_views(tr, layer, head, query, lens_colour)
     nfig, rows = next_outputs(tr, settings)
     return [state, status, figures.token_strip_html(tr.tokens, lp, ppl),
-            gr.update(maximum=L - 1, value=layer), gr.update(maximum=H - 1, value=head),
-            gr.update(maximum=T - 1, value=query), *figs, nfig, rows]
+            gr.update(maximum=max(L - 1, 1), value=layer), gr.update(maximum=max(H - 1, 1), value=head),
+            gr.update(maximum=max(T - 1, 1), value=query), *figs, nfig, rows]
 
 
 def update_views(state, layer, head, query, lens_colour):

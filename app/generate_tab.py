@@ -9,7 +9,7 @@ from __future__ import annotations
 import gradio as gr
 
 from app import generate_figures as F
-from app.context import Shared, get_model
+from app.context import Shared, get_model, max_prompt_tokens, user_slot
 from model_core.errors import LmscopeError
 from model_core.generate import (
     generation_to_json,
@@ -136,12 +136,16 @@ def build(shared: Shared) -> None:
     timing_md = gr.Markdown(elem_id="gen-timing")
 
     # --- callbacks --------------------------------------------------------------------
-    def run(model_name, prompt, chat, n_new, t, k, p, m, r, sd, stop_text, colour):
+    def run(model_name, prompt, chat, n_new, t, k, p, m, r, sd, stop_text, colour, request: gr.Request = None):
+        with user_slot(request):
+            yield from _run(model_name, prompt, chat, n_new, t, k, p, m, r, sd, stop_text, colour)
+
+    def _run(model_name, prompt, chat, n_new, t, k, p, m, r, sd, stop_text, colour):
         lm = get_model(model_name)
         settings = _settings(t, k, p, m, r)
         try:
             it = iter_generate(lm, prompt, max_new_tokens=n_new, settings=settings, seed=sd, chat=bool(chat),
-                               stop=parse_stop(stop_text))
+                               stop=parse_stop(stop_text), max_prompt_tokens=max_prompt_tokens())
             steps_json: list[dict] = []
             gen = None
             for step, gen in it:

@@ -1,0 +1,47 @@
+"""Per-user limits and one-token prompts in the Explore callbacks (real default model)."""
+
+
+import gradio as gr
+import pytest
+
+from app import explore_tab
+from app.context import user_slot
+
+
+class _Req:
+    def __init__(self, name):
+        self.username, self.session_hash = name, name
+
+
+def test_one_token_prompt_gives_valid_sliders(default_lm):
+    out = explore_tab.run_trace(default_lm.name, "Hi", False, False, 0, 0, -1, "probability", 1.0, 0, 1.0, 0.0, 1.0)
+    query = out[5]
+    assert query["maximum"] >= 1 and query["value"] == 0
+
+
+def test_prompt_cap_comes_from_the_server_setting(default_lm, monkeypatch):
+    monkeypatch.setenv("LMSCOPE_MAX_PROMPT_TOKENS", "8")
+    with pytest.raises(gr.Error, match="limit is 8"):
+        explore_tab.run_trace(default_lm.name, "one two three four five six seven eight nine ten", False, False,
+                              0, 0, -1, "probability", 1.0, 0, 1.0, 0.0, 1.0)
+
+
+def test_concurrent_requests_per_user_are_capped(monkeypatch):
+    monkeypatch.setenv("LMSCOPE_MAX_CONCURRENT_PER_USER", "2")
+    alice, bob = _Req("alice"), _Req("bob")
+    with user_slot(alice), user_slot(alice):
+        with pytest.raises(gr.Error, match="already have 2 requests running"):
+            with user_slot(alice):
+                pass
+        with user_slot(bob):  # other users are not affected
+            pass
+    with user_slot(alice):  # slots come back when requests end, errors included
+        pass
+    def fail():
+        with user_slot(alice):
+            raise RuntimeError("boom")
+    for _ in range(3):
+        with pytest.raises(RuntimeError):
+            fail()
+    with user_slot(alice), user_slot(alice):
+        pass
