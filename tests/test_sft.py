@@ -15,7 +15,7 @@ import torch
 from model_core import sft
 
 TINY = "random-llama-tiny"
-TINY_RUN = {"model": TINY, "dataset": "builtin", "builtin_train_size": 48, "batch_size": 8,
+TINY_RUN = {"model": TINY, "dataset": "builtin", "batch_size": 8,
             "learning_rate": 3e-3, "accuracy_examples": 4, "eval_fraction": 0.1}
 
 
