@@ -183,49 +183,52 @@ def architecture_card(lm_or_model) -> "OrderedDict[str, object]":
     if gated:
         d_mlp = _linear_out_features(mlp.up_proj)
         ffn = {"SiLU": "SwiGLU", "GELU": "GeGLU", "GELU (tanh approx.)": "GeGLU"}.get(act, f"gated {act}")
-        ffn_desc = f"{ffn}: down(act(gate(x)) * up(x)), act = {act}"
+        ffn_desc = f"down(act(gate x) · up x), act = {act}"
     else:
         fc = getattr(mlp, "c_fc", None) or getattr(mlp, "fc1", None)
         d_mlp = _linear_out_features(fc)
         ffn = f"{act.split(' ')[0]} MLP"
-        ffn_desc = f"{ffn}: down(act(up(x))), act = {act}"
+        ffn_desc = f"down(act(up x)), act = {act}"
     nk = norm_kind(ad.attn_norm(layer0))
     post_norm = _is_norm(ad.attn_out_module(layer0))
-    placement = "pre-norm (before attention and MLP)"
+    placement = "pre-norm"
     if post_norm:
-        placement = "pre- and post-norm (around attention and MLP; the post-norm output joins the residual)"
+        placement = "pre- and post-norm"  # the post-norm's output is what joins the residual
     qk_norm = hasattr(attn, "q_norm")
     if ad.uses_rope:
         thetas = rope_thetas(c)
-        pos = "RoPE (rotary), theta " + ", ".join(
+        pos = "RoPE, θ " + ", ".join(
             (f"{v:,.0f}" if k == "all layers" else f"{v:,.0f} ({k})") for k, v in thetas.items())
     else:
         wpe = getattr(getattr(model, "transformer", None), "wpe", None)
-        pos = "learned absolute" + (f" (position embedding {tuple(wpe.weight.shape)})" if wpe is not None else "")
+        pos = "learned absolute" + (f" [{wpe.weight.shape[0]}, {wpe.weight.shape[1]}]" if wpe is not None else "")
     unembed = ad.unembed
     tied = unembed.weight is ad.embed_tokens.weight
     counts = param_counts(model)
     dtype = next(model.parameters()).dtype
     bpv = torch.empty((), dtype=dtype).element_size()
     kv_bytes = kv_cache_bytes(n_layers, n_kv, head_dim, 1, bpv)
-    windows = None
+    windows = "no (every layer sees all tokens)"
     types = getattr(c, "layer_types", None)
     if types and "sliding_attention" in types:
         n_slide = sum(t == "sliding_attention" for t in types)
         windows = f"{n_slide} of {n_layers} layers see only the last {getattr(c, 'sliding_window', '?')} tokens"
+    # the rows people compare first come first (the comparison table keeps this order)
     card = OrderedDict()
     card["architecture"] = f"{type(model).__name__} ({c.model_type})"
+    card["params: total"] = counts["total"]
+    card["dtype"] = str(dtype).replace("torch.", "")
+    card["KV cache / token"] = kv_bytes
+    card["KV cache / token (16-bit)"] = kv_cache_bytes(n_layers, n_kv, head_dim, 1, 2)
     card["layers"] = n_layers
     card["d_model"] = d_model
     card["query heads"] = n_heads
     card["key/value heads"] = n_kv
     card["attention"] = attn_kind
     card["head dim"] = head_dim
+    card["QK-norm"] = "yes (RMSNorm on each head's q and k)" if qk_norm else "no"
+    card["sliding window"] = windows
     card["attention scale"] = round(float(ad.attention_scale(0)), 6)
-    if qk_norm:
-        card["QK-norm"] = "yes (RMSNorm on each head's q and k)"
-    if windows:
-        card["sliding window"] = windows
     card["FFN type"] = ffn
     card["FFN"] = ffn_desc
     card["FFN width"] = d_mlp
@@ -234,17 +237,13 @@ def architecture_card(lm_or_model) -> "OrderedDict[str, object]":
     card["positions"] = pos
     card["vocabulary"] = vocab
     card["context length"] = int(_cfg(c, "max_position_embeddings", "n_positions", default=0))
-    card["weight tying"] = "tied (unembedding = embedding matrix)" if tied else "untied (separate unembedding)"
+    card["weight tying"] = "tied (unembedding = embedding)" if tied else "untied (separate unembedding)"
     for part in ("embedding", "attention", "mlp", "norms", "unembedding"):
         if part == "unembedding" and tied:
             continue
         card[f"params: {part}"] = counts[part]
     if counts["other"]:
         card["params: other"] = counts["other"]
-    card["params: total"] = counts["total"]
-    card["dtype"] = str(dtype).replace("torch.", "")
-    card["KV cache / token"] = kv_bytes
-    card["KV cache / token (16-bit)"] = kv_cache_bytes(n_layers, n_kv, head_dim, 1, 2)
     card["_numbers"] = dict(n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv,
                             head_dim=head_dim, d_mlp=d_mlp, vocab=vocab, gated=gated, tied=tied,
                             norm=nk, post_norm=post_norm, qk_norm=qk_norm, uses_rope=ad.uses_rope,
@@ -273,10 +272,14 @@ def compare_models(cards: "dict[str, object]") -> pd.DataFrame:
     for name, obj in cards.items():
         built[name] = obj if isinstance(obj, dict) else architecture_card(obj)
     keys: list[str] = []
-    for card in built.values():
+    for card in built.values():  # union of the rows; a row only some cards have goes after its predecessor
+        prev = None
         for k in card:
-            if not k.startswith("_") and k not in keys:
-                keys.append(k)
+            if k.startswith("_"):
+                continue
+            if k not in keys:
+                keys.insert(keys.index(prev) + 1 if prev in keys else len(keys), k)
+            prev = k
     data = {name: [_fmt(card[k]) if k in card else "—" for k in keys] for name, card in built.items()}
     return pd.DataFrame(data, index=pd.Index(keys, name="property")).reset_index()
 
@@ -339,6 +342,12 @@ def module_tree(lm, token_ids, collapse_layers: bool = True) -> list[dict]:
         r["depth"] = 0 if r["path"] == "" else r["path"].count(".") + 1
         r["path"] = r["path"] or type(model).__name__
         dedup.append(r)
+    # the layer list (a ModuleList) is never called, so no hook names it: add its row before layer 0
+    list_path = layer_paths[0].rsplit(".", 1)[0] if "." in layer_paths[0] else None
+    if list_path is not None and list_path not in seen:
+        at = next(i for i, r in enumerate(dedup) if r["path"] == layer_paths[0])
+        dedup.insert(at, {"path": list_path, "module": f"ModuleList ({len(layer_paths)} × {type(ad.layers[0]).__name__})",
+                          "shape": None, "params": 0, "depth": list_path.count(".") + 1})
     if not collapse_layers or len(layer_paths) < 3:
         return dedup
     out, skipped = [], 0
@@ -358,10 +367,14 @@ def module_tree(lm, token_ids, collapse_layers: bool = True) -> list[dict]:
 
 
 def tree_frame(rows: list[dict]) -> pd.DataFrame:
+    """Rows indented by depth; a layer of the layer list is named with its list (layers.0, h.0)."""
     data = []
     for r in rows:
         indent = "\u2003" * max(0, r["depth"])
-        leaf = r["path"].rsplit(".", 1)[-1] if r["depth"] else r["path"]
+        parts = r["path"].split(".")
+        leaf = r["path"] if not r["depth"] else parts[-1]
+        if r["depth"] and len(parts) >= 2 and parts[-1].isdigit():
+            leaf = ".".join(parts[-2:])
         if r["path"].startswith("…"):
             leaf = r["path"]
         shape = "[" + ", ".join(str(s) for s in r["shape"]) + "]" if r["shape"] else ""
@@ -380,7 +393,8 @@ def attention_step(tr, layer: int, head: int) -> dict:
       scaled [T, T] (softcapped too if the model does that), mask [T, T] bool, masked [T, T]
       (-inf where masked), pattern [T, T] = softmax(masked), z [T, dh] = pattern @ v,
       no_scale [T, T] = softmax(masked raw scores), no_mask [T, T] = softmax(scaled, no mask),
-      kv_head (which K/V head this query head shares)."""
+      kv_head (which K/V head this query head shares), window (the sliding window W of this
+      layer, or None: then the mask is causal only; with W, key j is seen by query i iff i-W < j <= i)."""
     ad = tr._lm.adapter
     steps = tr.attention_steps(layer)
     H = steps["q"].shape[0]
@@ -396,6 +410,7 @@ def attention_step(tr, layer: int, head: int) -> dict:
     no_scale = torch.softmax(raw.masked_fill(~mask, float("-inf")), dim=-1)
     no_mask = torch.softmax(scaled, dim=-1)
     return {"layer": layer, "head": head, "kv_head": head // (H // n_kv), "scale": scale,
+            "window": ad.sliding_window(layer),
             "softcap": ad.attn_logit_softcap(), "x_normed": f(steps["x_normed"]),
             "q": f(steps["q"][head]), "k": f(steps["k"][head]), "v": f(steps["v"][head]),
             "raw": raw, "scaled": scaled, "mask": mask, "masked": masked,
@@ -531,6 +546,23 @@ def token_id(lm, text: str) -> int:
     return int(ids[0])
 
 
+def resolve_token(lm, text: str) -> tuple[int, str | None]:
+    """Like token_id, but text that is several tokens (a word, for a byte-level tokenizer) falls
+    back to its first token that is not only whitespace; returns (id, a note saying so, or None)."""
+    try:
+        return token_id(lm, text), None
+    except PromptError:
+        if not isinstance(text, str) or not text or (text.startswith("#") and text[1:].strip().isdigit()):
+            raise
+        ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise
+        toks = describe_tokens(lm.tokenizer, ids)
+        pick = next((i for i, t in enumerate(toks) if t["display"].strip("␣ ")), 0)
+        return int(ids[pick]), (f"'{text}' is {len(ids)} tokens here ({' '.join(t['display'] for t in toks)}): "
+                                f"using {toks[pick]['display']} (#{ids[pick]}).")
+
+
 def _embedding_matrix(lm) -> torch.Tensor:
     return lm.adapter.embed_tokens.weight.detach().float()
 
@@ -635,7 +667,8 @@ def mlp_step(tr, layer: int, position: int, top_k: int = 20) -> dict:
         f = lambda t: t.detach().float().cpu()  # noqa: E731
         if hasattr(mlp, "gate_proj"):
             gate_pre = mlp.gate_proj(x)
-            gate = mlp.act_fn(gate_pre)
+            act_fn = mlp.act_fn
+            gate = act_fn(gate_pre)
             up = mlp.up_proj(x)
             product = gate * up
             out = {"gated": True, "x": f(x), "gate_pre": f(gate_pre), "gate": f(gate), "up": f(up),
@@ -644,12 +677,19 @@ def mlp_step(tr, layer: int, position: int, top_k: int = 20) -> dict:
         else:
             fc = getattr(mlp, "c_fc", None)
             pre = fc(x)
-            post = mlp.act(pre)
+            act_fn = mlp.act
+            post = act_fn(pre)
             out = {"gated": False, "x": f(x), "pre": f(pre), "post": f(post)}
             hidden = out["post"]
     top = hidden.abs().topk(min(top_k, hidden.numel()))
     out["top_neurons"] = top.indices
-    out["activation"] = _act_name(lm.model.config)
+    out["activation"] = _activation_label(_act_name(lm.model.config))
+    # the activation function itself over -4..4 (a reference curve: one token's neurons may span
+    # only a small part of it, where any smooth activation looks like a straight line)
+    with torch.inference_mode():
+        cx = torch.linspace(-4, 4, 161)
+        out["curve_x"] = cx
+        out["curve_y"] = act_fn(cx.to(x)).detach().float().cpu()
     return out
 
 
