@@ -44,8 +44,22 @@ def param_breakdown(counts_by_model: dict[str, dict]) -> go.Figure:
     return fig
 
 
+def mask_label(step: dict) -> str:
+    """What the mask panel shows: the causal mask, plus the window on sliding-window layers."""
+    return f"mask applied (causal + window {step['window']})" if step.get("window") else "causal mask applied"
+
+
+def _range(m) -> str:
+    a = _np(m)
+    a = a[a == a]  # drop NaN (masked gaps)
+    a = a[abs(a) != float("inf")]
+    return f"{a.min():.3g} … {a.max():.3g}" if a.size else "—"
+
+
 def attention_steps(step: dict, tokens: list[dict]) -> go.Figure:
-    """Q, K, raw scores, scaled, masked, softmax, V and the weighted sum z, one small heatmap each."""
+    """Q, K, raw scores, scaled, masked, softmax, V and the weighted sum z, one small heatmap each.
+    Each subplot title carries the panel's value range; the three score panels share one colour
+    range (and colour bar), so the scaling shows as paler colours."""
     labels = token_labels(tokens)
     dims = list(range(step["q"].shape[1]))
     masked = step["masked"].clone()
@@ -55,24 +69,29 @@ def attention_steps(step: dict, tokens: list[dict]) -> go.Figure:
         ("K (keys)", step["k"], dims, labels),
         ("raw scores Q·Kᵀ", step["raw"], labels, labels),
         (f"scaled × {step['scale']:.4g}", step["scaled"], labels, labels),
-        ("causal mask applied", masked, labels, labels),
+        (mask_label(step), masked, labels, labels),
         ("softmax = pattern", step["pattern"], labels, labels),
         ("V (values)", step["v"], dims, labels),
         ("z = pattern · V", step["z"], dims, labels),
     ]
-    fig = make_subplots(rows=2, cols=4, subplot_titles=[p[0] for p in panels],
-                        horizontal_spacing=0.05, vertical_spacing=0.12)
+    scores = {panels[i][0] for i in (2, 3, 4)}
+    smax = max(float(step["raw"].abs().max()), float(step["scaled"].abs().max()), 1e-9)
+    titles = [f"{p[0]}<br><span style='font-size:11px'>{_range(p[1])}</span>" for p in panels]
+    fig = make_subplots(rows=2, cols=4, subplot_titles=titles, horizontal_spacing=0.05, vertical_spacing=0.16)
     for idx, (name, m, x, y) in enumerate(panels):
         r, c = divmod(idx, 4)
         prob = name.startswith("softmax")
-        fig.add_trace(go.Heatmap(z=_np(m), x=x, y=y, showscale=False, hoverongaps=False,
-                                 colorscale="Viridis" if prob else "RdBu", reversescale=not prob,
-                                 zmid=None if prob else 0.0, name=name,
+        style = (dict(coloraxis="coloraxis") if name in scores else
+                 dict(colorscale="Viridis", zmin=0, zmax=1, showscale=False) if prob else
+                 dict(colorscale="RdBu", reversescale=True, zmid=0.0, showscale=False))
+        fig.add_trace(go.Heatmap(z=_np(m), x=x, y=y, hoverongaps=False, name=name, **style,
                                  hovertemplate="row %{y}<br>col %{x}<br>%{z:.4g}<extra>" + name + "</extra>"),
                       row=r + 1, col=c + 1)
         fig.update_yaxes(autorange="reversed", showticklabels=c == 0, row=r + 1, col=c + 1)
         fig.update_xaxes(showticklabels=False, row=r + 1, col=c + 1)
-    fig.update_layout(height=560, margin=dict(l=90, r=10, t=50, b=20),
+    fig.update_layout(height=600, margin=dict(l=90, r=10, t=70, b=20),
+                      coloraxis=dict(colorscale="RdBu", reversescale=True, cmin=-smax, cmax=smax,
+                                     colorbar=dict(title=dict(text="scores", side="right"), len=0.9, thickness=12)),
                       title=f"Layer {step['layer']}, head {step['head']} (K/V head {step['kv_head']})")
     return fig
 
@@ -84,7 +103,7 @@ def attention_variants(step: dict, tokens: list[dict], no_scale: bool, no_mask: 
     if no_scale:
         panels.append(("without scaling", step["no_scale"]))
     if no_mask:
-        panels.append(("without the causal mask", step["no_mask"]))
+        panels.append(("without the mask" if step.get("window") else "without the causal mask", step["no_mask"]))
     fig = make_subplots(rows=1, cols=len(panels), subplot_titles=[p[0] for p in panels], horizontal_spacing=0.06)
     for i, (name, m) in enumerate(panels):
         fig.add_trace(go.Heatmap(z=_np(m), x=labels, y=labels, colorscale="Viridis", zmin=0, zmax=1,
@@ -111,7 +130,8 @@ def rope_angles(angles: torch.Tensor) -> go.Figure:
                    xtitle="dimension pair i", ytitle="position", colorscale="RdBu", zmid=0.0, height=340)
 
 
-def positions_side_by_side(own: torch.Tensor | None, own_title: str, sinus: torch.Tensor) -> go.Figure:
+def positions_side_by_side(own: torch.Tensor | None, own_title: str, sinus: torch.Tensor,
+                           own_xtitle: str = "dimension") -> go.Figure:
     cols = 2 if own is not None else 1
     titles = ([own_title] if own is not None else []) + ["sinusoidal (Vaswani et al. 2017): sines | cosines"]
     fig = make_subplots(rows=1, cols=cols, subplot_titles=titles, horizontal_spacing=0.08)
@@ -120,7 +140,7 @@ def positions_side_by_side(own: torch.Tensor | None, own_title: str, sinus: torc
         fig.add_trace(go.Heatmap(z=_np(m), colorscale="RdBu", reversescale=True, zmid=0.0,
                                  showscale=i == cols - 1), row=1, col=i + 1)
         fig.update_yaxes(autorange="reversed", title="position" if i == 0 else None, row=1, col=i + 1)
-        fig.update_xaxes(title="dimension", row=1, col=i + 1)
+        fig.update_xaxes(title=own_xtitle if own is not None and i == 0 else "dimension", row=1, col=i + 1)
     fig.update_layout(height=380, margin=dict(l=50, r=10, t=50, b=40))
     return fig
 
@@ -161,18 +181,25 @@ def mlp_neurons(step: dict, n: int = 40) -> go.Figure:
     else:
         fig.add_bar(name="pre-activation", x=labels, y=_np(step["pre"][idx]))
         fig.add_bar(name="post-activation", x=labels, y=_np(step["post"][idx]))
-        title = f"Top {len(idx)} neurons by |{step['activation']}(pre)|"
+        name, _, note = step["activation"].partition(" ")
+        title = f"Top {len(idx)} neurons by |{name}(pre)|" + (f" {note}" if note else "")
     fig.update_layout(barmode="group", title=title, xaxis_title="neuron", xaxis_type="category", **SMALL)
     return fig
 
 
 def mlp_gate_scatter(step: dict) -> go.Figure:
     """Every neuron: the activation's input vs output (the gate's curve, or GELU's)."""
+    act = step["activation"].split(" ")[0]
     if step["gated"]:
-        x, y, xt, yt = step["gate_pre"], step["gate"], "gate pre-activation W_gate·x", "act(gate)"
+        x, y, xt, yt = step["gate_pre"], step["gate"], "gate pre-activation W_gate·x", f"{act}(gate)"
     else:
-        x, y, xt, yt = step["pre"], step["post"], "pre-activation", "GELU(pre)"
-    fig = go.Figure(go.Scattergl(x=_np(x), y=_np(y), mode="markers", marker=dict(size=3, opacity=0.5)))
+        x, y, xt, yt = step["pre"], step["post"], "pre-activation", f"{act}(pre)"
+    fig = go.Figure(go.Scattergl(x=_np(x), y=_np(y), mode="markers", marker=dict(size=3, opacity=0.5),
+                                 name="neurons"))
+    if "curve_x" in step:  # the activation over -4..4, so its bend shows even when the neurons sit near 0
+        fig.add_scatter(x=_np(step["curve_x"]), y=_np(step["curve_y"]), mode="lines", name=f"{act} curve",
+                        line=dict(color="gray", dash="dot"))
+    fig.update_layout(legend=dict(x=0.01, y=0.99))
     opened = float((y > 0.5).float().mean()) if step["gated"] else float((y > 0).float().mean())
     fig.update_layout(title=f"All {x.numel()} neurons ({opened:.0%} {'opened > 0.5' if step['gated'] else 'positive'})",
                       xaxis_title=xt, yaxis_title=yt, **SMALL)
