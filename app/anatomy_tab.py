@@ -15,15 +15,18 @@ import pandas as pd
 import torch
 
 from app import anatomy_figures as fig
-from app.context import Shared, default_model, get_model
+from app.context import DEFAULT_MODEL, Shared, default_model, get_model
 from model_core import anatomy as A
 from model_core import trace as run_trace
 from model_core.errors import LmscopeError
 from model_core.registry import REGISTRY, RANDOM_CONFIGS, list_models
+from model_core.tokenization import describe_tokens
 
 LATEX = [{"left": "$$", "right": "$$", "display": True}, {"left": "$", "right": "$", "display": False}]
 GPT2_SMALL = "gpt2-small (config only)"
-DEFAULT_COMPARE = ["random-gpt2-tiny", "random-gemma3-tiny"]
+# the default model stays in the comparison when another model is selected (it is skipped as a
+# comparison column while it is the selected model)
+DEFAULT_COMPARE = [DEFAULT_MODEL, "random-gpt2-tiny", "random-gemma3-tiny"]
 
 # --- captions and formulas -------------------------------------------------------------------
 TEXT = {
@@ -40,8 +43,13 @@ and the unembedding turns the last vectors into scores for every vocabulary entr
 the head size, future tokens are masked out (a decoder cannot look ahead), softmax turns each row into weights that
 sum to 1, and the head's output is the weighted sum of the values.
 $$z = \\operatorname{softmax}\\!\\left(\\frac{QK^\\top}{\\sqrt{d_k}} + M\\right)V,\\qquad M_{ij} = \\begin{cases}0 & j \\le i\\\\ -\\infty & j > i\\end{cases}$$
+On sliding-window layers (Gemma 3's local layers) the mask also hides keys more than $W-1$ tokens back:
+$$M_{ij} = \\begin{cases}0 & i - W < j \\le i\\\\ -\\infty & \\text{otherwise}\\end{cases}$$
+The colour scale of the three score panels is shared (the scaled scores are paler); each panel's title gives its value range.
 The toggles show what the softmax would be without the scaling (sharper, often nearly one-hot) or without the mask
-(every token also sees the future).""",
+(every token also sees the future, and on sliding layers the far past).
+The check line adds up each head's output through its slice of the output matrix, $\\sum_h z_h W_O^{(h)}$ (+ bias;
+Gemma 3 then applies its post-attention norm), and compares it with what the model's attention actually returned.""",
     "rope": """**RoPE (rotary position embedding).** Instead of adding a position vector, the query and key are rotated
 by an angle proportional to their position, pair of dimensions by pair of dimensions, each pair at its own speed
 $\\theta_i$. The score of two rotated vectors then depends only on their distance $m-n$:
@@ -54,7 +62,8 @@ $\\cos(p\\,\\theta_i)$). Right, for comparison, the fixed sinusoidal encoding of
 $$PE_{p,2i} = \\sin\\!\\left(\\frac{p}{10000^{2i/d}}\\right),\\qquad PE_{p,2i+1} = \\cos\\!\\left(\\frac{p}{10000^{2i/d}}\\right)$$""",
     "embed": """**Embedding space.** Each token id selects one row of the embedding matrix $E$. Tokens used alike end up with
 similar rows. Nearest neighbours by cosine similarity, and analogy arithmetic on the real matrix (leading spaces
-matter: ` Paris` and `Paris` are different tokens; `#123` means token id 123):
+matter: ␣Paris, with a leading space, and Paris are different tokens; `#123` means token id 123. Text that is
+several tokens, as a word is for a byte-level tokenizer, uses its first token):
 $$\\cos(a,b) = \\frac{a\\cdot b}{\\lVert a\\rVert\\,\\lVert b\\rVert},\\qquad \\text{analogy} = E_a - E_b + E_c$$""",
     "norm": """**Normalisation.** Before attention and before the MLP (and at the end), each token's residual vector is
 rescaled to a standard size, then multiplied by a learned gain $g$ (LayerNorm also centres it and adds a bias $b$):
@@ -124,10 +133,17 @@ def _position(tr, position):
     return p % tr.n_tokens
 
 
-def _check(label, a, b):
+def _check(label, a, b, tol: float = 1e-3):
     diff = float((a.float().cpu() - b.float().cpu()).abs().max())
-    mark = "✓" if diff < 1e-3 else "✗ MISMATCH"
+    mark = "✓" if diff < tol else "✗ MISMATCH"
     return f"{mark} check: {label}, max |difference| = {diff:.2e}"
+
+
+def _tolerance(t: torch.Tensor) -> float:
+    """1e-3 in float32; 16-bit models round every matmul, so allow 2 % of the values' size there."""
+    if t.dtype == torch.float32 or t.dtype == torch.float64:
+        return 1e-3
+    return max(1e-3, 2e-2 * float(t.float().abs().max()))
 
 
 # --- panels ----------------------------------------------------------------------------------------
@@ -163,7 +179,10 @@ def card_panel(model_name, compare):
     counts = {n: {k.replace("params: ", ""): v for k, v in c.items() if k.startswith("params: ")} for n, c in cards.items()}
     for c in counts.values():
         c["total"] = c.get("total", 0)
-    return A.card_frame(card), A.compare_models(cards), fig.param_breakdown(counts)
+    table = A.compare_models(cards)
+    n = len(table.columns) - 1
+    widths = ["18%"] + [f"{82 / n:.2f}%"] * n  # fixed widths: long cells wrap instead of widening the table
+    return (A.card_frame(card), gr.update(value=table, column_widths=widths), fig.param_breakdown(counts))
 
 
 @_guard
@@ -185,15 +204,19 @@ def attention_panel(model_name, prompt, chat, layer, head, no_scale, no_mask):
     if not 0 <= head < H:
         raise gr.Error(f"Head must be between 0 and {H - 1} for this model.")
     step = A.attention_step(tr, layer, head)
-    traced = tr.attention_pattern(layer)[head]
     extra = ""
     if step["softcap"]:
         extra += f" The model also soft-caps scores: $c\\tanh(s/c)$ with $c = {step['softcap']}$."
     window = lm.adapter.sliding_window(layer)
     if window:
         extra += f" This layer uses a sliding window: each token sees only the last {window} tokens."
+    # an independent check: every head's z through its slice of W_O, summed (+ bias, + Gemma's
+    # post-attention norm), against the attention output the model's own forward returned
+    with torch.inference_mode():
+        mine, ref = A.attn_out_from_heads(tr, layer), tr.attn_out[layer]
     info = (f"Scale used by the model: {step['scale']:.5g} (1/√d_k = {1 / lm.shape.d_head ** 0.5:.5g}).{extra}\n\n"
-            + _check("softmax(scaled, masked scores) vs the traced attention pattern", step["pattern"], traced))
+            + _check(f"Σ over all {H} heads of z_h·W_O (+ bias) vs the model's own attention output, layer {layer}",
+                     mine, ref, _tolerance(ref)))
     return (fig.attention_steps(step, tr.tokens), fig.attention_variants(step, tr.tokens, no_scale, no_mask),
             info)
 
@@ -201,8 +224,9 @@ def attention_panel(model_name, prompt, chat, layer, head, no_scale, no_mask):
 @_guard
 def rope_panel(model_name, layer, max_distance):
     lm = get_model(model_name)
-    if not lm.adapter.uses_rope:
-        return None, None, f"Model '{lm.name}' does not use RoPE: it adds learned position vectors (see Positions)."
+    if not lm.adapter.uses_rope:  # no plots to show: hide their boxes, keep the note
+        hidden = gr.update(value=None, visible=False)
+        return hidden, hidden, f"Model '{lm.name}' does not use RoPE: it adds learned position vectors (see Positions)."
     layer = _layer(lm, layer)
     data = A.rope_score_vs_distance(lm, layer, int(max_distance or 256))
     inv = A.rope_inv_freq(lm, layer)
@@ -210,8 +234,8 @@ def rope_panel(model_name, layer, max_distance):
     info = (f"Layer {layer}: {inv.numel()} dimension pairs, base θ ≈ {float(theta):,.0f}; fastest pair turns "
             f"{float(inv[0]):.3g} rad per position, slowest {float(inv[-1]):.3g} rad "
             f"(a full turn every {2 * 3.14159 / float(inv[-1]):,.0f} positions).")
-    return (fig.rope_distance(data, f"Layer {layer}: score of q = k = 1 vs distance"),
-            fig.rope_angles(A.rope_angles(lm, layer, 128)), info)
+    return (gr.update(value=fig.rope_distance(data, f"Layer {layer}: score of q = k = 1 vs distance"), visible=True),
+            gr.update(value=fig.rope_angles(A.rope_angles(lm, layer, 128)), visible=True), info)
 
 
 @_guard
@@ -222,24 +246,42 @@ def positions_panel(model_name, n_positions):
     learned = A.learned_positions(lm, n)
     if learned is not None:
         own, title = learned, f"learned position embeddings [{n}, {learned.shape[1]}]"
-        d = learned.shape[1]
+        d, xtitle = learned.shape[1], "dimension"
     else:
         ang = A.rope_angles(lm, 0, n)
         own, title = torch.cos(ang), f"RoPE cos(p·θᵢ), layer 0 [{n}, {ang.shape[1]} pairs]"
-        d = lm.shape.d_model
+        d, xtitle = lm.shape.d_model, "dimension pair i"
     pe = A.sinusoidal_encoding(n, d)
     # shown as all sines, then all cosines (the usual picture; stored interleaved sin, cos, sin, ...)
-    return fig.positions_side_by_side(own, title, torch.cat([pe[:, 0::2], pe[:, 1::2]], dim=1))
+    return fig.positions_side_by_side(own, title, torch.cat([pe[:, 0::2], pe[:, 1::2]], dim=1), own_xtitle=xtitle)
 
 
-@_guard
 def embed_panel(model_name, token, a, b, c, k):
-    lm = get_model(model_name)
-    k = max(1, min(int(k or 10), 50))
-    near = A.nearest_tokens(lm, token, k)
-    ana = A.analogy(lm, a, b, c, k)
-    return (fig.neighbours_bar(near, f"Nearest to '{token}'"),
-            fig.neighbours_bar(ana, f"'{a}' − '{b}' + '{c}'"))
+    """Neighbours and analogy. Text that is several tokens (a word, for a byte-level tokenizer)
+    uses its first token, with a note; on any other error the plots are cleared (no stale
+    neighbours of another model or input) and the note says why."""
+    try:
+        lm = get_model(model_name)
+        k = max(1, min(int(k or 10), 50))
+        ids, notes = [], []
+        for text in (token, a, b, c):
+            i, note = A.resolve_token(lm, text)
+            ids.append(i)
+            if note:
+                notes.append(note)
+        shown = [f"'{t['display']}'" for t in describe_tokens(lm.tokenizer, ids)]
+        near = A.nearest_tokens(lm, ids[0], k)
+        ana = A.analogy(lm, ids[1], ids[2], ids[3], k)
+    except gr.Error as e:
+        msg = getattr(e, "message", None) or str(e)
+        gr.Warning(msg)
+        return None, None, f"⚠ {msg}"
+    except (LmscopeError, KeyError, IndexError, ValueError, TypeError) as e:
+        gr.Warning(str(e))
+        return None, None, f"⚠ {e}"
+    return (fig.neighbours_bar(near, f"Nearest to {shown[0]}"),
+            fig.neighbours_bar(ana, f"{shown[1]} − {shown[2]} + {shown[3]}"),
+            " ".join(f"Note: {n}" for n in notes))
 
 
 @_guard
@@ -327,7 +369,8 @@ def build(shared: Shared) -> None:
         _md(TEXT["card"])
         with gr.Accordion("This model only", open=False):
             card_df = gr.Dataframe(label="This model", interactive=False, wrap=True)
-        compare = gr.Dropdown(choices=compare_choices(), value=DEFAULT_COMPARE, multiselect=True,
+        choices = compare_choices()
+        compare = gr.Dropdown(choices=choices, value=[n for n in DEFAULT_COMPARE if n in choices], multiselect=True,
                               label="Compare with (the selected model is the first column)",
                               allow_custom_value=False)
         compare_df = gr.Dataframe(label="Side by side", interactive=False, wrap=True, max_height=900)
@@ -367,12 +410,15 @@ def build(shared: Shared) -> None:
     with gr.Accordion("Embedding space", open=False, elem_id="anatomy-embedding"):
         _md(TEXT["embed"])
         with gr.Row():
-            e_tok = gr.Textbox(value=" Paris", label="Token")
-            e_a = gr.Textbox(value=" king", label="a")
-            e_b = gr.Textbox(value=" man", label="− b")
-            e_c = gr.Textbox(value=" woman", label="+ c")
+            # the defaults start with a space (a word inside a sentence): the labels say so, since
+            # a text box does not show a leading space
+            e_tok = gr.Textbox(value=" Paris", label="Token (␣Paris)", placeholder="␣Paris or #id")
+            e_a = gr.Textbox(value=" king", label="a (␣king)", placeholder="␣king")
+            e_b = gr.Textbox(value=" man", label="− b (␣man)", placeholder="␣man")
+            e_c = gr.Textbox(value=" woman", label="+ c (␣woman)", placeholder="␣woman")
             e_k = gr.Number(value=10, precision=0, minimum=1, maximum=50, label="How many")
             e_btn = gr.Button("Find")
+        emb_info = gr.Markdown()
         with gr.Row():
             near_plot = gr.Plot()
             ana_plot = gr.Plot()
@@ -412,7 +458,7 @@ def build(shared: Shared) -> None:
                    outputs=[attn_plot, attn_var, attn_info])
     rope_io = dict(fn=rope_panel, inputs=[m, r_layer, r_dist], outputs=[rope_plot, rope_ang, rope_info])
     pos_io = dict(fn=positions_panel, inputs=[m, n_pos], outputs=[pos_plot])
-    emb_io = dict(fn=embed_panel, inputs=[m, e_tok, e_a, e_b, e_c, e_k], outputs=[near_plot, ana_plot])
+    emb_io = dict(fn=embed_panel, inputs=[m, e_tok, e_a, e_b, e_c, e_k], outputs=[near_plot, ana_plot, emb_info])
     norm_io = dict(fn=norm_panel, inputs=[m, p, c, n_layer, n_posn, n_which], outputs=[norm_plot, norm_info])
     mlp_io = dict(fn=mlp_panel, inputs=[m, p, c, m_layer, m_pos], outputs=[mlp_plot, mlp_scatter, mlp_info])
     out_io = dict(fn=output_panel, inputs=[m, p, c, o_k], outputs=[out_plot, out_hist, out_info])
@@ -425,15 +471,16 @@ def build(shared: Shared) -> None:
     compare.change(**card_io)
     for ctl in (a_layer, a_head, no_scale, no_mask):
         ctl.change(**attn_io)
+    # .input: a drag, or a number typed in the slider's box (Enter or not); always_last keeps the final value
     for ctl in (r_layer, r_dist):
-        ctl.release(**rope_io)
-    n_pos.release(**pos_io)
+        ctl.input(**rope_io, trigger_mode="always_last")
+    n_pos.input(**pos_io, trigger_mode="always_last")
     e_btn.click(**emb_io)
     for ctl in (n_layer, n_posn, n_which):
         ctl.change(**norm_io)
     for ctl in (m_layer, m_pos):
         ctl.change(**mlp_io)
-    o_k.release(**out_io)
+    o_k.input(**out_io, trigger_mode="always_last")
 
 
 def card_table_for(names: list[str]) -> pd.DataFrame:
