@@ -106,7 +106,7 @@ def test_cards_read_the_architecture():
     assert gpt2["norm"].startswith("LayerNorm") and gpt2["positions"].startswith("learned absolute")
     gemma = A.architecture_card(load_model("random-gemma3-tiny"))
     assert gemma["attention"].startswith("MQA") and gemma["FFN type"] == "GeGLU"
-    assert "post-norm" in gemma["norm placement"] and "(1 + w)" in gemma["norm"] and "QK-norm" in gemma
+    assert "post-norm" in gemma["norm placement"] and "(1 + w)" in gemma["norm"] and gemma["QK-norm"].startswith("yes")
     assert "1,000,000 (full_attention)" in gemma["positions"]
     table = A.compare_models({"smol": load_model(DEFAULT), "gpt2": load_model("random-gpt2-tiny"),
                               "gemma": gemma})
@@ -271,3 +271,91 @@ def test_output_step_is_the_models_output(lm_tr):
     assert o["top"][0]["id"] == int(tr.next_logits.argmax())
     if lm.name == DEFAULT:
         assert o["top"][0]["token"] == "␣France" or o["top"][0]["token"].startswith("␣")
+
+
+# --- review fixes: card order, tree parents, sliding labels, byte-level fallback, panels -----------
+
+def test_card_key_rows_first_and_compare_order():
+    smol = A.architecture_card(load_model(DEFAULT))
+    keys = [k for k in smol if not k.startswith("_")]
+    assert keys[:4] == ["architecture", "params: total", "dtype", "KV cache / token"]
+    assert smol["QK-norm"] == "no" and smol["sliding window"].startswith("no")
+    gemma = A.architecture_card(load_model("random-gemma3-tiny"))
+    assert gemma["QK-norm"].startswith("yes") and gemma["sliding window"].startswith("3 of 4 layers")
+    # a row only a later card has goes right after its predecessor, not at the bottom
+    a = {"architecture": "x", "layers": 1}
+    b = {"architecture": "y", "QK-norm": "yes", "layers": 2}
+    assert list(A.compare_models({"a": a, "b": b})["property"]) == ["architecture", "QK-norm", "layers"]
+    assert all(len(str(v)) <= 64 for k, v in gemma.items() if not k.startswith("_"))  # short cells
+
+
+def test_module_tree_names_the_layer_list(lm_tr):
+    lm, tr = lm_tr
+    rows = A.module_tree(lm, tr.token_ids)
+    paths = [r["path"] for r in rows]
+    first = next(i for i, r in enumerate(rows) if r["path"].split(".")[-1] == "0")
+    parent = rows[first - 1]
+    assert parent["path"] == rows[first]["path"].rsplit(".", 1)[0] and parent["module"].startswith("ModuleList")
+    assert parent["depth"] == rows[first]["depth"] - 1 and paths.count(parent["path"]) == 1
+    leaves = list(A.tree_frame(rows)["module"].str.strip("\u2003"))
+    assert leaves[first] == ".".join(rows[first]["path"].split(".")[-2:])  # layers.0 / h.0
+
+
+def test_sliding_window_in_the_step_and_labels():
+    from app import anatomy_figures as fig
+
+    lm = load_model("random-gemma3-tiny")
+    tr = trace(lm, PROMPT)
+    s = A.attention_step(tr, 0, 0)
+    W = s["window"]
+    assert W == 6 and fig.mask_label(s) == "mask applied (causal + window 6)"
+    i = 12
+    assert s["mask"][i].nonzero().flatten().tolist() == list(range(i - W + 1, i + 1))  # i - W < j <= i
+    full = A.attention_step(tr, 3, 0)
+    assert full["window"] is None and fig.mask_label(full) == "causal mask applied"
+    names = [t.name for t in fig.attention_variants(s, tr.tokens, True, True).data]
+    assert names == ["the model's softmax", "without scaling", "without the mask"]
+    steps = fig.attention_steps(s, tr.tokens)
+    score_traces = [t for t in steps.data if t.coloraxis == "coloraxis"]
+    assert len(score_traces) == 3  # raw, scaled and masked share one colour range
+    assert steps.layout.coloraxis.cmax == pytest.approx(float(s["raw"].abs().max()), rel=1e-5)
+    assert all("…" in a.text for a in steps.layout.annotations)  # each title gives its range
+
+
+def test_byte_level_tokens_fall_back_to_one_token():
+    lm = load_model("random-gpt2-tiny")
+    i, note = A.resolve_token(lm, " London")
+    assert i == ord("L") and "7 tokens" in note
+    assert A.resolve_token(lm, "e") == (ord("e"), None)
+    with pytest.raises(PromptError):
+        A.resolve_token(lm, "#99999")
+
+
+def test_mlp_reference_curve_and_activation_label(lm_tr):
+    lm, tr = lm_tr
+    s = A.mlp_step(tr, 0, 1)
+    assert s["activation"] in ("SiLU", "GELU", "GELU (tanh approx.)")
+    assert float(s["curve_x"].min()) == -4 and float(s["curve_x"].max()) == 4
+    assert float(s["curve_y"][-1]) == pytest.approx(4, abs=0.08)  # SiLU(4) = 3.93, GELU(4) = 4.00
+    assert float(s["curve_y"].min()) < -0.1  # the dip below zero: not a straight line
+
+
+def test_tab_panels_fallbacks_and_checks():
+    gr = pytest.importorskip("gradio")
+    from app import anatomy_tab as T
+
+    near, ana, note = T.embed_panel("random-gpt2-tiny", " London", " king", " man", " woman", 5)
+    assert near is not None and "Nearest to 'L'" in near.layout.title.text and "using L" in note
+    assert T.embed_panel("random-gpt2-tiny", "", "a", "b", "c", 5)[:2] == (None, None)  # cleared on error
+    line, ang, info = T.rope_panel("random-gpt2-tiny", 0, 64)
+    assert line["visible"] is False and ang["visible"] is False and "does not use RoPE" in info
+    line, ang, info = T.rope_panel("random-gemma3-tiny", 3, 64)
+    assert line["visible"] is True and line["value"] is not None
+    # the attention check is independent: heads through W_O vs the model's own attention output
+    _, _, info = T.attention_panel("random-gemma3-tiny", PROMPT, False, 0, 0, True, True)
+    assert "✓ check" in info and "W_O" in info
+    assert T.DEFAULT_COMPARE[0] == DEFAULT
+    _, table, _ = T.card_panel("random-gpt2-tiny", T.DEFAULT_COMPARE)
+    assert list(table["value"].columns) == ["property", "random-gpt2-tiny", DEFAULT, "random-gemma3-tiny"]
+    assert len(table["column_widths"]) == 4
+    assert isinstance(gr.__version__, str)

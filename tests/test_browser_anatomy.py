@@ -115,6 +115,17 @@ def check_card(page, model: str, want: dict):
                     and len(r) > 20 and r, f"architecture card for {model}")
     header, body = rows[0], {r[0]: r[1:] for r in rows[1:]}
     assert header[0] == "property" and len(header) >= 3, header  # selected model first, then the comparisons
+    assert "smollm2-135m-instruct" in header[1:]  # the default model stays in the comparison
+    # the rows people compare first are at the top, and every row has something in every column
+    assert [r[0] for r in rows[1:6]] == ["architecture", "params: total", "dtype", "KV cache / token",
+                                         "KV cache / token (16-bit)"], rows[1:6]
+    assert {"QK-norm", "sliding window"} <= {r[0] for r in rows[1:16]}
+    assert all(len(r) == len(header) and all(r) for r in rows[1:])
+    # the table fits its panel: the last column's right edge is inside the card, not cut off
+    edges = page.evaluate("""() => { const g = document.querySelector('#anatomy-card [role=grid][aria-label="Side by side"]');
+        const hs = g.querySelectorAll('thead [role=columnheader]'); const last = hs[hs.length - 1].getBoundingClientRect();
+        return [last.right, document.querySelector('#anatomy-card').getBoundingClientRect().right]; }""")
+    assert edges[0] <= edges[1] + 1, edges
     assert len(rows) == int(page.get_attribute('#anatomy-card [role=grid][aria-label="Side by side"]', "aria-rowcount"))
     for key, value in want.items():
         assert value in body[key][0], (key, body[key][0], value)
@@ -136,21 +147,27 @@ def check_single_card(page, body: dict):
     assert len(mine) >= 20
 
 
-def check_tree(page, T: int, d: int, vocab: int):
+def check_tree(page, T: int, d: int, vocab: int, layer_list: str = "layers"):
     rows = wait_for(lambda: (r := table(page, "anatomy-tree")) and any(f"[{T}, {vocab}]" in c for x in r for c in x) and r,
                     "module tree with logits shape")
     cells = [c for r in rows for c in r]
+    # the layer list has its own row (layers / h), right above its first block, named layers.0 / h.0
+    names = [r[0] for r in rows[1:]]
+    i = names.index(f"{layer_list}.0")
+    assert names[i - 1] == layer_list and rows[i][1].startswith("ModuleList"), rows[i: i + 2]
     assert f"[{T}, {d}]" in cells  # embedding and every layer keep [T, d_model]
     assert f"[{T}, {vocab}]" in cells  # the unembedding gives one score per vocabulary entry
     assert sum(bool(re.fullmatch(r"\[\d+(, \d+)*\]", c)) for c in cells) >= 8
     assert f"T = {T} tokens" in text(page, "anatomy-tree")
 
 
-def check_attention(page, T: int, d_head: int, title: str):
+def check_attention(page, T: int, d_head: int, title: str, window: int | None = None):
     steps, var = wait_for(lambda: (p := plots(page, "anatomy-attention")) and len(p) == 2
                           and title in p[0]["title"] and p, f"attention steps titled {title!r}")
     names = steps["annotations"]
-    assert names[:3] == ["Q (queries)", "K (keys)", "raw scores Q·Kᵀ"] and "softmax = pattern" in names
+    heads = [n.split("<br>")[0] for n in names]  # each subplot title: the step, then its value range
+    assert heads[:3] == ["Q (queries)", "K (keys)", "raw scores Q·Kᵀ"] and "softmax = pattern" in heads
+    assert all(re.search(r"<br>.*-?[\d.e+-]+ … -?[\d.e+-]+", n) for n in names), names
     tr = {t["name"]: t for t in steps["traces"]}
     assert len(steps["traces"]) == 8
     q, k, raw, soft, z = tr["Q (queries)"], tr["K (keys)"], tr["raw scores Q·Kᵀ"], tr["softmax = pattern"], tr["z = pattern · V"]
@@ -159,17 +176,22 @@ def check_attention(page, T: int, d_head: int, title: str):
     assert any(abs(v) > 1e-6 for r in raw["z"] for v in r)
     assert len(soft["z"]) == T and row_sums_ok(soft["z"])
     assert all(abs(soft["z"][i][j] or 0) < 1e-6 for i in range(T) for j in range(i + 1, T))  # causal
-    masked = next(t for n, t in tr.items() if n == "causal mask applied")
+    mask_name = f"mask applied (causal + window {window})" if window else "causal mask applied"
+    masked = tr[mask_name]
     assert masked["z"][0][1] is None and masked["z"][1][0] is not None  # the future is a gap
+    if window:  # ... and so is the far past, on a sliding-window layer
+        assert masked["z"][T - 1][T - 1 - window] is None and masked["z"][T - 1][T - window] is not None
     assert soft["y"][0].startswith("0:") and len(soft["y"]) == T
     # variants: the model's softmax, without scaling, without the mask
-    assert [t["name"] for t in var["traces"]] == ["the model's softmax", "without scaling", "without the causal mask"]
+    assert [t["name"] for t in var["traces"]] == ["the model's softmax", "without scaling",
+                                                  "without the mask" if window else "without the causal mask"]
     for t in var["traces"]:
         assert row_sums_ok(t["z"])
     no_mask = var["traces"][2]["z"]
     assert any((no_mask[0][j] or 0) > 1e-6 for j in range(1, T))  # without the mask, token 0 sees the future
     assert "nats" in var["title"]
     wait_for(lambda: checks_pass(page, "anatomy-attention"), "attention check line")
+    assert "z_h·W_O" in text(page, "anatomy-attention")  # heads through W_O vs the model's own output
 
 
 def check_norm(page, d: int, kind: str):
@@ -282,15 +304,19 @@ def test_anatomy_in_the_browser(server):
             "norm": "LayerNorm", "positions": "learned absolute", "vocabulary": "258"})
         check_output(page, 258)
         Tb = len(prompt.encode())  # one byte per token
-        check_tree(page, Tb, 64, 258)
+        check_tree(page, Tb, 64, 258, layer_list="h")
         check_attention(page, Tb, 16, "head")
         wait_for(lambda: "does not use RoPE" in text(page, "anatomy-rope"), "the no-RoPE note")
+        wait_for(lambda: all(p["width"] == 0 for p in plots(page, "anatomy-rope")), "the RoPE plots hidden")
         own, sinus = wait_for(lambda: (p := plots(page, "anatomy-positions")) and "learned" in p[0]["annotations"][0]
                               and p[0]["traces"], "learned position embeddings")
         assert len(own["z"]) == 64 and len(own["z"][0]) == 64 and len(sinus["z"][0]) == 64
         check_norm(page, 64, "LayerNorm")
         check_mlp(page, 256, gated=False)
-        # byte tokens: a word is several tokens, so name single bytes
+        # byte tokens: ' London' is 7 tokens, so the chain's run used its first letter, with a note
+        check_embedding(page, "'L'")
+        assert "' London' is 7 tokens here" in text(page, "anatomy-embedding")
+        # ... or name single bytes
         for box, value in zip(emb.locator("textarea, input[type=text]").all()[:4], ["e", "a", "b", "c"]):
             box.fill(value)
         emb.get_by_role("button", name="Find").click()
@@ -308,7 +334,7 @@ def test_anatomy_in_the_browser(server):
             "sliding window": "3 of 4 layers", "QK-norm": "yes"})
         check_embedding(page, "'t'")  # the chain's last step: every panel below is this model's
         check_tree(page, Tb, 64, 258)
-        check_attention(page, Tb, 16, "(K/V head 0)")  # MQA: every query head shares K/V head 0
+        check_attention(page, Tb, 16, "(K/V head 0)", window=6)  # MQA: every query head shares K/V head 0
         wait_for(lambda: "sliding window: each token sees only the last 6 tokens" in text(page, "anatomy-attention"),
                  "sliding-window note")
         soft = next(t for t in plots(page, "anatomy-attention")[0]["traces"] if t["name"] == "softmax = pattern")["z"]
@@ -317,11 +343,18 @@ def test_anatomy_in_the_browser(server):
         check_output(page, 258)
         check_mlp(page, 128, gated=True)
         check_norm(page, 64, "RMSNorm")
-        # the RoPE controls update on release: type layer 3 (global) and leave the box (Enter alone does nothing)
+        rope = wait_for(lambda: (p := plots(page, "anatomy-rope")) and len(p) == 2 and all(x["width"] > 100 for x in p)
+                        and p, "the RoPE plots shown again")
+        assert len(rope[1]["traces"][0]["z"][0]) == 8
+        # typed values update the panel: layer 3 (global) and Enter
         rope_layer = page.locator("#anatomy-rope input[type=number]").first
         rope_layer.fill("3")
-        rope_layer.press("Tab")
+        rope_layer.press("Enter")
         wait_for(lambda: "base θ ≈ 1,000,000" in text(page, "anatomy-rope"), "the global layer's RoPE base")
+        top_k = page.locator("#anatomy-output input[type=number]").first
+        top_k.fill("5")
+        top_k.press("Enter")
+        wait_for(lambda: len(plots(page, "anatomy-output")[0]["traces"][1]["x"]) == 5, "top 5 after typing 5")
         shoot_panels(page, "anatomy-gemma3")
         browser.close()
     print(f"default model {t_default:.0f} s, + GPT-2 {t_gpt2 - t_default:.0f} s, + Gemma 3 {time.time() - t0 - t_gpt2:.0f} s")
