@@ -119,7 +119,7 @@ def next_token_view(tr: Trace, settings: SamplingSettings, k: int = 20) -> dict:
     kept = int((res.probs > 0).sum())
     parts = [f"{st.name.replace('_', '-')} removed {st.n_removed:,} ({1 - st.kept_mass:.1%} of mass)"
              for st in res.stages[1:] if st.n_removed]
-    summary = (f"greedy: always the top token" if settings.greedy else
+    summary = ("greedy: always the top token" if settings.greedy else
                f"{kept:,} tokens can be drawn" + ("; " + "; ".join(parts) if parts else "; no filter active"))
     tok = tr._lm.tokenizer
     return {"tokens": [_show(tok, i) for i in top.tolist()], "base": to_np(res.base_probs[top]),

@@ -17,7 +17,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -25,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from common import device_info, interleaved, sync  # noqa: E402
+from common import device_info, interleaved  # noqa: E402
 from model_core import load_model, trace  # noqa: E402
 
 

@@ -13,7 +13,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model_core.errors import ModelLoadError

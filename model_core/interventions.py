@@ -41,8 +41,7 @@ import torch
 
 from model_core.errors import PromptError, SettingsError
 from model_core.hooks import Recorder, instrument, recording
-from model_core.tokenization import describe_tokens
-from model_core.trace import Trace, encode_prompt
+from model_core.trace import Trace, encode_prompt, trace
 
 Progress = Callable[[float], None]
 PromptLike = "str | Sequence[int]"
@@ -156,9 +155,7 @@ def trace_with_edits(lm, token_ids: Sequence[int], edits: dict | None = None, *,
     """Like model_core.trace.trace, with edits active: the Trace of an intervened forward pass
     (views such as the logit lens then show the intervened model). With capture_z, each layer's
     hook_z [T, H*d_head] lands in `store` (a dict the caller passes)."""
-    token_ids = [int(t) for t in token_ids]
     n_layers = lm.shape.n_layers
-    instrument(lm.adapter)
     edits = dict(edits or {})
     if capture_z:
         zs: dict = {}
@@ -169,29 +166,7 @@ def trace_with_edits(lm, token_ids: Sequence[int], edits: dict | None = None, *,
                 edits[name] = (lambda u: (lambda n, x: keep[n](n, u(n, x))))(user)
             else:
                 edits[name] = fn
-    rec = Recorder(layers=None, edits=edits)
-    ids = torch.tensor([token_ids], device=lm.device)
-    t0 = time.perf_counter()
-    with torch.inference_mode(), recording(rec):
-        out = lm.model(input_ids=ids, use_cache=False)
-    logits = out.logits[0]
-    logprobs = torch.full((len(token_ids),), float("nan"), device=logits.device)
-    if len(token_ids) > 1:
-        with torch.inference_mode():
-            lsm = torch.log_softmax(logits[:-1].float(), dim=-1)
-            logprobs[1:] = lsm.gather(-1, ids[0, 1:, None])[:, 0]
-    s = rec.store
-    layers = list(range(n_layers))
-    tr = Trace(
-        model_name=lm.name, token_ids=token_ids, tokens=describe_tokens(lm.tokenizer, token_ids),
-        n_layers=n_layers, captured_layers=layers,
-        resid_pre={l: s[f"blocks.{l}.hook_resid_pre"][0] for l in layers},
-        attn_out={l: s[f"blocks.{l}.hook_attn_out"][0] for l in layers},
-        mlp_out={l: s[f"blocks.{l}.hook_mlp_out"][0] for l in layers},
-        ln_final=s["ln_final.hook_normalized"][0], next_logits=logits[-1].clone(), token_logprobs=logprobs,
-        rope={l: tuple(t[:1] for t in pe) for l, pe in rec.rope.items()},
-        seconds=time.perf_counter() - t0, _lm=lm,
-    )
+    tr = trace(lm, token_ids=token_ids, edits=edits)
     if capture_z and store is not None:
         for name, z in zs.items():
             store[name] = z[0]

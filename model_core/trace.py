@@ -185,10 +185,12 @@ def encode_prompt(lm, prompt: str, chat: bool = False, max_tokens: int | None = 
 
 
 def trace(lm, prompt: str | None = None, token_ids=None, *, layers=None, chat: bool = False,
-          max_tokens: int | None = DEFAULT_MAX_TOKENS, truncate: bool = False) -> Trace:
+          max_tokens: int | None = DEFAULT_MAX_TOKENS, truncate: bool = False, edits: dict | None = None) -> Trace:
     """Run one instrumented forward pass of `lm` (a LoadedModel) over a prompt or token ids.
 
     layers: iterable of layer indices to capture (default all); fewer layers, less memory.
+    edits: {hook name: fn(name, tensor) -> tensor} active during this pass only (interventions);
+      the Trace then shows the intervened model.
     """
     if token_ids is None:
         token_ids = encode_prompt(lm, prompt if prompt is not None else "", chat=chat,
@@ -202,7 +204,7 @@ def trace(lm, prompt: str | None = None, token_ids=None, *, layers=None, chat: b
     if any(l < 0 or l >= n_layers for l in wanted):
         raise PromptError(f"Layers must be between 0 and {n_layers - 1}.")
     instrument(lm.adapter)
-    rec = Recorder(layers=frozenset(wanted))
+    rec = Recorder(layers=frozenset(wanted), edits=dict(edits or {}))
     ids = torch.tensor([token_ids], device=lm.device)
     t0 = time.perf_counter()
     with torch.inference_mode(), recording(rec):

@@ -148,22 +148,11 @@ def _readable(piece: str, algo: str) -> str:
     return piece.replace("▁", " ")
 
 
-_BYTE_DECODER: dict[str, int] | None = None
-
-
 def _bytelevel_to_text(piece: str) -> str:
-    global _BYTE_DECODER
-    if _BYTE_DECODER is None:
-        bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-        cs = bs[:]
-        n = 0
-        for b in range(256):
-            if b not in bs:
-                bs.append(b)
-                cs.append(256 + n)
-                n += 1
-        _BYTE_DECODER = {chr(c): b for b, c in zip(bs, cs)}
-    return bytes(_BYTE_DECODER.get(ch, 63) for ch in piece).decode("utf-8", errors="replace")
+    from model_core.tokenization import _byte_level_decoder
+
+    table = _byte_level_decoder()
+    return bytes(table.get(ch, 63) for ch in piece).decode("utf-8", errors="replace")
 
 
 def merges_of(tok: Tokenizer) -> list[list[str]]:
