@@ -10,13 +10,12 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-TEMPLATE = "plotly_white"
 ATTN_SCALE = "Blues"
 FONT = dict(family="Inter, system-ui, sans-serif", size=12)
 
 
 def _layout(fig: go.Figure, title: str, height: int = 420, **kw) -> go.Figure:
-    fig.update_layout(template=TEMPLATE, title=dict(text=title, x=0.01, font=dict(size=14)), height=height,
+    fig.update_layout(title=dict(text=title, x=0.01, font=dict(size=14)), height=height,
                       margin=dict(l=60, r=20, t=50, b=50), font=FONT, **kw)
     return fig
 

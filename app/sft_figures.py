@@ -13,7 +13,7 @@ MASKED_BG = "#e5e7eb"
 
 def _layout(fig: go.Figure, title: str, height: int = 340, **kw) -> go.Figure:
     fig.update_layout(title=dict(text=title, x=0.01, font=dict(size=14)), height=height,
-                      margin=dict(l=50, r=20, t=40, b=40), template="plotly_white", **kw)
+                      margin=dict(l=50, r=20, t=40, b=40), **kw)
     return fig
 
 

@@ -13,7 +13,7 @@ from model_core.sampling import SamplingSettings, apply_sampling
 from model_core.trace import Trace
 
 WINDOW = 48  # positions shown in attention heatmaps and residual views
-LENS_WINDOW = 16  # positions in the logit-lens grid
+LENS_WINDOW = 12  # positions in the logit-lens grid (each costs 30 rows through the 49k-vocab unembedding)
 
 
 def window(T: int, end: int, size: int = WINDOW) -> list[int]:
