@@ -389,17 +389,20 @@ def iter_generate(lm, prompt: str | None = None, *, max_new_tokens: int = 32,
     t_start = time.perf_counter()
     cache = new_cache(lm)
     try:
+        # Inference mode is thread-local and a generator may be resumed on another thread (Gradio
+        # streams through a thread pool), so it is entered per step and never held across a yield.
+        if stopped():
+            gen.finish_reason = "cancelled"
+            return
+        t0 = time.perf_counter()
         with torch.inference_mode():
-            if stopped():
-                gen.finish_reason = "cancelled"
-                return
-            t0 = time.perf_counter()
             logits = _forward(lm, all_ids[None, : len(ids)], cache)
-            gen.prefill_seconds = time.perf_counter() - t0
-            cur_len = len(ids)
-            overlap = dev.type == "cuda"  # launch the next forward before the record's copy
-            for i in range(n_steps):
-                t0 = time.perf_counter()
+        gen.prefill_seconds = time.perf_counter() - t0
+        cur_len = len(ids)
+        overlap = dev.type == "cuda"  # launch the next forward before the record's copy
+        for i in range(n_steps):
+            t0 = time.perf_counter()
+            with torch.inference_mode():
                 chosen, packed, final_logits = sample_step(
                     logits, settings, all_ids[:cur_len] if use_rp else None, generator, k)
                 all_ids[cur_len: cur_len + 1] = chosen
@@ -443,14 +446,14 @@ def iter_generate(lm, prompt: str | None = None, *, max_new_tokens: int = 32,
                     gen.seconds = time.perf_counter() - t_start
                     if attention and gen.steps:
                         _attach_attention(lm, gen)
-                yield step, gen
-                if gen.finish_reason is not None:
-                    return
-                if stopped():  # checked again after the consumer ran (it may have set the flag)
-                    gen.finish_reason = "cancelled"
-                    gen.kv_cache = kv_cache_report(lm, cache)
-                    gen.seconds = time.perf_counter() - t_start
-                    return
+            yield step, gen
+            if gen.finish_reason is not None:
+                return
+            if stopped():  # checked again after the consumer ran (it may have set the flag)
+                gen.finish_reason = "cancelled"
+                gen.kv_cache = kv_cache_report(lm, cache)
+                gen.seconds = time.perf_counter() - t_start
+                return
     finally:
         if gen.finish_reason is None:
             gen.finish_reason = "cancelled"

@@ -270,3 +270,27 @@ def test_cli_generate_json():
     r = subprocess.run([sys.executable, "-m", "model_core.cli", "generate", "hi", "--model", "random-llama-tiny",
                         "--max-new-tokens", "-1"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert r.returncode == 2 and "max_new_tokens must be at least 1" in r.stderr
+
+
+def test_streaming_generation_resumes_on_other_threads():
+    """Gradio resumes a streaming callback on whichever pool thread is free: no thread-local torch
+    mode may be held across a yield (found by bench/load.py with 20 users)."""
+    import threading
+
+    from model_core import load_model
+    from model_core.generate import iter_generate
+
+    lm = load_model("random-llama-tiny")
+    it = iter_generate(lm, "hello", max_new_tokens=6, ignore_eos=True)
+    seen = []
+
+    def pull():
+        seen.append(next(it)[0].chosen_id)
+        seen.append(torch.is_inference_mode_enabled())
+
+    for _ in range(6):
+        t = threading.Thread(target=pull)
+        t.start()
+        t.join()
+    assert len(seen) == 12 and not any(seen[1::2])  # every step came, no thread left in inference mode
+    assert not torch.is_inference_mode_enabled()
