@@ -28,19 +28,20 @@ from common import device_info, interleaved  # noqa: E402
 from model_core import load_model, trace  # noqa: E402
 
 
-def load_times(name: str) -> tuple[float | None, float]:
+def load_times(name: str) -> tuple[tuple | None, tuple]:
     """Cold (GGUF -> safetensors conversion into an empty cache) and warm load, each in a fresh process."""
+    # prints "total load_model" seconds: a fresh process, imports included, and load_model() alone
     code = ("import time,sys; t=time.perf_counter(); from model_core import load_model; "
-            "lm=load_model(sys.argv[1]); print(time.perf_counter()-t)")
+            "t1=time.perf_counter(); lm=load_model(sys.argv[1]); t2=time.perf_counter(); print(t2-t, t2-t1)")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     cold = None
     if not name.startswith("random-"):
         with tempfile.TemporaryDirectory() as d:
             out = subprocess.run([sys.executable, "-c", code, name], env={**env, "LMSCOPE_CACHE_DIR": d},
                                  capture_output=True, text=True, check=True)
-            cold = float(out.stdout.strip().splitlines()[-1])
+            cold = tuple(map(float, out.stdout.strip().splitlines()[-1].split()))
     out = subprocess.run([sys.executable, "-c", code, name], env=env, capture_output=True, text=True, check=True)
-    return cold, float(out.stdout.strip().splitlines()[-1])
+    return cold, tuple(map(float, out.stdout.strip().splitlines()[-1].split()))
 
 
 def main() -> None:
@@ -60,9 +61,10 @@ def main() -> None:
     dev = lm.device
     print(f"# bench/trace.py  model={name}  {device_info()}  dtype={lm.dtype}")
     if not args.no_load:
-        cold, warm = load_times(name) if dev.type == "cpu" else (None, lm.load_seconds)
-        print(f"load: cold (GGUF convert) {cold if cold is None else round(cold, 2)} s, warm (cache) {warm:.2f} s"
-              " (fresh process, includes imports)")
+        cold, warm = load_times(name) if dev.type == "cpu" else (None, (lm.load_seconds, lm.load_seconds))
+        c = "n/a" if cold is None else f"{cold[0]:.2f} s ({cold[1]:.2f} s in load_model)"
+        print(f"load, fresh process with imports: cold (GGUF convert) {c}; warm (cache) {warm[0]:.2f} s"
+              f" ({warm[1]:.2f} s in load_model, the rest importing torch + transformers)")
     g = torch.Generator().manual_seed(0)
     print(f"{'T':>5} {'plain s':>9} {'trace':>7} {'+1st view':>9} {'+all pat':>9} {'hf attn+hid':>11}"
           f" {'captured MB':>11} {'patterns MB':>11} {'peak GPU MB':>11}")

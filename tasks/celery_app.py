@@ -43,3 +43,16 @@ def _reap_on_start(**_):
         store.reap()
     except Exception:  # noqa: BLE001 - never keep a worker from starting
         pass
+
+
+def publish(task, job_id: str) -> None:
+    """Queue task(job_id) on the broker the environment names *now* (REDIS_URL, or the embedded
+    server's data/redis.url), not the one seen when this module was imported: a long-lived web
+    process can outlive the embedded server's port, and the tests run several brokers in turn."""
+    with app.connection_for_write(config.redis_url()) as conn:
+        task.apply_async(args=[job_id], task_id=job_id, connection=conn)
+
+
+def revoke(job_id: str, terminate: bool) -> None:
+    with app.connection_for_write(config.redis_url()) as conn:
+        app.control.revoke(job_id, terminate=terminate, signal="SIGTERM", connection=conn)

@@ -66,10 +66,11 @@ def submit_tokenizer(params: dict, owner: str = "cli", files: list[str | Path] |
         for f, n in zip(files, p["corpus_files"]):
             shutil.copyfile(f, inp / n)
     store.create(rec, r)
+    from tasks.celery_app import publish
     from tasks.tokenizer_job import train_tokenizer
 
     try:
-        train_tokenizer.apply_async(args=[rec["id"]], task_id=rec["id"])
+        publish(train_tokenizer, rec["id"])
     except Exception as e:  # noqa: BLE001
         def fail(x):
             x.update(state="failed", error=f"could not queue the job: {e}", finished=time.time())
@@ -147,9 +148,9 @@ def cancel_job(job_id: str, owner: str | None = None) -> dict:
     out = store.update(job_id, fn)
     if out is not None:
         try:
-            from tasks.celery_app import app
+            from tasks.celery_app import revoke
 
-            app.control.revoke(job_id, terminate=was.get("state") == "running", signal="SIGTERM")
+            revoke(job_id, terminate=was.get("state") == "running")
         except Exception:  # noqa: BLE001 - the flag and the record already stop it
             pass
     return get_job(job_id, owner)

@@ -19,7 +19,7 @@ import time
 
 from model_core.errors import LmscopeError, SettingsError
 from tasks import config, store
-from tasks.celery_app import app
+from tasks.celery_app import app, publish
 from tasks.tokenizer_job import _claim, _finish, _Progress
 
 SWEEPS = ("residual", "heads")
@@ -71,7 +71,7 @@ def submit_patching(params: dict, owner: str = "cli") -> dict:
     rec = store.new_record("patching", p, owner)
     store.create(rec, r)
     try:
-        run_patching.apply_async(args=[rec["id"]], task_id=rec["id"])
+        publish(run_patching, rec["id"])
     except Exception as e:  # noqa: BLE001
         def fail(x):
             x.update(state="failed", error=f"could not queue the job: {e}", finished=time.time())

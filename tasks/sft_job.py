@@ -28,7 +28,7 @@ from pathlib import Path
 from model_core import sft
 from model_core.errors import LmscopeError, SettingsError
 from tasks import config, store
-from tasks.celery_app import app
+from tasks.celery_app import app, publish
 from tasks.tokenizer_job import _claim, _finish, _Progress
 
 MAX_HISTORY = 2000  # loss-curve points kept in the record (thinned evenly beyond this)
@@ -93,7 +93,7 @@ def submit_sft(params: dict, owner: str = "cli", files: list | None = None) -> d
     rec["sft"] = {"history": [], "latest": None, "model_name": v["output_name"]}
     store.create(rec, r)
     try:
-        run_sft_job.apply_async(args=[rec["id"]], task_id=rec["id"])
+        publish(run_sft_job, rec["id"])
     except Exception as e:  # noqa: BLE001
         def fail(x):
             x.update(state="failed", error=f"could not queue the job: {e}", finished=time.time())
