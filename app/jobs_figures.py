@@ -25,7 +25,22 @@ def job_details(rec: dict) -> str:
         if src == "upload":
             src = ", ".join(p.get("corpus_files", [])) or "upload"
         return f"{p.get('algorithm')} · vocab {p.get('vocab_size')} · {src}"
+    if rec.get("kind") == "sft":
+        method = f"LoRA r{p['lora_rank']}" if p.get("lora_rank") else "full"
+        out = p.get("output_name") or (rec.get("sft") or {}).get("model_name") or ""
+        return f"{method} · {p.get('model')} · {p.get('dataset')}" + (f" → {out}" if out else "")
+    if rec.get("kind") == "patching":
+        return f"{p.get('sweep', 'residual')} patching · {p.get('model')} · target {p.get('target')!r}"
     return ""
+
+
+def _empty(fig: go.Figure, message: str) -> go.Figure:
+    """An empty chart says why it is empty instead of showing bare axes."""
+    fig.add_annotation(text=message, x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False,
+                       font=dict(size=13, color="#666"))
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    return fig
 
 
 def jobs_table(records: list[dict]) -> pd.DataFrame:
@@ -66,6 +81,8 @@ def histogram_figure(report: dict | None) -> go.Figure:
         labels = [str(n) for n in h["lengths"]]
         labels[-1] = f"{h['lengths'][-1]}+"
         fig.add_bar(x=labels, y=h["counts"], marker_color="#3b82f6", name="tokens")
+    else:
+        _empty(fig, "Select a finished tokenizer job to see its vocabulary.")
     fig.update_layout(title="Vocabulary: token length (characters)", xaxis_title="characters",
                       yaxis_title="tokens in vocabulary", height=300, margin=dict(l=40, r=10, t=40, b=40))
     return fig
@@ -91,6 +108,8 @@ def compression_figure(reports: dict[str, dict]) -> go.Figure:
         names = [r[0] for r in rows]
         fig.add_bar(x=names, y=[r[2] for r in rows], name="characters per token", marker_color="#16a34a")
         fig.add_bar(x=names, y=[r[3] for r in rows], name="tokens per word", marker_color="#f59e0b")
+    else:
+        _empty(fig, "Select a finished tokenizer job to compare its compression with the model's tokenizer.")
     fig.update_layout(title="Compression on held-out text (higher chars/token, lower tokens/word = tighter)",
                       barmode="group", height=320, margin=dict(l=40, r=10, t=40, b=80))
     return fig

@@ -163,8 +163,8 @@ def build(shared: Shared) -> None:
             method = gr.Radio(["full", "lora"], value="full", label="Method", elem_id="sft-method")
             rank = gr.Number(8, label="LoRA rank", precision=0, visible=False, elem_id="sft-rank")
             with gr.Row():
-                lr = gr.Number(None, label="Learning rate (empty: 1e-4 full, 1e-3 LoRA)", elem_id="sft-lr")
-                steps = gr.Number(None, label="Steps (empty: 1 epoch)", precision=0, elem_id="sft-steps")
+                lr = gr.Number(None, label="Learning rate (0 = default: 1e-4 full, 1e-3 LoRA)", elem_id="sft-lr")
+                steps = gr.Number(None, label="Steps (0 = one epoch)", precision=0, elem_id="sft-steps")
             with gr.Row():
                 batch = gr.Number(8, label="Batch size", precision=0, elem_id="sft-batch")
                 max_len = gr.Number(256, label="Max length (tokens)", precision=0, elem_id="sft-maxlen")
