@@ -18,6 +18,8 @@ from pathlib import Path
 
 from fastapi import Request  # module level: FastAPI resolves the route's annotation by name
 
+from model_core.registry import DEFAULT_MODEL
+
 STATIC = Path(__file__).resolve().parent.parent / "static"
 STARTED = time.time()
 
@@ -110,6 +112,23 @@ def build_app(settings=None):
     return app, demo
 
 
+def _preload(name: str) -> None:
+    """Load the default model in the background while the server starts, so the first visitor does
+    not pay the ~2 s of importing transformers' model code and reading the weights."""
+    import threading
+
+    def load():
+        from model_core import load_model
+        from model_core.errors import LmscopeError
+
+        try:
+            load_model(name, allow_paths=False, allow_hub=False)
+        except LmscopeError as e:  # the page will show the same sentence when it asks
+            print(f"lmscope: default model not preloaded: {e}", file=sys.stderr, flush=True)
+
+    threading.Thread(target=load, name="lmscope-preload", daemon=True).start()
+
+
 def serve(host: str = "127.0.0.1", port: int = 7860, embedded_services: bool = True) -> None:
     from app.settings import Settings, SettingsError
     from model_core import paths
@@ -128,6 +147,7 @@ def serve(host: str = "127.0.0.1", port: int = 7860, embedded_services: bool = T
         import uvicorn
 
         app, _ = build_app(settings)
+        _preload(settings.default_model or DEFAULT_MODEL)
         print(f"lmscope: serving on http://{host}:{port} (sign-in: {settings.auth})", flush=True)
         uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
     finally:
