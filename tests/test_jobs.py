@@ -294,3 +294,28 @@ def test_jobs_tab_callbacks_against_live_worker(svc, jobs):
         assert "".join(p["text"] for p in hf_pieces(ref, text)) == text
     with pytest.raises(gr.Error, match="too small"):
         jobs_tab.submit(owner, "bpe", 20, 2, "", "builtin", None, None)
+
+
+def test_redis_killed_mid_job(svc, jobs, finished_bytelevel):
+    """kill -9 Redis while a job runs: callers get one clear sentence (not a traceback) while it is
+    down; once it is back (same data dir, append-only file) the running job ends, succeeded or
+    failed with its reason, within the stale bound, and finished jobs are all still there."""
+    rec = jobs.submit("tokenizer", dict(SLOW), owner="t-redis")
+    wait_state(jobs, rec["id"], ("running",), 60)
+    time.sleep(1.5)  # let the append-only file (fsync every second) hold the running record
+    os.kill(svc.redis.pid, 9)
+    svc.redis.wait(10)
+    with pytest.raises(jobs.JobError) as e:
+        jobs.list_jobs(limit=10)
+    assert "\n" not in str(e.value) and "not reachable" in str(e.value)
+    time.sleep(2)
+    svc.start_redis()
+    r = wait_state(jobs, rec["id"], ("succeeded", "failed"), svc.stale_s + 60)
+    print(f"job after Redis came back: {r['state']} {r.get('error') or ''}")
+    if r["state"] == "failed":
+        assert r["error"] and "\n" not in r["error"]
+    done, _ = finished_bytelevel
+    assert jobs.get_job(done["id"])["state"] == "succeeded"
+    # and the worker still serves new jobs
+    again = jobs.submit("tokenizer", dict(SMALL), owner="t-redis")
+    assert jobs.wait_job(again["id"], timeout=90)["state"] == "succeeded"
