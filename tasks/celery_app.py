@@ -8,6 +8,8 @@ still has work to do, so a redelivery never runs a finished or reaped job twice.
 
 from __future__ import annotations
 
+import threading
+
 from celery import Celery
 from celery.signals import worker_ready
 
@@ -45,14 +47,38 @@ def _reap_on_start(**_):
         pass
 
 
+_CLIENTS: dict[str, Celery] = {}
+
+
+def client() -> Celery:
+    """The Celery app to send with, for the broker the environment names *now* (REDIS_URL, or the
+    embedded server's data/redis.url). Not `app` alone: its broker was read at import, and a web
+    process can outlive the embedded server's port (the tests also run several brokers in turn).
+    Sending by task name needs no task code, so a small client app per broker URL is enough."""
+    url = config.redis_url()
+    if url == app.conf.broker_url:
+        return app
+    c = _CLIENTS.get(url)
+    if c is None:
+        c = Celery("lmscope-client", broker=url, set_as_current=False)
+        c.conf.update({k: app.conf[k] for k in ("broker_transport_options", "task_default_queue",
+                                                "task_serializer", "accept_content", "broker_pool_limit")})
+        _CLIENTS[url] = c
+    return c
+
+
 def publish(task, job_id: str) -> None:
-    """Queue task(job_id) on the broker the environment names *now* (REDIS_URL, or the embedded
-    server's data/redis.url), not the one seen when this module was imported: a long-lived web
-    process can outlive the embedded server's port, and the tests run several brokers in turn."""
-    with app.connection_for_write(config.redis_url()) as conn:
-        task.apply_async(args=[job_id], task_id=job_id, connection=conn)
+    """Queue task(job_id) (by name) on the current broker."""
+    client().send_task(task.name, args=[job_id], task_id=job_id, queue=QUEUE)
 
 
 def revoke(job_id: str, terminate: bool) -> None:
-    with app.connection_for_write(config.redis_url()) as conn:
-        app.control.revoke(job_id, terminate=terminate, signal="SIGTERM", connection=conn)
+    """Best effort and never blocking the caller: the job's cancel flag already stops it between
+    steps; the revoke only hurries a running task along (kombu retries a dead broker for minutes)."""
+    def send():
+        try:
+            client().control.revoke(job_id, terminate=terminate, signal="SIGTERM")
+        except Exception:  # noqa: BLE001
+            pass
+
+    threading.Thread(target=send, name=f"revoke-{job_id}", daemon=True).start()

@@ -14,13 +14,12 @@ The record machinery (claim, heartbeat thread, final-state writes) is the tokeni
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 from model_core.errors import LmscopeError, SettingsError
-from tasks import config, store
+from tasks import store
 from tasks.celery_app import app, publish
-from tasks.tokenizer_job import _claim, _finish, _Progress
+from tasks.tokenizer_job import _finish, _Progress, start_job
 
 SWEEPS = ("residual", "heads")
 MAX_PROMPT_CHARS = 20_000
@@ -112,15 +111,11 @@ def run_sweep(lm, params: dict, progress=None):
 
 @app.task(bind=True, name="lmscope.patching_sweep", acks_late=True, reject_on_worker_lost=True)
 def run_patching(self, job_id: str) -> str:
-    rec = _claim(job_id, self.request.hostname or "?")
-    if rec is None:
+    started = start_job(self, job_id, _Progress)
+    if started is None:
         return "skipped"
+    rec, prog, jdir = started
     attempt = rec["attempts"]
-    prog = _Progress(job_id, attempt)
-    hb = threading.Thread(target=prog.heartbeat_loop, name=f"heartbeat-{job_id}", daemon=True)
-    hb.start()
-    jdir = config.job_dir(job_id)
-    jdir.mkdir(parents=True, exist_ok=True)
 
     def cancelled() -> bool:
         return prog.cancelled.is_set() or store.cancel_requested(job_id)

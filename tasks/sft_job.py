@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import threading
 import time
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from model_core import sft
 from model_core.errors import LmscopeError, SettingsError
 from tasks import config, store
 from tasks.celery_app import app, publish
-from tasks.tokenizer_job import _claim, _finish, _Progress
+from tasks.tokenizer_job import _finish, _Progress, start_job
 
 MAX_HISTORY = 2000  # loss-curve points kept in the record (thinned evenly beyond this)
 _PUSH_EVERY_S = 0.5
@@ -157,15 +156,11 @@ class _SFTProgress(_Progress):
 
 @app.task(bind=True, name="lmscope.sft", acks_late=True, reject_on_worker_lost=True)
 def run_sft_job(self, job_id: str) -> str:
-    rec = _claim(job_id, self.request.hostname or "?")
-    if rec is None:
+    started = start_job(self, job_id, _SFTProgress)
+    if started is None:
         return "skipped"
+    rec, prog, jdir = started
     attempt = rec["attempts"]
-    prog = _SFTProgress(job_id, attempt)
-    hb = threading.Thread(target=prog.heartbeat_loop, name=f"heartbeat-{job_id}", daemon=True)
-    hb.start()
-    jdir = config.job_dir(job_id)
-    jdir.mkdir(parents=True, exist_ok=True)
 
     def cancelled() -> bool:
         if prog.cancelled.is_set():

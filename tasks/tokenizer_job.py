@@ -163,17 +163,27 @@ def load_docs(params: dict, job_dir: Path) -> tuple[list[str], list[str], str]:
     return train, corpus.builtin_docs("heldout"), "builtin held-out split (upload has < 10 documents)"
 
 
-@app.task(bind=True, name="lmscope.train_tokenizer", acks_late=True, reject_on_worker_lost=True)
-def train_tokenizer(self, job_id: str) -> str:
-    rec = _claim(job_id, self.request.hostname or "?")
+def start_job(task, job_id: str, progress_cls=None):
+    """The start every job task shares: claim the record for this worker (None when a redelivered
+    message has nothing left to do), start its heartbeat thread, make its artifact directory.
+    Returns (record, progress, job_dir)."""
+    rec = _claim(job_id, task.request.hostname or "?")
     if rec is None:
-        return "skipped"
-    attempt = rec["attempts"]
-    prog = _Progress(job_id, attempt)
-    hb = threading.Thread(target=prog.heartbeat_loop, name=f"heartbeat-{job_id}", daemon=True)
-    hb.start()
+        return None
+    prog = (progress_cls or _Progress)(job_id, rec["attempts"])
+    threading.Thread(target=prog.heartbeat_loop, name=f"heartbeat-{job_id}", daemon=True).start()
     jdir = config.job_dir(job_id)
     jdir.mkdir(parents=True, exist_ok=True)
+    return rec, prog, jdir
+
+
+@app.task(bind=True, name="lmscope.train_tokenizer", acks_late=True, reject_on_worker_lost=True)
+def train_tokenizer(self, job_id: str) -> str:
+    started = start_job(self, job_id, _Progress)
+    if started is None:
+        return "skipped"
+    rec, prog, jdir = started
+    attempt = rec["attempts"]
     try:
         params = tt.validate_params(rec["params"])
         prog.set("loading corpus", 0.01, "loading corpus")
