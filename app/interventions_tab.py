@@ -120,7 +120,10 @@ def _metric(lm, target, other, kind):
 
 
 def _tok(lm, i: int) -> str:
-    return repr(lm.tokenizer.decode([int(i)]))[1:-1] or "∅"
+    """Byte-safe, as in every other view: ␣ for a space, ↵ for a newline, <0xNN> for a raw byte."""
+    from model_core.tokenization import display_bytes, token_bytes
+
+    return display_bytes(token_bytes(lm.tokenizer, int(i))) or "∅"
 
 
 def _pos_labels(lm, ids) -> list[str]:
