@@ -33,6 +33,24 @@ def _r() -> redis.Redis:
     return r
 
 
+def enqueue(task, rec: dict, r: redis.Redis) -> dict:
+    """Store a new job record, then queue its task; if queueing fails the record says so (failed,
+    with the reason) and the caller gets one sentence."""
+    from tasks.celery_app import publish
+
+    store.create(rec, r)
+    try:
+        publish(task, rec["id"])
+    except Exception as e:  # noqa: BLE001
+        def fail(x):
+            x.update(state="failed", error=f"could not queue the job: {e}", finished=time.time())
+            return x
+
+        store.update(rec["id"], fail, r)
+        raise JobError(f"Could not queue the job: {str(e).splitlines()[0]}") from None
+    return rec
+
+
 def submit_tokenizer(params: dict, owner: str = "cli", files: list[str | Path] | None = None) -> dict:
     """Validate, record and queue a tokenizer-training job. `params`: algorithm, vocab_size,
     min_frequency, special_tokens (list or comma string), corpus ('builtin' or 'upload'),
@@ -65,19 +83,9 @@ def submit_tokenizer(params: dict, owner: str = "cli", files: list[str | Path] |
         inp.mkdir(parents=True, exist_ok=True)
         for f, n in zip(files, p["corpus_files"]):
             shutil.copyfile(f, inp / n)
-    store.create(rec, r)
-    from tasks.celery_app import publish
     from tasks.tokenizer_job import train_tokenizer
 
-    try:
-        publish(train_tokenizer, rec["id"])
-    except Exception as e:  # noqa: BLE001
-        def fail(x):
-            x.update(state="failed", error=f"could not queue the job: {e}", finished=time.time())
-            return x
-
-        store.update(rec["id"], fail, r)
-        raise JobError(f"Could not queue the job: {str(e).splitlines()[0]}") from None
+    enqueue(train_tokenizer, rec, r)
     return rec
 
 

@@ -18,8 +18,8 @@ import time
 
 from model_core.errors import LmscopeError, SettingsError
 from tasks import store
-from tasks.celery_app import app, publish
-from tasks.tokenizer_job import _finish, _Progress, start_job
+from tasks.celery_app import app
+from tasks.tokenizer_job import _finish, _finish_unexpected, _Progress, start_job
 
 SWEEPS = ("residual", "heads")
 MAX_PROMPT_CHARS = 20_000
@@ -68,17 +68,7 @@ def submit_patching(params: dict, owner: str = "cli") -> dict:
     p = validate_params(params)
     r = jobs._r()
     rec = store.new_record("patching", p, owner)
-    store.create(rec, r)
-    try:
-        publish(run_patching, rec["id"])
-    except Exception as e:  # noqa: BLE001
-        def fail(x):
-            x.update(state="failed", error=f"could not queue the job: {e}", finished=time.time())
-            return x
-
-        store.update(rec["id"], fail, r)
-        raise jobs.JobError(f"Could not queue the job: {str(e).splitlines()[0]}") from None
-    return rec
+    return jobs.enqueue(run_patching, rec, r)
 
 
 def _model(name: str):
@@ -168,8 +158,7 @@ def run_patching(self, job_id: str) -> str:
         _finish(job_id, attempt, state="failed", error=str(e), log=f"failed: {e}")
         return "failed"
     except Exception as e:  # noqa: BLE001 - the record gets one line, the worker log the traceback
-        msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-        _finish(job_id, attempt, state="failed", error=msg, log=f"failed: {msg}")
+        _finish_unexpected(job_id, attempt, e)
         raise
     finally:
         prog.stop.set()

@@ -27,8 +27,8 @@ from pathlib import Path
 from model_core import sft
 from model_core.errors import LmscopeError, SettingsError
 from tasks import config, store
-from tasks.celery_app import app, publish
-from tasks.tokenizer_job import _finish, _Progress, start_job
+from tasks.celery_app import app
+from tasks.tokenizer_job import _finish, _finish_unexpected, _Progress, start_job
 
 MAX_HISTORY = 2000  # loss-curve points kept in the record (thinned evenly beyond this)
 _PUSH_EVERY_S = 0.5
@@ -90,17 +90,7 @@ def submit_sft(params: dict, owner: str = "cli", files: list | None = None) -> d
         inp.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(files[0], inp / files[0].name)
     rec["sft"] = {"history": [], "latest": None, "model_name": v["output_name"]}
-    store.create(rec, r)
-    try:
-        publish(run_sft_job, rec["id"])
-    except Exception as e:  # noqa: BLE001
-        def fail(x):
-            x.update(state="failed", error=f"could not queue the job: {e}", finished=time.time())
-            return x
-
-        store.update(rec["id"], fail, r)
-        raise jobs.JobError(f"Could not queue the job: {str(e).splitlines()[0]}") from None
-    return rec
+    return jobs.enqueue(run_sft_job, rec, r)
 
 
 def _thin(hist: list[dict]) -> list[dict]:
@@ -208,8 +198,7 @@ def run_sft_job(self, job_id: str) -> str:
         _finish(job_id, attempt, state="failed", error=str(e), log=f"failed: {e}")
         return "failed"
     except Exception as e:  # noqa: BLE001 - the record gets one line, the worker log the traceback
-        msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-        _finish(job_id, attempt, state="failed", error=msg, log=f"failed: {msg}")
+        _finish_unexpected(job_id, attempt, e)
         raise
     finally:
         prog.stop.set()

@@ -163,6 +163,12 @@ def load_docs(params: dict, job_dir: Path) -> tuple[list[str], list[str], str]:
     return train, corpus.builtin_docs("heldout"), "builtin held-out split (upload has < 10 documents)"
 
 
+def _finish_unexpected(job_id: str, attempt: int, e: Exception) -> None:
+    """An error no one anticipated: one line in the record (the traceback goes to the worker log)."""
+    msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+    _finish(job_id, attempt, state="failed", error=msg, log=f"failed: {msg}")
+
+
 def start_job(task, job_id: str, progress_cls=None):
     """The start every job task shares: claim the record for this worker (None when a redelivered
     message has nothing left to do), start its heartbeat thread, make its artifact directory.
@@ -217,8 +223,7 @@ def train_tokenizer(self, job_id: str) -> str:
         _finish(job_id, attempt, state="failed", error=str(e), log=f"failed: {e}")
         return "failed"
     except Exception as e:  # noqa: BLE001 - the record gets one line, the worker log the traceback
-        msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-        _finish(job_id, attempt, state="failed", error=msg, log=f"failed: {msg}")
+        _finish_unexpected(job_id, attempt, e)
         raise
     finally:
         prog.stop.set()
