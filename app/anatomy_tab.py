@@ -6,7 +6,6 @@ compares the panel's hand computation with the model's own forward.
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections import OrderedDict
 
@@ -16,6 +15,7 @@ import torch
 
 from app import anatomy_figures as fig
 from app.context import DEFAULT_MODEL, Shared, default_model, get_model
+from app.context import guard as _guard
 from model_core import anatomy as A
 from model_core import trace as run_trace
 from model_core.errors import LmscopeError
@@ -82,20 +82,6 @@ $$\\text{logits} = W_U\\,\\operatorname{norm}(x_L),\\qquad p_i = \\frac{e^{\\tex
 def _md(text):
     return gr.Markdown(text, latex_delimiters=LATEX)
 
-
-def _guard(fn):
-    """Turn every lmscope error (one user-facing sentence) into a gr.Error."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except gr.Error:
-            raise
-        except LmscopeError as e:
-            raise gr.Error(str(e)) from None
-        except (KeyError, IndexError, ValueError) as e:
-            raise gr.Error(f"Bad input: {e}") from None
-    return wrapper
 
 
 # --- traces: a small LRU so panel controls do not re-run the model ---------------------------

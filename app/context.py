@@ -47,6 +47,24 @@ def get_model(name: str) -> LoadedModel:
         raise gr.Error(str(e)) from None
 
 
+def guard(fn):
+    """Decorator for callbacks: every lmscope error (one user-facing sentence) and malformed input
+    becomes a gr.Error the page shows, never a traceback."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except gr.Error:
+            raise
+        except LmscopeError as e:
+            raise gr.Error(str(e)) from None
+        except (KeyError, IndexError, ValueError) as e:
+            raise gr.Error(f"Bad input: {e}") from None
+    return wrapper
+
+
 def user_error(e: Exception) -> gr.Error:
     """One sentence for the UI from any lmscope error."""
     return gr.Error(str(e))

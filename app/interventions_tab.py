@@ -8,7 +8,6 @@ Recorder (a ContextVar), so nothing a user toggles here changes another user's m
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 
@@ -17,12 +16,13 @@ import torch
 
 from app import interventions_figures as fig
 from app.context import Shared, default_model, get_model
+from app.context import guard as _guard
 from model_core import paths
 from model_core.attribution import direct_logit_attribution
 from model_core.errors import LmscopeError
 from model_core.interventions import (Ablation, ablate, compare_prompts, make_metric, patch_heads, patch_residual)
 from model_core.lens import logit_lens
-from model_core.registry import RANDOM_CONFIGS, REGISTRY, converted_dir
+from model_core.registry import REGISTRY, converted_dir
 
 CLEAN = "The Eiffel Tower is in the city of"
 CORRUPT = "The Colosseum is in the city of"
@@ -41,19 +41,6 @@ the last position (logit difference `target − other`, or `log p(target)`).
   (its scale frozen as the model applied it), on the clean prompt. Adds up exactly to the logit.
 - **Compare**: the two prompts side by side."""
 
-
-def _guard(fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except gr.Error:
-            raise
-        except LmscopeError as e:
-            raise gr.Error(str(e)) from None
-        except (KeyError, IndexError, ValueError) as e:
-            raise gr.Error(f"Bad input: {e}") from None
-    return wrapper
 
 
 # --- head choices without loading the model ------------------------------------------------
