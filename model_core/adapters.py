@@ -107,6 +107,24 @@ class Adapter:
     def logits_from_normed(self, normed: torch.Tensor) -> torch.Tensor:
         return self.unembed(normed)
 
+    def logits_slice(self, normed: torch.Tensor, v0: int, v1: int) -> torch.Tensor:
+        """logits_from_normed(normed)[:, v0:v1] without computing the rest of the vocabulary."""
+        u = self.unembed
+        bias = None if u.bias is None else u.bias[v0:v1]
+        return self._cap_logits(torch.nn.functional.linear(normed, u.weight[v0:v1], bias))
+
+    def logits_at(self, normed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """normed [R, d], ids [R, 1] -> [R, 1]: each row's logit for its own token id."""
+        u = self.unembed
+        w = u.weight[ids[:, 0]].to(normed.dtype)
+        out = (normed * w).sum(-1, keepdim=True)
+        if u.bias is not None:
+            out = out + u.bias[ids[:, 0]][:, None]
+        return self._cap_logits(out)
+
+    def _cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
     def logits_from_resid(self, resid: torch.Tensor) -> torch.Tensor:
         """Logit lens: the residual stream through the model's own final norm and unembedding."""
         return self.logits_from_normed(self.final_norm(resid))
@@ -241,7 +259,9 @@ class Gemma3Adapter(LlamaAdapter):
         return getattr(self.config, "attn_logit_softcapping", None)
 
     def logits_from_normed(self, normed):
-        logits = self.unembed(normed)
+        return self._cap_logits(self.unembed(normed))
+
+    def _cap_logits(self, logits):
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap:
             logits = torch.tanh(logits / cap) * cap

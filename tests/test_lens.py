@@ -1,0 +1,53 @@
+"""The logit lens against the whole-vocabulary computation with transformers' own modules.
+
+Reference: for every layer and position, softmax(lm_head(norm(resid_post))) with the model's
+own final norm and lm_head modules over the full vocabulary at once; the lens walks the
+vocabulary in cache-sized blocks with running statistics and must give the same top-k,
+probabilities, entropies, and the targets' probabilities and ranks.
+"""
+
+import pytest
+import torch
+
+from model_core import load_model, trace
+from model_core.lens import logit_lens
+
+from conftest import DEFAULT, RANDOM_MODELS
+
+PROMPT = "The animal didn't cross the street because it was too tired"
+
+
+@pytest.mark.parametrize("name", [DEFAULT, *RANDOM_MODELS])
+def test_lens_equals_whole_vocabulary_softmax(name, monkeypatch):
+    from model_core import lens as lens_mod
+
+    lm = load_model(name)
+    if lm.shape.vocab_size < 4 * lens_mod.MIN_BLOCK:  # tiny vocabularies: force several blocks anyway
+        monkeypatch.setattr(lens_mod, "MIN_BLOCK", 16)
+        monkeypatch.setattr(lens_mod, "BLOCK_BYTES", 16 * 4)
+    tr = trace(lm, PROMPT)
+    T = tr.n_tokens
+    positions = list(range(max(0, T - 5), T))
+    targets = [(tr.token_ids + [0])[p + 1] for p in positions]
+    lens = logit_lens(tr, positions=positions, k=3, targets=targets)
+    head, norm = lm.model.lm_head, lm.adapter.final_norm
+    cap = getattr(lm.model.config, "final_logit_softcapping", None)
+    with torch.inference_mode():
+        for i, layer in enumerate(tr.captured_layers):
+            logits = head(norm(tr.resid_post(layer)[positions])).float()
+            if cap:
+                logits = torch.tanh(logits / cap) * cap
+            p = torch.softmax(logits, -1)
+            top_p, top_i = p.topk(3, -1)
+            assert torch.equal(lens.top_ids[i], top_i), f"layer {layer}"
+            torch.testing.assert_close(lens.top_probs[i], top_p, atol=1e-6, rtol=1e-4)
+            ent = -(p * torch.log_softmax(logits, -1)).sum(-1)
+            torch.testing.assert_close(lens.entropy[i], ent, atol=1e-4, rtol=1e-4)
+            tgt = torch.tensor(targets)
+            torch.testing.assert_close(lens.target_probs[i], p[torch.arange(len(positions)), tgt], atol=1e-6,
+                                       rtol=1e-4)
+            ranks = (logits > logits[torch.arange(len(positions)), tgt][:, None]).sum(-1)
+            assert torch.equal(lens.target_ranks[i], ranks), f"layer {layer}"
+    # the vocabulary really was walked in several blocks (the merge would go untested otherwise)
+    rows = len(positions) * len(tr.captured_layers)
+    assert lm.shape.vocab_size > max(lens_mod.MIN_BLOCK, lens_mod.BLOCK_BYTES // (4 * rows))
