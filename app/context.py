@@ -92,6 +92,11 @@ def max_prompt_tokens() -> int:
     return _env_int("LMSCOPE_MAX_PROMPT_TOKENS", 1024)
 
 
+def generate_concurrency() -> int:
+    """Generations streaming at once (their decode steps are batched together, so many are cheap)."""
+    return _env_int("LMSCOPE_GENERATE_CONCURRENCY", 16)
+
+
 def user_key(request: gr.Request | None) -> str:
     if request is None:
         return "local"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import gradio as gr
 
 from app import generate_figures as F
-from app.context import Shared, get_model, max_prompt_tokens, user_slot
+from app.context import Shared, generate_concurrency, get_model, max_prompt_tokens, user_slot
 from model_core.errors import LmscopeError
 from model_core.generate import (
     generation_to_json,
@@ -173,7 +173,8 @@ def build(shared: Shared) -> None:
     gen_outputs = [out_text, tokens, status, timeline, step_sel, dist, removed_md, att_plot, kv_plot, kv_md, state]
     gen_inputs = [shared.model, shared.prompt, shared.chat, max_new, temperature, top_k, top_p, min_p, rep, seed,
                   stop, color_by]
-    gen_event = go_btn.click(run, gen_inputs, gen_outputs)
+    gen_event = go_btn.click(run, gen_inputs, gen_outputs, concurrency_id="generate",
+                             concurrency_limit=generate_concurrency())
 
     def show_step(i, st, colour, with_att):
         if not st or not st["steps"]:

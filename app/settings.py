@@ -18,6 +18,7 @@ Every setting, its variable, default and meaning:
 | LMSCOPE_JOBS_PER_HOUR | 20 | Background jobs one user may submit per hour (0 = no limit). |
 | LMSCOPE_UPLOAD_MAX_MB | 20 | Largest upload (corpus file) in MB. |
 | LMSCOPE_QUEUE_CONCURRENCY | 2 | Gradio queue: model requests running at once (the GPU's share). |
+| LMSCOPE_GENERATE_CONCURRENCY | 16 | Generations streaming at once; their decode steps share batched forwards. |
 | LMSCOPE_QUEUE_MAX | 64 | Gradio queue: requests waiting before new ones are turned away. |
 
 `Settings.from_env()` validates everything at once and raises `SettingsError` whose message has one
@@ -56,6 +57,7 @@ class Settings:
     jobs_per_hour: int = 20
     upload_max_mb: float = 20.0
     queue_concurrency: int = 2
+    generate_concurrency: int = 16
     queue_max: int = 64
 
     @property
@@ -133,6 +135,7 @@ class Settings:
             jobs_per_hour=integer("LMSCOPE_JOBS_PER_HOUR", 20, 0, 100_000),
             upload_max_mb=number("LMSCOPE_UPLOAD_MAX_MB", 20.0, 0, 100_000),
             queue_concurrency=integer("LMSCOPE_QUEUE_CONCURRENCY", 2, 1, 256),
+            generate_concurrency=integer("LMSCOPE_GENERATE_CONCURRENCY", 16, 1, 256),
             queue_max=integer("LMSCOPE_QUEUE_MAX", 64, 1, 100_000),
         )
         if out.default_model and allowed_t and out.default_model not in allowed_t:

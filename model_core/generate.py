@@ -32,7 +32,9 @@ from typing import Callable, Iterator
 
 import torch
 
+from model_core import hooks
 from model_core import sampling as S
+from model_core.batching import batcher_for, can_batch, can_batch_model
 from model_core.errors import PromptError, SettingsError
 from model_core.sampling import SamplingSettings
 
@@ -203,6 +205,13 @@ def _forward(lm, ids: torch.Tensor, cache) -> torch.Tensor:
     """ids [1, t] -> logits of the last position [V] (float32); the cache grows by t."""
     out = lm.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{_cache_kwarg(lm.model): cache})
     return out.logits[0, -1].float()
+
+
+def _decode(lm, ids: torch.Tensor, cache, batcher) -> torch.Tensor:
+    """One decode step; batched with other generations' steps when they run at the same time."""
+    if batcher is None or hooks._ACTIVE.get() is not None:  # a recorder or edits: this request's own
+        return _forward(lm, ids, cache)
+    return batcher.decode(ids, cache, _forward)
 
 
 def eos_ids(lm) -> list[int]:
@@ -388,6 +397,7 @@ def iter_generate(lm, prompt: str | None = None, *, max_new_tokens: int = 32,
     use_rp = settings.repetition_penalty != 1.0
     t_start = time.perf_counter()
     cache = new_cache(lm)
+    batcher = None
     try:
         # Inference mode is thread-local and a generator may be resumed on another thread (Gradio
         # streams through a thread pool), so it is entered per step and never held across a yield.
@@ -395,9 +405,15 @@ def iter_generate(lm, prompt: str | None = None, *, max_new_tokens: int = 32,
             gen.finish_reason = "cancelled"
             return
         t0 = time.perf_counter()
+        # Prefill and decode steps may share forwards with other generations running now.
+        shared = batcher_for(lm) if can_batch_model(lm) else None
         with torch.inference_mode():
-            logits = _forward(lm, all_ids[None, : len(ids)], cache)
+            prompt_ids = all_ids[None, : len(ids)]
+            logits = shared.prefill(prompt_ids, cache, _forward) if shared else _forward(lm, prompt_ids, cache)
         gen.prefill_seconds = time.perf_counter() - t0
+        if shared is not None and can_batch(cache):
+            batcher = shared
+            batcher.enter()
         cur_len = len(ids)
         overlap = dev.type == "cuda"  # launch the next forward before the record's copy
         for i in range(n_steps):
@@ -410,7 +426,7 @@ def iter_generate(lm, prompt: str | None = None, *, max_new_tokens: int = 32,
                 last = i == n_steps - 1
                 step_logits = logits
                 if overlap and not last:
-                    logits = _forward(lm, all_ids[None, cur_len - 1: cur_len], cache)
+                    logits = _decode(lm, all_ids[None, cur_len - 1: cur_len], cache, batcher)
                 rec = _unpack(packed.cpu(), k, settings)  # the one device->host copy of the step
                 tid = rec["chosen_id"]
                 gen.token_ids.append(tid)
@@ -435,7 +451,7 @@ def iter_generate(lm, prompt: str | None = None, *, max_new_tokens: int = 32,
                 elif last:
                     gen.finish_reason = "length" if n_steps == max_new else "context_full"
                 if gen.finish_reason is None and not overlap:
-                    logits = _forward(lm, all_ids[None, cur_len - 1: cur_len], cache)
+                    logits = _decode(lm, all_ids[None, cur_len - 1: cur_len], cache, batcher)
                 step.seconds = time.perf_counter() - t0
                 gen.steps.append(step)
                 gen.kv_series.append(_cache_size(cache))
@@ -455,6 +471,8 @@ def iter_generate(lm, prompt: str | None = None, *, max_new_tokens: int = 32,
                 gen.seconds = time.perf_counter() - t_start
                 return
     finally:
+        if batcher is not None:
+            batcher.leave()
         if gen.finish_reason is None:
             gen.finish_reason = "cancelled"
         gen.seconds = gen.seconds or (time.perf_counter() - t_start)

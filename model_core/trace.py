@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from model_core.errors import PromptError
+from model_core import hooks
 from model_core.hooks import Recorder, instrument, recording
 from model_core.tokenization import describe_tokens
 
@@ -184,6 +185,16 @@ def encode_prompt(lm, prompt: str, chat: bool = False, max_tokens: int | None = 
     return ids
 
 
+def _forward_traced(lm, token_ids: list[int], layers: frozenset[int], edits: dict | None):
+    """One instrumented forward of one sequence -> (captures [1, T, ...] by hook name, rotary
+    cos/sin per layer, logits [T, V])."""
+    rec = Recorder(layers=layers, edits=dict(edits or {}))
+    ids = torch.tensor([token_ids], device=lm.device)
+    with torch.inference_mode(), recording(rec):
+        out = lm.model(input_ids=ids, use_cache=False)
+    return rec.store, rec.rope, out.logits[0]
+
+
 def trace(lm, prompt: str | None = None, token_ids=None, *, layers=None, chat: bool = False,
           max_tokens: int | None = DEFAULT_MAX_TOKENS, truncate: bool = False, edits: dict | None = None) -> Trace:
     """Run one instrumented forward pass of `lm` (a LoadedModel) over a prompt or token ids.
@@ -204,18 +215,20 @@ def trace(lm, prompt: str | None = None, token_ids=None, *, layers=None, chat: b
     if any(l < 0 or l >= n_layers for l in wanted):
         raise PromptError(f"Layers must be between 0 and {n_layers - 1}.")
     instrument(lm.adapter)
-    rec = Recorder(layers=frozenset(wanted), edits=dict(edits or {}))
-    ids = torch.tensor([token_ids], device=lm.device)
     t0 = time.perf_counter()
-    with torch.inference_mode(), recording(rec):
-        out = lm.model(input_ids=ids, use_cache=False)
-    logits = out.logits[0]
+    if not edits and hooks._ACTIVE.get() is None:  # may share one forward with concurrent traces
+        from model_core.batching import batcher_for
+
+        s, rope, logits = batcher_for(lm).trace(token_ids, frozenset(wanted),
+                                                lambda ids, lay: _forward_traced(lm, ids, lay, None))
+    else:
+        s, rope, logits = _forward_traced(lm, token_ids, frozenset(wanted), edits)
+    ids = torch.tensor([token_ids], device=logits.device)
     logprobs = torch.full((len(token_ids),), float("nan"), device=logits.device)
     if len(token_ids) > 1:
         with torch.inference_mode():
             lsm = torch.log_softmax(logits[:-1].float(), dim=-1)
             logprobs[1:] = lsm.gather(-1, ids[0, 1:, None].to(lsm.device))[:, 0]
-    s = rec.store
     # A model split over GPUs hands each block its input before accelerate moves it: keep every
     # layer's tensors on that layer's device (a no-op on one device).
     where = {l: s[f"blocks.{l}.hook_attn_out"].device for l in wanted}
@@ -226,7 +239,7 @@ def trace(lm, prompt: str | None = None, token_ids=None, *, layers=None, chat: b
         attn_out={l: s[f"blocks.{l}.hook_attn_out"][0] for l in wanted},
         mlp_out={l: s[f"blocks.{l}.hook_mlp_out"][0] for l in wanted},
         ln_final=s["ln_final.hook_normalized"][0], next_logits=logits[-1].clone(), token_logprobs=logprobs,
-        rope={l: tuple(t[:1].to(where[l]) for t in pe) for l, pe in rec.rope.items()},
+        rope={l: tuple(t[:1].to(where[l]) for t in pe) for l, pe in rope.items()},
         seconds=time.perf_counter() - t0, _lm=lm,
     )
     return tr

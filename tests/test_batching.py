@@ -1,0 +1,159 @@
+"""Concurrent requests batched into shared forwards (model_core.batching): generations' prefills
+and decode steps, and Explore's traces.
+
+References:
+- transformers' `model.generate(do_sample=False)` run alone on each prompt: greedy tokens of
+  generations that ran batched together must equal it token for token;
+- the same generation run alone through lmscope: every recorded step's probabilities must
+  match the solo run's up to float rounding (batched GEMMs and masked attention round
+  differently), and seeded samples must draw the same tokens.
+- for traces, transformers' own forward (hidden states and logits) of each prompt alone, and
+  lmscope's solo trace of it.
+The batcher's counters prove the requests really were batched (the test would be vacuous otherwise).
+"""
+
+import threading
+
+import pytest
+import torch
+
+from model_core import load_model, trace
+from model_core.batching import batcher_for
+from model_core.generate import generate
+from model_core.sampling import SamplingSettings
+
+from conftest import DEFAULT
+
+PROMPTS = ["The capital of France is", "Once upon a time, there was a little",
+           "def add(a, b):\n    return", "Water boils at"]
+
+
+@pytest.fixture(autouse=True)
+def patient_batcher():
+    """A longer gathering window than the server's, so that threads started together on a busy
+    2-core machine reliably meet in the same batch."""
+    saved = {}
+    yield saved
+    for b, g in saved.items():
+        b.gather_seconds = g
+
+
+def _concurrent(lm, fn, n):
+    out, errors = [None] * n, []
+    start = threading.Barrier(n)
+
+    def run(i):
+        try:
+            start.wait()
+            out[i] = fn(i)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    return out
+
+
+def _queued_together(b, kind, fns):
+    """Run fns in threads while the batcher is held busy, so that all of them queue up; then let
+    it go: they must run as one batch (deterministic, unlike hoping threads overlap)."""
+    import time
+
+    out = [None] * len(fns)
+    with b._cv:
+        assert not b._busy
+        b._busy = True
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, fns[i]())) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while sum(r.kind == kind for r in b._pending) < len(fns) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with b._cv:
+        b._busy = False
+        b._cv.notify_all()
+    for t in threads:
+        t.join(60)
+    assert all(o is not None for o in out)
+    return out
+
+
+def _hf_greedy(lm, prompt, n):
+    ids = lm.tokenizer(prompt)["input_ids"]
+    with torch.inference_mode():
+        out = lm.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                do_sample=False, max_new_tokens=n, pad_token_id=lm.tokenizer.pad_token_id)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("name", [DEFAULT, "random-llama-tiny", "random-gpt2-tiny"])
+def test_batched_greedy_equals_transformers_generate_alone(name, patient_batcher):
+    lm = load_model(name)
+    b = batcher_for(lm)
+    patient_batcher[b] = b.gather_seconds
+    b.gather_seconds = 0.25
+    before = b.stats.batched_requests
+    n_new = 10
+    gens = _concurrent(lm, lambda i: generate(lm, PROMPTS[i], max_new_tokens=n_new, ignore_eos=True), len(PROMPTS))
+    assert b.stats.batched_requests - before >= n_new, b.stats  # most steps really ran together
+    kinds = {k for (k, n) in b.stats.sizes if n > 1}
+    assert {"decode", "prefill"} <= kinds, b.stats.sizes
+    for prompt, g in zip(PROMPTS, gens):
+        assert g.token_ids == _hf_greedy(lm, prompt, n_new), prompt
+
+
+def test_batched_steps_record_what_solo_steps_record(patient_batcher):
+    lm = load_model(DEFAULT)
+    b = batcher_for(lm)
+    patient_batcher[b] = b.gather_seconds
+    b.gather_seconds = 0.25
+    s = SamplingSettings(temperature=0.9, top_k=40, top_p=0.95, min_p=0.01, repetition_penalty=1.1)
+    before = b.stats.batched_requests
+
+    def one(i):
+        return generate(lm, PROMPTS[i], max_new_tokens=8, settings=s, seed=i, ignore_eos=True)
+
+    together = _concurrent(lm, one, 3)
+    assert b.stats.batched_requests > before
+    for i, g in enumerate(together):
+        solo = one(i)
+        assert g.token_ids == solo.token_ids  # the same seeded draws
+        for a, c in zip(g.steps, solo.steps):
+            assert a.top_ids == c.top_ids
+            torch.testing.assert_close(torch.tensor(a.top_probs), torch.tensor(c.top_probs), atol=1e-4, rtol=1e-3)
+            assert a.removed.keys() == c.removed.keys()
+
+
+def test_sliding_window_models_are_not_batched_and_still_correct():
+    lm = load_model("random-gemma3-tiny")
+    b = batcher_for(lm)
+    gens = _concurrent(lm, lambda i: generate(lm, PROMPTS[i], max_new_tokens=6, ignore_eos=True), 2)
+    assert not any(k in ("decode", "prefill") for k, _ in b.stats.sizes)  # never batched
+    for prompt, g in zip(PROMPTS, gens):
+        assert g.token_ids == _hf_greedy(lm, prompt, 6)
+
+
+@pytest.mark.parametrize("name", [DEFAULT, "random-gemma3-tiny", "random-gpt2-tiny"])
+def test_batched_traces_equal_transformers_and_solo_traces(name):
+    lm = load_model(name)
+    b = batcher_for(lm)
+    prompts = [p * (1 + i % 2) for i, p in enumerate(PROMPTS)]  # different lengths: padding
+    together = _queued_together(b, "trace", [lambda p=p: trace(lm, p) for p in prompts])
+    assert b.stats.sizes.get(("trace", len(prompts)), 0) >= 1, b.stats.sizes  # one batch of all of them
+    for prompt, tr in zip(prompts, together):
+        ids = tr.token_ids
+        with torch.inference_mode():
+            ref = lm.model(torch.tensor([ids]), output_hidden_states=True)
+        torch.testing.assert_close(tr.logits().float(), ref.logits[0].float(), atol=2e-4, rtol=1e-4)
+        for l in range(lm.shape.n_layers - 1):
+            torch.testing.assert_close(tr.resid_post(l), ref.hidden_states[l + 1][0], atol=2e-4, rtol=1e-4)
+        solo = trace(lm, prompt)
+        assert solo.token_ids == ids
+        torch.testing.assert_close(tr.next_logits, solo.next_logits, atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(tr.token_logprobs, solo.token_logprobs, atol=2e-4, rtol=1e-4, equal_nan=True)
+        torch.testing.assert_close(tr.attention_pattern(1), solo.attention_pattern(1), atol=1e-5, rtol=1e-4)
+        assert tr.resid_pre[0].shape == (len(ids), lm.shape.d_model)
