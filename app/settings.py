@@ -19,6 +19,7 @@ Every setting, its variable, default and meaning:
 | LMSCOPE_UPLOAD_MAX_MB | 20 | Largest upload (corpus file) in MB. |
 | LMSCOPE_QUEUE_CONCURRENCY | 2 | Gradio queue: model requests running at once (the GPU's share). |
 | LMSCOPE_GENERATE_CONCURRENCY | 16 | Generations streaming at once; their decode steps share batched forwards. |
+| LMSCOPE_MAX_BATCH | 32 | Concurrent requests (traces, prefills, decode steps) per shared forward; 1 = no batching. |
 | LMSCOPE_QUEUE_MAX | 64 | Gradio queue: requests waiting before new ones are turned away. |
 
 `Settings.from_env()` validates everything at once and raises `SettingsError` whose message has one
@@ -58,6 +59,7 @@ class Settings:
     upload_max_mb: float = 20.0
     queue_concurrency: int = 2
     generate_concurrency: int = 16
+    max_batch: int = 32
     queue_max: int = 64
 
     @property
@@ -136,6 +138,7 @@ class Settings:
             upload_max_mb=number("LMSCOPE_UPLOAD_MAX_MB", 20.0, 0, 100_000),
             queue_concurrency=integer("LMSCOPE_QUEUE_CONCURRENCY", 2, 1, 256),
             generate_concurrency=integer("LMSCOPE_GENERATE_CONCURRENCY", 16, 1, 256),
+            max_batch=integer("LMSCOPE_MAX_BATCH", 32, 1, 1024),
             queue_max=integer("LMSCOPE_QUEUE_MAX", 64, 1, 100_000),
         )
         if out.default_model and allowed_t and out.default_model not in allowed_t:

@@ -24,6 +24,7 @@ active in the caller's context.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import weakref
@@ -255,11 +256,19 @@ _BATCHERS: "weakref.WeakKeyDictionary[torch.nn.Module, ForwardBatcher]" = weakre
 _BATCHERS_LOCK = threading.Lock()
 
 
+def max_batch_from_env() -> int:
+    """LMSCOPE_MAX_BATCH: requests per shared forward (1 turns batching off)."""
+    try:
+        return max(1, int(os.environ.get("LMSCOPE_MAX_BATCH", "") or MAX_BATCH))
+    except ValueError:
+        return MAX_BATCH
+
+
 def batcher_for(lm) -> ForwardBatcher:
     with _BATCHERS_LOCK:
         b = _BATCHERS.get(lm.model)
         if b is None:
-            b = _BATCHERS[lm.model] = ForwardBatcher(lm)
+            b = _BATCHERS[lm.model] = ForwardBatcher(lm, max_batch=max_batch_from_env())
         return b
 
 
