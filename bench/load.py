@@ -35,8 +35,12 @@ def gen_args(model, prompt, n):
     return [model, prompt, False, n, 0.0, 0, 1.0, 0.0, 1.0, 0, None, "prob"]
 
 
-def user(url, auth, model, n_requests, new_tokens, idx, out, errors, start_evt):
+def user(url, auth, model, n_requests, new_tokens, idx, out, errors, start_evt, think=0.0):
+    import random
+
     from gradio_client import Client
+
+    rng = random.Random(idx)
 
     try:
         c = Client(url, auth=auth, verbose=False)
@@ -45,6 +49,8 @@ def user(url, auth, model, n_requests, new_tokens, idx, out, errors, start_evt):
         return
     start_evt.wait()
     for r in range(n_requests):
+        if think > 0:  # a person reads the page before the next request (exponential, mean `think` s)
+            time.sleep(rng.expovariate(1.0 / think))
         prompt = PROMPTS[(idx + r) % len(PROMPTS)]
         kind = "trace" if (idx + r) % 2 == 0 else "generate"
         t0 = time.perf_counter()
@@ -63,10 +69,11 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, max(0, int(round(q * (len(xs) - 1)))))]
 
 
-def run_level(url, auth, model, n_users, n_requests, new_tokens):
+def run_level(url, auth, model, n_users, n_requests, new_tokens, think=0.0):
     out, errors = [], []
     start = threading.Event()
-    threads = [threading.Thread(target=user, args=(url, auth, model, n_requests, new_tokens, i, out, errors, start))
+    threads = [threading.Thread(target=user, args=(url, auth, model, n_requests, new_tokens, i, out, errors, start,
+                                                   think))
                for i in range(n_users)]
     for t in threads:
         t.start()
@@ -82,7 +89,25 @@ def run_level(url, auth, model, n_users, n_requests, new_tokens):
             "p50": statistics.median(lat) if lat else float("nan"), "p95": pct(lat, 0.95) if lat else float("nan"),
             "p50_trace": statistics.median([x for k, x in out if k == "trace"] or [float("nan")]),
             "p50_generate": statistics.median([x for k, x in out if k == "generate"] or [float("nan")]),
+            "p95_trace": pct([x for k, x in out if k == "trace"] or [float("nan")], 0.95),
+            "p95_generate": pct([x for k, x in out if k == "generate"] or [float("nan")], 0.95),
             "error_samples": errors[:5]}
+
+
+def _batching(url, auth) -> dict | None:
+    """The server's own count of requests that shared forwards (GET /metrics)."""
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(url.rstrip("/") + "/metrics")
+    if auth:
+        req.add_header("Authorization", "Bearer " + ":".join(auth))
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            models = json.loads(r.read()).get("models") or []
+    except OSError:
+        return None
+    return next((m.get("batching") for m in models if m.get("batching")), None)
 
 
 def main(argv=None) -> int:
@@ -93,6 +118,8 @@ def main(argv=None) -> int:
     ap.add_argument("--users", type=int, nargs="+", default=[1, 5, 20])
     ap.add_argument("--requests", type=int, default=3, help="requests per user per level")
     ap.add_argument("--new-tokens", type=int, default=8)
+    ap.add_argument("--think", type=float, default=0.0,
+                    help="mean seconds a user reads the page between requests (0: back to back, a stress test)")
     args = ap.parse_args(argv)
     server = None
     url = args.url
@@ -107,20 +134,24 @@ def main(argv=None) -> int:
     try:
         # warm: load the model once so the first level does not pay for it
         run_level(url, auth, args.model, 1, 2, args.new_tokens)
-        rows = [run_level(url, auth, args.model, n, args.requests, args.new_tokens) for n in args.users]
+        rows = [run_level(url, auth, args.model, n, args.requests, args.new_tokens, args.think) for n in args.users]
+        batching = _batching(url, auth)
     finally:
         if server is not None:
             server.stop()
     base = rows[0]["p50"]
     print(f"\nmodel {args.model}, {args.requests} requests per user (trace and generate {args.new_tokens} tokens "
-          f"alternating)")
+          f"alternating), " + (f"think time exponential, mean {args.think:g} s" if args.think else "no think time"))
     print(f"{'users':>5} {'reqs':>5} {'errors':>6} {'req/s':>7} {'p50 s':>7} {'p95 s':>7} {'p95/p50(1)':>10} "
-          f"{'trace p50':>9} {'gen p50':>8}")
+          f"{'trace p50/p95':>14} {'gen p50/p95':>12}")
     for r in rows:
         print(f"{r['users']:>5} {r['requests']:>5} {r['errors']:>6} {r['throughput']:>7.2f} {r['p50']:>7.2f} "
-              f"{r['p95']:>7.2f} {r['p95'] / base:>10.1f} {r['p50_trace']:>9.2f} {r['p50_generate']:>8.2f}")
+              f"{r['p95']:>7.2f} {r['p95'] / base:>10.1f} {r['p50_trace']:>6.2f}/{r['p95_trace']:<7.2f} "
+              f"{r['p50_generate']:>5.2f}/{r['p95_generate']:.2f}")
         for e in r["error_samples"]:
             print("   ", e)
+    if batching:
+        print(f"shared forwards (/metrics): {batching}")
     last = rows[-1]
     ok = last["errors"] == 0 and last["p95"] < 5 * base
     print(f"\ntarget (N={last['users']}: zero errors, p95 < 5x single-user p50): {'met' if ok else 'NOT met'}")
