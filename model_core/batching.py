@@ -221,9 +221,11 @@ class ForwardBatcher:
         ids, lens = self._right_padded([r.payload[0][0].tolist() for r in batch])
         stacked = new_cache(lm)
         with torch.inference_mode():
-            out = lm.model(input_ids=ids, use_cache=True, **{_cache_kwarg(lm.model): stacked},
-                           logits_to_keep=torch.tensor(sorted({n - 1 for n in lens}), device=ids.device))
             keep = sorted({n - 1 for n in lens})
+            # a plain list: accelerate moves tensor arguments to the first GPU, while a split
+            # model's last layer (where the indices are used) may be on another
+            out = lm.model(input_ids=ids, use_cache=True, **{_cache_kwarg(lm.model): stacked},
+                           logits_to_keep=keep)
             logits = [out.logits[i, keep.index(n - 1)].float() for i, n in enumerate(lens)]
             for l in range(len(stacked.layers)):
                 k, v = stacked.layers[l].keys, stacked.layers[l].values
