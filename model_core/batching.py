@@ -46,6 +46,7 @@ class _Request:
     kind: str  # "decode" | "prefill" | "trace"
     payload: tuple
     n_tokens: int
+    solo: Callable  # runs this request alone: solo(request) -> result
     result: object = None
     error: BaseException | None = None
     done: bool = False
@@ -76,7 +77,8 @@ class ForwardBatcher:
         self._cv = threading.Condition()
         self._pending: list[_Request] = []
         self._busy = False
-        self._active = 0  # generations between their prefill and their end
+        self._active = 0  # generations between their prefill and their last step
+        self._writing_caches = False  # set by a batch once it starts writing per-request caches
         self.stats = BatchStats()
 
     # --- generations announce themselves, so a waiting decode step knows whom to wait for -----
@@ -93,30 +95,38 @@ class ForwardBatcher:
     def decode(self, ids: torch.Tensor, cache, solo: Callable) -> torch.Tensor:
         """ids [1, 1], this generation's DynamicCache -> logits [V] float32; the cache grows by one.
         solo(lm, ids, cache) is the unbatched step."""
-        return self._run(_Request("decode", (ids, cache), 1), lambda r: solo(self._lm(), *r.payload))
+        return self._run(_Request("decode", (ids, cache), 1, lambda r: solo(self._lm(), *r.payload)))
 
     def prefill(self, ids: torch.Tensor, cache, solo: Callable) -> torch.Tensor:
         """ids [1, t] into an empty cache -> logits of the last position [V] float32."""
-        return self._run(_Request("prefill", (ids, cache), ids.shape[1]), lambda r: solo(self._lm(), *r.payload))
+        return self._run(_Request("prefill", (ids, cache), ids.shape[1], lambda r: solo(self._lm(), *r.payload)))
 
     def trace(self, token_ids: list[int], layers: frozenset[int], solo: Callable):
         """-> (store, rope, logits [T, V]) of one instrumented forward, as `solo(token_ids, layers)`."""
-        return self._run(_Request("trace", (token_ids, layers), len(token_ids)), lambda r: solo(*r.payload))
+        return self._run(_Request("trace", (token_ids, layers), len(token_ids), lambda r: solo(*r.payload)))
 
     # --- scheduling ---------------------------------------------------------------------------
-    def _run(self, me: _Request, solo: Callable):
+    def _run(self, me: _Request):
         with self._cv:
             if not self._busy and not self._pending and not (me.kind == "decode" and self._active > 1):
                 batch = [me]
                 self._busy = True
             else:
                 self._pending.append(me)
+                self._cv.notify_all()  # a head waiting for the other generations' steps: here is one
                 batch = self._wait_for_turn(me)
         if batch is not None:
-            self._execute(batch, solo)
+            self._execute(batch)
         if me.error is not None:
             raise me.error
         return me.result
+
+    @staticmethod
+    def _alone(r: _Request) -> None:
+        try:
+            r.result = r.solo(r)
+        except Exception as e:  # noqa: BLE001 - handed to its caller
+            r.error = e
 
     def _wait_for_turn(self, me: _Request) -> list[_Request] | None:
         """Holding the lock: returns the batch this thread is to run, or None once another
@@ -153,17 +163,26 @@ class ForwardBatcher:
         self._pending = [r for r in self._pending if id(r) not in ids]
         return batch
 
-    def _execute(self, batch: list[_Request], solo: Callable) -> None:
+    def _execute(self, batch: list[_Request]) -> None:
         try:
             if len(batch) == 1:
-                batch[0].result = solo(batch[0])
+                self._alone(batch[0])
             else:
                 run = {"decode": self._decode_batch, "prefill": self._prefill_batch, "trace": self._trace_batch}
-                for r, res in zip(batch, run[batch[0].kind](batch)):
-                    r.result = res
+                self._writing_caches = False
+                try:
+                    for r, res in zip(batch, run[batch[0].kind](batch)):
+                        r.result = res
+                except Exception:  # noqa: BLE001
+                    # The batch failed (out of memory, say) before any cache was touched: each
+                    # request alone may still succeed, and fails only with its own error.
+                    if self._writing_caches:
+                        raise
+                    for r in batch:
+                        self._alone(r)
         except BaseException as e:  # noqa: BLE001 - every request of the batch gets it
             for r in batch:
-                r.error = e
+                r.error = r.error or e
         finally:
             with self._cv:
                 self._busy = False
@@ -200,8 +219,10 @@ class ForwardBatcher:
                            position_ids=torch.tensor(lens, device=dev)[:, None], use_cache=True,
                            logits_to_keep=1, **{_cache_kwarg(lm.model): stacked})
             logits = out.logits[:, -1].float()
-            for l in range(len(caches[0].layers)):
-                k, v = stacked.layers[l].keys[:, :, -1:], stacked.layers[l].values[:, :, -1:]
+            new = [(stacked.layers[l].keys[:, :, -1:], stacked.layers[l].values[:, :, -1:])
+                   for l in range(len(caches[0].layers))]
+            self._writing_caches = True  # from here on a failure cannot be retried alone
+            for l, (k, v) in enumerate(new):
                 for i, c in enumerate(caches):
                     c.update(k[i: i + 1], v[i: i + 1], l)
         return [logits[i] for i in range(len(batch))]
@@ -227,6 +248,7 @@ class ForwardBatcher:
             out = lm.model(input_ids=ids, use_cache=True, **{_cache_kwarg(lm.model): stacked},
                            logits_to_keep=keep)
             logits = [out.logits[i, keep.index(n - 1)].float() for i, n in enumerate(lens)]
+            self._writing_caches = True
             for l in range(len(stacked.layers)):
                 k, v = stacked.layers[l].keys, stacked.layers[l].values
                 for i, (r, n) in enumerate(zip(batch, lens)):

@@ -458,6 +458,9 @@ def iter_generate(lm, prompt: str | None = None, *, max_new_tokens: int = 32,
                 if gen.finish_reason is None and stopped():
                     gen.finish_reason = "cancelled"
                 if gen.finish_reason is not None:
+                    if batcher is not None:  # no more steps: others need not wait for this one
+                        batcher.leave()
+                        batcher = None
                     gen.kv_cache = kv_cache_report(lm, cache)
                     gen.seconds = time.perf_counter() - t_start
                     if attention and gen.steps:

@@ -110,7 +110,8 @@ def vocab_stats(adapter, normed: torch.Tensor, k: int = 1, targets: torch.Tensor
         near = torch.nonzero((band - above)[:, 0] > 1).flatten()  # another token within the bound
         if near.numel():
             rows = adapter.logits_slice(normed[near], 0, V).float()
-            ranks[near] = (rows > t_self[near]).sum(-1)
+            own = rows.gather(-1, tgt[near])  # compared within one product, rounding alike
+            ranks[near] = (rows > own).sum(-1)
         out.target_ranks = ranks
     return out
 

@@ -157,3 +157,33 @@ def test_batched_traces_equal_transformers_and_solo_traces(name):
         torch.testing.assert_close(tr.token_logprobs, solo.token_logprobs, atol=2e-4, rtol=1e-4, equal_nan=True)
         torch.testing.assert_close(tr.attention_pattern(1), solo.attention_pattern(1), atol=1e-5, rtol=1e-4)
         assert tr.resid_pre[0].shape == (len(ids), lm.shape.d_model)
+
+
+def test_a_waiting_step_is_woken_when_the_others_arrive(patient_batcher):
+    """With a gathering window of an hour, generations running together must still finish at
+    once: the arrival of the step they wait for wakes them (a lost wakeup would hang here)."""
+    lm = load_model("random-llama-tiny")
+    b = batcher_for(lm)
+    patient_batcher[b] = b.gather_seconds
+    b.gather_seconds = 3600.0
+    before = b.stats.batched_requests
+    gens = _concurrent(lm, lambda i: generate(lm, PROMPTS[i], max_new_tokens=12, ignore_eos=True), 3)
+    assert all(len(g.token_ids) == 12 for g in gens)
+    assert b.stats.batched_requests > before
+
+
+def test_a_failed_batch_runs_each_request_alone(monkeypatch):
+    """A batch that fails as a whole (out of memory, say) must not fail its requests: each one
+    runs alone and gets its own result, equal to transformers' forward."""
+    lm = load_model("random-llama-tiny")
+    b = batcher_for(lm)
+
+    def boom(batch):
+        raise RuntimeError("simulated out of memory in the batched forward")
+
+    monkeypatch.setattr(b, "_trace_batch", boom)
+    out = _queued_together(b, "trace", [lambda p=p: trace(lm, p) for p in PROMPTS])
+    for tr in out:
+        with torch.inference_mode():
+            ref = lm.model(torch.tensor([tr.token_ids])).logits[0]
+        torch.testing.assert_close(tr.logits().float(), ref.float(), atol=1e-5, rtol=1e-5)

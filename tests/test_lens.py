@@ -51,3 +51,29 @@ def test_lens_equals_whole_vocabulary_softmax(name, monkeypatch):
     # the vocabulary really was walked in several blocks (the merge would go untested otherwise)
     rows = len(positions) * len(tr.captured_layers)
     assert lm.shape.vocab_size > max(lens_mod.MIN_BLOCK, lens_mod.BLOCK_BYTES // (4 * rows))
+
+
+def test_rank_with_exact_ties_counts_only_higher_logits(monkeypatch):
+    """Tokens whose unembedding rows equal the target's tie with it exactly; the rank counts only
+    strictly higher logits, as the whole-vocabulary reference does (blocks forced)."""
+    from model_core import lens as lens_mod
+
+    lm = load_model("random-llama-tiny")
+    monkeypatch.setattr(lens_mod, "MIN_BLOCK", 16)
+    monkeypatch.setattr(lens_mod, "BLOCK_BYTES", 16 * 4)
+    tr = trace(lm, PROMPT)
+    target = tr.token_ids[1]
+    W = lm.model.lm_head.weight
+    saved = W.detach().clone()
+    try:
+        with torch.no_grad():
+            for j in (3, 77, 200):  # three other tokens become exact copies of the target
+                W[j] = W[target]
+        lens = logit_lens(tr, positions=[0], k=1, targets=[target])
+        with torch.inference_mode():
+            for i, layer in enumerate(tr.captured_layers):
+                logits = lm.model.lm_head(lm.adapter.final_norm(tr.resid_post(layer)[[0]])).float()[0]
+                assert int(lens.target_ranks[i, 0]) == int((logits > logits[target]).sum()), f"layer {layer}"
+    finally:
+        with torch.no_grad():
+            W.copy_(saved)
