@@ -19,6 +19,7 @@ import statistics
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -37,7 +38,12 @@ def prompt(i: int, n_words: int = 24) -> str:
     return " ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(n_words))
 
 
+_POOL: ThreadPoolExecutor | None = None
+
+
 def concurrently(fn, n: int):
+    """fn(0..n-1) at once, each on its own thread of a pool that lives for the whole run (like a
+    server's: a thread's first CUDA use or OpenMP team costs much more than later ones)."""
     out, lat = [None] * n, [0.0] * n
     start = threading.Barrier(n + 1)
 
@@ -47,13 +53,11 @@ def concurrently(fn, n: int):
         out[i] = fn(i)
         lat[i] = time.perf_counter() - t0
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
+    futures = [_POOL.submit(run, i) for i in range(n)]
     start.wait()
     t0 = time.perf_counter()
-    for t in threads:
-        t.join()
+    for f in futures:
+        f.result()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return out, time.perf_counter() - t0, lat
@@ -78,7 +82,11 @@ def main(argv=None) -> int:
     def tr(i):
         return trace(lm, prompt(i, 30)).n_tokens
 
-    gen(0), tr(0)  # warm
+    global _POOL
+    _POOL = ThreadPoolExecutor(max(args.users))
+    b.max_batch = 1
+    concurrently(lambda i: (gen(i), tr(i)), max(args.users))  # warm every thread of the pool, alone
+    b.max_batch = 32
     print(f"{'work':>5} {'users':>5} {'batched':>13} {'unbatched':>13} {'ratio':>6} {'p50 latency b / u':>18}  batch sizes")
     for kind, fn, unit in (("gen", gen, args.new_tokens), ("trace", tr, 1)):
         for n in args.users:
