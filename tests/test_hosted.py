@@ -173,6 +173,46 @@ def test_api_client_needs_credentials(server):
 
 
 @pytest.mark.browser
+def test_concurrent_users_generations_share_forwards(server):
+    """Two signed-in users, two generations each, at once through the real server (Gradio queue,
+    the "generate" concurrency group): every one finishes with its tokens, and the server's own
+    /metrics shows decode steps that shared a forward (model_core.batching), i.e. they ran together."""
+    import threading
+
+    from gradio_client import Client
+
+    def metrics_batched():
+        code, body = _get(server.url + "metrics", {"Authorization": "Bearer operator-token-123"})
+        assert code == 200, body
+        ms = [m for m in json.loads(body)["models"] if m["name"] == "smollm2-135m-instruct"]
+        return (ms[0].get("batching") or {}).get("batched_requests", 0) if ms else 0
+
+    before = metrics_batched()
+    clients = [Client(server.url, auth=(u, f"{u}-password"), verbose=False) for u in ("alice", "alice", "bob", "bob")]
+    prompts = ["The capital of France is", "Water boils at", "Once upon a time", "def add(a, b):"]
+    out, errors = [None] * 4, []
+    start = threading.Barrier(4)
+
+    def user(i):
+        try:
+            start.wait()
+            out[i] = clients[i].predict("smollm2-135m-instruct", prompts[i], False, 12, 0.0, 0, 1.0, 0.0, 1.0, 0,
+                                        None, "prob", api_name="/run")
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"{i}: {e}")
+
+    threads = [threading.Thread(target=user, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not errors, errors
+    for o in out:
+        assert o[0].strip() and "tokens**, finished because" in o[2], o[2]  # text and a normal ending
+    assert metrics_batched() > before
+
+
+@pytest.mark.browser
 def test_browser_sees_only_login_until_signed_in(server):
     from playwright.sync_api import sync_playwright
 
