@@ -73,6 +73,24 @@ def plot_title(page, elem_id: str) -> str:
                      return el && el.layout && el.layout.title ? (el.layout.title.text || '') : ''; }""", elem_id)
 
 
+def wait_until(cond, timeout: float = 60, what: str = "condition", every: float = 0.2) -> None:
+    """Poll cond() until it is true; fail the test with `what` after `timeout` seconds."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def wait_title(page, elem_id: str, needle: str, timeout: float = 60) -> None:
+    """Wait until the plot's title contains `needle` (a view has redrawn)."""
+    try:
+        wait_until(lambda: needle in plot_title(page, elem_id), timeout, f"{elem_id} title to contain {needle!r}")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; it is {plot_title(page, elem_id)!r}") from None
+
+
 def set_number(page, elem_id: str, value) -> None:
     """Type into a slider's/number's number box and commit it like a user (Enter)."""
     box = page.locator(f"#{elem_id} input[type=number]").first

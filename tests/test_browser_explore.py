@@ -1,11 +1,10 @@
 """The Explore view in real headless Chromium against a live server on the real default model."""
 
-import time
 
 import pytest
 from playwright.sync_api import sync_playwright
 
-from browser import LiveServer, launch_browser, plot_data, plot_title, screenshot, set_number
+from browser import LiveServer, launch_browser, plot_data, plot_title, screenshot, set_number, wait_title, wait_until
 
 pytestmark = pytest.mark.browser
 PROMPT = "The animal didn't cross the street because it was too tired"
@@ -18,15 +17,6 @@ def server():
     s.stop()
 
 
-def _wait_title(page, elem_id, needle, timeout=60):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if needle in plot_title(page, elem_id):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"{elem_id} title never contained {needle!r}: {plot_title(page, elem_id)!r}")
-
-
 def test_explore_in_the_browser(server):
     with sync_playwright() as pw:
         browser = launch_browser(pw)
@@ -36,7 +26,7 @@ def test_explore_in_the_browser(server):
         page.click("#run")
         for plot in ("head-grid", "head-big", "head-bars", "lens", "resid", "next-token", "neurons"):
             page.wait_for_selector(f"#{plot} .js-plotly-plot", timeout=120_000)
-        _wait_title(page, "head-grid", "Layer 0")
+        wait_title(page, "head-grid", "Layer 0")
 
         # real data: 9 heads of 12x12 attention rows summing to 1; 30 lens rows; a proper distribution
         grid = plot_data(page, "head-grid")
@@ -55,16 +45,14 @@ def test_explore_in_the_browser(server):
 
         # switch layer and head: only the views change (no new forward pass)
         set_number(page, "layer", 5)
-        _wait_title(page, "head-grid", "Layer 5")
+        wait_title(page, "head-grid", "Layer 5")
         set_number(page, "head", 3)
-        _wait_title(page, "head-big", "Layer 5, head 3")
+        wait_title(page, "head-big", "Layer 5, head 3")
         assert plot_data(page, "head-grid")[0]["z"] != grid[0]["z"]
 
         # temperature changes the distribution shown after the settings
         set_number(page, "temperature", 2.5)
-        deadline = time.time() + 30
-        while plot_data(page, "next-token")[1]["y"] == final["y"] and time.time() < deadline:
-            time.sleep(0.2)
+        wait_until(lambda: plot_data(page, "next-token")[1]["y"] != final["y"], 30, "the distribution to change")
         hot = plot_data(page, "next-token")[1]["y"]
         assert hot != final["y"] and hot[0] < final["y"][0]  # flatter: the top token loses mass
         screenshot(page, "explore-layer5-head3-t2.5")
@@ -75,11 +63,9 @@ def test_explore_in_the_browser(server):
         other = browser.new_page(viewport={"width": 1400, "height": 1000})
         other.goto(shared)
         other.wait_for_selector("#head-big .js-plotly-plot", timeout=120_000)
-        _wait_title(other, "head-big", "Layer 5, head 3")
+        wait_title(other, "head-big", "Layer 5, head 3")
         assert other.locator("#prompt textarea").input_value() == PROMPT
-        deadline = time.time() + 30
-        while plot_data(other, "next-token")[1:2] == [] and time.time() < deadline:
-            time.sleep(0.2)
+        wait_until(lambda: plot_data(other, "next-token")[1:2] != [], 30, "the shared page's distribution")
         assert plot_data(other, "next-token")[1]["y"] == hot
         screenshot(other, "explore-shared-url")
 
@@ -89,9 +75,7 @@ def test_explore_in_the_browser(server):
         page.wait_for_selector("text=The prompt is empty", timeout=30_000)
         page.locator("#prompt textarea").fill("e\u0301 🦜 שלום \x07")
         page.click("#run")
-        deadline = time.time() + 60
-        while "<0x07>" not in page.inner_text("#tokens") and time.time() < deadline:
-            time.sleep(0.2)
+        wait_until(lambda: "<0x07>" in page.inner_text("#tokens"), 60, "the odd-unicode tokens")
         assert "<0x07>" in page.inner_text("#tokens")
         assert plot_title(page, "head-grid").startswith("Layer 5")
         screenshot(page, "explore-odd-unicode")

@@ -6,7 +6,7 @@ import time
 import pytest
 from playwright.sync_api import sync_playwright
 
-from browser import LiveServer, launch_browser, plot_title, screenshot, set_number
+from browser import LiveServer, launch_browser, plot_title, screenshot, set_number, wait_until
 
 pytestmark = pytest.mark.browser
 
@@ -16,15 +16,6 @@ def server():
     s = LiveServer()
     yield s
     s.stop()
-
-
-def _wait(cond, timeout=90, what="condition"):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_generate_in_the_browser(server):
@@ -53,14 +44,14 @@ def test_generate_in_the_browser(server):
 
         # clicking a generated token shows that step's distribution
         page.locator("#gen-tokens .token").nth(2).click()
-        _wait(lambda: "Step 2" in plot_title(page, "gen-dist"), what="step 2 distribution")
+        wait_until(lambda: "Step 2" in plot_title(page, "gen-dist"), 90, "step 2 distribution")
         assert "rank" in plot_title(page, "gen-dist")
 
         # change a setting and regenerate: sampling at a high temperature gives another text
         set_number(page, "gen-temperature", 1.5)
         page.click("#gen-generate")
-        _wait(lambda: out.input_value() != final and "finished because" in page.inner_text("#gen-status"),
-              timeout=120, what="the sampled generation")
+        wait_until(lambda: out.input_value() != final and "finished because" in page.inner_text("#gen-status"),
+                   timeout=120, what="the sampled generation")
         assert out.input_value() != final
         screenshot(page, "generate-sampled")
         browser.close()

@@ -6,7 +6,7 @@ import time
 import pytest
 from playwright.sync_api import sync_playwright
 
-from browser import LiveServer, launch_browser, plot_data, plot_title, screenshot
+from browser import LiveServer, launch_browser, plot_data, screenshot, wait_title
 
 pytestmark = pytest.mark.browser
 HEADS = ["L0H1", "L3H2"]
@@ -17,15 +17,6 @@ def server():
     s = LiveServer()
     yield s
     s.stop()
-
-
-def _wait_plot(page, elem_id, needle, timeout=120):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if needle in plot_title(page, elem_id):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"{elem_id} title never contained {needle!r}: {plot_title(page, elem_id)!r}")
 
 
 def _pick(page, elem_id, option):
@@ -54,7 +45,7 @@ def test_interventions_in_the_browser(server):
         assert all(h in chips for h in HEADS), chips
         t0 = time.time()
         page.click("#iv-ablate")
-        _wait_plot(page, "iv-ablate-bars", "L0H1")
+        wait_title(page, "iv-ablate-bars", "L0H1")
         t_ablate = time.time() - t0
         clean, ablated = plot_data(page, "iv-ablate-bars")[:2]
         assert clean["x"] == ablated["x"] and len(clean["y"]) == 10
@@ -71,7 +62,7 @@ def test_interventions_in_the_browser(server):
         # patching: the starter pair, residual stream, layers x positions
         t0 = time.time()
         page.click("#iv-patch")
-        _wait_plot(page, "iv-patch-plot", "residual stream", timeout=240)
+        wait_title(page, "iv-patch-plot", "residual stream", timeout=240)
         t_patch = time.time() - t0
         heat = plot_data(page, "iv-patch-plot")[0]
         z = heat["z"]

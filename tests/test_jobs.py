@@ -83,11 +83,10 @@ def test_submit_progress_success_artifacts(svc, jobs, finished_bytelevel):
     c = rep["compression"]
     assert 1.0 < c["chars_per_token"] < 6 and c["tokens_per_word"] > 1
     ref = rep["reference"]
-    from model_core.registry import converted_dir
-
-    if converted_dir("smollm2-135m-instruct").exists():
-        # a 49k-token vocabulary compresses English better than our 500-token one
-        assert ref["chars_per_token"] > c["chars_per_token"], ref
+    # The default model's tokenizer is always there (`make test` prepares it): a 49k-token
+    # vocabulary compresses the same held-out English better than our 500-token one.
+    assert "unavailable" not in ref, ref
+    assert ref["chars_per_token"] > c["chars_per_token"], ref
     assert [r["id"] for r in jobs.list_jobs(owner="test-owner")] == [rec["id"]]
 
 
