@@ -23,3 +23,14 @@ def default_lm_eager():
     from model_core import load_model
 
     return load_model(DEFAULT, attn_implementation="eager")
+
+
+@pytest.fixture(scope="session")
+def server():
+    """One `lmscope serve` (default settings, no job services) for every browser test module;
+    modules that need other settings (sign-in, fuzzing) define their own `server`."""
+    from browser import LiveServer
+
+    s = LiveServer()
+    yield s
+    s.stop()

@@ -236,7 +236,6 @@ def test_embedding_neighbours_and_analogy():
 
 def test_norm_step_equals_norm_module(lm_tr):
     lm, tr = lm_tr
-    ad = lm.adapter
     pos = 3
     for l in _layers_to_check(lm):
         with torch.inference_mode():

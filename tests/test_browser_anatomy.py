@@ -9,19 +9,12 @@ import time
 import pytest
 from playwright.sync_api import sync_playwright
 
-from browser import ARTIFACTS, LiveServer, launch_browser, screenshot
+from browser import ARTIFACTS, launch_browser, screenshot
 
 pytestmark = pytest.mark.browser
 
 PANELS = ["anatomy-card", "anatomy-tree", "anatomy-attention", "anatomy-rope", "anatomy-positions",
           "anatomy-embedding", "anatomy-norm", "anatomy-mlp", "anatomy-output"]
-
-
-@pytest.fixture(scope="module")
-def server():
-    s = LiveServer()
-    yield s
-    s.stop()
 
 
 # --- reading the page -----------------------------------------------------------------------------
@@ -170,7 +163,7 @@ def check_attention(page, T: int, d_head: int, title: str, window: int | None = 
     assert all(re.search(r"<br>.*-?[\d.e+-]+ … -?[\d.e+-]+", n) for n in names), names
     tr = {t["name"]: t for t in steps["traces"]}
     assert len(steps["traces"]) == 8
-    q, k, raw, soft, z = tr["Q (queries)"], tr["K (keys)"], tr["raw scores Q·Kᵀ"], tr["softmax = pattern"], tr["z = pattern · V"]
+    q, raw, soft, z = tr["Q (queries)"], tr["raw scores Q·Kᵀ"], tr["softmax = pattern"], tr["z = pattern · V"]
     assert len(q["z"]) == T and len(q["z"][0]) == d_head and len(z["z"][0]) == d_head
     assert len(raw["z"]) == T and all(len(r) == T for r in raw["z"])
     assert any(abs(v) > 1e-6 for r in raw["z"] for v in r)

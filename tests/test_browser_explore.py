@@ -4,17 +4,10 @@
 import pytest
 from playwright.sync_api import sync_playwright
 
-from browser import LiveServer, launch_browser, plot_data, plot_title, screenshot, set_number, wait_title, wait_until
+from browser import launch_browser, plot_data, plot_title, screenshot, set_number, wait_title, wait_until
 
 pytestmark = pytest.mark.browser
 PROMPT = "The animal didn't cross the street because it was too tired"
-
-
-@pytest.fixture(scope="module")
-def server():
-    s = LiveServer()
-    yield s
-    s.stop()
 
 
 def test_explore_in_the_browser(server):

@@ -6,16 +6,9 @@ import time
 import pytest
 from playwright.sync_api import sync_playwright
 
-from browser import LiveServer, launch_browser, plot_title, screenshot, set_number, wait_until
+from browser import launch_browser, plot_title, screenshot, set_number, wait_until
 
 pytestmark = pytest.mark.browser
-
-
-@pytest.fixture(scope="module")
-def server():
-    s = LiveServer()
-    yield s
-    s.stop()
 
 
 def test_generate_in_the_browser(server):

@@ -6,17 +6,10 @@ import time
 import pytest
 from playwright.sync_api import sync_playwright
 
-from browser import LiveServer, launch_browser, plot_data, screenshot, wait_title
+from browser import launch_browser, plot_data, screenshot, wait_title
 
 pytestmark = pytest.mark.browser
 HEADS = ["L0H1", "L3H2"]
-
-
-@pytest.fixture(scope="module")
-def server():
-    s = LiveServer()
-    yield s
-    s.stop()
 
 
 def _pick(page, elem_id, option):

@@ -5,8 +5,6 @@ through a real Celery worker and a real Valkey server."""
 from __future__ import annotations
 
 import json
-import math
-import os
 from pathlib import Path
 
 import pytest
