@@ -50,14 +50,10 @@ def metrics(settings) -> dict:
     try:
         from model_core import registry
 
-        from model_core.batching import _BATCHERS
-
-        def batching(lm):  # how many requests shared forwards (model_core.batching)
-            b = _BATCHERS.get(lm.model)
-            return b.stats.as_dict() if b is not None else None
+        from model_core.batching import stats_for
 
         out["models"] = [{"name": lm.name, "device": str(lm.device), "dtype": str(lm.dtype).replace("torch.", ""),
-                          "source": lm.source, "load_seconds": round(lm.load_seconds, 2), "batching": batching(lm)}
+                          "source": lm.source, "load_seconds": round(lm.load_seconds, 2), "batching": stats_for(lm)}
                          for lm in list(registry._LOADED.values())]
     except Exception as e:  # noqa: BLE001
         out["models"] = {"error": str(e)}

@@ -280,6 +280,12 @@ _BATCHERS: "weakref.WeakKeyDictionary[torch.nn.Module, ForwardBatcher]" = weakre
 _BATCHERS_LOCK = threading.Lock()
 
 
+def stats_for(lm) -> dict | None:
+    """How many of this model's requests shared a forward (None before its first request)."""
+    b = _BATCHERS.get(lm.model)
+    return b.stats.as_dict() if b is not None else None
+
+
 def max_batch_from_env() -> int:
     """LMSCOPE_MAX_BATCH: requests per shared forward (1 turns batching off)."""
     try:
@@ -296,18 +302,9 @@ def batcher_for(lm) -> ForwardBatcher:
         return b
 
 
-def can_batch(cache) -> bool:
-    """Plain full-attention DynamicCache layers only, and no recorder or edits in this context."""
-    from transformers.cache_utils import DynamicLayer
-
-    if hooks._ACTIVE.get() is not None:
-        return False
-    layers = getattr(cache, "layers", None)
-    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
-
-
 def can_batch_model(lm) -> bool:
-    """Before any cache exists: does this model's DynamicCache have only full-attention layers?"""
+    """Can this model's requests share forwards here: a DynamicCache of full-attention layers only
+    (sliding windows keep per-row windows), and no recorder or edits active in this context."""
     from model_core.generate import new_cache
 
     key = "_lmscope_batchable"

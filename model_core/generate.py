@@ -34,7 +34,7 @@ import torch
 
 from model_core import hooks
 from model_core import sampling as S
-from model_core.batching import batcher_for, can_batch, can_batch_model
+from model_core.batching import batcher_for, can_batch_model
 from model_core.errors import PromptError, SettingsError
 from model_core.sampling import SamplingSettings
 
@@ -411,7 +411,7 @@ def iter_generate(lm, prompt: str | None = None, *, max_new_tokens: int = 32,
             prompt_ids = all_ids[None, : len(ids)]
             logits = shared.prefill(prompt_ids, cache, _forward) if shared else _forward(lm, prompt_ids, cache)
         gen.prefill_seconds = time.perf_counter() - t0
-        if shared is not None and can_batch(cache):
+        if shared is not None:
             batcher = shared
             batcher.enter()
         cur_len = len(ids)
