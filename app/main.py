@@ -91,6 +91,7 @@ def build_app(settings=None):
 
     settings = settings or Settings.from_env()
     api = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    auth.install_login_throttle(api, settings)  # failed sign-ins on POST /login: 429 after a few
 
     @api.get("/healthz")
     def healthz():
@@ -98,7 +99,8 @@ def build_app(settings=None):
 
     @api.get("/metrics")
     def metrics_route(request: Request):
-        if not auth.bearer_ok(settings, request.headers.get("authorization")):
+        if not auth.bearer_ok(settings, request.headers.get("authorization"),
+                              request.client.host if request.client else None):
             return JSONResponse({"error": "Send Authorization: Bearer <LMSCOPE_AUTH_TOKEN>."}, status_code=401,
                                 headers={"WWW-Authenticate": "Bearer"})
         return metrics(settings)

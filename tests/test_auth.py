@@ -1,0 +1,325 @@
+"""Sign-in hardening (issue 13, "Safe to host"): equal cost for unknown and known user names,
+control characters refused, and failed sign-ins throttled per user name and per client address
+(unit tests with an injected clock, Gradio's real /login route in-process, and one live server)."""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from app import auth
+from app.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, s: float) -> None:
+        self.t += s
+
+
+def _throttle(clock, **kw):
+    kw = {"max_failures": 5, "max_failures_per_address": 100, "window_s": 900, "lock_s": 1, "max_lock_s": 300,
+          **kw}
+    return auth.LoginThrottle(clock=clock, **kw)
+
+
+def _fail(t, user, address="10.0.0.1"):
+    assert t.begin(user, address) is None
+    t.finish(user, address, False)
+
+
+# ----------------------------------------------------------------------------- throttle (injected clock)
+
+def test_failures_lock_the_name_with_the_wait_in_the_sentence():
+    clock = Clock()
+    t = _throttle(clock)
+    _fail(t, "alice")  # one wrong password throttles nothing
+    assert t.wait("alice", "10.0.0.1") == (0, None)
+    for _ in range(3):
+        _fail(t, "alice")
+    assert t.begin("alice", "10.0.0.1") is None  # the 5th attempt is still checked
+    t.finish("alice", "10.0.0.1", False)
+    refused = t.begin("alice", "10.0.0.9")  # any address: the name is locked
+    assert refused is not None
+    wait, sentence = refused
+    assert wait == pytest.approx(1.0)
+    assert sentence == "Too many failed sign-ins for this account; try again in 1 s."
+    assert t.begin("bob", "10.0.0.1") is None  # others are not affected
+    t.finish("bob", "10.0.0.1", None)
+
+
+def test_backoff_doubles_up_to_the_cap():
+    clock = Clock()
+    t = _throttle(clock)
+    for _ in range(5):
+        _fail(t, "alice")
+    waits = []
+    for _ in range(12):
+        wait, sentence = t.begin("alice", "10.0.0.1")
+        waits.append(wait)
+        clock.advance(wait + 0.01)  # wait out the lock, then fail again
+        _fail(t, "alice")
+    assert waits[:9] == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert waits[9:] == [300, 300, 300]
+    assert t.wait("alice")[1] == "Too many failed sign-ins for this account; try again in 5 min."
+    clock.advance(3)
+    assert t.wait("alice")[1] == "Too many failed sign-ins for this account; try again in 5 min."
+    clock.advance(200)
+    assert t.wait("alice")[1] == "Too many failed sign-ins for this account; try again in 97 s."
+
+
+def test_success_resets_the_name_but_not_the_address():
+    clock = Clock()
+    t = _throttle(clock, max_failures_per_address=6)
+    for _ in range(5):
+        _fail(t, "alice")
+    clock.advance(t.wait("alice")[0] + 0.01)
+    assert t.begin("alice", "10.0.0.1") is None
+    t.finish("alice", "10.0.0.1", True)
+    assert t.wait("alice") == (0, None)
+    for _ in range(4):  # a fresh count: four more failures (from elsewhere) lock nothing
+        _fail(t, "alice", "10.0.0.2")
+    assert t.wait("alice") == (0, None)
+    # the address's count survived the success: a 6th failure from 10.0.0.1 locks it
+    _fail(t, "bob", "10.0.0.1")
+    assert t.wait(address="10.0.0.1")[0] > 0 and t.wait(address="10.0.0.2") == (0, None)
+
+
+def test_per_address_limit_across_many_names():
+    clock = Clock()
+    t = _throttle(clock, max_failures_per_address=10)
+    for i in range(10):
+        _fail(t, f"user{i}", "203.0.113.7")  # one failure each: no name is locked
+    assert all(t.wait(f"user{i}")[0] == 0 for i in range(10))
+    wait, sentence = t.begin("someone-else", "203.0.113.7")
+    assert sentence == "Too many failed sign-ins from this address; try again in 1 s."
+    assert t.begin("someone-else", "198.51.100.1") is None  # another address is fine
+    t.finish("someone-else", "198.51.100.1", None)
+
+
+def test_window_forgets_old_failures():
+    clock = Clock()
+    t = _throttle(clock, window_s=60)
+    for _ in range(10):
+        _fail(t, "alice")
+        clock.advance(61)  # each failure a window after the previous one
+    assert t.wait("alice", "10.0.0.1") == (0, None)
+    assert len(t) == 0  # stale entries are dropped when next looked at
+
+
+def test_parallel_attempts_count_while_in_flight():
+    clock = Clock()
+    t = _throttle(clock)
+    for _ in range(5):
+        assert t.begin("alice", "10.0.0.1") is None  # five guesses being checked at once
+    assert t.begin("alice", "10.0.0.1") is not None  # a sixth waits for them
+    for _ in range(5):
+        t.finish("alice", "10.0.0.1", False)
+    assert t.wait("alice")[0] == pytest.approx(1.0)
+    # after the lock, one attempt at a time
+    clock.advance(1.01)
+    assert t.begin("alice", "10.0.0.1") is None
+    assert t.begin("alice", "10.0.0.1") is not None
+    t.finish("alice", "10.0.0.1", True)
+    assert t.wait("alice") == (0, None)
+
+
+def test_state_is_bounded():
+    clock = Clock()
+    t = _throttle(clock, max_keys=100)
+    for i in range(5000):
+        _fail(t, f"spray{i}", f"10.{i // 65536}.{i // 256 % 256}.{i % 256}")
+    assert len(t) <= 100
+    # the most recent ones are the ones remembered
+    assert t._entries and ("user", "spray4999") in t._entries
+
+
+def test_settings_from_environment():
+    t = auth.LoginThrottle.from_env({"LMSCOPE_LOGIN_MAX_FAILURES": "3", "LMSCOPE_LOGIN_MAX_FAILURES_PER_ADDRESS": "7",
+                                     "LMSCOPE_LOGIN_WINDOW_S": "60", "LMSCOPE_LOGIN_LOCK_S": "2",
+                                     "LMSCOPE_LOGIN_MAX_LOCK_S": "30", "LMSCOPE_LOGIN_MAX_KEYS": "50"})
+    assert (t.max_failures, t.max_failures_per_address, t.window_s, t.lock_s, t.max_lock_s, t.max_keys) == \
+        (3, 7, 60, 2, 30, 50)
+    d = auth.LoginThrottle.from_env({"LMSCOPE_LOGIN_MAX_FAILURES": "lots", "LMSCOPE_LOGIN_LOCK_S": "-1"})
+    assert (d.max_failures, d.lock_s) == (5, 1)
+
+
+# ----------------------------------------------------------------------------- control characters
+
+@pytest.fixture
+def users_settings(tmp_path):
+    p = tmp_path / "users.txt"
+    auth.write_user(p, "alice", "alice-password", iterations=1000)
+    return Settings.from_env({"LMSCOPE_AUTH": "users", "LMSCOPE_USERS_FILE": str(p)})
+
+
+def test_control_characters_are_refused(users_settings):
+    # why: HMAC zero-pads short keys, so PBKDF2 cannot tell "pw" from "pw\0"
+    salt = b"0123456789abcdef"
+    assert hashlib.pbkdf2_hmac("sha256", b"pw", salt, 10) == hashlib.pbkdf2_hmac("sha256", b"pw\x00", salt, 10)
+    check = auth.authenticator(users_settings)
+    assert check("alice", "alice-password")
+    for bad in ("alice-password\x00", "alice-password\x00\x00", "alice-pass\x00word", "alice-password\t",
+                "alice-password\n", "alice-password\x1f", "alice-password\x7f"):
+        assert not check("alice", bad), repr(bad)
+        assert not auth.verify_password(bad, auth.read_users(users_settings.users_file)["alice"])
+    token = Settings.from_env({"LMSCOPE_AUTH": "token", "LMSCOPE_AUTH_TOKEN": "shared-token-123"})
+    tcheck = auth.authenticator(token)
+    assert tcheck("anyone", "shared-token-123")
+    for bad in ("shared-token-123\x00", "\x00shared-token-123", "shared-token-123\r"):
+        assert not tcheck("anyone", bad), repr(bad)
+
+
+def test_add_user_refuses_control_characters(tmp_path):
+    users = tmp_path / "users.txt"
+    with pytest.raises(ValueError, match="control characters"):
+        auth.write_user(users, "alice", "alice-password\x00")
+    out = subprocess.run([sys.executable, "-m", "app.auth", "add-user", "alice", "--file", str(users),
+                          "--iterations", "1000"], input="alice-pass\x00word\n", text=True, capture_output=True,
+                         cwd=ROOT)
+    assert out.returncode == 2 and "control characters" in out.stderr
+    assert not users.exists()
+
+
+# ----------------------------------------------------------------------------- equal cost
+
+def _medians_ms(fns, n=15):
+    """Median wall time of each fn over n calls, interleaved so that load drift hits all alike."""
+    times = [[] for _ in fns]
+    for _ in range(n):
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1000)
+    return [statistics.median(ts) for ts in times]
+
+
+def test_unknown_and_known_names_cost_the_same(tmp_path):
+    p = tmp_path / "users.txt"
+    auth.write_user(p, "alice", "alice-password", iterations=20_000)
+    auth.write_user(p, "bob", "bob-password", iterations=20_000)
+    assert auth.users_iterations(auth.read_users(p)) == 20_000
+    check = auth.authenticator(Settings.from_env({"LMSCOPE_AUTH": "users", "LMSCOPE_USERS_FILE": str(p)}))
+    check("alice", "warm-up"), check("nobody", "warm-up")
+    known, unknown = _medians_ms([lambda: check("alice", "wrong-password"), lambda: check("nobody", "wrong-password")])
+    print(f"login check medians: known user {known:.1f} ms, unknown user {unknown:.1f} ms")
+    assert max(known, unknown) / min(known, unknown) < 1.5, (known, unknown)
+
+
+# ----------------------------------------------------------------------------- /metrics bearer
+
+def test_bearer_user_password_is_throttled(users_settings):
+    from fastapi import HTTPException
+
+    t = _throttle(Clock())
+    assert auth.bearer_ok(users_settings, "Bearer alice:alice-password", "10.0.0.1", throttle=t)
+    for _ in range(5):
+        assert not auth.bearer_ok(users_settings, "Bearer alice:wrong", "10.0.0.1", throttle=t)
+    with pytest.raises(HTTPException) as e:
+        auth.bearer_ok(users_settings, "Bearer alice:alice-password", "10.0.0.2", throttle=t)
+    assert e.value.status_code == 429 and "try again in 1 s" in e.value.detail
+    assert e.value.headers["Retry-After"] == "1"
+
+
+# ----------------------------------------------------------------------------- Gradio's /login, in-process
+
+def test_login_route_is_throttled_in_process(users_settings):
+    import gradio as gr
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    clock = Clock()
+    t = _throttle(clock, max_failures=3, max_failures_per_address=5)
+    api = FastAPI()
+    auth.install_login_throttle(api, users_settings, throttle=t)
+    with gr.Blocks() as demo:
+        gr.Markdown("hi")
+    app = gr.mount_gradio_app(api, demo, path="", auth=auth.async_authenticator(users_settings))
+    with TestClient(app) as c:
+        def login(user, pw, multipart=False):
+            if multipart:  # what the browser's login page sends (FormData)
+                return c.post("/login", files={"username": (None, user), "password": (None, pw)})
+            return c.post("/login", data={"username": user, "password": pw})  # gradio_client
+
+        assert login("alice", "alice-password").status_code == 200
+        assert [login(" alice ", "nope", multipart=i % 2 == 1).status_code for i in range(4)] == [400, 400, 400, 429]
+        r = login("alice", "alice-password", multipart=True)
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json() == {"detail": "Too many failed sign-ins for this account; try again in 1 s."}
+        clock.advance(1.01)
+        assert login("alice", "alice-password").status_code == 200
+        assert [login("bob", "x").status_code for _ in range(3)] == [400, 400, 429]  # 5 from this address
+        r = c.post("/login/", data={"username": "carol", "password": "x"})
+        assert r.status_code == 429 and "from this address" in r.json()["detail"]
+        clock.advance(3600)  # all forgotten
+        # a form whose username cannot be read is refused before any password is checked
+        for bad in ({"password": "alice-password"}, {"username": "alice", "password": "alice-password",
+                                                     **{f"f{i}": "x" for i in range(1001)}}):
+            r = c.post("/login", data=bad)
+            assert r.status_code == 422, r.text
+        r = c.post("/login", files={"username": ("name.txt", b"alice"), "password": (None, "alice-password")})
+        assert r.status_code == 422
+        assert t.wait("alice", "testclient") == (0, None)
+        assert c.get("/config").status_code in (200, 401)  # other routes untouched
+
+
+# ----------------------------------------------------------------------------- live server
+
+def _post_login(url, user, pw):
+    data = urllib.parse.urlencode({"username": user, "password": pw}).encode()
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url + "login", data=data), timeout=20) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@pytest.mark.browser
+def test_live_login_throttle(tmp_path):
+    import json
+
+    from tests.browser import LiveServer
+
+    users = tmp_path / "users.txt"
+    auth.write_user(users, "alice", "alice-password", iterations=20_000)
+    auth.write_user(users, "bob", "bob-password", iterations=20_000)
+    s = LiveServer(extra_env={"LMSCOPE_AUTH": "users", "LMSCOPE_USERS_FILE": str(users),
+                              "LMSCOPE_DATA_DIR": str(tmp_path / "data"), "REDIS_URL": "redis://127.0.0.1:1/0",
+                              "LMSCOPE_LOGIN_LOCK_S": "2", "LMSCOPE_LOGIN_MAX_FAILURES_PER_ADDRESS": "8"})
+    try:
+        assert _post_login(s.url, "alice", "alice-password")[0] == 200
+        codes = [_post_login(s.url, "alice", "wrong-password") for _ in range(6)]
+        assert [c for c, _ in codes] == [400] * 5 + [429], codes
+        assert json.loads(codes[-1][1])["detail"].startswith("Too many failed sign-ins for this account; try again in")
+        t_locked = time.monotonic()
+        assert _post_login(s.url, "alice", "alice-password")[0] == 429  # even the right password
+        time.sleep(max(0.0, 2.2 - (time.monotonic() - t_locked)))
+        assert _post_login(s.url, "alice", "alice-password")[0] == 200  # lock over; the count is cleared
+        # 5 failures from this address so far; 3 more (bob's, not enough to lock bob) reach 8
+        assert [_post_login(s.url, "bob", "wrong-password")[0] for _ in range(3)] == [400, 400, 400]
+        for user, pw in (("bob", "bob-password"), ("carol", "whatever-pass")):
+            code, body = _post_login(s.url, user, pw)
+            assert code == 429 and "from this address" in json.loads(body)["detail"], (code, body)
+        # /metrics' user:password bearer shares the throttle
+        req = urllib.request.Request(s.url + "metrics", headers={"Authorization": "Bearer bob:bob-password"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=20)
+        assert e.value.code == 429 and "try again in" in e.value.read().decode()
+    finally:
+        s.stop()
