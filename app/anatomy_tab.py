@@ -14,8 +14,7 @@ import pandas as pd
 import torch
 
 from app import anatomy_figures as fig
-from app.context import DEFAULT_MODEL, Shared, default_model, get_model
-from app.context import guard as _guard
+from app.context import DEFAULT_MODEL, Shared, default_model, endpoint, get_model, max_prompt_tokens
 from model_core import anatomy as A
 from model_core import trace as run_trace
 from model_core.errors import LmscopeError
@@ -96,7 +95,7 @@ def _trace(model_name, prompt, chat):
         if key in _TRACES:
             _TRACES.move_to_end(key)
             return lm, _TRACES[key]
-    tr = run_trace(lm, prompt, chat=bool(chat))
+    tr = run_trace(lm, prompt, chat=bool(chat), max_tokens=max_prompt_tokens())
     with _LOCK:
         _TRACES[key] = tr
         while len(_TRACES) > 4:
@@ -154,8 +153,8 @@ def _card_source(name):
     return get_model(name)
 
 
-@_guard
-def card_panel(model_name, compare):
+@endpoint(model=True)
+def card_panel(model_name, compare, request: gr.Request = None):
     lm = get_model(model_name)
     card = A.architecture_card(lm)
     cards = OrderedDict([(lm.name, card)])
@@ -171,8 +170,8 @@ def card_panel(model_name, compare):
     return (A.card_frame(card), gr.update(value=table, column_widths=widths), fig.param_breakdown(counts))
 
 
-@_guard
-def tree_panel(model_name, prompt, chat):
+@endpoint(model=True)
+def tree_panel(model_name, prompt, chat, request: gr.Request = None):
     lm, tr = _trace(model_name, prompt, chat)
     rows = A.module_tree(lm, tr.token_ids)
     T = tr.n_tokens
@@ -181,8 +180,8 @@ def tree_panel(model_name, prompt, chat):
     return A.tree_frame(rows), note
 
 
-@_guard
-def attention_panel(model_name, prompt, chat, layer, head, no_scale, no_mask):
+@endpoint(model=True)
+def attention_panel(model_name, prompt, chat, layer, head, no_scale, no_mask, request: gr.Request = None):
     lm, tr = _trace(model_name, prompt, chat)
     layer = _layer(lm, layer)
     H = lm.shape.n_heads
@@ -207,8 +206,8 @@ def attention_panel(model_name, prompt, chat, layer, head, no_scale, no_mask):
             info)
 
 
-@_guard
-def rope_panel(model_name, layer, max_distance):
+@endpoint(model=True)
+def rope_panel(model_name, layer, max_distance, request: gr.Request = None):
     lm = get_model(model_name)
     if not lm.adapter.uses_rope:  # no plots to show: hide their boxes, keep the note
         hidden = gr.update(value=None, visible=False)
@@ -224,8 +223,8 @@ def rope_panel(model_name, layer, max_distance):
             gr.update(value=fig.rope_angles(A.rope_angles(lm, layer, 128)), visible=True), info)
 
 
-@_guard
-def positions_panel(model_name, n_positions):
+@endpoint(model=True)
+def positions_panel(model_name, n_positions, request: gr.Request = None):
     lm = get_model(model_name)
     n = int(n_positions or 64)
     n = max(2, min(n, lm.shape.context_length))
@@ -242,7 +241,8 @@ def positions_panel(model_name, n_positions):
     return fig.positions_side_by_side(own, title, torch.cat([pe[:, 0::2], pe[:, 1::2]], dim=1), own_xtitle=xtitle)
 
 
-def embed_panel(model_name, token, a, b, c, k):
+@endpoint(model=True)
+def embed_panel(model_name, token, a, b, c, k, request: gr.Request = None):
     """Neighbours and analogy. Text that is several tokens (a word, for a byte-level tokenizer)
     uses its first token, with a note; on any other error the plots are cleared (no stale
     neighbours of another model or input) and the note says why."""
@@ -270,8 +270,8 @@ def embed_panel(model_name, token, a, b, c, k):
             " ".join(f"Note: {n}" for n in notes))
 
 
-@_guard
-def norm_panel(model_name, prompt, chat, layer, position, which):
+@endpoint(model=True)
+def norm_panel(model_name, prompt, chat, layer, position, which, request: gr.Request = None):
     lm, tr = _trace(model_name, prompt, chat)
     layer = _layer(lm, layer)
     pos = _position(tr, position)
@@ -290,8 +290,8 @@ def norm_panel(model_name, prompt, chat, layer, position, which):
     return fig.norm_before_after(s), info
 
 
-@_guard
-def mlp_panel(model_name, prompt, chat, layer, position):
+@endpoint(model=True)
+def mlp_panel(model_name, prompt, chat, layer, position, request: gr.Request = None):
     lm, tr = _trace(model_name, prompt, chat)
     layer = _layer(lm, layer)
     pos = _position(tr, position)
@@ -303,8 +303,8 @@ def mlp_panel(model_name, prompt, chat, layer, position):
     return fig.mlp_neurons(s), fig.mlp_gate_scatter(s), info
 
 
-@_guard
-def output_panel(model_name, prompt, chat, k):
+@endpoint(model=True)
+def output_panel(model_name, prompt, chat, k, request: gr.Request = None):
     lm, tr = _trace(model_name, prompt, chat)
     s = A.output_step(tr, top_k=max(1, min(int(k or 10), 50)))
     info = (f"Last position: `{tr.tokens[-1]['display']}`; final hidden state [{s['hidden'].numel()}] → "
@@ -313,8 +313,8 @@ def output_panel(model_name, prompt, chat, k):
     return fig.output_bars(s), fig.logits_histogram(s), info
 
 
-@_guard
-def model_changed(model_name, layer, head):
+@endpoint(model=True)
+def model_changed(model_name, layer, head, request: gr.Request = None):
     lm = get_model(model_name)
     L, H = lm.shape.n_layers, lm.shape.n_heads
     sl = lambda mx, v: gr.Slider(minimum=0, maximum=mx, step=1, value=min(int(v or 0), mx))  # noqa: E731
@@ -450,8 +450,12 @@ def build(shared: Shared) -> None:
     out_io = dict(fn=output_panel, inputs=[m, p, c, o_k], outputs=[out_plot, out_hist, out_info])
 
     ev = go_btn.click(fn=model_changed, inputs=[m, a_layer, a_head], outputs=[a_layer, a_head, n_layer, m_layer, r_layer])
-    for io in (card_io, tree_io, attn_io, rope_io, pos_io, norm_io, mlp_io, out_io, emb_io):
-        ev = ev.then(**io)
+    # The chain after "Show anatomy" carries the public names (/anatomy_card, ...); the same panels
+    # fired by their own controls below are private wiring.
+    for name, io in (("card", card_io), ("tree", tree_io), ("attention", attn_io), ("rope", rope_io),
+                     ("positions", pos_io), ("norm", norm_io), ("mlp", mlp_io), ("output", out_io),
+                     ("embeddings", emb_io)):
+        ev = ev.then(**io, api_name=f"anatomy_{name}")
 
     m.change(fn=model_changed, inputs=[m, a_layer, a_head], outputs=[a_layer, a_head, n_layer, m_layer, r_layer])
     compare.change(**card_io)

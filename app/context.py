@@ -34,51 +34,46 @@ def default_model() -> str:
     return os.environ.get("LMSCOPE_DEFAULT_MODEL", DEFAULT_MODEL)
 
 
+MAX_MODEL_NAME = 200
+
+
 def get_model(name: str) -> LoadedModel:
     """Load a model for a UI request. Only registry names and fine-tuned models: the browser may
     not name arbitrary paths or hub ids (no path traversal, no surprise downloads)."""
+    if name is not None and not isinstance(name, str):
+        raise gr.Error("The model must be given by its name.")
     name = (name or "").strip() or default_model()
+    if len(name) > MAX_MODEL_NAME:
+        raise gr.Error(f"Model names are at most {MAX_MODEL_NAME} characters; '{echo(name)}' is not one.")
     allowed = allowed_models()
     if allowed is not None and name not in allowed:
-        raise gr.Error(f"Model '{name}' is not enabled on this server.")
+        raise gr.Error(f"Model '{echo(name)}' is not enabled on this server.")
     try:
         return load_model(name, allow_paths=False, allow_hub=False)
     except LmscopeError as e:
-        raise gr.Error(str(e)) from None
-
-
-def guard(fn):
-    """Decorator for callbacks: every lmscope error (one user-facing sentence) and malformed input
-    becomes a gr.Error the page shows, never a traceback."""
-    import functools
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except gr.Error:
-            raise
-        except LmscopeError as e:
-            raise gr.Error(str(e)) from None
-        except (KeyError, IndexError, ValueError) as e:
-            raise gr.Error(f"Bad input: {e}") from None
-    return wrapper
-
-
-def user_error(e: Exception) -> gr.Error:
-    """One sentence for the UI from any lmscope error."""
-    return gr.Error(str(e))
+        raise gr.Error(one_sentence(e)) from None
 
 
 # ---------------------------------------------------------------------------------------------
-# Per-user limits (hosted demos): how many model requests one user may have running at once,
-# and the longest prompt. Users are the signed-in name, else the browser session.
+# Who is asking, and what they may do. Every value that arrives from the browser is hostile: the
+# owner of a job, a file path, a name. The owner is always derived here from the request (the
+# signed-in user; one shared "anonymous" owner with sign-in off), never taken as an argument.
 
 import contextlib  # noqa: E402
+import functools  # noqa: E402
+import inspect  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
 import threading  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
 
-_RUNNING: dict[str, int] = {}
-_RUNNING_LOCK = threading.Lock()
+ANONYMOUS = "anonymous"  # every browser user with sign-in off: there is no identity to tell them apart
+LOCAL = "local"  # a direct Python call (tests, scripts): no request at all
+CHARS_PER_TOKEN_CAP = 16  # text is measured in characters before tokenizing: 1,024 tokens -> 16,384 characters
+MAX_LIST_ITEMS = 4096  # multiselect values, uploaded files, ...
+ECHO_CHARS = 60  # a value quoted back in an error message is cut to this
 
 
 def _env_int(name: str, default: int) -> int:
@@ -92,24 +87,78 @@ def max_prompt_tokens() -> int:
     return _env_int("LMSCOPE_MAX_PROMPT_TOKENS", 1024)
 
 
+def max_text_chars() -> int:
+    return max_prompt_tokens() * CHARS_PER_TOKEN_CAP
+
+
 def generate_concurrency() -> int:
     """Generations streaming at once (their decode steps are batched together, so many are cheap)."""
     return _env_int("LMSCOPE_GENERATE_CONCURRENCY", 16)
 
 
-def user_key(request: gr.Request | None) -> str:
+def auth_on() -> bool:
+    return (os.environ.get("LMSCOPE_AUTH") or "off").strip().lower() not in ("", "off")
+
+
+def signed_in_user(request: gr.Request | None) -> str | None:
+    """The name Gradio's sign-in attached to this request's session cookie; None with sign-in off."""
+    return getattr(request, "username", None) or None if request is not None else None
+
+
+def job_owner(request: gr.Request | None) -> str:
+    """Whose name a new job is recorded under."""
     if request is None:
-        return "local"
-    return getattr(request, "username", None) or getattr(request, "session_hash", None) or "anonymous"
+        return LOCAL
+    user = signed_in_user(request)
+    if user:
+        return user
+    if auth_on():  # cannot happen through Gradio's sign-in; refuse rather than guess
+        raise gr.Error("Sign in first.")
+    return ANONYMOUS
+
+
+def job_viewer(request: gr.Request | None) -> str | None:
+    """The owner every job read, cancel and download is checked against: the signed-in user; None
+    (everyone's jobs) with sign-in off, where there is no identity to check."""
+    if request is None:
+        return None
+    user = signed_in_user(request)
+    if user:
+        return user
+    if auth_on():
+        raise gr.Error("Sign in first.")
+    return None
+
+
+def user_key(request: gr.Request | None) -> str:
+    """Whose request slots a request uses: the signed-in name, else the browser session."""
+    if request is None:
+        return LOCAL
+    return signed_in_user(request) or getattr(request, "session_hash", None) or ANONYMOUS
+
+
+def echo(value, limit: int = ECHO_CHARS) -> str:
+    """A value quoted back to the user, cut short: a 5,000-character name is not repeated in full."""
+    s = str(value)
+    return s if len(s) <= limit else s[: limit - 1] + "…"
+
+
+_RUNNING: dict[str, int] = {}
+_RUNNING_LOCK = threading.Condition()
+# A page fires several panels at once: they wait this long for one of the user's slots. Bounded,
+# because a waiting request holds a place of its concurrency group (tests/test_safe_to_host.py).
+SLOT_WAIT_S = 10.0
 
 
 @contextlib.contextmanager
-def user_slot(request: gr.Request | None):
-    """Hold one of the user's LMSCOPE_MAX_CONCURRENT_PER_USER request slots (released on return,
-    on error, and when a streaming client goes away)."""
+def user_slot(request: gr.Request | None, wait_s: float | None = None):
+    """Hold one of the user's LMSCOPE_MAX_CONCURRENT_PER_USER model slots (released on return, on
+    error, and when a streaming client goes away). A request that finds them all taken waits up to
+    `wait_s` for one, then gets one sentence."""
     key, limit = user_key(request), _env_int("LMSCOPE_MAX_CONCURRENT_PER_USER", 2)
+    wait_s = SLOT_WAIT_S if wait_s is None else wait_s
     with _RUNNING_LOCK:
-        if _RUNNING.get(key, 0) >= limit:
+        if not _RUNNING_LOCK.wait_for(lambda: _RUNNING.get(key, 0) < limit, timeout=wait_s):
             raise gr.Error(f"You already have {limit} requests running; wait for one to finish.")
         _RUNNING[key] = _RUNNING.get(key, 0) + 1
     try:
@@ -119,3 +168,133 @@ def user_slot(request: gr.Request | None):
             _RUNNING[key] -= 1
             if not _RUNNING[key]:
                 del _RUNNING[key]
+            _RUNNING_LOCK.notify_all()
+
+
+def check_inputs(values) -> None:
+    """Every text from the browser is capped in characters before anything tokenizes it, and every
+    list in length: one request must not hold a model (or the server's memory) for minutes."""
+    cap = max_text_chars()
+    for v in values:
+        if isinstance(v, str) and len(v) > cap:
+            raise gr.Error(f"That text is {len(v):,} characters; this server takes at most {cap:,} "
+                           f"(LMSCOPE_MAX_PROMPT_TOKENS × {CHARS_PER_TOKEN_CAP}).")
+        if isinstance(v, (list, tuple)):
+            if len(v) > MAX_LIST_ITEMS:
+                raise gr.Error(f"That list has {len(v):,} items; at most {MAX_LIST_ITEMS:,} are accepted.")
+            check_inputs([x for x in v if isinstance(x, str)])
+
+
+_PATHISH = re.compile(r"(?:[A-Za-z]+://\S+)|(?:(?<![\w.])/(?:[\w.@~+-]+/)+[\w.@~+-]*)")
+
+
+def one_sentence(e: BaseException) -> str:
+    """A user-facing message from any exception: its first line, no URLs or server paths, short."""
+    text = (str(e).strip().splitlines() or [""])[0]
+    text = _PATHISH.sub("…", text)
+    return echo(text, 300) if text else type(e).__name__
+
+
+def _request_of(args, kwargs) -> gr.Request | None:
+    r = kwargs.get("request")
+    if isinstance(r, gr.Request):
+        return r
+    return next((a for a in args if isinstance(a, gr.Request)), None)
+
+
+def _fail(fn, e: Exception):
+    """Map an exception from a callback to what the page shows: lmscope's own sentences as they are,
+    malformed input as 'Bad input', anything else logged with its traceback and shown as one line."""
+    if isinstance(e, gr.Error):
+        e.print_exception = False  # a sentence for the user is not a server fault: keep the log for bugs
+        return e
+    if isinstance(e, LmscopeError):
+        return quiet_error(one_sentence(e))
+    if isinstance(e, (KeyError, IndexError, ValueError, TypeError)):
+        return quiet_error(f"Bad input: {one_sentence(e)}")
+    print(f"lmscope: unexpected error in {fn.__qualname__}:", file=sys.stderr)
+    traceback.print_exception(e, file=sys.stderr)
+    return quiet_error(f"The server could not answer this request ({type(e).__name__}); the error was logged.")
+
+
+def quiet_error(message: str) -> gr.Error:
+    """What the page shows for anything the user can fix; Gradio logs no traceback for it."""
+    return gr.Error(message, print_exception=False)
+
+
+def endpoint(fn=None, *, model: bool = False):
+    """Every callback the browser can reach goes through this door:
+    - text and list inputs are capped before any work (check_inputs);
+    - model=True: the request holds one of the user's model slots while it runs (user_slot);
+    - every failure becomes one sentence for the page (never a traceback, a URL or a server path).
+    A test walks every event of the page and checks each is wrapped (tests/test_safe_to_host.py)."""
+    if fn is None:
+        return functools.partial(endpoint, model=model)
+
+    def slot(args, kwargs):
+        return user_slot(_request_of(args, kwargs)) if model else contextlib.nullcontext()
+
+    if inspect.isgeneratorfunction(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            try:
+                check_inputs(list(args) + list(kwargs.values()))
+                with slot(args, kwargs):
+                    yield from fn(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001
+                raise _fail(fn, e) from None
+    else:
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            try:
+                check_inputs(list(args) + list(kwargs.values()))
+                with slot(args, kwargs):
+                    return fn(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001
+                raise _fail(fn, e) from None
+    wrapper.__lmscope_endpoint__ = {"model": model}
+    return wrapper
+
+
+def guard(fn):
+    """An endpoint that touches no model (kept for the tab modules' existing decorators)."""
+    return endpoint(fn)
+
+
+def uploaded_file(f) -> Path:
+    """The path of a file this server received through its own upload route, or one sentence.
+    Gradio puts uploads in its upload folder; anything else (a path typed into a hand-made
+    request, a symlink out of the folder) is refused before anything reads or copies it."""
+    from gradio.utils import get_upload_folder
+
+    raw = f if isinstance(f, str) else getattr(f, "path", None) or getattr(f, "name", None)
+    if not isinstance(raw, str) or not raw:
+        raise gr.Error("That upload is not a file.")
+    root = Path(get_upload_folder()).resolve()
+    try:
+        real = Path(raw).resolve(strict=True)
+    except (OSError, RuntimeError):
+        raise gr.Error("That upload is not on the server any more; upload it again.") from None
+    if not real.is_file() or root not in real.parents:
+        raise gr.Error("Only files uploaded through this page are accepted.")
+    return real
+
+
+SCRATCH_KEEP = 16  # newest scratch folders kept per process; older ones are removed
+
+
+def scratch_dir(kind: str) -> Path:
+    """A new folder for files a callback hands to Gradio (which copies them into its own cache).
+    All of them live under one per-process folder and only the newest SCRATCH_KEEP stay, so a
+    callback called a thousand times leaves sixteen folders behind, not a thousand."""
+    import shutil
+    import tempfile
+    import uuid
+
+    root = Path(tempfile.gettempdir()) / f"lmscope-scratch-{os.getpid()}"
+    root.mkdir(mode=0o700, exist_ok=True)
+    d = root / f"{time.time_ns():020d}-{kind}-{uuid.uuid4().hex[:8]}"
+    d.mkdir(mode=0o700)
+    for old in sorted(root.iterdir())[:-SCRATCH_KEEP]:
+        shutil.rmtree(old, ignore_errors=True)
+    return d

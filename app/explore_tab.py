@@ -8,13 +8,12 @@ next-token logits.
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 import gradio as gr
 
 from app import figures, views
-from app.context import Shared, get_model, max_prompt_tokens, user_slot
+from app.context import Shared, endpoint, get_model, max_prompt_tokens, scratch_dir
 from app.trace_store import STORE
 from model_core.errors import LmscopeError
 from model_core.sampling import SamplingSettings
@@ -203,15 +202,15 @@ def next_outputs(tr, settings: SamplingSettings):
     return fig, rows
 
 
+@endpoint(model=True)
 def run_trace(model, prompt, chat, truncate, layer, head, query, lens_colour, temperature, top_k, top_p, min_p,
               rep, request: gr.Request = None):
     settings = _settings(temperature, top_k, top_p, min_p, rep)
     lm = get_model(model)
-    with user_slot(request):
-        try:
-            tr = trace(lm, prompt, chat=bool(chat), truncate=bool(truncate), max_tokens=max_prompt_tokens())
-        except LmscopeError as e:
-            raise gr.Error(str(e)) from None
+    try:
+        tr = trace(lm, prompt, chat=bool(chat), truncate=bool(truncate), max_tokens=max_prompt_tokens())
+    except LmscopeError as e:
+        raise gr.Error(str(e)) from None
     key = STORE.put(tr)
     shape = lm.shape
     L, H, T = shape.n_layers, shape.n_heads, tr.n_tokens
@@ -229,26 +228,30 @@ def run_trace(model, prompt, chat, truncate, layer, head, query, lens_colour, te
             gr.update(maximum=max(T - 1, 1), value=query), *figs, nfig, rows]
 
 
-def update_views(state, layer, head, query, lens_colour):
+@endpoint(model=True)
+def update_views(state, layer, head, query, lens_colour, request: gr.Request = None):
     tr = _get_trace(state)
     s = tr._lm.shape
     return render_views(tr, _clamp(layer, s.n_layers - 1), _clamp(head, s.n_heads - 1),
                         _clamp(query, tr.n_tokens - 1), lens_colour)
 
 
-def update_layer_head(state, layer, head, query, lens_colour):
+@endpoint(model=True)
+def update_layer_head(state, layer, head, query, lens_colour, request: gr.Request = None):
     tr = _get_trace(state)
     s = tr._lm.shape
     return render_layer_head(tr, _clamp(layer, s.n_layers - 1), _clamp(head, s.n_heads - 1),
                              _clamp(query, tr.n_tokens - 1))
 
 
+@endpoint
 def update_next(state, temperature, top_k, top_p, min_p, rep):
     tr = _get_trace(state)
     return next_outputs(tr, _settings(temperature, top_k, top_p, min_p, rep))
 
 
-def overview(state, metric, layer, head):
+@endpoint(model=True)
+def overview(state, metric, layer, head, request: gr.Request = None):
     if not state or not state.get("key"):
         return figures.empty_figure("Run a prompt to see every head.")
     tr = _get_trace(state)
@@ -256,9 +259,10 @@ def overview(state, metric, layer, head):
     return figures.head_overview(values, metric, (int(layer), int(head)))
 
 
+@endpoint
 def export(state):
     tr = _get_trace(state)
-    d = Path(tempfile.mkdtemp(prefix="lmscope-export-"))
+    d = scratch_dir("export")
     table = views.token_table(tr)
     table.to_csv(d / "tokens.csv", index=False)
     from model_core.cli import trace_summary

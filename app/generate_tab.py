@@ -9,7 +9,7 @@ from __future__ import annotations
 import gradio as gr
 
 from app import generate_figures as F
-from app.context import Shared, generate_concurrency, get_model, max_prompt_tokens, user_slot
+from app.context import Shared, endpoint, generate_concurrency, get_model, max_prompt_tokens
 from model_core.errors import LmscopeError
 from model_core.generate import (
     generation_to_json,
@@ -136,9 +136,9 @@ def build(shared: Shared) -> None:
     timing_md = gr.Markdown(elem_id="gen-timing")
 
     # --- callbacks --------------------------------------------------------------------
+    @endpoint(model=True)
     def run(model_name, prompt, chat, n_new, t, k, p, m, r, sd, stop_text, colour, request: gr.Request = None):
-        with user_slot(request):
-            yield from _run(model_name, prompt, chat, n_new, t, k, p, m, r, sd, stop_text, colour)
+        yield from _run(model_name, prompt, chat, n_new, t, k, p, m, r, sd, stop_text, colour)
 
     def _run(model_name, prompt, chat, n_new, t, k, p, m, r, sd, stop_text, colour):
         lm = get_model(model_name)
@@ -174,9 +174,10 @@ def build(shared: Shared) -> None:
     gen_inputs = [shared.model, shared.prompt, shared.chat, max_new, temperature, top_k, top_p, min_p, rep, seed,
                   stop, color_by]
     gen_event = go_btn.click(run, gen_inputs, gen_outputs, concurrency_id="generate",
-                             concurrency_limit=generate_concurrency())
+                             concurrency_limit=generate_concurrency(), api_name="generate")
 
-    def show_step(i, st, colour, with_att):
+    @endpoint(model=True)
+    def show_step(i, st, colour, with_att, request: gr.Request = None):
         if not st or not st["steps"]:
             return F.distribution_figure(None), "", F.attention_figure(None, []), gr.skip()
         i = int(max(0, min(int(i or 0), len(st["steps"]) - 1)))
@@ -198,18 +199,21 @@ def build(shared: Shared) -> None:
     step_sel.release(show_step, [step_sel, state, color_by, show_att], [dist, removed_md, att_plot, timeline])
     show_att.change(show_step, [step_sel, state, color_by, show_att], [dist, removed_md, att_plot, timeline])
 
-    def pick_token(st, colour, with_att, evt: gr.SelectData):
+    @endpoint
+    def pick_token(st, colour, with_att, evt: gr.SelectData, request: gr.Request = None):
         idx = evt.index if isinstance(evt.index, int) else (evt.index[0] if evt.index else 0)
-        return (gr.update(value=idx), *show_step(idx, st, colour, with_att))
+        return (gr.update(value=idx), *show_step(idx, st, colour, with_att, request))
 
     tokens.select(pick_token, [state, color_by, show_att], [step_sel, dist, removed_md, att_plot, timeline])
 
+    @endpoint
     def recolour(st, colour, i):
         return F.timeline_figure(st["steps"] if st else [], colour, int(i or 0))
 
     color_by.change(recolour, [state, color_by, step_sel], [timeline])
 
-    def samples(model_name, prompt, chat, n_new, t, k, p, m, r, sd, stop_text, n):
+    @endpoint(model=True)
+    def samples(model_name, prompt, chat, n_new, t, k, p, m, r, sd, stop_text, n, request: gr.Request = None):
         lm = get_model(model_name)
         settings = _settings(t, k, p, m, r)
         n = int(max(2, min(int(n or 2), MAX_SAMPLES)))
@@ -235,13 +239,15 @@ def build(shared: Shared) -> None:
         rows.append(["", f"{distinct} distinct texts out of {len(rows)}", "", "", ""])
         yield rows, F.samples_figure(gens)
 
-    samples_event = samples_btn.click(samples, gen_inputs[:-1] + [n_samples], [samples_df, samples_plot])
+    samples_event = samples_btn.click(samples, gen_inputs[:-1] + [n_samples], [samples_df, samples_plot],
+                                      api_name="sample")
 
     # Stop: cancelling closes the running generator, which ends generation at once (model_core
     # checks nothing more; the iterator is simply not advanced) and frees the model.
     stop_btn.click(None, None, None, cancels=[gen_event, samples_event])
 
-    def timing(st):
+    @endpoint(model=True)
+    def timing(st, request: gr.Request = None):
         if not st:
             raise gr.Error("Generate something first: the timing uses the current prompt.")
         lm = get_model(st["model"])

@@ -15,8 +15,7 @@ import gradio as gr
 import torch
 
 from app import interventions_figures as fig
-from app.context import Shared, default_model, get_model
-from app.context import guard as _guard
+from app.context import Shared, default_model, endpoint, get_model, job_owner, job_viewer
 from model_core import paths
 from model_core.attribution import direct_logit_attribution
 from model_core.errors import LmscopeError
@@ -72,7 +71,12 @@ def head_choices(n_layers: int, n_heads: int) -> list[str]:
     return [f"L{l}H{h}" for l in range(n_layers) for h in range(n_heads)]
 
 
-def _choices_update(name):
+@endpoint(model=True)
+def _choices_update(name, request: gr.Request = None):
+    from app.ui import model_names
+
+    if not isinstance(name, str) or name.strip() not in model_names():
+        name = default_model()  # never a path: _config_for joins the name onto server folders
     s = shape_of(name)
     if s is None:
         try:
@@ -119,8 +123,8 @@ def _pos_labels(lm, ids) -> list[str]:
 
 # --- handlers ----------------------------------------------------------------------------------
 
-@_guard
-def run_ablation(model, clean, target, other, kind, heads, mlps, neurons, mode):
+@endpoint(model=True)
+def run_ablation(model, clean, target, other, kind, heads, mlps, neurons, mode, request: gr.Request = None):
     lm = get_model(model)
     ab = Ablation(heads=parse_pairs(heads), mlps=tuple(int(l) for l in (mlps or [])),
                   neurons=parse_pairs(neurons, _NEURON, "neuron"), mode=mode or "zero")
@@ -177,8 +181,9 @@ def _patch_title(what: str, metric_desc: str) -> str:
             f"{metric_desc}")
 
 
-@_guard
-def run_patching(model, clean, corrupt, target, other, kind, what, align, progress=gr.Progress()):
+@endpoint(model=True)
+def run_patching(model, clean, corrupt, target, other, kind, what, align, request: gr.Request = None,
+                 progress=gr.Progress()):
     """Interactive sweep. Returns (summary, heatmap, job-offer visibility): a residual sweep over
     MAX_SWEEP_CELLS cells is not run here; the 'Run as a background job' box is shown instead."""
     lm = get_model(model)
@@ -216,26 +221,24 @@ def _jobs():
     return jobs
 
 
-@_guard
-def submit_patch_job(owner, model, clean, corrupt, target, other, kind, what, align):
-    """Queue the sweep on the worker. Returns (owner, job id, progress HTML, timer, summary)."""
-    import uuid
-
+@endpoint(model=True)
+def submit_patch_job(model, clean, corrupt, target, other, kind, what, align, request: gr.Request = None):
+    """Queue the sweep on the worker. Returns (job id, progress HTML, timer, summary)."""
     from app import jobs_figures as jf
 
     lm = get_model(model)  # the server's allow-list, and a bad target fails here, not on the worker
     m = _metric(lm, target, other, kind)
-    owner = owner or f"browser-{uuid.uuid4().hex[:12]}"
     params = {"model": (model or "").strip() or default_model(), "clean": clean, "corrupted": corrupt,
               "target": target, "other": other if m.kind == "logit_diff" else None,
               "sweep": "heads" if what == "heads" else "residual", "align": "right" if align else "error"}
-    rec = _jobs().submit("patching", params, owner=owner)
-    return (owner, rec["id"], jf.progress_html(rec), gr.Timer(active=True),
+    rec = _jobs().submit("patching", params, owner=job_owner(request))
+    return (rec["id"], jf.progress_html(rec), gr.Timer(active=True),
             f"Queued background job **{rec['id']}**; the heatmap appears here when it finishes. "
             f"It is also listed in the Jobs tab.")
 
 
-def poll_patch_job(job_id):
+@endpoint
+def poll_patch_job(job_id, request: gr.Request = None):
     """Timer tick: progress; when the job has finished, the heatmap from its patching.json."""
     from app import jobs_figures as jf
     from tasks.patching_job import read_result
@@ -243,7 +246,7 @@ def poll_patch_job(job_id):
     if not job_id:
         return gr.skip(), gr.skip(), gr.skip(), gr.Timer(active=False)
     try:
-        rec = _jobs().get_job(job_id)
+        rec = _jobs().get_job(job_id, job_viewer(request))
     except LmscopeError as e:
         return f"⚠️ {e}", gr.skip(), gr.skip(), gr.Timer(active=False)
     bar = jf.progress_html(rec)
@@ -262,19 +265,17 @@ def poll_patch_job(job_id):
     return bar, summary, heat, gr.Timer(active=False)
 
 
-def cancel_patch_job(job_id):
+@endpoint
+def cancel_patch_job(job_id, request: gr.Request = None):
     from app import jobs_figures as jf
 
     if not job_id:
         return gr.skip()
-    try:
-        return jf.progress_html(_jobs().cancel_job(job_id))
-    except LmscopeError as e:
-        raise gr.Error(str(e)) from None
+    return jf.progress_html(_jobs().cancel_job(job_id, owner=job_viewer(request)))
 
 
-@_guard
-def run_attribution(model, clean, target, other, kind):
+@endpoint(model=True)
+def run_attribution(model, clean, target, other, kind, request: gr.Request = None):
     lm = get_model(model)
     m = _metric(lm, target, other, kind)
     a = direct_logit_attribution(lm, clean, m)
@@ -292,8 +293,8 @@ def run_attribution(model, clean, target, other, kind):
     return summary, heads, bars
 
 
-@_guard
-def run_compare(model, a, b):
+@endpoint(model=True)
+def run_compare(model, a, b, request: gr.Request = None):
     lm = get_model(model)
     c = compare_prompts(lm, a, b, k=10)
     fa = fig.distribution([_tok(lm, i) for i in c.top["a"]["ids"]], c.top["a"]["probs"], "Prompt A: next token")
@@ -344,7 +345,6 @@ def build(shared: Shared) -> None:
                 job_cancel = gr.Button("Cancel job", variant="stop", elem_id="iv-job-cancel")
             job_bar = gr.HTML(elem_id="iv-job-progress")
         patch_plot = gr.Plot(label="Patching effect", elem_id="iv-patch-plot")
-        owner = gr.BrowserState("", storage_key="lmscope_owner")  # the Jobs tab's per-browser owner
         job_id = gr.State(None)
         job_timer = gr.Timer(JOB_POLL_S, active=False)
 
@@ -364,14 +364,15 @@ def build(shared: Shared) -> None:
 
     m = shared.model
     ablate_btn.click(run_ablation, [m, clean, target, other, kind, heads, mlps, neurons, mode],
-                     [ablate_md, ablate_bars, ablate_lens], concurrency_id="model")
+                     [ablate_md, ablate_bars, ablate_lens], concurrency_id="model", api_name="ablate")
     patch_btn.click(run_patching, [m, clean, corrupt, target, other, kind, what, align],
-                    [patch_md, patch_plot, job_box], concurrency_id="model")
-    job_btn.click(submit_patch_job, [owner, m, clean, corrupt, target, other, kind, what, align],
-                  [owner, job_id, job_bar, job_timer, patch_md])
+                    [patch_md, patch_plot, job_box], concurrency_id="model", api_name="patch")
+    job_btn.click(submit_patch_job, [m, clean, corrupt, target, other, kind, what, align],
+                  [job_id, job_bar, job_timer, patch_md], api_name="jobs_submit_patching")
     job_timer.tick(poll_patch_job, [job_id], [job_bar, patch_md, patch_plot, job_timer], show_progress="hidden")
     job_cancel.click(cancel_patch_job, [job_id], [job_bar])
     attr_btn.click(run_attribution, [m, clean, target, other, kind], [attr_md, attr_heads, attr_layers],
-                   concurrency_id="model")
-    cmp_btn.click(run_compare, [m, clean, corrupt], [cmp_a, cmp_b, cmp_diff], concurrency_id="model")
+                   concurrency_id="model", api_name="attribute")
+    cmp_btn.click(run_compare, [m, clean, corrupt], [cmp_a, cmp_b, cmp_diff], concurrency_id="model",
+                  api_name="compare_prompts")
     m.change(_choices_update, [m], [heads, mlps])

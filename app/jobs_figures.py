@@ -26,8 +26,10 @@ def job_details(rec: dict) -> str:
             src = ", ".join(p.get("corpus_files", [])) or "upload"
         return f"{p.get('algorithm')} · vocab {p.get('vocab_size')} · {src}"
     if rec.get("kind") == "sft":
-        method = f"LoRA r{p['lora_rank']}" if p.get("lora_rank") else "full"
-        out = p.get("output_name") or (rec.get("sft") or {}).get("model_name") or ""
+        method = f"LoRA r{p.get('lora_rank') or 8}" if p.get("method") == "lora" else "full"
+        # only a finished run registered a model: a cancelled or failed one points nowhere
+        out = ((rec.get("sft") or {}).get("model_name") or p.get("output_name") or ""
+               if rec.get("state") == "succeeded" else "")
         return f"{method} · {p.get('model')} · {p.get('dataset')}" + (f" → {out}" if out else "")
     if rec.get("kind") == "patching":
         return f"{p.get('sweep', 'residual')} patching · {p.get('model')} · target {p.get('target')!r}"
@@ -67,11 +69,29 @@ def progress_html(rec: dict | None) -> str:
     if rec.get("started") and rec.get("finished"):
         bits.append(f"ran {rec['finished'] - rec['started']:.1f} s")
     err = f"<div style='color:#dc2626'>{html.escape(rec['error'])}</div>" if rec.get("error") else ""
+    if rec.get("warning") and rec["state"] == "queued":
+        err += f"<div class='lmscope-job-warning' style='color:#a16207'>{html.escape(rec['warning'])}</div>"
     return (f"<div class='lmscope-job-progress' data-state='{rec['state']}' data-fraction='{frac:.4f}'>"
             f"<div>{' · '.join(bits)}</div>"
             f"<div style='background:#e5e7eb;border-radius:6px;height:14px;overflow:hidden;margin:6px 0'>"
             f"<div style='width:{frac * 100:.1f}%;background:{colour};height:100%;transition:width .8s'></div></div>"
             f"<div style='font-size:85%'>{frac * 100:.0f}%</div>{err}</div>")
+
+
+def download_url(job_id: str, name: str) -> str:
+    """Relative to the page, so it works behind a proxy's path prefix; served by app.main's
+    /download route, which checks the signed-in user owns the job."""
+    from urllib.parse import quote
+
+    return f"download/{quote(job_id, safe='')}/{quote(name, safe='')}"
+
+
+def downloads_html(rec: dict | None) -> str:
+    if not rec or not rec.get("artifacts"):
+        return "<div class='lmscope-downloads'><em>No files yet.</em></div>"
+    links = [f"<a href='{html.escape(download_url(rec['id'], a['name']))}' download>{html.escape(a['name'])}</a>"
+             for a in rec["artifacts"]]
+    return "<div class='lmscope-downloads'>Download: " + " · ".join(links) + "</div>"
 
 
 def histogram_figure(report: dict | None) -> go.Figure:

@@ -1,23 +1,19 @@
 """Jobs tab: submit tokenizer training, watch jobs move, cancel, download, and compare tokenizers.
 
-Owner: a per-browser uuid kept in localStorage (gr.BrowserState), so a reload keeps your jobs; the
-record's `owner` field. With sign-in on (LMSCOPE_AUTH), the owner is the signed-in user name and
-each user sees, cancels and downloads only their own jobs ("All sessions" is ignored). Without
-sign-in, "All sessions" shows everyone's jobs, but only the browser that submitted a job cancels it.
+Whose jobs: with sign-in on (LMSCOPE_AUTH), each user sees, cancels and downloads only their own
+jobs; with sign-in off there is no identity, so everyone on the server sees (and may cancel) every
+job. Either way the owner comes from the request (app.context.job_owner / job_viewer), never from
+the browser. Downloads are links to app.main's /download route, which checks the same owner.
 """
 
 from __future__ import annotations
 
 import functools
-import shutil
-import tempfile
-import uuid
-from pathlib import Path
 
 import gradio as gr
 
 from app import jobs_figures as jf
-from app.context import Shared
+from app.context import Shared, endpoint, job_owner, job_viewer, uploaded_file
 from model_core.errors import LmscopeError
 
 REFRESH_S = 1.5
@@ -28,18 +24,6 @@ def _jobs():
     from tasks import jobs
 
     return jobs
-
-
-def _owner(owner: str | None, request: gr.Request | None = None) -> str:
-    user = getattr(request, "username", None) if request is not None else None
-    if user:
-        return user
-    return owner or f"browser-{uuid.uuid4().hex[:12]}"
-
-
-def _strict(owner: str | None, request: gr.Request | None) -> str | None:
-    """The owner every read is checked against: the signed-in user; None (no check) without sign-in."""
-    return getattr(request, "username", None) if request is not None else None
 
 
 @functools.lru_cache(maxsize=16)
@@ -65,87 +49,69 @@ def _report(rec: dict | None) -> dict | None:
         return None
 
 
-def refresh(owner, show_all, selected, request: gr.Request = None):
+@endpoint
+def refresh(selected, request: gr.Request = None):
     """Timer tick: job list, and the selected job's progress + log."""
-    owner = _owner(owner, request)
-    if _strict(owner, request):
-        show_all = False
+    viewer = job_viewer(request)
     try:
-        recs = _jobs().list_jobs(owner=None if show_all else owner, limit=100)
-        status = ""
+        recs = _jobs().list_jobs(owner=viewer, limit=100)
     except LmscopeError as e:
-        return owner, gr.skip(), f"⚠️ {e}", gr.skip(), gr.skip()
+        return gr.skip(), f"⚠️ {e}", gr.skip(), gr.skip()
     sel = next((r for r in recs if r["id"] == selected), None)
     if sel is None and selected:
         try:
-            sel = _jobs().get_job(selected, _strict(owner, request))
+            sel = _jobs().get_job(selected, viewer)
         except LmscopeError:
             sel = None
     log = "\n".join(sel["log"]) if sel else ""
-    return owner, jf.jobs_table(recs), status, jf.progress_html(sel), log
+    return jf.jobs_table(recs), "", jf.progress_html(sel), log
 
 
-def submit(owner, algorithm, vocab, min_freq, specials, corpus_kind, files, corpus_mb, request: gr.Request = None):
-    owner = _owner(owner, request)
+@endpoint
+def submit(algorithm, vocab, min_freq, specials, corpus_kind, files, corpus_mb, request: gr.Request = None):
     params = {"algorithm": algorithm, "vocab_size": vocab, "min_frequency": min_freq,
               "special_tokens": specials or None, "corpus": "builtin",
               "corpus_max_mb": corpus_mb if corpus_mb else None}
     paths = []
     if corpus_kind == "upload":
-        paths = [f if isinstance(f, str) else getattr(f, "name", f) for f in (files or [])]
+        paths = [uploaded_file(f) for f in (files or [])]
         if not paths:
             raise gr.Error("Upload at least one .txt or .jsonl file, or choose the built-in corpus.")
-    try:
-        rec = _jobs().submit("tokenizer", params, owner=owner, files=paths)
-    except LmscopeError as e:
-        raise gr.Error(str(e)) from None
-    return owner, rec["id"], f"Queued job **{rec['id']}**."
+    rec = _jobs().submit("tokenizer", params, owner=job_owner(request), files=paths)
+    return rec["id"], f"Queued job **{rec['id']}**."
 
 
+@endpoint
 def select_job(evt: gr.SelectData):
     row = evt.row_value if evt is not None else None
     return row[0] if row else None
 
 
-def show_selected(selected, prompt, owner=None, request: gr.Request = None):
-    """Everything below the list for the selected job: progress, log, report, downloads."""
+@endpoint
+def show_selected(selected, request: gr.Request = None):
+    """Everything below the list for the selected job: progress, log, report, download links."""
     if not selected:
         return (jf.progress_html(None), "", "", jf.histogram_figure(None), jf.merges_table(None),
-                jf.compression_figure({}), None)
-    try:
-        rec = _jobs().get_job(selected, _strict(owner, request))
-    except LmscopeError as e:
-        raise gr.Error(str(e)) from None
+                jf.compression_figure({}), jf.downloads_html(None))
+    rec = _jobs().get_job(selected, job_viewer(request))
     rep = _report(rec)
     reports = {f"job {rec['id']} ({rep['algorithm']})": rep} if rep else {}
-    files = None
-    if rec.get("artifacts"):
-        tmp = Path(tempfile.mkdtemp(prefix=f"lmscope-{rec['id']}-"))
-        files = []
-        for a in rec["artifacts"]:
-            if Path(a["path"]).exists():
-                dst = tmp / f"{rec['id']}-{a['name']}"
-                shutil.copyfile(a["path"], dst)
-                files.append(str(dst))
     return (jf.progress_html(rec), "\n".join(rec["log"]), jf.summary_markdown(rec, rep), jf.histogram_figure(rep),
-            jf.merges_table(rep), jf.compression_figure(reports), files or None)
+            jf.merges_table(rep), jf.compression_figure(reports), jf.downloads_html(rec))
 
 
-def cancel(selected, owner=None, request: gr.Request = None):
+@endpoint
+def cancel(selected, request: gr.Request = None):
     if not selected:
         raise gr.Error("Select a job to cancel.")
-    try:
-        rec = _jobs().cancel_job(selected, owner=_owner(owner, request))
-    except LmscopeError as e:
-        raise gr.Error(str(e)) from None
+    rec = _jobs().cancel_job(selected, owner=job_viewer(request))
     return f"Job **{rec['id']}** is {rec['state']}."
 
 
-def tokenizer_choices(owner, show_all, request: gr.Request = None):
-    if _strict(owner, request):
-        show_all = False
+@endpoint
+def tokenizer_choices(request: gr.Request = None):
     try:
-        recs = _jobs().list_jobs(owner=None if show_all else _owner(owner, request), limit=100)
+        recs = _jobs().list_jobs(owner=job_viewer(request), limit=100)
     except LmscopeError:
         return gr.update()
     ch = [(f"{r['id']} · {jf.job_details(r)}", r["id"]) for r in recs
@@ -153,23 +119,25 @@ def tokenizer_choices(owner, show_all, request: gr.Request = None):
     return gr.update(choices=ch)
 
 
-def compare(prompt, ids, selected, owner=None, request: gr.Request = None):
+@endpoint(model=True)
+def compare(prompt, ids, selected, request: gr.Request = None):
     """The prompt tokenized by the default model's tokenizer and each chosen job's tokenizer."""
     from tasks.tokenizer_train import hf_pieces, token_pieces
 
     prompt = prompt or ""
-    ids = list(ids or [])
+    ids = [i for i in (ids or []) if isinstance(i, str)]
     if selected and selected not in ids:
         ids.insert(0, selected)
+    viewer = job_viewer(request)
     rows = []
     ref, why = _reference(DEFAULT_REF)
     rows.append((f"{DEFAULT_REF} (default model)", hf_pieces(ref, prompt) if ref is not None else why))
     reports = {}
-    for job_id in ids:
+    for job_id in ids[:8]:
         try:
-            rec = _jobs().get_job(job_id, _strict(owner, request))
+            rec = _jobs().get_job(job_id, viewer)
         except LmscopeError as e:
-            rows.append((job_id, str(e)))
+            rows.append((job_id[:40], str(e)))
             continue
         path = _jobs().artifact_path(rec, "tokenizer.json")
         if path is None:
@@ -187,7 +155,6 @@ def compare(prompt, ids, selected, owner=None, request: gr.Request = None):
 def build(shared: Shared) -> None:
     from tasks.tokenizer_train import ALGORITHMS, VOCAB_MAX, VOCAB_MIN
 
-    owner = gr.BrowserState("", storage_key="lmscope_owner")
     selected = gr.State(None)
     gr.Markdown("Background jobs run on a Celery worker; they keep running if you close the page. "
                 "Train a tokenizer on the built-in corpus (Python's standard-library docstrings) or your "
@@ -212,16 +179,14 @@ def build(shared: Shared) -> None:
             submit_btn = gr.Button("Submit job", variant="primary", elem_id="job-submit")
             status = gr.Markdown(elem_id="job-status")
         with gr.Column(scale=2):
-            with gr.Row():
-                gr.Markdown("### Jobs")
-                show_all = gr.Checkbox(False, label="All sessions", elem_id="job-show-all")
+            gr.Markdown("### Jobs" + (" (yours)" if _signed_in_server() else " (everyone's on this server)"))
             table = gr.Dataframe(jf.jobs_table([]), interactive=False, wrap=True, elem_id="job-table",
                                  label="Click a row to see its progress, log and report")
             progress = gr.HTML(jf.progress_html(None), elem_id="job-progress")
             with gr.Row():
                 cancel_btn = gr.Button("Cancel job", variant="stop", elem_id="job-cancel")
             log = gr.Textbox(label="Log", lines=8, max_lines=16, interactive=False, elem_id="job-log")
-            downloads = gr.File(label="Artifacts", file_count="multiple", interactive=False, elem_id="job-files-out")
+            downloads = gr.HTML(jf.downloads_html(None), elem_id="job-files-out")
     gr.Markdown("### Tokenizer report")
     summary = gr.Markdown(elem_id="job-summary")
     with gr.Row():
@@ -237,25 +202,35 @@ def build(shared: Shared) -> None:
     compared = gr.HTML(elem_id="job-compare-out")
 
     timer = gr.Timer(REFRESH_S)
-    tick_out = [owner, table, status, progress, log]
-    timer.tick(refresh, [owner, show_all, selected], tick_out, show_progress="hidden", queue=False)
-    show_all.change(refresh, [owner, show_all, selected], tick_out)
-    corpus_kind.change(lambda k: gr.update(visible=k == "upload"), [corpus_kind], [files])
+    tick_out = [table, status, progress, log]
+    timer.tick(refresh, [selected], tick_out, show_progress="hidden", queue=False, api_name="jobs_list")
+    corpus_kind.change(show_if_upload, [corpus_kind], [files])
     detail_out = [progress, log, summary, hist, merges, comp, downloads]
-    submit_btn.click(submit, [owner, algorithm, vocab, min_freq, specials, corpus_kind, files, corpus_mb],
-                     [owner, selected, status]).then(refresh, [owner, show_all, selected], tick_out)
+    submit_btn.click(submit, [algorithm, vocab, min_freq, specials, corpus_kind, files, corpus_mb],
+                     [selected, status], api_name="jobs_submit_tokenizer").then(refresh, [selected], tick_out)
     table.select(select_job, None, [selected])
-    selected.change(show_selected, [selected, shared.prompt, owner], detail_out).then(
-        tokenizer_choices, [owner, show_all], [others])
-    cancel_btn.click(cancel, [selected, owner], [status]).then(refresh, [owner, show_all, selected], tick_out)
+    selected.change(show_selected, [selected], detail_out).then(tokenizer_choices, None, [others])
+    cancel_btn.click(cancel, [selected], [status]).then(refresh, [selected], tick_out)
     # when the selected job finishes, load its report once
-    progress.change(_maybe_report, [selected, progress, owner], detail_out, show_progress="hidden")
-    compare_btn.click(compare, [shared.prompt, others, selected, owner], [compared, comp])
-    others.focus(tokenizer_choices, [owner, show_all], [others])
+    progress.change(_maybe_report, [selected, progress], detail_out, show_progress="hidden")
+    compare_btn.click(compare, [shared.prompt, others, selected], [compared, comp], api_name="tokenize")
+    others.focus(tokenizer_choices, None, [others])
 
 
-def _maybe_report(selected, progress_html, owner=None, request: gr.Request = None):
-    h = progress_html or ""
+def _signed_in_server() -> bool:
+    from app.context import auth_on
+
+    return auth_on()
+
+
+@endpoint
+def show_if_upload(kind):
+    return gr.update(visible=kind == "upload")
+
+
+@endpoint
+def _maybe_report(selected, progress_html, request: gr.Request = None):
+    h = progress_html if isinstance(progress_html, str) else ""
     if selected and any(f"data-state='{s}'" in h for s in ("succeeded", "failed", "cancelled")):
-        return show_selected(selected, None, owner, request)
+        return show_selected(selected, request)
     return [gr.skip()] * 7

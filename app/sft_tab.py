@@ -1,8 +1,9 @@
 """SFT tab: fine-tune a model as a background job, follow its loss curves, see the loss mask of a
 training example, and compare the fine-tuned model with its base on one prompt.
 
-Jobs go through tasks.jobs (the same queue and records as the Jobs tab, kind 'sft'); the owner is
-the Jobs tab's (per-browser id in localStorage, or the signed-in user). Figures: app/sft_figures.py.
+Jobs go through tasks.jobs (the same queue and records as the Jobs tab, kind 'sft'); whose jobs is
+decided from the request as in the Jobs tab (app.context.job_owner / job_viewer). Uploads are
+accepted only from Gradio's upload folder (app.context.uploaded_file). Figures: app/sft_figures.py.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import gradio as gr
 
 from app import sft_figures as sf
-from app.context import Shared, default_model, get_model
+from app.context import Shared, default_model, endpoint, get_model, job_owner, job_viewer, uploaded_file
 from model_core import sft
 from model_core.errors import LmscopeError
 
@@ -21,22 +22,6 @@ def _jobs():
     from tasks import jobs
 
     return jobs
-
-
-def _owner(owner, request):
-    from app.jobs_tab import _owner as o
-
-    return o(owner, request)
-
-
-def _strict(owner, request):
-    from app.jobs_tab import _strict as s
-
-    return s(owner, request)
-
-
-def _path(f):
-    return f if isinstance(f, str) or f is None else getattr(f, "name", f)
 
 
 def _finetuned_choices() -> list[str]:
@@ -51,10 +36,11 @@ def _base_choices() -> list[str]:
     return [v for _, v in model_choices()]
 
 
-def submit(owner, model, dataset_kind, upload, method, rank, lr, steps, batch, max_len, seed, name,
+@endpoint
+def submit(model, dataset_kind, upload, method, rank, lr, steps, batch, max_len, seed, name,
            request: gr.Request = None):
-    owner = _owner(owner, request)
-    params = {"model": model or default_model(), "method": method, "lora_rank": int(rank or 8),
+    params = {"model": model or default_model(), "method": method,
+              "lora_rank": int(rank or 8) if method == "lora" else None,
               "learning_rate": lr or None, "max_steps": int(steps) if steps else None,
               "batch_size": int(batch or 8), "max_length": int(max_len or 256), "seed": int(seed or 0),
               "output_name": (name or "").strip() or None}
@@ -62,34 +48,33 @@ def submit(owner, model, dataset_kind, upload, method, rank, lr, steps, batch, m
     if dataset_kind == "upload":
         if not upload:
             raise gr.Error("Upload a .jsonl dataset, or choose the built-in one.")
-        files = [_path(upload)]
-    try:
-        rec = _jobs().submit("sft", params, owner=owner, files=files)
-    except LmscopeError as e:
-        raise gr.Error(str(e)) from None
-    return (owner, rec["id"], gr.update(choices=_job_choices(owner, request), value=rec["id"]),
+        files = [uploaded_file(upload)]
+    rec = _jobs().submit("sft", params, owner=job_owner(request), files=files)
+    return (rec["id"], gr.update(choices=_job_choices(request), value=rec["id"]),
             f"Queued job **{rec['id']}**; it will register **{rec['sft']['model_name']}**.")
 
 
-def _job_choices(owner, request=None) -> list[tuple[str, str]]:
+def _job_choices(request=None) -> list[tuple[str, str]]:
     try:
-        recs = _jobs().list_jobs(owner=_owner(owner, request), limit=100)
+        recs = _jobs().list_jobs(owner=job_viewer(request), limit=100)
     except LmscopeError:
         return []
     return [(f"{r['id']} · {r['state']} · {r['params'].get('model')} ({r['params'].get('method')})", r["id"])
             for r in recs if r["kind"] == "sft"]
 
 
-def job_choices(owner, request: gr.Request = None):
-    return gr.update(choices=_job_choices(owner, request))
+@endpoint
+def job_choices(request: gr.Request = None):
+    return gr.update(choices=_job_choices(request))
 
 
-def refresh(owner, selected, request: gr.Request = None):
+@endpoint
+def refresh(selected, request: gr.Request = None):
     """Timer tick: the selected job's progress, curves and accuracy."""
     if not selected:
         return sf.status_markdown(None), gr.skip(), gr.skip(), ""
     try:
-        rec = _jobs().get_job(selected, _strict(owner, request))
+        rec = _jobs().get_job(selected, job_viewer(request))
     except LmscopeError as e:
         return f"⚠️ {e}", gr.skip(), gr.skip(), ""
     hist = (rec.get("sft") or {}).get("history")
@@ -97,22 +82,21 @@ def refresh(owner, selected, request: gr.Request = None):
             sf.accuracy_examples_html(rec))
 
 
-def cancel(owner, selected, request: gr.Request = None):
+@endpoint
+def cancel(selected, request: gr.Request = None):
     if not selected:
         raise gr.Error("Pick a job to cancel.")
-    try:
-        rec = _jobs().cancel_job(selected, owner=_owner(owner, request))
-    except LmscopeError as e:
-        raise gr.Error(str(e)) from None
+    rec = _jobs().cancel_job(selected, owner=job_viewer(request))
     return f"Job **{rec['id']}** is {rec['state']}."
 
 
-def show_mask(model, dataset_kind, upload, index):
+@endpoint(model=True)
+def show_mask(model, dataset_kind, upload, index, request: gr.Request = None):
     """One training example, each token coloured by whether it counts in the loss."""
     lm = get_model(model)
     try:
         if dataset_kind == "upload" and upload:
-            convs = sft.load_jsonl(_path(upload))
+            convs = sft.load_jsonl(uploaded_file(upload))
         else:
             convs, _ = sft.builtin_dataset(max(8, int(index or 0) + 1), 0, 0)
         i = max(0, min(int(index or 0), len(convs) - 1))
@@ -121,7 +105,8 @@ def show_mask(model, dataset_kind, upload, index):
         raise gr.Error(str(e)) from None
 
 
-def compare(base, tuned, prompt, chat):
+@endpoint(model=True)
+def compare(base, tuned, prompt, chat, request: gr.Request = None):
     """One prompt through base and fine-tuned models."""
     if not tuned:
         raise gr.Error("Pick a fine-tuned model to compare.")
@@ -137,6 +122,7 @@ def compare(base, tuned, prompt, chat):
             sf.attn_diff_figure(r["attn_diff"]))
 
 
+@endpoint
 def parent_of(tuned):
     if not tuned:
         return gr.skip()
@@ -147,7 +133,6 @@ def parent_of(tuned):
 
 
 def build(shared: Shared) -> None:
-    owner = gr.BrowserState("", storage_key="lmscope_owner")
     selected = gr.State(None)
     gr.Markdown("Fine-tune a model on chat data in the background (loss on assistant tokens only), then compare "
                 "it with its base. The built-in dataset asks to rewrite ISO dates as DD/MM/YYYY: the base "
@@ -202,18 +187,39 @@ def build(shared: Shared) -> None:
         attn_plot = gr.Plot(elem_id="sft-attn")
     lens_table = gr.HTML(elem_id="sft-lens-table")
 
-    dataset_kind.change(lambda k: gr.update(visible=k == "upload"), [dataset_kind], [upload])
-    method.change(lambda m: gr.update(visible=m == "lora"), [method], [rank])
-    submit_btn.click(submit, [owner, model, dataset_kind, upload, method, rank, lr, steps, batch, max_len, seed, name],
-                     [owner, selected, job, status])
-    job.change(lambda j: j, [job], [selected])
-    job.focus(job_choices, [owner], [job])
+    dataset_kind.change(show_if_upload, [dataset_kind], [upload])
+    method.change(show_if_lora, [method], [rank])
+    submit_btn.click(submit, [model, dataset_kind, upload, method, rank, lr, steps, batch, max_len, seed, name],
+                     [selected, job, status], api_name="jobs_submit_sft")
+    job.change(pick_job, [job], [selected])
+    job.focus(job_choices, None, [job])
     timer = gr.Timer(REFRESH_S)
-    timer.tick(refresh, [owner, selected], [info, loss_plot, tput_plot, examples], show_progress="hidden",
+    timer.tick(refresh, [selected], [info, loss_plot, tput_plot, examples], show_progress="hidden",
                queue=False)
-    cancel_btn.click(cancel, [owner, selected], [status])
-    mask_btn.click(show_mask, [model, dataset_kind, upload, index], [mask_out])
-    refresh_models.click(lambda: gr.update(choices=_finetuned_choices()), None, [tuned])
+    cancel_btn.click(cancel, [selected], [status])
+    mask_btn.click(show_mask, [model, dataset_kind, upload, index], [mask_out], api_name="loss_mask")
+    refresh_models.click(finetuned_choices, None, [tuned])
     tuned.change(parent_of, [tuned], [base])
     cmp_btn.click(compare, [base, tuned, shared.prompt, shared.chat],
-                  [next_plot, kl_plot, lens_plot, lens_table, attn_plot], concurrency_id="model")
+                  [next_plot, kl_plot, lens_plot, lens_table, attn_plot], concurrency_id="model",
+                  api_name="compare_models")
+
+
+@endpoint
+def show_if_upload(kind):
+    return gr.update(visible=kind == "upload")
+
+
+@endpoint
+def show_if_lora(method):
+    return gr.update(visible=method == "lora")
+
+
+@endpoint
+def pick_job(job):
+    return job if isinstance(job, str) else None
+
+
+@endpoint
+def finetuned_choices():
+    return gr.update(choices=_finetuned_choices())

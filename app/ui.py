@@ -8,7 +8,8 @@ import importlib.util
 
 import gradio as gr
 
-from app.context import Shared, allowed_models, default_model, get_model
+from app.api import harden
+from app.context import Shared, allowed_models, default_model, endpoint, get_model
 from app.explore_tab import ExploreTab
 from model_core.registry import list_models
 
@@ -42,7 +43,12 @@ def model_choices() -> list[tuple[str, str]]:
     return out
 
 
-def model_info(name: str) -> str:
+def model_names() -> list[str]:
+    return [v for _, v in model_choices()]
+
+
+@endpoint(model=True)
+def model_info(name: str, request: gr.Request = None) -> str:
     try:
         lm = get_model(name)
     except gr.Error as e:
@@ -55,6 +61,7 @@ def model_info(name: str) -> str:
             + (" · has a chat template" if s["chat_template"] else ""))
 
 
+@endpoint
 def from_url(request: gr.Request):
     """Initial values from ?model=...&prompt=...; returns updates for the shared and explore inputs."""
     q = dict(request.query_params) if request is not None else {}
@@ -65,7 +72,7 @@ def from_url(request: gr.Request):
         except (KeyError, ValueError, TypeError):
             return default
     model = q.get("model") or default_model()
-    if model not in [v for _, v in model_choices()]:
+    if model not in model_names():
         model = default_model()
     return (model, q.get("prompt", EXAMPLE_PROMPT), q.get("chat") in ("1", "true"),
             max(0, num("layer", int, 0)), max(0, num("head", int, 0)), max(0, num("query", int, 0)),
@@ -101,7 +108,7 @@ def build_demo() -> gr.Blocks:
                     importlib.import_module(module).build(shared)
 
         ev_run, ev_submit = explore.wire(run)
-        model.change(model_info, [model], [info])
+        model.change(model_info, [model], [info], api_name="model_info")
         url_inputs = [model, prompt, chat, explore.layer, explore.head, explore.query, *explore.sampling_inputs]
         for ev in (ev_run, ev_submit):
             ev.then(None, url_inputs, None, js=URL_JS)
@@ -116,21 +123,26 @@ def build_demo() -> gr.Blocks:
              *explore.view_outputs, explore.next_plot, explore.stages],
             concurrency_id="model",
         ).then(_overview_if_ready, [explore.state, explore.metric, explore.layer, explore.head], [explore.overview])
+    harden(demo)
     return demo
 
 
-def _autorun(autorun, model, prompt, chat, truncate, layer, head, *rest):
+@endpoint
+def _autorun(autorun, model, prompt, chat, truncate, layer, head, lens_colour, temperature, top_k, top_p, min_p, rep,
+             request: gr.Request = None):
     """A shared link (?prompt=...) reproduces the view at once; a plain visit waits for Run."""
     from app.explore_tab import run_trace
 
-    if not autorun.get("run"):
+    if not isinstance(autorun, dict) or not autorun.get("run"):
         return [gr.skip()] * 18
-    return run_trace(model, prompt, chat, truncate, layer, head, autorun.get("query", -1), *rest)
+    return run_trace(model, prompt, chat, truncate, layer, head, autorun.get("query", -1), lens_colour, temperature,
+                     top_k, top_p, min_p, rep, request=request)
 
 
-def _overview_if_ready(state, metric, layer, head):
+@endpoint
+def _overview_if_ready(state, metric, layer, head, request: gr.Request = None):
     from app.explore_tab import overview
 
     if not state or not state.get("key"):
         return gr.skip()
-    return overview(state, metric, layer, head)
+    return overview(state, metric, layer, head, request=request)

@@ -58,7 +58,7 @@ def user(url, auth, model, n_requests, new_tokens, idx, out, errors, start_evt, 
             if kind == "trace":
                 c.predict(*trace_args(model, prompt), api_name="/trace")
             else:
-                c.predict(*gen_args(model, prompt, new_tokens), api_name="/run")
+                c.predict(*gen_args(model, prompt, new_tokens), api_name="/generate")
             out.append((kind, time.perf_counter() - t0))
         except Exception as e:  # noqa: BLE001
             errors.append(f"user {idx} {kind}: {type(e).__name__}: {str(e)[:120]}")

@@ -209,7 +209,9 @@ def _check_messages(msgs, where: str) -> list[dict]:
 def parse_example(obj, where: str = "example") -> list[dict]:
     """One JSON object -> a list of messages (prompt/completion becomes user + assistant)."""
     if not isinstance(obj, dict):
-        raise DatasetError(f"{where}: expected a JSON object, got {type(obj).__name__}.")
+        kind = {type(None): "null", list: "a list", str: "a string", bool: "true/false", int: "a number",
+                float: "a number"}.get(type(obj), "something else")
+        raise DatasetError(f"{where}: expected a JSON object like {{\"messages\": [...]}}, got {kind}.")
     if "messages" in obj:
         return _check_messages(obj["messages"], where)
     if "prompt" in obj or "completion" in obj:

@@ -9,6 +9,8 @@ layer's own norm and projections; tests check them equal to transformers' eager 
 
 from __future__ import annotations
 
+import os
+
 import re
 import threading
 import time
@@ -156,6 +158,16 @@ class Trace:
         return float(torch.exp(-lp.float().mean()))
 
 
+def server_token_cap() -> int:
+    """LMSCOPE_MAX_PROMPT_TOKENS, where an operator set one: it bounds every entry point that
+    encodes a prompt (traces, generation, interventions, anatomy, compare), not only the ones
+    that pass max_tokens."""
+    try:
+        return max(1, int(os.environ.get("LMSCOPE_MAX_PROMPT_TOKENS") or 10**9))
+    except ValueError:
+        return 10**9
+
+
 def encode_prompt(lm, prompt: str, chat: bool = False, max_tokens: int | None = DEFAULT_MAX_TOKENS,
                   truncate: bool = False) -> list[int]:
     """Prompt text -> token ids, with the checks every entry point needs."""
@@ -174,7 +186,7 @@ def encode_prompt(lm, prompt: str, chat: bool = False, max_tokens: int | None = 
     else:
         ids = tok(prompt, add_special_tokens=True)["input_ids"]
     ids = [int(i) for i in ids]
-    limit = min(max_tokens or 10**9, lm.shape.context_length)
+    limit = min(max_tokens or 10**9, server_token_cap(), lm.shape.context_length)
     if len(ids) > limit:
         if not truncate:
             raise PromptError(

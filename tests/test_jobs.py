@@ -268,17 +268,20 @@ def test_jobs_tab_callbacks_against_live_worker(svc, jobs):
 
     from app import jobs_tab
 
-    owner, job_id, msg = jobs_tab.submit("", "bpe", 400, 2, "<unk>, <s>", "builtin", None, 0.1)
-    assert owner.startswith("browser-") and job_id in msg
+    job_id, msg = jobs_tab.submit("bpe", 400, 2, "<unk>, <s>", "builtin", None, 0.1)
+    assert job_id in msg and jobs.get_job(job_id)["owner"] == "local"  # a direct call: no request, no browser
     for _ in range(300):
-        _, table, status, prog, log = jobs_tab.refresh(owner, False, job_id)
+        table, status, prog, log = jobs_tab.refresh(job_id)
         if "data-state='succeeded'" in prog:
             break
         time.sleep(0.2)
     assert list(table["id"]) == [job_id] and table["state"][0] == "succeeded" and status == ""
-    prog, log, summary, hist, merges, comp, files = jobs_tab.show_selected(job_id, "")
-    assert "vocabulary **400**" in summary and len(merges) == 40 and len(files) == 2
-    assert merges["rank"].iloc[-1] == int(json.loads(Path(files[1]).read_text())["num_merges"])
+    prog, log, summary, hist, merges, comp, links = jobs_tab.show_selected(job_id)
+    assert "vocabulary **400**" in summary and len(merges) == 40
+    # downloads are links to the owner-checked /download route, not copies in a temp folder
+    assert f"download/{job_id}/tokenizer.json" in links and f"download/{job_id}/report.json" in links
+    report = jobs.artifact_path(jobs.get_job(job_id), "report.json")
+    assert merges["rank"].iloc[-1] == int(json.loads(report.read_text())["num_merges"])
     html, fig = jobs_tab.compare("Tokenize this, please.", [], job_id)
     assert html.count("<b>") == 2 and html.count("title='id ") > 5
     from tokenizers import Tokenizer
@@ -286,13 +289,13 @@ def test_jobs_tab_callbacks_against_live_worker(svc, jobs):
     from tasks.tokenizer_train import hf_pieces, reference_tokenizer, token_pieces
 
     text = "Tokenize  this,\nplease."
-    tok = Tokenizer.from_file(files[0])
+    tok = Tokenizer.from_file(str(jobs.artifact_path(jobs.get_job(job_id), "tokenizer.json")))
     assert "".join(p["text"] for p in token_pieces(tok, text)) == text  # boundaries cover the prompt
     ref, _ = reference_tokenizer()
     if ref is not None:
         assert "".join(p["text"] for p in hf_pieces(ref, text)) == text
     with pytest.raises(gr.Error, match="too small"):
-        jobs_tab.submit(owner, "bpe", 20, 2, "", "builtin", None, None)
+        jobs_tab.submit("bpe", 20, 2, "", "builtin", None, None)
 
 
 def test_redis_killed_mid_job(svc, jobs, finished_bytelevel):

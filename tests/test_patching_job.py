@@ -187,10 +187,9 @@ def test_interventions_tab_offers_and_runs_the_job(svc, jobs, monkeypatch):
     summary, plot, offer = tab.run_patching(MODEL, CLEAN, CORRUPT, "P", "R", "logit_diff", "resid", False,
                                             progress=lambda *a, **k: None)
     assert "background job" in summary and "102 patched runs" in summary and offer["visible"] is True
-    owner, job_id, bar, timer, msg = tab.submit_patch_job("", MODEL, CLEAN, CORRUPT, "P", "R", "logit_diff",
-                                                          "resid", False)
-    assert owner.startswith("browser-") and job_id in msg and "data-state='queued'" in bar
-    assert jobs.get_job(job_id)["owner"] == owner
+    job_id, bar, timer, msg = tab.submit_patch_job(MODEL, CLEAN, CORRUPT, "P", "R", "logit_diff", "resid", False)
+    assert job_id in msg and "data-state='queued'" in bar
+    assert jobs.get_job(job_id)["owner"] == "local"  # from the request (none here), never from the browser
     t0 = time.time()
     while True:
         bar, summary, heat, timer = tab.poll_patch_job(job_id)
@@ -208,5 +207,5 @@ def test_interventions_tab_offers_and_runs_the_job(svc, jobs, monkeypatch):
     # a bad target fails in the page, before anything is queued
     n = len(jobs.list_jobs(limit=1000))
     with pytest.raises(Exception, match="6 tokens"):
-        tab.submit_patch_job(owner, MODEL, CLEAN, CORRUPT, " Paris", "R", "logit_diff", "resid", False)
+        tab.submit_patch_job(MODEL, CLEAN, CORRUPT, " Paris", "R", "logit_diff", "resid", False)
     assert len(jobs.list_jobs(limit=1000)) == n
