@@ -23,6 +23,11 @@ def url_file(data_dir: Path | None = None) -> Path:
     return Path(data_dir or paths.data_dir()) / "redis.url"
 
 
+def password_file(data_dir: Path | None = None) -> Path:
+    """The embedded server's password (generated once per data folder, mode 0600)."""
+    return Path(data_dir or paths.data_dir()) / "redis" / "password"
+
+
 def redis_url() -> str:
     url = os.environ.get("REDIS_URL", "").strip()
     if url:
@@ -56,6 +61,12 @@ def heartbeat_every_s() -> float:
 
 def upload_max_bytes() -> int:
     return int(float(os.environ.get("LMSCOPE_UPLOAD_MAX_MB") or 20) * 1024 * 1024)
+
+
+# Every Celery worker process (its main process) sets lmscope:worker:<node name> this often, with a
+# time-to-live of WORKER_BEAT_TTL_S: a killed worker stops counting as live within that long.
+WORKER_BEAT_EVERY_S = 2.0
+WORKER_BEAT_TTL_S = 6
 
 
 # Longer than any job may run: an unacked message (acks_late) is only redelivered after this

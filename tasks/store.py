@@ -7,6 +7,8 @@ Keys (prefix lmscope:):
   jobs:active         set of ids in state queued|running (what the reaper scans)
   job:<id>:cancel     cancel flag, checked by the running task between steps
   job:<id>:hb         heartbeat "time pid host" written by the running task
+  worker:<node name>  a live Celery worker's heartbeat (JSON: node, pid, host, time), set every
+                      config.WORKER_BEAT_EVERY_S with a time-to-live of config.WORKER_BEAT_TTL_S
 
 Record: id, kind, params, owner, state (queued|running|succeeded|failed|cancelled),
 progress {fraction, stage, eta_seconds}, log [lines], error, artifacts [{name, path, bytes}],
@@ -233,3 +235,37 @@ def reap(r: redis.Redis | None = None, stale_after: float | None = None) -> list
         if update(job_id, fail, r) is not None:
             reaped.append(job_id)
     return reaped
+
+
+# ---- live workers ---------------------------------------------------------------------------
+
+def worker_key(node: str) -> str:
+    return _k("worker", node)
+
+
+def worker_beat(node: str, r: redis.Redis, ttl: float | None = None) -> None:
+    """The worker `node` is alive (called by its main process every WORKER_BEAT_EVERY_S)."""
+    doc = {"node": node, "pid": os.getpid(), "host": socket.gethostname(), "time": round(time.time(), 3)}
+    r.set(worker_key(node), json.dumps(doc), ex=int(ttl or config.WORKER_BEAT_TTL_S))
+
+
+def worker_gone(node: str, r: redis.Redis) -> None:
+    r.delete(worker_key(node))
+
+
+def worker_beats(r: redis.Redis) -> list[dict]:
+    """The heartbeats of the workers alive now (any client: str or bytes replies)."""
+    keys = list(r.scan_iter(match=_k("worker", "*"), count=1000))
+    out = []
+    for raw in (r.mget(keys) if keys else []):
+        if raw:
+            try:
+                out.append(json.loads(raw))
+            except ValueError:
+                continue
+    return out
+
+
+def live_workers(r: redis.Redis) -> int:
+    """How many Celery workers sent a heartbeat within their time-to-live."""
+    return sum(1 for _ in r.scan_iter(match=_k("worker", "*"), count=1000))

@@ -22,7 +22,8 @@ class LiveServices:
     def __init__(self, data_dir: Path, stale_s: float = 6.0):
         self.data_dir = Path(data_dir)
         self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        # the embedded server always requires the data folder's password (tasks/services.py)
+        self.url = services.embedded_url(self.port, services.redis_password(self.data_dir))
         self.stale_s = stale_s
         self.redis = None
         self.worker = None
