@@ -1,7 +1,8 @@
 """Entry point for `lmscope serve`: embedded services (Redis + worker) unless told otherwise,
 then the Gradio app mounted on a FastAPI app that also answers the operator's endpoints:
 
-  GET /healthz  -> 200 {"status": "ok"}; public (for load balancers and compose health checks).
+  GET /healthz  -> 200 {"status": "ok"}, or {"status": "degraded", "down": {...}} when the job queue or
+                   every job worker is down; public (for load balancers and compose health checks).
   GET /metrics  -> JSON: job queue length, jobs by state, loaded models and their devices, GPU memory,
                    trace cache size. With sign-in on it needs `Authorization: Bearer <token>`
                    (LMSCOPE_AUTH_TOKEN, or `user:password` of a users-file user).
@@ -43,8 +44,8 @@ def metrics(settings) -> dict:
                 st = json.loads(raw).get("state", "unknown")
                 by_state[st] = by_state.get(st, 0) + 1
         out["jobs"] = {"redis": "ok", "queue_length": int(r.llen(queue)), "by_state": by_state,
-                       "active": int(r.scard(config.KEY_PREFIX + "jobs:active"))}
-        del store
+                       "active": int(r.scard(config.KEY_PREFIX + "jobs:active")),
+                       "live_workers": store.live_workers(r)}
     except Exception as e:  # noqa: BLE001 - the operator wants to see that Redis is down, not a 500
         out["jobs"] = {"redis": "unreachable", "error": str(e).splitlines()[0] if str(e) else type(e).__name__}
     try:
@@ -93,9 +94,38 @@ def build_app(settings=None):
     api = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
     auth.install_login_throttle(api, settings)  # failed sign-ins on POST /login: 429 after a few
 
+    health_clients: dict = {}  # one short-timeout client per broker URL
+
     @api.get("/healthz")
     def healthz():
-        return {"status": "ok"}
+        """{"status": "ok"} when the job queue answers a ping and at least one job worker's heartbeat
+        is live; else {"status": "degraded", "down": {part: one sentence}}. Still HTTP 200 either
+        way: this web app itself is up and serving, which is what a load balancer asks. Fast: 0.5 s
+        timeouts, no retries. The sentences name no URL, password or path."""
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        from tasks import config, store
+
+        url = config.redis_url()
+        r = health_clients.get(url)
+        if r is None:
+            r = health_clients[url] = redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5,
+                                                           retry=Retry(NoBackoff(), 0))
+        down = {}
+        try:
+            r.ping()
+        except Exception:  # noqa: BLE001 - any failure means jobs cannot be queued
+            down["broker"] = "The job queue (Redis) does not answer, so jobs can be neither queued nor run."
+        else:
+            try:
+                if store.live_workers(r) == 0:
+                    down["worker"] = (f"No job worker has sent a heartbeat in the last {config.WORKER_BEAT_TTL_S} s, "
+                                      "so queued jobs wait.")
+            except Exception:  # noqa: BLE001
+                down["broker"] = "The job queue (Redis) stopped answering while the workers were counted."
+        return {"status": "degraded", "down": down} if down else {"status": "ok"}
 
     @api.get("/metrics")
     def metrics_route(request: Request):

@@ -4,6 +4,11 @@ Job state lives in our own records (tasks.store), not in a Celery result backend
 ignored. Messages are acknowledged late and rejected back to the queue if the worker process dies
 (acks_late + task_reject_on_worker_lost); a job's own record decides whether a redelivered message
 still has work to do, so a redelivery never runs a finished or reaped job twice.
+
+Every worker's main process announces itself: from worker_ready until worker_shutdown a daemon
+thread sets lmscope:worker:<node name> every config.WORKER_BEAT_EVERY_S with a time-to-live of
+config.WORKER_BEAT_TTL_S (tasks.store.worker_beat); store.live_workers counts them (/healthz,
+/metrics, and the warning on a job queued while none is alive).
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import threading
 
 from celery import Celery
-from celery.signals import worker_ready
+from celery.signals import worker_ready, worker_shutdown
 
 from tasks import config
 
@@ -45,6 +50,53 @@ def _reap_on_start(**_):
         store.reap()
     except Exception:  # noqa: BLE001 - never keep a worker from starting
         pass
+
+
+_BEAT: dict = {}  # this worker process's heartbeat thread: {"node", "stop", "thread"}
+
+
+def _beat_client():
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    return redis.Redis.from_url(config.redis_url(), socket_timeout=2, socket_connect_timeout=2,
+                                retry=Retry(NoBackoff(), 0))
+
+
+@worker_ready.connect
+def _start_heartbeat(sender=None, **_):
+    """In the worker's main process (worker_ready is sent there, never in pool processes)."""
+    from tasks import store
+
+    node = getattr(sender, "hostname", None) or f"worker-{threading.get_ident()}"
+    stop = threading.Event()
+
+    def beat():
+        r = _beat_client()
+        while True:
+            try:
+                store.worker_beat(node, r)
+            except Exception:  # noqa: BLE001 - Redis down: try again next time; the key expires meanwhile
+                pass
+            if stop.wait(config.WORKER_BEAT_EVERY_S):
+                break
+        try:
+            store.worker_gone(node, r)
+        except Exception:  # noqa: BLE001
+            pass
+
+    t = threading.Thread(target=beat, name="lmscope-worker-heartbeat", daemon=True)
+    _BEAT.update(node=node, stop=stop, thread=t)
+    t.start()
+
+
+@worker_shutdown.connect
+def _stop_heartbeat(**_):
+    """Warm or cold shutdown: the worker stops counting as live at once (a killed one, after the TTL)."""
+    if _BEAT.get("stop") is not None:
+        _BEAT["stop"].set()
+        _BEAT["thread"].join(3)
 
 
 _CLIENTS: dict[str, Celery] = {}

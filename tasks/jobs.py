@@ -28,16 +28,21 @@ def _r() -> redis.Redis:
     try:
         r.ping()
     except redis.RedisError:
-        raise JobError(f"The job queue at {config.redis_url()} is not reachable; start it with `lmscope serve` "
-                       "(embedded) or set REDIS_URL.") from None
+        # never the URL itself: it can hold the server's password
+        raise JobError("The job queue is not reachable; start it with `lmscope serve` (embedded) or set REDIS_URL."
+                       ) from None
     return r
 
 
 def enqueue(task, rec: dict, r: redis.Redis) -> dict:
     """Store a new job record, then queue its task; if queueing fails the record says so (failed,
-    with the reason) and the caller gets one sentence."""
+    with the reason) and the caller gets one sentence. With no worker alive (no heartbeat), the
+    record says that too (`warning` and its log), so the job does not sit "queued" without a word."""
     from tasks.celery_app import publish
 
+    if store.live_workers(r) == 0:
+        rec["warning"] = "No job worker is running; the job will start when one does."
+        rec["log"].append(store.log_line(rec["warning"]))
     store.create(rec, r)
     try:
         publish(task, rec["id"])
