@@ -84,9 +84,11 @@ def build_app(settings=None):
     """The FastAPI app: /healthz, /metrics and the Gradio UI at /. Returns (app, demo)."""
     import gradio as gr
     from fastapi import FastAPI
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import FileResponse, JSONResponse
+    from starlette.routing import Mount
 
     from app import auth
+    from app.api import limit_queue_share
     from app.settings import Settings
     from app.ui import build_demo
 
@@ -135,15 +137,60 @@ def build_app(settings=None):
                                 headers={"WWW-Authenticate": "Bearer"})
         return metrics(settings)
 
+    @api.get("/download/{job_id}/{name}")  # before the mount: Gradio's mount at "" takes every path
+    def download(job_id: str, name: str, request: Request):
+        """A job's artifact, for its owner only (anyone with sign-in off): 404 for someone else's
+        job, as for a job that does not exist, so ids are not revealed."""
+        gradio_app = next(r.app for r in api.routes if isinstance(r, Mount))
+        user = session_user(gradio_app, request)
+        if settings.auth_on and user is None:
+            return JSONResponse({"error": "Sign in first."}, status_code=401)
+        path = artifact_file(job_id, name, user if settings.auth_on else None)
+        if path is None:
+            return JSONResponse({"error": "No such file."}, status_code=404)
+        return FileResponse(path, filename=f"{job_id}-{name}")
+
     demo = build_demo()
     demo.queue(default_concurrency_limit=settings.queue_concurrency, max_size=settings.queue_max)
+    limit_queue_share(demo, queue_share(settings))
     app = gr.mount_gradio_app(
         api, demo, path="", auth=auth.async_authenticator(settings),
         auth_message="Sign in to lmscope." if settings.auth_on else None,
         show_error=True, css_paths=[str(STATIC / "lmscope.css")], footer_links=["api"],
         max_file_size=int(settings.upload_max_mb * 1024 * 1024),
     )
+    # Gradio checks that an input file came through its upload route only once the app "has
+    # launched"; a mounted app never launches, so without this any server path a request names
+    # would be copied into the cache and handed to the callback.
+    demo.has_launched = True
     return app, demo
+
+
+def queue_share(settings) -> int:
+    """Places in the shared queue one user may hold: a quarter of it, and never fewer than the
+    panels one page fires at once."""
+    return max(8, settings.queue_max // 4)
+
+
+def session_user(gradio_app, request) -> str | None:
+    """The signed-in user of a plain FastAPI request, read from Gradio's session cookie exactly as
+    Gradio's own /user route does."""
+    cookies = request.cookies
+    token = (cookies.get(f"access-token-{gradio_app.cookie_id}")
+             or cookies.get(f"access-token-unsecure-{gradio_app.cookie_id}"))
+    return gradio_app.tokens.get(token) if token else None
+
+
+def artifact_file(job_id: str, name: str, owner: str | None) -> Path | None:
+    """The artifact `name` of job `job_id` when `owner` (None: anyone) may read it; tasks.jobs
+    .artifact_path only returns files inside the job's own folder."""
+    from model_core.errors import LmscopeError
+    from tasks import jobs
+
+    try:
+        return jobs.artifact_path(jobs.get_job(job_id, owner), name)
+    except LmscopeError:
+        return None
 
 
 def _preload(name: str) -> None:

@@ -185,14 +185,20 @@ def wait_job(job_id: str, timeout: float | None = None, poll: float = 0.5, on_up
 def read_report(rec: dict) -> dict | None:
     import json
 
-    for a in rec.get("artifacts", []):
-        if a["name"] == "report.json" and Path(a["path"]).exists():
-            return json.loads(Path(a["path"]).read_text(encoding="utf-8"))
-    return None
+    path = artifact_path(rec, "report.json")
+    return json.loads(path.read_text(encoding="utf-8")) if path is not None else None
 
 
 def artifact_path(rec: dict, name: str) -> Path | None:
+    """The artifact's file, only if it really lies inside the job's own folder: a record is data
+    (anyone who can write to Redis can write one), not a permission to read a server path."""
+    root = config.job_dir(str(rec.get("id", ""))).resolve()
     for a in rec.get("artifacts", []):
-        if a["name"] == name and Path(a["path"]).exists():
-            return Path(a["path"])
+        if a.get("name") != name:
+            continue
+        try:
+            real = Path(a["path"]).resolve(strict=True)
+        except (OSError, RuntimeError, KeyError, TypeError):
+            return None
+        return real if root in real.parents and real.is_file() else None
     return None

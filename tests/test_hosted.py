@@ -202,7 +202,7 @@ def test_concurrent_users_generations_share_forwards(server):
         try:
             start.wait()
             out[i] = clients[i].predict("smollm2-135m-instruct", prompts[i], False, 12, 0.0, 0, 1.0, 0.0, 1.0, 0,
-                                        None, "prob", api_name="/run")
+                                        None, "prob", api_name="/generate")
         except Exception as e:  # noqa: BLE001
             errors.append(f"{i}: {e}")
 
@@ -267,21 +267,22 @@ def test_jobs_belong_to_their_owner(tmp_path, monkeypatch):
 
         class Req:  # what Gradio passes when sign-in is on
             def __init__(self, username):
-                self.username = username
+                self.username, self.session_hash = username, "s-" + username
 
-        # the Jobs tab with sign-in: bob sees nothing of alice's, even with "All sessions"
-        _, table, _, prog, log = jobs_tab.refresh("browser-x", True, a["id"], Req("bob"))
+        # the Jobs tab with sign-in: bob sees nothing of alice's
+        monkeypatch.setenv("LMSCOPE_AUTH", "users")
+        table, _, prog, log = jobs_tab.refresh(a["id"], Req("bob"))
         assert a["id"] not in table.to_string() and log == ""
         import gradio as gr
 
         with pytest.raises(gr.Error):
-            jobs_tab.show_selected(a["id"], "", None, Req("bob"))
+            jobs_tab.show_selected(a["id"], Req("bob"))
         with pytest.raises(gr.Error):
-            jobs_tab.cancel(a["id"], None, Req("bob"))
-        html, _ = jobs_tab.compare("hello", [a["id"]], None, None, Req("bob"))
+            jobs_tab.cancel(a["id"], Req("bob"))
+        html, _ = jobs_tab.compare("hello", [a["id"]], None, Req("bob"))
         assert "No job with id" in html
         # alice cancels her own
-        assert "cancelled" in jobs_tab.cancel(a["id"], None, Req("alice"))
+        assert "cancelled" in jobs_tab.cancel(a["id"], Req("alice"))
         # jobs per hour
         monkeypatch.setenv("LMSCOPE_JOBS_PER_HOUR", "2")
         jobs.submit("tokenizer", {"algorithm": "byte-level-bpe", "vocab_size": 300, "corpus_max_mb": 0.05},

@@ -245,18 +245,19 @@ def test_ensure_services_embedded_reuse_and_url_file(tmp_path, monkeypatch):
     monkeypatch.delenv("REDIS_URL", raising=False)
     monkeypatch.setenv("LMSCOPE_REDIS_PORT", str(port))
     h1 = services.ensure_services(tmp_path, start_worker_proc=False)
+    password = services.redis_password(tmp_path)
     try:
-        assert h1.redis_url == f"redis://127.0.0.1:{port}/0" and h1.redis_proc is not None
+        assert h1.redis_url == f"redis://:{password}@127.0.0.1:{port}/0" and h1.redis_proc is not None
         assert (tmp_path / "redis.url").read_text().strip() == h1.redis_url
         conf = (tmp_path / "redis" / "valkey.conf").read_text()
         assert "appendonly yes" in conf
         h2 = services.ensure_services(tmp_path, start_worker_proc=False)  # a second run reuses the server
         assert h2.redis_proc is None and h2.redis_url == h1.redis_url
         h2.stop()  # stops nothing it did not start
-        assert services._ping("127.0.0.1", port)
+        assert services._ping("127.0.0.1", port, password)
     finally:
         h1.stop()
-    assert not services._ping("127.0.0.1", port)
+    assert not services._ping("127.0.0.1", port, password)
     monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")  # REDIS_URL set: start nothing
     h3 = services.ensure_services(tmp_path)
     assert h3.redis_proc is None and h3.worker_proc is None and h3.redis_url == "redis://127.0.0.1:1/0"
@@ -275,7 +276,8 @@ def test_jobs_tab_callbacks_against_live_worker(svc, jobs):
         if "data-state='succeeded'" in prog:
             break
         time.sleep(0.2)
-    assert list(table["id"]) == [job_id] and table["state"][0] == "succeeded" and status == ""
+    row = table[table["id"] == job_id]  # sign-in off: the list holds everyone's jobs, this one among them
+    assert len(row) == 1 and row["state"].iloc[0] == "succeeded" and status == ""
     prog, log, summary, hist, merges, comp, links = jobs_tab.show_selected(job_id)
     assert "vocabulary **400**" in summary and len(merges) == 40
     # downloads are links to the owner-checked /download route, not copies in a temp folder
