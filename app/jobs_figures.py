@@ -175,18 +175,85 @@ def _piece(text: str) -> str:
     return html.escape(text).replace(" ", "&nbsp;").replace("\n", "↵<br>").replace("\t", "⇥")
 
 
-def tokens_html(rows: list[tuple[str, list[dict] | str]]) -> str:
-    """rows: (tokenizer name, [{id, text}] or an error sentence). Token boundaries as alternating colours."""
+def _shown(text: str, limit: int = 80) -> str:
+    """A bit of text for a tooltip or the stats line: byte-safe (␣ ↵ <0xNN>), cut at `limit`."""
+    from model_core.tokenization import display_bytes
+
+    s = display_bytes(text.encode("utf-8"))
+    return "“" + (s if len(s) <= limit else s[:limit] + "…") + "”"
+
+
+def _chip(i: int, p: dict, text: str | None) -> str:
+    """One token: the token itself (its vocabulary string, byte-safe); the text it covered on hover."""
+    if "display" not in p:  # a bare {id, text} piece: show the text it covered
+        return (f"<span class='lmscope-tok' title='id {p['id']}' style='background:{PALETTE[i % len(PALETTE)]};"
+                f"border-radius:3px;padding:1px 0;margin-right:1px;font-family:monospace'>{_piece(p['text'])}</span>")
+    a, b = p.get("start", 0), p.get("end", 0)
+    title = f"id {p['id']} · token {p.get('token', '')!r} · "
+    if text is None:
+        title += f"covers {_shown(p['text'])}"
+    elif a == b:
+        title += f"an inserted marker: covers no text (before character {a})"
+    else:
+        title += f"covers {_shown(text[a:b])} (characters {a}–{b})"
+        if not p["text"]:
+            title += ", shared with the token before"
+    cls = "lmscope-tok"
+    style = (f"background:{PALETTE[i % len(PALETTE)]};border-radius:3px;padding:1px 0;margin-right:1px;"
+             "font-family:monospace")
+    if p.get("unk"):
+        cls += " lmscope-tok-unk"
+        title += " · UNKNOWN: the tokenizer cannot represent this text, it is lost"
+        style = ("background:#fee2e2;color:#b91c1c;font-weight:bold;outline:2px dashed #dc2626;border-radius:3px;"
+                 "padding:1px 2px;margin:0 2px;font-family:monospace")
+    elif p.get("special"):
+        cls += " lmscope-tok-special"
+        style += ";font-style:italic"
+    mark = " data-unk='1'" if p.get("unk") else ""
+    return (f"<span class='{cls}'{mark} title='{html.escape(title, quote=True)}' style='{style}'>"
+            f"{html.escape(p['display'], quote=True)}</span>")
+
+
+def _stats(name: str, a: dict) -> str:
+    """The line above a tokenizer's chips: token count, unknown tokens and rate, round trip."""
+    n, k = a["tokens"], a.get("unknown", 0)
+    bits = [f"<b>{html.escape(name)}</b>", f"{n} tokens"]
+    unk = f"{k} unknown"
+    if n:
+        unk += f" ({100 * k / n:.0f}% of tokens"
+        if a.get("chars"):
+            unk += f", {a.get('unknown_chars', 0)} of {a['chars']} characters"
+        unk += ")"
+    bits.append(f"<span class='lmscope-unk-count' style='color:{'#b91c1c' if k else 'inherit'}'>{unk}</span>")
+    rt, attr = a.get("roundtrip"), ""
+    if rt is True:
+        bits.append("round trip: exact")
+    elif rt is False:
+        bits.append(f"<span style='color:#b91c1c'>round trip: differs, decodes to "
+                    f"{html.escape(_shown(a.get('decoded', '')))}</span>")
+    if rt is not None:
+        attr = f" data-roundtrip='{'true' if rt else 'false'}'"
+    return (f"<div class='lmscope-token-stats' data-tokens='{n}' data-unknown='{k}'{attr}>"
+            + " · ".join(bits) + "</div>")
+
+
+def tokens_html(rows: list[tuple], text: str | None = None) -> str:
+    """rows: (tokenizer name, analysis) where analysis is tasks.tokenizer_train.analyse_text's dict
+    ({pieces, tokens, unknown, unknown_rate, unknown_chars, roundtrip, decoded}), a bare list of
+    pieces, or an error sentence. `text`: the text that was tokenized (for the hover titles).
+    Each chip is the token itself (vocabulary string, byte-safe); unknown tokens are marked
+    (class lmscope-tok-unk); hovering shows which characters a token covered."""
     out = ["<div class='lmscope-token-compare'>"]
-    for name, pieces in rows:
-        if isinstance(pieces, str):
-            out.append(f"<div style='margin:8px 0'><b>{html.escape(name)}</b>: <em>{html.escape(pieces)}</em></div>")
+    for name, a in rows:
+        if isinstance(a, str):
+            out.append(f"<div style='margin:8px 0'><b>{html.escape(name)}</b>: <em>{html.escape(a)}</em></div>")
             continue
-        spans = "".join(
-            f"<span title='id {p['id']}' style='background:{PALETTE[i % len(PALETTE)]};border-radius:3px;"
-            f"padding:1px 0;margin-right:1px;font-family:monospace'>{_piece(p['text'])}</span>"
-            for i, p in enumerate(pieces))
-        out.append(f"<div style='margin:8px 0'><div><b>{html.escape(name)}</b> · {len(pieces)} tokens</div>"
+        if isinstance(a, list):
+            a = {"pieces": a, "tokens": len(a), "unknown": sum(1 for p in a if p.get("unk"))}
+        if text is not None:
+            a = {**a, "chars": len(text)}
+        spans = "".join(_chip(i, p, text) for i, p in enumerate(a["pieces"]))
+        out.append(f"<div style='margin:8px 0'>{_stats(name, a)}"
                    f"<div style='line-height:1.9;color:#111'>{spans}</div></div>")
     out.append("</div>")
     return "".join(out)

@@ -121,8 +121,10 @@ def tokenizer_choices(request: gr.Request = None):
 
 @endpoint(model=True)
 def compare(prompt, ids, selected, request: gr.Request = None):
-    """The prompt tokenized by the default model's tokenizer and each chosen job's tokenizer."""
-    from tasks.tokenizer_train import hf_pieces, token_pieces
+    """The prompt tokenized by the default model's tokenizer and each chosen job's tokenizer: per
+    tokenizer its tokens (unknown ones marked), token count, unknown tokens and rate, and whether
+    decode(encode(prompt)) gives the prompt back."""
+    from tasks.tokenizer_train import analyse_text
 
     prompt = prompt or ""
     ids = [i for i in (ids or []) if isinstance(i, str)]
@@ -131,7 +133,7 @@ def compare(prompt, ids, selected, request: gr.Request = None):
     viewer = job_viewer(request)
     rows = []
     ref, why = _reference(DEFAULT_REF)
-    rows.append((f"{DEFAULT_REF} (default model)", hf_pieces(ref, prompt) if ref is not None else why))
+    rows.append((f"{DEFAULT_REF} (default model)", analyse_text(ref, prompt) if ref is not None else why))
     reports = {}
     for job_id in ids[:8]:
         try:
@@ -145,11 +147,11 @@ def compare(prompt, ids, selected, request: gr.Request = None):
             continue
         tok = _load_tokenizer(str(path), path.stat().st_mtime)
         name = f"job {job_id} ({rec['params']['algorithm']}, vocab {tok.get_vocab_size():,})"
-        rows.append((name, token_pieces(tok, prompt)))
+        rows.append((name, analyse_text(tok, prompt)))
         rep = _report(rec)
         if rep:
             reports[name] = rep
-    return jf.tokens_html(rows), jf.compression_figure(reports)
+    return jf.tokens_html(rows, prompt), jf.compression_figure(reports)
 
 
 def build(shared: Shared) -> None:

@@ -1,12 +1,14 @@
 """Tokenizer training with HF `tokenizers` and the report that compares it with a reference.
 
 Pure functions (no Redis, no Celery): `validate_params`, `build_tokenizer`, `train`, `report`,
-`token_pieces`. The Celery task in tasks.tokenizer_job wires them to job records.
+`token_pieces` / `hf_pieces` / `analyse_text` (one text: chips, unknown tokens, round trip). The
+Celery task in tasks.tokenizer_job wires them to job records.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from collections import Counter
@@ -210,12 +212,14 @@ def report(tok: Tokenizer, p: dict, heldout: list[str], heldout_source: str, tra
         if n > max_eval_bytes and texts:
             break
         texts.append(t)
-    ours = compression(lambda s: tok.encode(s, add_special_tokens=False).ids, texts)
-    unk_id = tok.token_to_id(UNK[algo]) if algo in UNK else None
-    if unk_id is not None:
-        ours["unk_tokens"] = sum(tok.encode(s, add_special_tokens=False).ids.count(unk_id) for s in texts)
-    rt = sum(tok.decode(tok.encode(s, add_special_tokens=False).ids, skip_special_tokens=False) == s
-             for s in texts)
+    ids = [tok.encode(s, add_special_tokens=False).ids for s in texts]
+    by_text = dict(zip(texts, ids))
+    ours = compression(lambda s: by_text[s], texts)
+    # unknown tokens on the held-out sample: text the tokenizer cannot represent (0 for byte-level)
+    unk_id = unk_id_of(tok)
+    ours["unk_tokens"] = sum(x.count(unk_id) for x in ids) if unk_id is not None else 0
+    ours["unk_rate"] = round(ours["unk_tokens"] / max(1, ours["tokens"]), 6)
+    rt = sum(tok.decode(x, skip_special_tokens=False) == s for s, x in zip(texts, ids))
     ours["roundtrip_exact_fraction"] = round(rt / max(1, len(texts)), 4)
     ref_tok, why = reference_tokenizer(reference)
     ref = {"name": reference}
@@ -243,29 +247,121 @@ def report(tok: Tokenizer, p: dict, heldout: list[str], heldout_source: str, tra
     }
 
 
-def token_pieces(tok: Tokenizer, text: str) -> list[dict]:
-    """[{id, text}] where the texts concatenate back to `text` (offsets from the encoding)."""
-    enc = tok.encode(text, add_special_tokens=False)
+# ---- one text through one tokenizer: chips, unknowns, round trip ---------------------------
+#
+# A chip shows the token itself: the vocabulary's string for its id (never the input text it was
+# matched on: Unigram and BPE report the input characters as the "token" of an <unk>), made
+# byte-safe like everywhere else (model_core.tokenization.display_bytes: ␣ space, ↵ newline,
+# <0xNN> raw bytes). Each piece also says which characters of the text it covered:
+#   start, end  the encoding's offsets (text[start:end]; several byte-level tokens share one
+#               character, and an inserted "▁" marker covers none: start == end)
+#   text        a partition of the text: the pieces' texts concatenate back to it (whitespace a
+#               pre-tokenizer dropped goes to the next token; shared characters to the first)
+
+_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+def _decoder_kind(tok: Tokenizer) -> str:
+    return type(tok.decoder).__name__ if tok.decoder is not None else ""
+
+
+def _vocab_bytes(piece: str, kind: str) -> bytes:
+    """The bytes a (non-special) vocabulary string of our tokenizers stands for."""
+    m = _BYTE_FALLBACK.match(piece)
+    if m:
+        return bytes([int(m.group(1), 16)])
+    if kind == "ByteLevel":
+        from model_core.tokenization import _byte_level_decoder
+
+        table = _byte_level_decoder()
+        if all(ch in table for ch in piece):
+            return bytes(table[ch] for ch in piece)
+        return piece.encode("utf-8")
+    if kind == "Metaspace":
+        return piece.replace("▁", " ").encode("utf-8")
+    return piece.encode("utf-8")  # WordPiece keeps its "##": that is the token
+
+
+def unk_id_of(tok: Tokenizer) -> int | None:
+    """The id of the tokenizer's unknown token, or None when its model has none (byte-level BPE)."""
+    unk = getattr(tok.model, "unk_token", None)  # BPE, WordPiece
+    if unk:
+        return tok.token_to_id(unk)
+    if type(tok.model).__name__ == "Unigram":
+        return json.loads(tok.model.__getstate__()).get("unk_id")
+    return None
+
+
+def _pieces(ids, offsets, tokens: list[str], raw: list[bytes], specials: set[int], unk_id: int | None,
+            unk_token: str | None, text: str) -> list[dict]:
+    from model_core.tokenization import display_bytes
+
     out, pos = [], 0
-    for i, (a, b) in zip(enc.ids, enc.offsets):
-        a, b = max(a, pos), max(b, pos)
-        if a > pos:  # whitespace the pre-tokenizer dropped belongs to the next token's display
-            a = pos
-        out.append({"id": i, "text": text[a:b]})
-        pos = b
+    for tid, (a, b), token, rb in zip(ids, offsets, tokens, raw):
+        a, b = min(a, len(text)), min(b, len(text))
+        covered = text[a:b]
+        readable = rb.decode("utf-8", errors="replace")
+        # an inserted marker (Metaspace's leading "▁" before a word): its offsets point at the
+        # word, but it stands for a space that is not in the text. It covers nothing.
+        marker = bool(tid not in specials and readable and not readable.strip()
+                      and covered and not any(ch.isspace() for ch in covered))
+        if marker:
+            b, piece_text = a, ""
+        else:
+            end = max(b, pos)
+            piece_text, pos = text[pos:end], end
+        out.append({
+            "id": int(tid), "token": token, "display": token if tid in specials else display_bytes(rb),
+            "text": piece_text, "start": a, "end": b,
+            # a literal "<unk>" typed in the text is matched as the special token: not unknown text
+            "unk": unk_id is not None and tid == unk_id and covered != unk_token,
+            "special": tid in specials,
+        })
     if pos < len(text) and out:
         out[-1]["text"] += text[pos:]
     return out
+
+
+def token_pieces(tok: Tokenizer, text: str) -> list[dict]:
+    """[{id, token, display, text, start, end, unk, special}] for a `tokenizers` Tokenizer (the
+    jobs' tokenizer.json); see the comment above for the fields."""
+    enc = tok.encode(text, add_special_tokens=False)
+    kind = _decoder_kind(tok)
+    specials = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    unk_id = unk_id_of(tok)
+    tokens = [tok.id_to_token(i) or "" for i in enc.ids]
+    raw = [t.encode("utf-8") if i in specials else _vocab_bytes(t, kind) for i, t in zip(enc.ids, tokens)]
+    return _pieces(enc.ids, enc.offsets, tokens, raw, specials, unk_id,
+                   tok.id_to_token(unk_id) if unk_id is not None else None, text)
 
 
 def hf_pieces(hf_tok, text: str) -> list[dict]:
     """Same as token_pieces for a transformers fast tokenizer (e.g. the default model's)."""
+    from model_core.tokenization import token_bytes
+
     enc = hf_tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    out, pos = [], 0
-    for i, (a, b) in zip(enc["input_ids"], enc["offset_mapping"]):
-        a, b = min(max(a, pos), pos), max(b, pos)
-        out.append({"id": int(i), "text": text[a:b]})
-        pos = b
-    if pos < len(text) and out:
-        out[-1]["text"] += text[pos:]
-    return out
+    ids = [int(i) for i in enc["input_ids"]]
+    specials = set(getattr(hf_tok, "all_special_ids", ()) or ())
+    tokens = [t or "" for t in hf_tok.convert_ids_to_tokens(ids)]
+    raw = [token_bytes(hf_tok, i) for i in ids]
+    return _pieces(ids, enc["offset_mapping"], tokens, raw, specials, hf_tok.unk_token_id, hf_tok.unk_token, text)
+
+
+def analyse_text(tok, text: str) -> dict:
+    """One text through one tokenizer (a `tokenizers` Tokenizer or a transformers fast tokenizer):
+    {pieces, tokens, unknown, unknown_rate (of tokens), unknown_chars (characters covered by
+    unknown tokens), roundtrip (decode(encode(text)) == text, special tokens kept), decoded}."""
+    if isinstance(tok, Tokenizer):
+        pieces = token_pieces(tok, text)
+        decoded = tok.decode([p["id"] for p in pieces], skip_special_tokens=False)
+    else:
+        pieces = hf_pieces(tok, text)
+        decoded = tok.decode([p["id"] for p in pieces], skip_special_tokens=False,
+                             clean_up_tokenization_spaces=False)
+    unk = [p for p in pieces if p["unk"]]
+    covered = set()
+    for p in unk:
+        covered.update(range(p["start"], p["end"]))
+    return {"pieces": pieces, "tokens": len(pieces), "unknown": len(unk),
+            "unknown_rate": round(len(unk) / len(pieces), 4) if pieces else 0.0,
+            "unknown_chars": len(covered), "roundtrip": decoded == text, "decoded": decoded}
