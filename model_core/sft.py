@@ -592,10 +592,12 @@ def prepare_data(s: SFTSettings, tokenizer):
 
 
 def run_sft(settings: SFTSettings | dict, progress: ProgressFn | None = None,
-            should_stop: Callable[[], bool] | None = None, log: Callable[[str], None] | None = None) -> SFTResult:
+            should_stop: Callable[[], bool] | None = None, log: Callable[[str], None] | None = None,
+            tensorboard_dir: str | os.PathLike | None = None) -> SFTResult:
     """Fine-tune and register. progress(dict) gets {phase, step, max_steps, epoch, loss, eval_loss,
     tokens_per_s, lr, eta_s, elapsed_s, tokens_seen}; should_stop() is polled between steps (cancel ->
-    SFTCancelled, nothing registered); NaN/inf loss -> SFTError. Returns the registered model."""
+    SFTCancelled, nothing registered); NaN/inf loss -> SFTError. Returns the registered model.
+    tensorboard_dir: also write TensorBoard event files there (see tensorboard_callback)."""
     from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
@@ -612,6 +614,7 @@ def run_sft(settings: SFTSettings | dict, progress: ProgressFn | None = None,
     sweep_staging()
     staging = _staging_root() / f"{name}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
     t_start = time.time()
+    tb = None
     try:
         emit({"phase": "loading model", "step": 0})
         set_seed(s.seed)
@@ -659,6 +662,8 @@ def run_sft(settings: SFTSettings | dict, progress: ProgressFn | None = None,
         trainer = Trainer(model=model, args=args, train_dataset=_ListDataset(train.examples),
                           eval_dataset=_ListDataset(ev.examples) if ev else None,
                           data_collator=Collator(tok.pad_token_id), callbacks=[cb])
+        if tensorboard_dir is not None and (tb := tensorboard_callback(tensorboard_dir, s, say)) is not None:
+            trainer.add_callback(tb)
         for c in (PrinterCallback, ProgressCallback):
             trainer.remove_callback(c)
         try:
@@ -704,7 +709,34 @@ def run_sft(settings: SFTSettings | dict, progress: ProgressFn | None = None,
         emit({"phase": "done", "step": max_steps})
         return SFTResult(name=name, path=final, info=info, history=cb.history)
     finally:
+        if tb is not None and tb.tb_writer is not None:  # a run that raised never reached on_train_end
+            tb.tb_writer.close()
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def tensorboard_callback(log_dir: str | os.PathLike, s: SFTSettings, say: Callable[[str], None] | None = None):
+    """transformers' TensorBoardCallback writing event files into log_dir through tensorboardX (a
+    small writer; the tensorboard package is only needed to view them): train/loss, train/grad_norm,
+    train/learning_rate, eval/loss ... per step, and the run's settings as text (without server
+    paths, where TrainingArguments would name the staging folder). None when tensorboardX is missing."""
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        (say or (lambda m: None))("TensorBoard logs skipped: the tensorboardX package is not installed")
+        return None
+    from transformers.integrations import TensorBoardCallback
+
+    settings = s.to_json()
+    if settings.get("dataset") not in (None, BUILTIN):
+        settings["dataset"] = Path(settings["dataset"]).name
+
+    class _TensorBoard(TensorBoardCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            if self.tb_writer is not None:
+                text = json.dumps(settings, indent=1).replace("\n", "\n    ")  # indented: a code block
+                self.tb_writer.add_text("lmscope/settings", "    " + text)
+
+    return _TensorBoard(tb_writer=SummaryWriter(log_dir=str(log_dir)))
 
 
 def _registry_names() -> set[str]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+import zipfile
 from pathlib import Path
 
 from model_core import sft
@@ -144,6 +145,27 @@ class _SFTProgress(_Progress):
         store.update(self.job_id, fn)
 
 
+TB_DIR = "tensorboard"  # <job dir>/tensorboard/<model name>/events.out.tfevents.*
+
+
+def tensorboard_artifact(jdir: Path) -> list[dict]:
+    """[tensorboard.zip]: the run's TensorBoard event files, zipped as tensorboard/<model name>/... so
+    that several jobs' zips unpacked into one folder are several runs of `tensorboard --logdir
+    tensorboard`. [] when none were written (tensorboardX missing, or the run failed before training)."""
+    src = jdir / TB_DIR
+    try:
+        files = [p for p in sorted(src.rglob("*")) if p.is_file() and not p.is_symlink()] if src.is_dir() else []
+        if not files:
+            return []
+        out = jdir / "tensorboard.zip"
+        with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
+            for p in files:
+                z.write(p, f"{TB_DIR}/{p.relative_to(src).as_posix()}")
+        return [{"name": out.name, "path": str(out), "bytes": out.stat().st_size}]
+    except OSError:  # the logs are a bonus: never let them change how the job ends
+        return []
+
+
 @app.task(bind=True, name="lmscope.sft", acks_late=True, reject_on_worker_lost=True)
 def run_sft_job(self, job_id: str) -> str:
     started = start_job(self, job_id, _SFTProgress)
@@ -175,7 +197,8 @@ def run_sft_job(self, job_id: str) -> str:
             params["dataset"] = str(jdir / "input" / params["dataset_file"])
         params.pop("dataset_file", None)
         settings = sft.validate_settings(params)
-        res = sft.run_sft(settings, progress=on_progress, should_stop=cancelled, log=lambda m: prog.push(m))
+        res = sft.run_sft(settings, progress=on_progress, should_stop=cancelled, log=lambda m: prog.push(m),
+                          tensorboard_dir=jdir / TB_DIR / (settings.output_name or "run"))
         info = res.info
         with prog.lock:
             prog.extra = {"data": info["data"], "accuracy_before": info["accuracy_before"],
@@ -183,7 +206,7 @@ def run_sft_job(self, job_id: str) -> str:
                           "model_name": res.name, "model_path": str(res.path)}
         prog.push()
         arts = [{"name": n, "path": str(res.path / n), "bytes": (res.path / n).stat().st_size}
-                for n in ("lmscope.json", "model.safetensors") if (res.path / n).exists()]
+                for n in ("lmscope.json", "model.safetensors") if (res.path / n).exists()] + tensorboard_artifact(jdir)
         acc = ""
         if info["accuracy_before"] and info["accuracy_after"]:
             acc = (f", held-out accuracy {info['accuracy_before']['accuracy']:.0%} -> "
@@ -192,10 +215,11 @@ def run_sft_job(self, job_id: str) -> str:
                 log=f"done: model '{res.name}' registered{acc}")
         return "succeeded"
     except sft.SFTCancelled:
-        _finish(job_id, attempt, state="cancelled", log="cancelled; no model was registered")
+        _finish(job_id, attempt, state="cancelled", log="cancelled; no model was registered",
+                artifacts=tensorboard_artifact(jdir))
         return "cancelled"
     except LmscopeError as e:
-        _finish(job_id, attempt, state="failed", error=str(e), log=f"failed: {e}")
+        _finish(job_id, attempt, state="failed", error=str(e), log=f"failed: {e}", artifacts=tensorboard_artifact(jdir))
         return "failed"
     except Exception as e:  # noqa: BLE001 - the record gets one line, the worker log the traceback
         _finish_unexpected(job_id, attempt, e)
