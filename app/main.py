@@ -13,6 +13,7 @@ Configuration: app.settings.Settings (environment variables; see that module's t
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import time
 from pathlib import Path
@@ -85,6 +86,7 @@ def build_app(settings=None):
     import gradio as gr
     from fastapi import FastAPI
     from fastapi.responses import FileResponse, JSONResponse
+    from starlette.background import BackgroundTask
     from starlette.routing import Mount
 
     from app import auth
@@ -136,6 +138,20 @@ def build_app(settings=None):
             return JSONResponse({"error": "Send Authorization: Bearer <LMSCOPE_AUTH_TOKEN>."}, status_code=401,
                                 headers={"WWW-Authenticate": "Bearer"})
         return metrics(settings)
+
+    @api.get("/download/model/{name}.zip")  # before /download/{job_id}/{name}, which would take it
+    def download_model(name: str, request: Request):
+        """A fine-tuned model as a Hugging Face folder in a zip, with a model card. Fine-tuned models
+        are shared by design, so any signed-in user (anyone with sign-in off) may take any of them;
+        `name` must be one the registry lists as fine-tuned (never joined onto a path otherwise)."""
+        gradio_app = next(r.app for r in api.routes if isinstance(r, Mount))
+        if settings.auth_on and session_user(gradio_app, request) is None:
+            return JSONResponse({"error": "Sign in first."}, status_code=401)
+        built = model_zip(name)
+        if built is None:
+            return JSONResponse({"error": "No such fine-tuned model."}, status_code=404)
+        return FileResponse(built, filename=f"{name}.zip", media_type="application/zip",
+                            background=BackgroundTask(os.unlink, built))
 
     @api.get("/download/{job_id}/{name}")  # before the mount: Gradio's mount at "" takes every path
     def download(job_id: str, name: str, request: Request):
@@ -191,6 +207,33 @@ def artifact_file(job_id: str, name: str, owner: str | None) -> Path | None:
         return jobs.artifact_path(jobs.get_job(job_id, owner), name)
     except LmscopeError:
         return None
+
+
+def model_zip(name: str) -> str | None:
+    """Build the download zip of the fine-tuned model `name` into a temporary file (the caller
+    deletes it) and return its path; None unless `name` is a registered fine-tuned model."""
+    import json
+    import tempfile
+
+    from model_core import export, paths
+    from model_core.registry import list_models
+
+    known = {r["name"] for r in list_models(include_random=False) if r["source"] == "finetuned"}
+    if name not in known:
+        return None
+    d = paths.finetuned_dir() / name
+    try:
+        meta = json.loads((d / "lmscope.json").read_text())
+    except (OSError, ValueError):
+        meta = {}
+    fd, tmp = tempfile.mkstemp(prefix="lmscope-model-", suffix=".zip")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            export.write_model_zip(d, f, export.model_card(meta, name), folder=name)
+    except (OSError, ValueError):  # removed or overwritten while zipping, or no weights
+        os.unlink(tmp)
+        return None
+    return tmp
 
 
 def _preload(name: str) -> None:
