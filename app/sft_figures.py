@@ -190,3 +190,60 @@ def lens_table_html(lens_top: dict, base_name: str, tuned_name: str) -> str:
                     f"{lens_top['tuned_p'][l]:.2f}</td></tr>")
     return (f"<table class='lmscope-sft-lens'><tr><th>layer</th><th>{html.escape(base_name)}</th>"
             f"<th>{html.escape(tuned_name)}</th></tr>" + "".join(rows) + "</table>")
+
+
+def weight_delta_figure(rows: list[dict] | None) -> go.Figure:
+    """Heatmap of model_core.weight_delta rows: layers × module kinds, colour = ‖ΔW‖_F / ‖W‖_F of the
+    fine-tuned weights against the parent; below it one row for what lies outside the layers
+    (embeddings, final norm, lm_head). The title names the largest change and where it is."""
+    rows = rows or []
+    if not rows:
+        return empty_figure("Pick a fine-tuned model to see how far each layer's weights moved from its parent.")
+    layered = [r for r in rows if r.get("layer") is not None]
+    outside = [r for r in rows if r.get("layer") is None]
+    layers = sorted({r["layer"] for r in layered})
+    kinds = list(dict.fromkeys(r["kind"] for r in layered))
+
+    def where(r):
+        tied = f" (tied: {', '.join(r['also'])})" if r.get("also") else ""
+        return (f"L{r['layer']} {r['kind']}" if r.get("layer") is not None else r["kind"]) + tied
+
+    def hover(r):
+        if r is None:
+            return ""
+        rel = "parent norm is 0" if r.get("rel") is None else f"{r['rel']:.3e}"
+        gain = " (‖1 + w‖: this norm scales by 1 + w)" if r.get("offset") else ""
+        return (f"{where(r)}<br>‖ΔW‖/‖W‖ = {rel}<br>‖ΔW‖ = {r['delta']:.4g} · ‖W‖ = {r['norm']:.4g}{gain}"
+                f"<br>{r['numel']:,} weights")
+
+    finite = [r for r in rows if r.get("rel") is not None]
+    top = max(finite, key=lambda r: r["rel"]) if finite else None
+    zmax = max((top["rel"] if top else 0.0), 1e-12)
+    if top is None or top["rel"] == 0:
+        title = "Relative weight change ‖ΔW‖/‖W‖: no weight changed"
+    else:
+        title = f"Relative weight change ‖ΔW‖/‖W‖ per layer and module: max {top['rel']:.3g} at {where(top)}"
+
+    grid = {(r["layer"], r["kind"]): r for r in layered}
+    z = [[None if (c := grid.get((l, k))) is None or c.get("rel") is None else c["rel"] for k in kinds]
+         for l in layers]
+    text = [[hover(grid.get((l, k))) for k in kinds] for l in layers]
+    top_margin, bottom_margin = 150, 60  # module names stand slanted above the grid
+    height = max(340, 26 * len(layers) + (60 if outside else 0) + top_margin + bottom_margin)
+    plot_h = height - top_margin - bottom_margin
+    specs = dict(rows=2, cols=1, row_heights=[1 - 36 / plot_h, 36 / plot_h], vertical_spacing=24 / plot_h) \
+        if outside else dict(rows=1, cols=1)
+    fig = make_subplots(**specs)
+    fig.add_trace(go.Heatmap(z=z, x=kinds, y=[f"L{l}" for l in layers], coloraxis="coloraxis", text=text,
+                             hovertemplate="%{text}<extra></extra>", xgap=1, ygap=1), row=1, col=1)
+    fig.update_yaxes(autorange="reversed", row=1, col=1)
+    if outside:
+        fig.add_trace(go.Heatmap(z=[[r["rel"] for r in outside]], x=[where(r) for r in outside], y=["outside layers"],
+                                 coloraxis="coloraxis", text=[[hover(r) for r in outside]],
+                                 hovertemplate="%{text}<extra></extra>", xgap=1), row=2, col=1)
+    fig.update_layout(coloraxis=dict(colorscale="Reds", cmin=0, cmax=zmax,
+                                     colorbar=dict(title="‖ΔW‖/‖W‖", exponentformat="e")))
+    fig.update_xaxes(side="top", tickangle=-30, row=1, col=1)
+    fig = _layout(fig, title, height)
+    fig.update_layout(margin=dict(l=50, r=20, t=top_margin, b=bottom_margin))
+    return fig
