@@ -224,39 +224,64 @@ def parse_example(obj, where: str = "example") -> list[dict]:
     raise DatasetError(f"{where}: needs 'messages', or 'prompt' and 'completion'.")
 
 
-def load_jsonl(path: str | os.PathLike, max_errors: int = 5) -> list[list[dict]]:
-    """Parse a chat JSONL file. Blank lines are skipped. All bad lines are found; the error names
-    up to `max_errors` of them with their line numbers."""
-    p = Path(path)
+def _scan_jsonl(p: Path) -> tuple[list[list[dict]], list[tuple[int, str]], int]:
+    """(good conversations in file order, [(line number, reason)] for every bad line, number of
+    non-blank lines). Raises DatasetError only for a missing or non-UTF-8 file."""
     if not p.exists():
         raise DatasetError(f"Dataset file '{p.name}' does not exist.")
-    convs, errors, n_bad = [], [], 0
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise DatasetError(f"Dataset file '{p.name}' is not UTF-8 text (byte {e.start}).") from None
+    convs, bad, n = [], [], 0
     for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
+        n += 1
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            n_bad += 1
-            if len(errors) < max_errors:
-                errors.append(f"line {i}: not valid JSON ({e.msg} at column {e.colno})")
+            bad.append((i, f"not valid JSON ({e.msg} at column {e.colno})"))
             continue
         try:
             convs.append(parse_example(obj, f"line {i}"))
         except DatasetError as e:
-            n_bad += 1
-            if len(errors) < max_errors:
-                errors.append(str(e))
-    if n_bad:
-        more = f" (and {n_bad - len(errors)} more)" if n_bad > len(errors) else ""
-        raise DatasetError(f"{n_bad} malformed line(s) in '{p.name}': " + "; ".join(errors) + more + ".")
+            bad.append((i, str(e).removeprefix(f"line {i}: ")))
+    return convs, bad, n
+
+
+def _bad_lines_text(bad: list[tuple[int, str]], max_errors: int) -> str:
+    shown = "; ".join(f"line {i}: {why.rstrip('.')}" for i, why in bad[:max_errors])
+    more = f" (and {len(bad) - max_errors} more)" if len(bad) > max_errors else ""
+    return shown + more
+
+
+def load_jsonl(path: str | os.PathLike, max_errors: int = 5, skip_bad: bool = False):
+    """Parse a chat JSONL file. Blank lines are skipped. All bad lines are found.
+
+    skip_bad=False (default): -> [conversation, ...]; any bad line raises DatasetError naming up to
+    `max_errors` of them with their line numbers (and the column, for broken JSON).
+    skip_bad=True: -> (conversations from the good lines, report) where report is
+    {file, lines_kept, lines_skipped, skipped: [{line, reason}] (the first `max_errors`), message};
+    it still raises DatasetError when no good line is left (naming the bad ones) or there are no
+    examples at all. The report's `message` is one sentence for a panel."""
+    p = Path(path)
+    convs, bad, n = _scan_jsonl(p)
+    if bad and not (skip_bad and convs):
+        lead = (f"No usable examples in '{p.name}': all {len(bad)} line(s) are malformed: " if skip_bad and not convs
+                else f"{len(bad)} malformed line(s) in '{p.name}': ")
+        raise DatasetError(lead + _bad_lines_text(bad, max_errors) + ".")
     if not convs:
         raise DatasetError(f"Dataset file '{p.name}' has no examples.")
-    return convs
+    if not skip_bad:
+        return convs
+    if bad:
+        message = (f"Kept {len(convs)} of {n} lines of '{p.name}'; skipped {len(bad)} malformed: "
+                   + _bad_lines_text(bad, max_errors) + ".")
+    else:
+        message = f"All {n} lines of '{p.name}' are good."
+    return convs, {"file": p.name, "lines_kept": len(convs), "lines_skipped": len(bad),
+                   "skipped": [{"line": i, "reason": why} for i, why in bad[:max_errors]], "message": message}
 
 
 # =============================================================================================

@@ -4,12 +4,15 @@ Params: model_core.sft.SFTSettings fields (model, dataset 'builtin' or an upload
 full|lora, lora_rank, learning_rate, max_steps / epochs, batch_size, max_length, eval_fraction,
 seed, output_name, ...). Submission validates the settings and parses an uploaded dataset, so bad
 input (malformed JSONL with line numbers, no assistant turn, unknown model, name taken) fails at
-once and nothing is queued.
+once and nothing is queued. With the job option `skip_bad_lines` (not an SFT setting), malformed
+lines are skipped instead: the job's input holds the good lines only, and record['sft']
+['dataset_lines'] = {file, kept, skipped, skipped_lines: [{line, reason}]} says what was left out
+(a file with no good line still fails). `check_dataset` runs the same check without queueing.
 
 Progress: 'loading model' (0-2 %), 'accuracy before' (2-5 %), 'training' (5-90 %, by step),
 'accuracy after' (90-97 %), 'saving' (97-100 %). The record gets an extra field `sft`:
 {history: [{step, loss, eval_loss, lr, tokens_per_s, eta_s, ...}], latest, data, accuracy_before,
-accuracy_after, model_name}; the Jobs/SFT tabs draw loss curves from it.
+accuracy_after, model_name, dataset_lines (uploads)}; the Jobs/SFT tabs draw loss curves from it.
 
 Cancel: run_sft polls the cancel flag between steps (the revoke from jobs.cancel_job also
 terminates the process); either way the staging directory is never renamed into <data dir>/models,
@@ -19,6 +22,7 @@ The record machinery (claim, heartbeat thread, final-state writes) is the tokeni
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -44,12 +48,46 @@ def validate_params(params: dict, allow_paths: bool = False) -> dict:
 
     p = dict(params or {})
     p.pop("dataset_file", None)
+    skip = parse_skip_bad_lines(p.pop("skip_bad_lines", False))
     s = sft.validate_settings(p)
     if s.model not in REGISTRY and _finetuned_path(s.model) is None and not (allow_paths and Path(s.model).is_dir()):
         raise SettingsError(f"Unknown model '{s.model}'; pick a registry or fine-tuned model.")
     out = {k: v for k, v in s.__dict__.items()}
     out["dataset_file"] = params.get("dataset_file")
+    out["skip_bad_lines"] = skip
     return out
+
+
+def parse_skip_bad_lines(value) -> bool:
+    """The job option `skip_bad_lines` (train on an upload's good lines, skip its malformed ones)."""
+    if value is None or value == "":
+        return False
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0", "yes", "no"):
+        return value.strip().lower() in ("true", "1", "yes")
+    raise SettingsError(f"Setting 'skip_bad_lines' must be true or false, got {value!r}.")
+
+
+def check_dataset(path, skip_bad_lines: bool = False) -> tuple[list, dict]:
+    """Parse an uploaded chat JSONL as submit_sft will, without queueing anything (a panel can show
+    the result before the user submits). -> (conversations, report) with report = {file,
+    lines_kept, lines_skipped, skipped: [{line, reason}] (first 5), message}; message is one
+    sentence ("Kept 4 of 6 lines of 'x.jsonl'; skipped 2 malformed: line 2: ...; line 5: ...").
+    Raises sft.DatasetError (one sentence naming the bad lines) when a bad line is found and
+    skip_bad_lines is off, or when no good line is left."""
+    f = Path(path)
+    if not f.exists():
+        raise sft.DatasetError(f"Dataset file '{f.name}' does not exist.")
+    if f.stat().st_size > config.upload_max_bytes():
+        raise sft.DatasetError(f"Dataset file '{f.name}' is larger than {config.upload_max_bytes() // 2**20} MB.")
+    if parse_skip_bad_lines(skip_bad_lines):
+        return sft.load_jsonl(f, skip_bad=True)
+    convs = sft.load_jsonl(f)  # malformed lines fail here, with line numbers
+    return convs, {"file": f.name, "lines_kept": len(convs), "lines_skipped": 0, "skipped": [],
+                   "message": f"All {len(convs)} lines of '{f.name}' are good."}
 
 
 def submit_sft(params: dict, owner: str = "cli", files: list | None = None) -> dict:
@@ -58,6 +96,7 @@ def submit_sft(params: dict, owner: str = "cli", files: list | None = None) -> d
     from tasks import jobs
 
     p = dict(params or {})
+    skip = parse_skip_bad_lines(p.pop("skip_bad_lines", False))
     files = [Path(f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", f)) for f in (files or [])]
     ds = str(p.get("dataset") or sft.BUILTIN)
     if not files and ds not in (sft.BUILTIN, "upload"):
@@ -66,31 +105,37 @@ def submit_sft(params: dict, owner: str = "cli", files: list | None = None) -> d
         raise sft.DatasetError("Upload one JSONL dataset file.")
     if ds == "upload" and not files:
         raise sft.DatasetError("No dataset file was uploaded.")
+    convs, check = None, None
     if files:
         f = files[0]
-        if not f.exists():
-            raise sft.DatasetError(f"Dataset file '{f.name}' does not exist.")
-        if f.stat().st_size > config.upload_max_bytes():
-            raise sft.DatasetError(f"Dataset file '{f.name}' is larger than "
-                                   f"{config.upload_max_bytes() // 2**20} MB.")
-        sft.load_jsonl(f)  # malformed lines fail here, with line numbers; nothing is queued
+        # malformed lines fail here, with line numbers, and nothing is queued; with skip_bad_lines
+        # the good lines are kept (none left: still an error)
+        convs, check = check_dataset(f, skip)
         p["dataset"], p["dataset_file"] = "upload", f.name
     else:
         p["dataset"] = sft.BUILTIN
     p["output_name"] = p.get("output_name") or None
     v = validate_params({**p, "dataset": sft.BUILTIN}, allow_paths=owner == "cli")  # dataset path: see worker
-    v["dataset"], v["dataset_file"] = p["dataset"], p.get("dataset_file")
+    v["dataset"], v["dataset_file"], v["skip_bad_lines"] = p["dataset"], p.get("dataset_file"), skip
     r = jobs._r()
     rec = store.new_record("sft", v, owner)
     if not v["output_name"]:
         v["output_name"] = sft.default_output_name(v["model"], rec["id"][:8])
     if (sft.paths.finetuned_dir() / v["output_name"]).exists() and not v.get("overwrite"):
         raise sft.SFTError(f"A model named '{v['output_name']}' already exists; choose another output name.")
+    rec["sft"] = {"history": [], "latest": None, "model_name": v["output_name"]}
     if files:
         inp = config.job_dir(rec["id"]) / "input"
         inp.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(files[0], inp / files[0].name)
-    rec["sft"] = {"history": [], "latest": None, "model_name": v["output_name"]}
+        if check["lines_skipped"]:
+            # the worker trains on what was checked here: the good lines only, as parsed
+            (inp / files[0].name).write_text("".join(json.dumps({"messages": c}, ensure_ascii=False) + "\n"
+                                                     for c in convs), encoding="utf-8")
+            rec["log"].append(store.log_line(check["message"]))
+        else:
+            shutil.copyfile(files[0], inp / files[0].name)
+        rec["sft"]["dataset_lines"] = {"file": check["file"], "kept": check["lines_kept"],
+                                       "skipped": check["lines_skipped"], "skipped_lines": check["skipped"]}
     return jobs.enqueue(run_sft_job, rec, r)
 
 
@@ -196,6 +241,7 @@ def run_sft_job(self, job_id: str) -> str:
         if params.get("dataset") == "upload":
             params["dataset"] = str(jdir / "input" / params["dataset_file"])
         params.pop("dataset_file", None)
+        params.pop("skip_bad_lines", None)  # applied at submit: input/ holds the good lines only
         settings = sft.validate_settings(params)
         res = sft.run_sft(settings, progress=on_progress, should_stop=cancelled, log=lambda m: prog.push(m),
                           tensorboard_dir=jdir / TB_DIR / (settings.output_name or "run"))
@@ -251,6 +297,8 @@ def add_sft_arguments(s) -> None:
     add("--eval-fraction", type=float, default=None)
     add("--seed", type=int, default=None)
     add("--output-name", default=None, help="name of the registered model")
+    add("--skip-bad-lines", action="store_true", default=False,
+        help="train on the dataset's good lines and skip malformed ones (default: refuse the file)")
 
 
 def sft_params_from_args(args) -> tuple[dict, list]:
@@ -261,6 +309,6 @@ def sft_params_from_args(args) -> tuple[dict, list]:
               "learning_rate": args.lr, "max_steps": args.max_steps, "epochs": args.epochs,
               "batch_size": getattr(args, "batch_size", None), "max_length": args.max_length,
               "eval_fraction": args.eval_fraction, "seed": args.seed, "output_name": args.output_name,
-              "dataset": "builtin"}
+              "dataset": "builtin", "skip_bad_lines": bool(getattr(args, "skip_bad_lines", False)) or None}
     files = [] if args.dataset in (None, "builtin") else [args.dataset]
     return {k: v for k, v in params.items() if v is not None}, files
