@@ -17,6 +17,7 @@ import traceback
 
 import gradio as gr
 from gradio.exceptions import InvalidPathError
+from pydantic import ValidationError
 
 from app.context import echo, one_sentence, quiet_error
 
@@ -46,6 +47,7 @@ PUBLIC_API: dict[str, str] = {
     "tokenize": "The prompt tokenized by the default model and finished tokenizer jobs",
     "loss_mask": "Which tokens of an SFT training example count in the loss",
     "compare_models": "One prompt through a fine-tuned model and its base",
+    "compare_runs": "Several fine-tuning runs: loss curves overlaid, settings and results side by side",
 }
 
 # What a component's value must be, for the one-sentence answer to a wrong-typed one.
@@ -112,6 +114,8 @@ def harden(demo: gr.Blocks) -> None:
             raise
         except InvalidPathError:  # a file path the request made up: Gradio refused to read it
             raise quiet_error("Only files uploaded through this page are accepted.") from None
+        except ValidationError:  # Gradio validates file payloads with pydantic: ours are the only ones
+            raise quiet_error("A file input got something that is not a file uploaded through this page.") from None
         except Exception as e:  # noqa: BLE001 - Gradio's own pre/postprocessing; the callbacks map theirs
             print(f"lmscope: request to {fn.name} failed in processing:", file=sys.stderr)
             traceback.print_exception(e, file=sys.stderr)

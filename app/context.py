@@ -8,7 +8,7 @@ current model name and prompt from `shared` components as event inputs, and rais
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import gradio as gr
 
@@ -21,6 +21,10 @@ class Shared:
     model: gr.Dropdown  # value: model name
     prompt: gr.Textbox
     chat: gr.Checkbox  # wrap the prompt in the model's chat template
+    page: gr.Blocks | None = None  # for tabs that read the page's URL when it loads (page.load)
+    # Model menus kept in step with the registry while the page is open: (dropdown, "all" | "finetuned").
+    # A tab appends its own; app/ui.py refreshes them all from one timer.
+    pickers: list = field(default_factory=list)
 
 
 def allowed_models() -> list[str] | None:

@@ -185,6 +185,7 @@ def render_layer_head(tr, layer: int, head: int, query: int) -> list:
 def render_views(tr, layer: int, head: int, query: int, lens_colour: str) -> list:
     grid, big, bars, neurons, nbars = render_layer_head(tr, layer, head, query)
     labels = views.labels(tr)
+    lens_colour = lens_colour if lens_colour in LENS_COLOURS else LENS_COLOURS[0]  # a hand-made request may send anything
     lv = views.lens_view(tr, query, "probability" if lens_colour == "probability" else "entropy")
     lens = figures.logit_lens_grid(lv["top"], lv["probs"], lv["colour"], lens_colour, labels, lv["positions"],
                                    lv["layers"])

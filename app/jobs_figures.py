@@ -87,10 +87,20 @@ def download_url(job_id: str, name: str) -> str:
 
 
 def downloads_html(rec: dict | None) -> str:
+    from urllib.parse import quote
+
     if not rec or not rec.get("artifacts"):
         return "<div class='lmscope-downloads'><em>No files yet.</em></div>"
-    links = [f"<a href='{html.escape(download_url(rec['id'], a['name']))}' download>{html.escape(a['name'])}</a>"
-             for a in rec["artifacts"]]
+    arts = rec["artifacts"]
+    links = []
+    model = (rec.get("sft") or {}).get("model_name") if rec.get("kind") == "sft" else None
+    if model and rec.get("state") == "succeeded":
+        # the model lives in the shared models folder, not the job's: offer it as a Hugging Face folder
+        href = f"download/model/{quote(model, safe='')}.zip"
+        links.append(f"<a href='{html.escape(href)}' download>{html.escape(model)}.zip (Hugging Face folder)</a>")
+        arts = [a for a in arts if a["name"] not in ("lmscope.json", "model.safetensors")]
+    links += [f"<a href='{html.escape(download_url(rec['id'], a['name']))}' download>{html.escape(a['name'])}</a>"
+              for a in arts]
     return "<div class='lmscope-downloads'>Download: " + " · ".join(links) + "</div>"
 
 

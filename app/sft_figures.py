@@ -40,9 +40,15 @@ def loss_figure(history: list[dict] | None) -> go.Figure:
     if ev:
         fig.add_scatter(x=[s for s, _ in ev], y=[v for _, v in ev], mode="lines+markers", name="eval loss",
                         line=dict(color="#dc2626", dash="dot"), marker=dict(size=8))
-    fig.update_xaxes(title="step")
+    _integer_steps(fig, [s for s, _ in tr + ev])
     fig.update_yaxes(title="cross-entropy on assistant tokens (nats)", rangemode="tozero")
     return _layout(fig, "Loss", legend=dict(orientation="h", y=1.12, x=1, xanchor="right"))
+
+
+def _integer_steps(fig: go.Figure, steps: list[int]) -> None:
+    """Steps are whole numbers: never a 2.5 tick on a 4-step run."""
+    top = max(steps or [1])
+    fig.update_xaxes(title="step", tickformat="d", dtick=max(1, -(-top // 10)), rangemode="tozero")
 
 
 def throughput_figure(history: list[dict] | None) -> go.Figure:
@@ -56,7 +62,7 @@ def throughput_figure(history: list[dict] | None) -> go.Figure:
                     secondary_y=False)
     fig.add_scatter(x=steps, y=[h.get("lr") for h in hist], name="learning rate", line=dict(color="#a16207"),
                     secondary_y=True)
-    fig.update_xaxes(title="step")
+    _integer_steps(fig, steps)
     fig.update_yaxes(title="tokens/s", secondary_y=False, rangemode="tozero")
     fig.update_yaxes(title="lr", secondary_y=True, rangemode="tozero", exponentformat="e")
     return _layout(fig, "Throughput and learning rate", legend=dict(orientation="h", y=1.12, x=1, xanchor="right"))
@@ -75,13 +81,20 @@ def status_markdown(rec: dict | None) -> str:
         return "_Submit a job or pick one to follow it here._"
     s = rec.get("sft") or {}
     lines = [f"**Job {rec['id']}** · {rec['state']} · stage: {(rec.get('progress') or {}).get('stage', '')}"]
-    last = s.get("latest") or {}
-    if last:
+    hist = s.get("history") or []
+    train = next((h for h in reversed(hist) if h.get("loss") is not None), None) or {}
+    evals = next((h for h in reversed(hist) if h.get("eval_loss") is not None), None) or {}
+    last = s.get("latest") or train
+    if last or train:
+        # the newest train row and the newest eval row, each with its own step: an eval-only row
+        # must not blank the loss, and a job that ended has no ETA
         def num(v, f):
             return "–" if v is None else format(v, f)
-        lines.append(f"step {last.get('step')}/{last.get('max_steps')} · loss {num(last.get('loss'), '.4f')} · "
-                     f"eval loss {num(last.get('eval_loss'), '.4f')} · {num(last.get('tokens_per_s'), '.0f')} tokens/s"
-                     f" · lr {num(last.get('lr'), '.2e')} · ETA {_fmt_s(last.get('eta_s'))}")
+        eta = f" · ETA {_fmt_s(last.get('eta_s'))}" if rec["state"] == "running" and last.get("eta_s") else ""
+        lines.append(f"step {last.get('step', train.get('step'))}/{last.get('max_steps', train.get('max_steps'))} · "
+                     f"loss {num(train.get('loss'), '.4f')} · eval loss {num(evals.get('eval_loss'), '.4f')}"
+                     + (f" (step {evals['step']})" if evals else "")
+                     + f" · {num(train.get('tokens_per_s'), '.0f')} tokens/s · lr {num(train.get('lr'), '.2e')}{eta}")
     d = (s.get("data") or {}).get("train")
     if d:
         lines.append(f"data: {d['examples']} training examples ({d['truncated']} truncated, {d['dropped']} dropped "
@@ -95,8 +108,8 @@ def status_markdown(rec: dict | None) -> str:
     if m and m.get("tokens_per_s"):
         lines.append(f"trained {m['steps']} steps in {_fmt_s(m['train_seconds'])} at {m['tokens_per_s']:.0f} tokens/s")
     if rec["state"] == "succeeded" and s.get("model_name"):
-        lines.append(f"registered as **{s['model_name']}**: pick it in the model menu (reload the page) or compare "
-                     "it with its base below")
+        lines.append(f"registered as **{s['model_name']}**: it is in every model menu now; open it in Explore, or "
+                     "compare it with its base below")
     if rec.get("error"):
         lines.append(f"⚠️ {rec['error']}")
     return "\n\n".join(lines)
@@ -247,3 +260,70 @@ def weight_delta_figure(rows: list[dict] | None) -> go.Figure:
     fig = _layout(fig, title, height)
     fig.update_layout(margin=dict(l=50, r=20, t=top_margin, b=bottom_margin))
     return fig
+
+
+RUN_COLOURS = ["#2563eb", "#dc2626", "#16a34a", "#a16207", "#7c3aed", "#0891b2", "#db2777", "#4b5563"]
+
+
+def run_label(rec: dict) -> str:
+    """A run's short name: its registered model (or job id) and how it was trained."""
+    p = rec.get("params") or {}
+    method = f"LoRA r{p.get('lora_rank') or 8}" if p.get("method") == "lora" else "full"
+    name = (rec.get("sft") or {}).get("model_name") or rec.get("id", "?")
+    return f"{name} ({method})"
+
+
+def runs_figure(records: list[dict]) -> go.Figure:
+    """Several runs' loss curves on one chart: train loss as lines, eval loss as dotted markers, one
+    colour per run."""
+    runs = [r for r in records if ((r.get("sft") or {}).get("history"))]
+    if not runs:
+        return empty_figure("Pick two or more fine-tuning runs to overlay their loss curves.")
+    fig = go.Figure()
+    steps = []
+    for i, rec in enumerate(runs):
+        hist = rec["sft"]["history"]
+        colour, label = RUN_COLOURS[i % len(RUN_COLOURS)], run_label(rec)
+        tr = [(h["step"], h["loss"]) for h in hist if h.get("loss") is not None]
+        ev = [(h["step"], h["eval_loss"]) for h in hist if h.get("eval_loss") is not None]
+        steps += [s for s, _ in tr + ev]
+        if tr:
+            fig.add_scatter(x=[s for s, _ in tr], y=[v for _, v in tr], mode="lines", name=f"{label} train",
+                            line=dict(color=colour), legendgroup=label)
+        if ev:
+            fig.add_scatter(x=[s for s, _ in ev], y=[v for _, v in ev], mode="lines+markers", name=f"{label} eval",
+                            line=dict(color=colour, dash="dot"), marker=dict(size=7), legendgroup=label)
+    _integer_steps(fig, steps)
+    fig.update_yaxes(title="loss on assistant tokens (nats)", rangemode="tozero")
+    return _layout(fig, f"{len(runs)} runs: train (lines) and eval (dotted) loss", height=380,
+                   legend=dict(orientation="h", y=-0.2))
+
+
+RUN_COLUMNS = ["run", "state", "method", "rank", "lr", "steps", "batch", "data", "held-out before", "held-out after",
+               "final loss", "final eval loss", "tokens/s"]
+
+
+def runs_table(records: list[dict]):
+    """Settings and results of several runs, one row each (the W&B runs table)."""
+    import pandas as pd
+
+    rows = []
+    for rec in records:
+        p, s = rec.get("params") or {}, rec.get("sft") or {}
+        m, lines = s.get("metrics") or {}, s.get("dataset_lines") or {}
+
+        def acc(x):
+            return f"{x['correct']}/{x['n']}" if x else ""
+        data = p.get("dataset_file") or p.get("dataset") or ""
+        if lines:
+            data += f" ({lines.get('kept')} lines)"
+        rows.append([run_label(rec), rec.get("state", ""), p.get("method", ""),
+                     p.get("lora_rank") if p.get("method") == "lora" else "", p.get("learning_rate"),
+                     m.get("steps") or p.get("max_steps"), p.get("batch_size"), data,
+                     acc(s.get("accuracy_before")), acc(s.get("accuracy_after")),
+                     _round(m.get("final_loss")), _round(m.get("final_eval_loss")), _round(m.get("tokens_per_s"), 0)])
+    return pd.DataFrame(rows, columns=RUN_COLUMNS)
+
+
+def _round(v, nd: int = 4):
+    return "" if v is None else round(float(v), nd)

@@ -24,62 +24,111 @@ def _jobs():
     return jobs
 
 
-def _finetuned_choices() -> list[str]:
-    from model_core.registry import list_models
+def _finetuned_choices() -> list[tuple[str, str]]:
+    from app.ui import finetuned_choices
 
-    return [r["name"] for r in list_models(include_random=False) if r["source"] == "finetuned"]
+    return finetuned_choices()
 
 
-def _base_choices() -> list[str]:
+def _base_choices() -> list[tuple[str, str]]:
     from app.ui import model_choices
 
-    return [v for _, v in model_choices()]
+    return model_choices()
 
 
 @endpoint
-def submit(model, dataset_kind, upload, method, rank, lr, steps, batch, max_len, seed, name,
+def submit(model, dataset_kind, upload, skip_bad, method, rank, lr, steps, batch, max_len, seed, name,
            request: gr.Request = None):
+    """Queue a run. A bad upload's message (with its line numbers) stays in the panel, not only in a
+    toast; with "skip bad lines" the good lines train and the panel says how many were kept."""
     params = {"model": model or default_model(), "method": method,
               "lora_rank": int(rank or 8) if method == "lora" else None,
               "learning_rate": lr or None, "max_steps": int(steps) if steps else None,
               "batch_size": int(batch or 8), "max_length": int(max_len or 256), "seed": int(seed or 0),
-              "output_name": (name or "").strip() or None}
+              "output_name": (name or "").strip() or None, "skip_bad_lines": bool(skip_bad)}
     files = []
     if dataset_kind == "upload":
         if not upload:
-            raise gr.Error("Upload a .jsonl dataset, or choose the built-in one.")
+            return gr.skip(), gr.skip(), "⚠️ Upload a .jsonl dataset, or choose the built-in one."
         files = [uploaded_file(upload)]
-    rec = _jobs().submit("sft", params, owner=job_owner(request), files=files)
-    return (rec["id"], gr.update(choices=_job_choices(request), value=rec["id"]),
-            f"Queued job **{rec['id']}**; it will register **{rec['sft']['model_name']}**.")
-
-
-def _job_choices(request=None) -> list[tuple[str, str]]:
     try:
-        recs = _jobs().list_jobs(owner=job_viewer(request), limit=100)
+        rec = _jobs().submit("sft", params, owner=job_owner(request), files=files)
+    except LmscopeError as e:
+        return gr.skip(), gr.skip(), f"⚠️ {e}"
+    kept = (rec.get("sft") or {}).get("dataset_lines") or {}
+    note = (f" Kept {kept['kept']} lines, skipped {kept['skipped']} bad ones (lines "
+            f"{', '.join(str(x.get('line')) for x in (kept.get('skipped_lines') or [])[:10])})."
+            if kept.get("skipped") else "")
+    return (rec["id"], gr.update(choices=_job_choices(request), value=rec["id"]),
+            f"Queued job **{rec['id']}**; it will register **{rec['sft']['model_name']}**.{note}")
+
+
+def _sft_records(request=None) -> list[dict]:
+    try:
+        return [r for r in _jobs().list_jobs(owner=job_viewer(request), limit=100) if r["kind"] == "sft"]
     except LmscopeError:
         return []
-    return [(f"{r['id']} · {r['state']} · {r['params'].get('model')} ({r['params'].get('method')})", r["id"])
-            for r in recs if r["kind"] == "sft"]
+
+
+def _job_choices(request=None, recs: list[dict] | None = None) -> list[tuple[str, str]]:
+    recs = _sft_records(request) if recs is None else recs
+    return [(f"{r['id']} · {r['state']} · {sf.run_label(r)}", r["id"]) for r in recs]
 
 
 @endpoint
-def job_choices(request: gr.Request = None):
-    return gr.update(choices=_job_choices(request))
+def refresh(selected, known_choices, request: gr.Request = None):
+    """Timer tick: the selected job's progress, curves and accuracy, and the job menus' labels (a
+    second browser sees the same runs; a finished run stops saying 'running')."""
+    from app import jobs_figures as jf
 
-
-@endpoint
-def refresh(selected, request: gr.Request = None):
-    """Timer tick: the selected job's progress, curves and accuracy."""
+    recs = _sft_records(request)
+    choices = _job_choices(request, recs)
+    menus = [gr.skip(), gr.skip(), gr.skip()] if choices == known_choices else [
+        choices, gr.update(choices=choices), gr.update(choices=choices)]
     if not selected:
-        return sf.status_markdown(None), gr.skip(), gr.skip(), ""
-    try:
-        rec = _jobs().get_job(selected, job_viewer(request))
-    except LmscopeError as e:
-        return f"⚠️ {e}", gr.skip(), gr.skip(), ""
+        return [sf.status_markdown(None), jf.progress_html(None), gr.skip(), gr.skip(), "", *menus]
+    rec = next((r for r in recs if r["id"] == selected), None)
+    if rec is None:
+        try:
+            rec = _jobs().get_job(selected, job_viewer(request))
+        except LmscopeError as e:
+            return [f"⚠️ {e}", jf.progress_html(None), gr.skip(), gr.skip(), "", *menus]
     hist = (rec.get("sft") or {}).get("history")
-    return (sf.status_markdown(rec), sf.loss_figure(hist), sf.throughput_figure(hist),
-            sf.accuracy_examples_html(rec))
+    return [sf.status_markdown(rec), jf.progress_html(rec), sf.loss_figure(hist), sf.throughput_figure(hist),
+            sf.accuracy_examples_html(rec), *menus]
+
+
+@endpoint
+def compare_runs(ids, request: gr.Request = None):
+    """Several runs' curves on one chart and their settings and results in one table."""
+    ids = [i for i in (ids or []) if isinstance(i, str)][:8]
+    viewer, recs = job_viewer(request), []
+    for job_id in ids:
+        try:
+            recs.append(_jobs().get_job(job_id, viewer))
+        except LmscopeError:
+            continue
+    return sf.runs_figure(recs), sf.runs_table(recs)
+
+
+@endpoint
+def job_from_url(request: gr.Request = None):
+    """?job=<id> opens that run (a link to a run, and a reload that keeps it)."""
+    q = dict(request.query_params) if request is not None else {}
+    job_id = q.get("job")
+    if not isinstance(job_id, str) or not job_id:
+        return gr.skip(), gr.skip()
+    try:
+        rec = _jobs().get_job(job_id, job_viewer(request))
+    except LmscopeError:
+        return gr.skip(), gr.skip()
+    if rec["kind"] != "sft":
+        return gr.skip(), gr.skip()
+    return rec["id"], gr.update(choices=_job_choices(request), value=rec["id"])
+
+
+JOB_URL_JS = """(j) => { const q = new URLSearchParams(location.search); if (j) q.set('job', j); else q.delete('job');
+                        history.replaceState(null, '', '?' + q.toString()); return []; }"""
 
 
 @endpoint
@@ -145,6 +194,8 @@ def build(shared: Shared) -> None:
                                     value="builtin", label="Dataset", elem_id="sft-dataset")
             upload = gr.File(file_types=[".jsonl"], label='{"messages": [...]} or {"prompt", "completion"} per line',
                              visible=False, elem_id="sft-upload")
+            skip_bad = gr.Checkbox(False, label="Skip malformed lines (train on the rest)", visible=False,
+                                   elem_id="sft-skip-bad")
             method = gr.Radio(["full", "lora"], value="full", label="Method", elem_id="sft-method")
             rank = gr.Number(8, label="LoRA rank", precision=0, visible=False, elem_id="sft-rank")
             with gr.Row():
@@ -154,13 +205,14 @@ def build(shared: Shared) -> None:
                 batch = gr.Number(8, label="Batch size", precision=0, elem_id="sft-batch")
                 max_len = gr.Number(256, label="Max length (tokens)", precision=0, elem_id="sft-maxlen")
                 seed = gr.Number(0, label="Seed", precision=0, elem_id="sft-seed")
-            name = gr.Textbox("", label="Name of the new model (empty: <model>-sft-<job>)", elem_id="sft-name")
+            name = gr.Textbox("", label="Name of the new model (empty: <model>-sft-full|lora-<job>)", elem_id="sft-name")
             submit_btn = gr.Button("Start fine-tuning", variant="primary", elem_id="sft-submit")
             status = gr.Markdown(elem_id="sft-status")
         with gr.Column(scale=2):
             with gr.Row():
                 job = gr.Dropdown([], label="Your SFT jobs", scale=4, elem_id="sft-job")
                 cancel_btn = gr.Button("Cancel job", variant="stop", scale=1, elem_id="sft-cancel")
+            progress = gr.HTML(elem_id="sft-progress")
             info = gr.Markdown(sf.status_markdown(None), elem_id="sft-info")
             with gr.Row():
                 loss_plot = gr.Plot(sf.loss_figure(None), elem_id="sft-loss")
@@ -173,12 +225,19 @@ def build(shared: Shared) -> None:
             mask_btn = gr.Button("Show", scale=1, elem_id="sft-mask-show")
         mask_out = gr.HTML(elem_id="sft-mask")
 
+    gr.Markdown("### Compare runs")
+    with gr.Row():
+        runs = gr.Dropdown([], multiselect=True, label="Runs to overlay (loss curves, settings, results)", scale=4,
+                           elem_id="sft-runs")
+        runs_btn = gr.Button("Compare runs", scale=1, elem_id="sft-runs-compare")
+    runs_plot = gr.Plot(sf.runs_figure([]), elem_id="sft-runs-plot")
+    runs_df = gr.Dataframe(sf.runs_table([]), interactive=False, wrap=True, elem_id="sft-runs-table")
+
     gr.Markdown("### Compare a fine-tuned model with its base (the prompt box above)")
     with gr.Row():
         tuned = gr.Dropdown(_finetuned_choices(), label="Fine-tuned model", scale=2, elem_id="sft-tuned")
         base = gr.Dropdown(_base_choices(), value=None, label="Base (default: its parent)", scale=2,
                            elem_id="sft-base", allow_custom_value=False)
-        refresh_models = gr.Button("↻ models", scale=1, elem_id="sft-refresh-models")
         cmp_btn = gr.Button("Compare", variant="primary", scale=1, elem_id="sft-compare")
     next_plot = gr.Plot(elem_id="sft-next")
     kl_plot = gr.Plot(elem_id="sft-kl")
@@ -187,22 +246,27 @@ def build(shared: Shared) -> None:
         attn_plot = gr.Plot(elem_id="sft-attn")
     lens_table = gr.HTML(elem_id="sft-lens-table")
 
-    dataset_kind.change(show_if_upload, [dataset_kind], [upload])
+    shared.pickers.extend([(model, "all"), (tuned, "finetuned"), (base, "all")])  # kept current by app/ui.py
+    known_jobs = gr.State(None)
+    dataset_kind.change(show_if_upload, [dataset_kind], [upload]).then(show_if_upload, [dataset_kind], [skip_bad])
     method.change(show_if_lora, [method], [rank])
-    submit_btn.click(submit, [model, dataset_kind, upload, method, rank, lr, steps, batch, max_len, seed, name],
-                     [selected, job, status], api_name="jobs_submit_sft")
-    job.change(pick_job, [job], [selected])
-    job.focus(job_choices, None, [job])
+    submit_btn.click(submit, [model, dataset_kind, upload, skip_bad, method, rank, lr, steps, batch, max_len, seed,
+                              name], [selected, job, status], api_name="jobs_submit_sft")
+    job.change(pick_job, [job], [selected]).then(None, [job], None, js=JOB_URL_JS)
     timer = gr.Timer(REFRESH_S)
-    timer.tick(refresh, [selected], [info, loss_plot, tput_plot, examples], show_progress="hidden",
-               queue=False)
-    cancel_btn.click(cancel, [selected], [status])
+    timer.tick(refresh, [selected, known_jobs], [info, progress, loss_plot, tput_plot, examples, known_jobs, job, runs],
+               show_progress="hidden", queue=False)
+    cancel_btn.click(cancel, [selected], [status]).then(refresh, [selected, known_jobs],
+                                                        [info, progress, loss_plot, tput_plot, examples,
+                                                         known_jobs, job, runs])
+    runs_btn.click(compare_runs, [runs], [runs_plot, runs_df], api_name="compare_runs")
     mask_btn.click(show_mask, [model, dataset_kind, upload, index], [mask_out], api_name="loss_mask")
-    refresh_models.click(finetuned_choices, None, [tuned])
     tuned.change(parent_of, [tuned], [base])
     cmp_btn.click(compare, [base, tuned, shared.prompt, shared.chat],
                   [next_plot, kl_plot, lens_plot, lens_table, attn_plot], concurrency_id="model",
                   api_name="compare_models")
+    if shared.page is not None:
+        shared.page.load(job_from_url, None, [selected, job])
 
 
 @endpoint
@@ -220,6 +284,3 @@ def pick_job(job):
     return job if isinstance(job, str) else None
 
 
-@endpoint
-def finetuned_choices():
-    return gr.update(choices=_finetuned_choices())

@@ -21,19 +21,32 @@ OTHER_TABS = [("app.generate_tab", "Generate"), ("app.interventions_tab", "Inter
 
 # Everything a teammate needs to reproduce a view, mirrored into the page URL.
 URL_KEYS = ["model", "prompt", "chat", "layer", "head", "query", "temperature", "top_k", "top_p", "min_p", "rep"]
+# Other keys in the URL (the open tab, the selected job) are kept as they are.
 URL_JS = """(...v) => {
   const keys = %s;
-  const q = new URLSearchParams();
+  const q = new URLSearchParams(location.search);
   keys.forEach((k, i) => { let x = v[i]; if (typeof x === 'boolean') x = x ? 1 : 0;
-                           if (x !== null && x !== undefined && x !== '') q.set(k, x); });
+                           if (x !== null && x !== undefined && x !== '') q.set(k, x); else q.delete(k); });
   history.replaceState(null, '', '?' + q.toString());
   return [];
 }""" % (URL_KEYS,)
+TAB_URL_JS = """() => { const q = new URLSearchParams(location.search); q.set('tab', '%s');
+                       history.replaceState(null, '', '?' + q.toString()); return []; }"""
+MODEL_MENUS_REFRESH_S = 3.0  # how soon a model registered by a job appears in open pages' menus
 
 
-def model_choices() -> list[tuple[str, str]]:
+def _tab_id(title: str) -> str:
+    return title.lower().replace(" ", "-")
+
+
+TAB_IDS = ["explore"] + [_tab_id(t) for _, t in OTHER_TABS]
+
+
+def model_choices(source: str | None = None) -> list[tuple[str, str]]:
+    """(label, name) for every model this server may load; `source` keeps only one kind ("finetuned")."""
     allowed = allowed_models()
-    rows = [r for r in list_models(include_random=True) if allowed is None or r["name"] in allowed]
+    rows = [r for r in list_models(include_random=True) if (allowed is None or r["name"] in allowed)
+            and (source is None or r["source"] == source)]
     out = []
     for r in rows:
         size = f"{r['parameters'] / 1e6:.0f}M" if r.get("parameters") and r["parameters"] >= 1e6 else (
@@ -45,6 +58,24 @@ def model_choices() -> list[tuple[str, str]]:
 
 def model_names() -> list[str]:
     return [v for _, v in model_choices()]
+
+
+def finetuned_choices() -> list[tuple[str, str]]:
+    return model_choices("finetuned")
+
+
+def menus_refresher(kinds: list[str]):
+    """A timer callback that sends every model menu its new choices when the registry changed (a
+    fine-tuning run registered a model, one was deleted) and nothing otherwise. `known` is the
+    session's last-sent list of names."""
+    @endpoint
+    def refresh_model_menus(known):
+        names = model_names()
+        if known == names:
+            return [gr.skip()] * (len(kinds) + 1)
+        every, tuned = model_choices(), finetuned_choices()
+        return [names, *[gr.update(choices=every if k == "all" else tuned) for k in kinds]]
+    return refresh_model_menus
 
 
 @endpoint(model=True)
@@ -74,11 +105,14 @@ def from_url(request: gr.Request):
     model = q.get("model") or default_model()
     if model not in model_names():
         model = default_model()
-    return (model, q.get("prompt", EXAMPLE_PROMPT), q.get("chat") in ("1", "true"),
+    tab = q.get("tab") if q.get("tab") in TAB_IDS else "explore"
+    # the menu's choices come with the value: a model registered after the page was built opens too
+    return (gr.update(choices=model_choices(), value=model), q.get("prompt", EXAMPLE_PROMPT),
+            q.get("chat") in ("1", "true"),
             max(0, num("layer", int, 0)), max(0, num("head", int, 0)), max(0, num("query", int, 0)),
             num("temperature", float, 1.0), num("top_k", int, 0), num("top_p", float, 1.0),
             num("min_p", float, 0.0), num("rep", float, 1.0),
-            {"run": bool(q.get("prompt")), "query": num("query", int, -1)})
+            {"run": bool(q.get("prompt")), "query": num("query", int, -1)}, gr.Tabs(selected=tab))
 
 
 def build_demo() -> gr.Blocks:
@@ -95,17 +129,25 @@ def build_demo() -> gr.Blocks:
             prompt = gr.Textbox(value=EXAMPLE_PROMPT, label="Prompt", lines=2, max_lines=12, scale=5,
                                 elem_id="prompt", placeholder="Type a prompt and press Run")
             run = gr.Button("Run", variant="primary", scale=1, elem_id="run")
-        shared = Shared(model=model, prompt=prompt, chat=chat)
+        shared = Shared(model=model, prompt=prompt, chat=chat, page=demo)
         autorun = gr.State({"run": False, "query": -1})
 
-        with gr.Tabs():
-            with gr.Tab("Explore", id="explore"):
+        with gr.Tabs(elem_id="tabs") as tabs:
+            with gr.Tab("Explore", id="explore") as tab:
                 explore = ExploreTab(shared)
+            tab.select(None, None, None, js=TAB_URL_JS % "explore")
             for module, title in OTHER_TABS:
                 if importlib.util.find_spec(module) is None:
                     continue
-                with gr.Tab(title, id=title.lower()):
+                with gr.Tab(title, id=_tab_id(title)) as tab:
                     importlib.import_module(module).build(shared)
+                tab.select(None, None, None, js=TAB_URL_JS % _tab_id(title))
+
+        kinds = ["all"] + [k for _, k in shared.pickers]
+        known = gr.State(None)
+        gr.Timer(MODEL_MENUS_REFRESH_S).tick(menus_refresher(kinds), [known],
+                                             [known, model, *[d for d, _ in shared.pickers]],
+                                             queue=False, show_progress="hidden")
 
         ev_run, ev_submit = explore.wire(run)
         model.change(model_info, [model], [info], api_name="model_info")
@@ -115,7 +157,7 @@ def build_demo() -> gr.Blocks:
         for comp in (explore.layer, explore.head, explore.query, *explore.sampling_inputs):
             comp.input(None, url_inputs, None, js=URL_JS)
 
-        load = demo.load(from_url, None, [*url_inputs, autorun])
+        load = demo.load(from_url, None, [*url_inputs, autorun, tabs])
         load.then(model_info, [model], [info]).then(
             _autorun, [autorun, model, prompt, chat, explore.truncate, explore.layer, explore.head,
                        explore.lens_colour, *explore.sampling_inputs],
@@ -134,7 +176,7 @@ def _autorun(autorun, model, prompt, chat, truncate, layer, head, lens_colour, t
     from app.explore_tab import run_trace
 
     if not isinstance(autorun, dict) or not autorun.get("run"):
-        return [gr.skip()] * 18
+        return [gr.skip()] * 17  # one per output: state, status, tokens, 3 sliders, 9 views, next plot, stages
     return run_trace(model, prompt, chat, truncate, layer, head, autorun.get("query", -1), lens_colour, temperature,
                      top_k, top_p, min_p, rep, request=request)
 

@@ -182,9 +182,11 @@ def validate_settings(raw: dict | SFTSettings) -> SFTSettings:
     return s
 
 
-def default_output_name(model: str, suffix: str | None = None) -> str:
+def default_output_name(model: str, suffix: str | None = None, method: str = "full") -> str:
+    """'<model>-sft-full-<suffix>' or '<model>-sft-lora-<suffix>': a run's name says how it was trained."""
     base = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(model).name).strip("-.") or "model"
-    return f"{base[:60]}-sft-{suffix or time.strftime('%Y%m%d-%H%M%S')}"
+    kind = "lora" if method == "lora" else "full"
+    return f"{base[:60]}-sft-{kind}-{suffix or time.strftime('%Y%m%d-%H%M%S')}"
 
 
 # =============================================================================================
@@ -630,7 +632,7 @@ def run_sft(settings: SFTSettings | dict, progress: ProgressFn | None = None,
     say = log or (lambda m: None)
     emit = progress or (lambda d: None)
     stop = should_stop or (lambda: False)
-    name = s.output_name or default_output_name(s.model)
+    name = s.output_name or default_output_name(s.model, method=s.method)
     final = paths.finetuned_dir() / name
     if final.exists() and not s.overwrite:
         raise SFTError(f"A model named '{name}' already exists; choose another output name.")

@@ -120,7 +120,7 @@ def submit_sft(params: dict, owner: str = "cli", files: list | None = None) -> d
     r = jobs._r()
     rec = store.new_record("sft", v, owner)
     if not v["output_name"]:
-        v["output_name"] = sft.default_output_name(v["model"], rec["id"][:8])
+        v["output_name"] = sft.default_output_name(v["model"], rec["id"][:8], v.get("method", "full"))
     if (sft.paths.finetuned_dir() / v["output_name"]).exists() and not v.get("overwrite"):
         raise sft.SFTError(f"A model named '{v['output_name']}' already exists; choose another output name.")
     rec["sft"] = {"history": [], "latest": None, "model_name": v["output_name"]}

@@ -5,6 +5,7 @@ events included (what an attacker with an account can do; gradio_client cannot r
 from __future__ import annotations
 
 import json
+import time
 import uuid
 
 import httpx
@@ -13,6 +14,7 @@ import httpx
 class RawClient:
     def __init__(self, url: str, user: str | None = None, password: str | None = None, timeout: float = 120):
         self.http = httpx.Client(base_url=url.rstrip("/"), timeout=timeout)
+        self.timeout = timeout
         if user is not None:
             r = self.http.post("/login", data={"username": user, "password": password})
             assert r.status_code == 200, r.text
@@ -34,10 +36,14 @@ class RawClient:
         body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {"detail": r.text}
         return r.status_code, body.get("event_id") or str(body.get("detail")), session
 
-    def result(self, session: str) -> dict:
-        """Read the session's stream until its event completes: {"data": [...]} or {"error": "..."}."""
+    def result(self, session: str, timeout: float | None = None) -> dict:
+        """Read the session's stream until its event completes: {"data": [...]} or {"error": "..."};
+        {"error": "hang"} past `timeout` (the stream's heartbeats would keep a read timeout from firing)."""
+        deadline = time.monotonic() + (timeout or self.timeout)
         with self.http.stream("GET", f"/gradio_api/queue/data?session_hash={session}") as resp:
             for line in resp.iter_lines():
+                if time.monotonic() > deadline:
+                    return {"error": "hang"}
                 if not line.startswith("data:"):
                     continue
                 msg = json.loads(line[5:])

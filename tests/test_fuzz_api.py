@@ -1,9 +1,13 @@
-"""Fuzz the public API of a live `lmscope serve` (sign-in on, shared token) with 200+ malformed or
-hostile inputs: each must come back as a clear error or a valid result within a time limit, never a
-500 or a hang, and a normal request must still work afterwards.
+"""Fuzz a live `lmscope serve` (sign-in on, shared token) with malformed and hostile inputs: each
+must come back as a valid result or one clear sentence (no traceback, no server path, no URL)
+within a time limit, never a 500 or a hang; the server logs no unexpected exception; and a normal
+request still works afterwards.
 
-Endpoints: /trace (Explore's Run), /run (Generate, streaming), /model_info, plus raw HTTP calls
-without the sign-in cookie and with broken bodies.
+- test_fuzz_public_api: /trace, /generate and /model_info through gradio_client on the real
+  default model (200+ cases), plus raw HTTP without the sign-in cookie and with broken bodies.
+- test_fuzz_every_event: every event in the page's Gradio config, public or private, reached by
+  fn_index with raw `queue/join` requests (tests/raw_client.py): each input in turn replaced by
+  hostile and wrong-typed values, the others at the page's own defaults.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ def _cases():
     for i, v in itertools.product([0, 3, 4, 5, 6, 8, 9], HOSTILE[:14]):
         args = list(GEN_OK)
         args[i] = v
-        yield "/run", args
+        yield "/generate", args
     for v in HOSTILE + BIG_STRINGS:
         yield "/model_info", [v]
 
@@ -106,7 +110,7 @@ def test_fuzz_public_api(server):
     t_all = time.time()
     for api, args in cases:
         t0 = time.time()
-        job = client.submit(*args, api_name=api)
+        job = client.submit(*args, api_name=api if api != "/run" else "/generate")
         try:
             job.result(timeout=PER_CALL_S)
             results["ok"] += 1
@@ -144,4 +148,79 @@ def test_fuzz_public_api(server):
     # the server keeps serving
     out = client.predict(MODEL, "The capital of France is", *TRACE_OK[2:], api_name="/trace")
     assert MODEL in out[0] and "tokens" in out[0]
+    assert urllib.request.urlopen(server.url + "healthz", timeout=5).status == 200
+
+
+# Hostile values for the walk over every event: wrong types, huge and odd text, made-up paths and
+# file payloads, ids of things that do not exist.
+WALK_VALUES = [None, -10**12, "../../etc/passwd", {"path": "/etc/passwd", "meta": {"_type": "gradio.FileData"}},
+               ["x"] * 5, "x" * 20_000, 1e308, "🙂\u202e\x00"]
+TINY = "random-llama-tiny"
+_PATH_LEAK = re.compile(r"(/(root|home|tmp|work|usr|etc|var|opt)/\S+)|redis://|Traceback|File \"")
+
+
+def _baseline(client, fn_index: int) -> list:
+    """The page's own values for an event's inputs; the model picker set to a tiny model."""
+    out = []
+    for comp in client.inputs_of(fn_index):
+        props = comp.get("props", {})
+        v = props.get("value")
+        if comp["type"] in ("state", "browserstate"):
+            v = None
+        elif comp["type"] == "dropdown" and "Model" in str(props.get("label")):
+            v = TINY
+        out.append(v)
+    return out
+
+
+def _one_sentence_problem(msg: str) -> str | None:
+    if msg == "hang":
+        return f"no answer within {PER_CALL_S} s"
+    if not msg or msg in ("None", "Error", "(no message)", "stream closed"):
+        return "no message"
+    if _PATH_LEAK.search(msg):
+        return "leaks a path, URL or traceback"
+    if len(msg) > 400 or "\n" in msg.strip():
+        return "not one sentence"
+    return None
+
+
+def test_fuzz_every_event(server):
+    """Walk the config: one event per distinct (function, inputs), each input x WALK_VALUES."""
+    from tests.raw_client import RawClient
+
+    c = RawClient(server.url, "walker", TOKEN, timeout=PER_CALL_S)
+    seen, events = set(), []
+    for i, d in sorted(c.deps.items()):
+        if not d.get("backend_fn"):
+            continue
+        key = (d.get("api_name", "").rstrip("_0123456789"), tuple(d["inputs"]))
+        if key not in seen:
+            seen.add(key)
+            events.append(i)
+    bad, n, t0 = [], 0, time.time()
+    for i in events:
+        base = _baseline(c, i)
+        name = c.deps[i].get("api_name")
+        positions = range(len(base)) or [None]
+        for pos, value in itertools.product(positions, WALK_VALUES):
+            data = list(base)
+            if pos is not None:
+                data[pos] = value
+            # events that read the click (a table row, a token) get a hostile click too
+            event_data = {"index": value, "value": value, "row_value": value} if c.deps[i]["collects_event_data"] else None
+            out = c.call(i, data, event_data=event_data)
+            n += 1
+            if "error" in out:
+                problem = _one_sentence_problem(out["error"])
+                if problem:
+                    bad.append((name, pos, _redact(value), problem, out["error"][:200]))
+    print(f"\nwalk: {len(events)} distinct events of {len(c.deps)}, {n} calls in {time.time() - t0:.0f} s")
+    assert len(events) > 40 and n >= 400
+    assert not bad, "\n".join(map(str, bad[:30]))
+    tracebacks = re.findall(r"lmscope: unexpected error in [^\n]+|lmscope: request to [^\n]+failed in processing",
+                            _log(server))
+    assert not tracebacks, tracebacks[:10]
+    out = c.call("trace", [TINY, "Still serving?", False, False, 0, 0, None, "probability", 1.0, 0, 1.0, 0.0, 1.0])
+    assert TINY in out["data"][1]
     assert urllib.request.urlopen(server.url + "healthz", timeout=5).status == 200

@@ -234,7 +234,7 @@ def test_sft_job_through_a_real_worker(tmp_path):
         assert [h["step"] for h in s["history"] if h.get("loss") is not None] == list(range(1, 13))
         assert s["accuracy_before"]["n"] == 4 and s["accuracy_after"]["n"] == 4
         assert (svc.data_dir / "models" / name / "model.safetensors").exists()
-        assert {a["name"] for a in done["artifacts"]} == {"lmscope.json", "model.safetensors"}
+        assert {a["name"] for a in done["artifacts"]} == {"lmscope.json", "model.safetensors", "tensorboard.zip"}
         from model_core import load_model, trace
 
         lm = load_model(name)

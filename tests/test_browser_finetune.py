@@ -1,0 +1,108 @@
+"""The train-then-inspect loop in real headless Chromium, with a real Valkey and Celery worker: a
+fine-tuning run of the real default model registers a model, and - without restarting the server -
+an already-open page lists it in its model menu, a `?model=` link opens it, the run is labelled by
+how it was trained, two runs overlay in the comparison, and the downloaded Hugging Face folder loads
+with transformers and gives the registered model's logits."""
+
+from __future__ import annotations
+
+import io
+import zipfile
+
+import pytest
+from playwright.sync_api import sync_playwright
+
+from browser import LiveServer, launch_browser, plot_data, screenshot, wait_until
+
+pytestmark = [pytest.mark.browser, pytest.mark.integration, pytest.mark.real_model]
+
+MODEL = "smollm2-135m-instruct"
+# As small as a real run gets: a couple of optimizer steps on the built-in date task.
+TINY_RUN = {"max_steps": 2, "batch_size": 2, "max_length": 256, "builtin_train_size": 8, "accuracy_examples": 2,
+            "eval_fraction": 0.25, "eval_every": 1}
+
+
+@pytest.fixture(scope="module")
+def loop(tmp_path_factory):
+    from tests.jobs_helpers import LiveServices
+
+    svc = LiveServices(tmp_path_factory.mktemp("loop") / "data", stale_s=60).start()
+    server = LiveServer(extra_env=svc.env())
+    try:
+        yield svc, server
+    finally:
+        server.stop()
+        svc.stop()
+
+
+def _menu_options(page, elem_id: str) -> str:
+    page.locator(f"#{elem_id} input").click()
+    text = page.locator("ul.options").inner_text(timeout=10_000) if page.locator("ul.options").count() else ""
+    page.keyboard.press("Escape")
+    return text
+
+
+def test_finetuned_model_opens_without_a_restart(loop):
+    from tasks import jobs
+
+    svc, server = loop
+    with sync_playwright() as pw:
+        browser = launch_browser(pw)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(server.url)
+        page.wait_for_selector("#model input")
+
+        full = jobs.submit("sft", {"model": MODEL, "method": "full", **TINY_RUN}, owner="local")
+        lora = jobs.submit("sft", {"model": "random-llama-tiny", "method": "lora", "lora_rank": 4, **TINY_RUN},
+                           owner="local")
+        for rec in (full, lora):
+            done = jobs.wait_job(rec["id"], timeout=600)
+            assert done["state"] == "succeeded", (done.get("error"), svc.worker_log()[-2000:])
+        name = full["sft"]["model_name"]
+        assert "-sft-full-" in name and "-sft-lora-" in lora["sft"]["model_name"]
+
+        # the page opened before the run lists the new model within a few seconds, no reload
+        wait_until(lambda: name in _menu_options(page, "model"), 30, f"{name} in the header's model menu")
+        screenshot(page, "finetune-menu-has-new-model")
+
+        # a link naming it opens it: the trace runs on the fine-tuned model
+        page2 = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page2.goto(server.url + f"?model={name}&prompt=2024-03-15")
+        wait_until(lambda: name in page2.inner_text("#explore-status"), 120, "the trace on the fine-tuned model")
+        assert "not in the list of choices" not in page2.inner_text("body")
+
+        # the Fine-tune tab: runs labelled by method, overlaid in the comparison
+        page.get_by_role("tab", name="Fine-tune").click()
+        wait_until(lambda: "(full)" in _menu_options(page, "sft-job"), 30, "the run labelled full")
+        for rec in (full, lora):
+            page.locator("#sft-runs input").click()
+            page.locator("ul.options li", has_text=rec["id"]).first.click()
+            page.keyboard.press("Escape")
+        page.click("#sft-runs-compare")
+        wait_until(lambda: len({t.get("type") for t in plot_data(page, "sft-runs-plot")}) > 0
+                   and len(plot_data(page, "sft-runs-plot")) >= 4, 60, "two runs' train and eval curves")
+        table = page.inner_text("#sft-runs-table")
+        assert "full" in table and "LoRA r4" in table
+        screenshot(page, "finetune-runs-compared")
+
+        # take the model away: the zip is a Hugging Face folder that transformers loads, same logits
+        resp = page.request.get(server.url + f"download/model/{name}.zip")
+        assert resp.status == 200
+        with zipfile.ZipFile(io.BytesIO(resp.body())) as z:
+            names = z.namelist()
+            assert any(n.endswith("config.json") for n in names) and any(n.endswith("README.md") for n in names)
+            out = svc.data_dir / "unzipped"
+            z.extractall(out)
+        browser.close()
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from model_core import load_model
+
+    root = next(p.parent for p in out.rglob("config.json"))
+    theirs = AutoModelForCausalLM.from_pretrained(root, dtype=torch.float32).eval()
+    ours = load_model(name)
+    ids = ours.tokenizer("Convert 2024-03-15 to DD/MM/YYYY.", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(theirs(ids).logits, ours.model(ids).logits)
