@@ -48,6 +48,8 @@ PUBLIC_API: dict[str, str] = {
     "loss_mask": "Which tokens of an SFT training example count in the loss",
     "compare_models": "One prompt through a fine-tuned model and its base",
     "compare_runs": "Several fine-tuning runs: loss curves overlaid, settings and results side by side",
+    "generate_both": "The same prompt, greedy, through a fine-tuned model and its base",
+    "weight_change": "Per layer and module, how far a fine-tuned model's weights moved from its base's",
 }
 
 # What a component's value must be, for the one-sentence answer to a wrong-typed one.

@@ -163,6 +163,35 @@ def next_token_figure(nxt: dict, base_name: str, tuned_name: str) -> go.Figure:
     return _layout(fig, "Next-token distribution", 380)
 
 
+def compare_headline(r: dict, base_name: str, tuned_name: str) -> str:
+    """The numbers that tell a real change from noise, before the charts: how far the next-token
+    distributions are apart on this prompt, where the logit lens first disagrees, which head moved most."""
+    kl, tokens = r.get("kl") or [], r.get("tokens") or []
+    if not kl:
+        return ""
+    i = max(range(len(kl)), key=kl.__getitem__)
+    base_top, tuned_top = (r.get("lens_top") or {}).get("base") or [], (r.get("lens_top") or {}).get("tuned") or []
+    differ = [layer for layer, (a, b) in enumerate(zip(base_top, tuned_top)) if a != b]
+    attn = r.get("attn_diff") or []
+    cells = [(v, layer, h) for layer, row in enumerate(attn) for h, v in enumerate(row)]
+    tv, tl, th = max(cells) if cells else (0.0, 0, 0)
+    where = (f"from layer **{differ[0]}** on ({len(differ)} of {len(base_top)} layers)" if differ
+             else "at **no** layer")
+    return (f"**{tuned_name}** vs **{base_name}** on this prompt: KL(tuned ‖ base) of the next token is "
+            f"**{sum(kl) / len(kl):.4f}** nats on average, **{kl[i]:.4f}** at most (position {i}, "
+            f"`{html.escape(tokens[i]['display']) if i < len(tokens) else i}`); at the last position, the logit "
+            f"lens's top token differs {where}; the attention head that moved most is **L{tl}H{th}** "
+            f"(total variation {tv:.3f}).")
+
+
+def generations_html(rows: list[tuple[str, str]], prompt: str) -> str:
+    """The same prompt, seed and settings through several models, side by side."""
+    cells = "".join(f"<td><b>{html.escape(name)}</b><pre style='white-space:pre-wrap'>{html.escape(text)}</pre></td>"
+                    for name, text in rows)
+    return (f"<div class='lmscope-side-by-side'><div>Prompt: <code>{html.escape(prompt[:200])}</code></div>"
+            f"<table style='width:100%;table-layout:fixed'><tr>{cells}</tr></table></div>")
+
+
 def kl_figure(tokens: list[dict], kl: list[float]) -> go.Figure:
     labels = [f"{i}:{t['display']}" for i, t in enumerate(tokens)]
     fig = go.Figure(go.Bar(x=list(range(len(kl))), y=kl, marker_color="#7c3aed",
@@ -179,17 +208,20 @@ def lens_kl_figure(tokens: list[dict], lens_kl: list[list[float]]) -> go.Figure:
                                colorbar=dict(title="KL"),
                                hovertemplate="%{y} · %{x}<br>KL %{z:.4f}<extra></extra>"))
     fig.update_yaxes(autorange="reversed")
-    return _layout(fig, "Logit-lens difference per layer and position: KL(tuned ‖ base)",
+    top = max((max(row) for row in lens_kl if row), default=0.0)
+    fig.update_traces(zmin=0, zmax=max(top, 1e-9))
+    return _layout(fig, f"Logit-lens difference per layer and position: KL(tuned ‖ base), colour 0 – {top:.3g} nats",
                    max(300, 22 * len(lens_kl) + 100))
 
 
 def attn_diff_figure(attn_diff: list[list[float]]) -> go.Figure:
     fig = go.Figure(go.Heatmap(z=attn_diff, x=[f"H{h}" for h in range(len(attn_diff[0]) if attn_diff else 0)],
-                               y=[f"L{l}" for l in range(len(attn_diff))], colorscale="Oranges", zmin=0,
+                               y=[f"L{l}" for l in range(len(attn_diff))], colorscale="Oranges", zmin=0, zmax=1,
                                colorbar=dict(title="TV"),
                                hovertemplate="%{y} %{x}<br>mean TV distance %{z:.4f}<extra></extra>"))
     fig.update_yaxes(autorange="reversed")
-    return _layout(fig, "Attention difference per layer and head (mean total-variation distance of rows)",
+    return _layout(fig, "Attention difference per layer and head (mean total-variation distance of rows; "
+                        "colour 0 = same, 1 = disjoint, the same on every prompt)",
                    max(300, 22 * len(attn_diff) + 100))
 
 
@@ -327,3 +359,58 @@ def runs_table(records: list[dict]):
 
 def _round(v, nd: int = 4):
     return "" if v is None else round(float(v), nd)
+
+
+def samples_table_html(samples: list[dict]) -> str:
+    """Held-out generations during training (record['sft']['samples']): one row per prompt, one
+    column per step (step 0 = before training, then during, the last = after), the expected answer
+    beside the prompt when known; a cell is green when its completion matches, red when not."""
+    rows = [r for r in (samples or []) if isinstance(r, dict) and r.get("step") is not None]
+    if not rows:
+        return ("<div class='lmscope-samples lmscope-samples-empty'><em>No sample generations yet: the run "
+                "generates a few held-out prompts at step 0 and every few steps (setting sample_every), "
+                "and they appear here as it trains.</em></div>")
+    steps = sorted({int(r["step"]) for r in rows})
+    groups: dict = {}
+    for r in rows:
+        g = groups.setdefault((r.get("index"), r.get("prompt", "")),
+                              {"prompt": r.get("prompt", ""), "expected": None, "cells": {}})
+        if r.get("expected") is not None:
+            g["expected"] = r["expected"]
+        g["cells"][int(r["step"])] = r
+    with_expected = any(g["expected"] is not None for g in groups.values())
+    order = sorted(groups, key=lambda k: (k[0] is None, k[0] if k[0] is not None else 0, str(k[1])))
+
+    def cell(r):
+        if r is None:
+            return "<td style='color:#9ca3af'>–</td>"
+        text = r.get("completion") or ""
+        ok = r.get("correct")
+        style = ("background:#dcfce7;color:#166534" if ok is True else
+                 "background:#fee2e2;color:#991b1b" if ok is False else "")
+        verdict = {True: "matches the expected answer", False: "does not match the expected answer"}.get(ok, "")
+        shown = html.escape(text) if text.strip() else "<span style='color:#9ca3af'>(blank)</span>"
+        step = int(r["step"])
+        title = html.escape(f"step {step}" + (f" · {verdict}" if verdict else ""))
+        flag = "" if ok is None else int(bool(ok))
+        return (f"<td data-step='{step}' data-correct='{flag}' title='{title}' style='{style}'>"
+                f"<code style='white-space:pre-wrap'>{shown}</code></td>")
+
+    head = "".join(f"<th>step {s}{' (before)' if s == 0 else ''}</th>" for s in steps)
+    out = ["<div class='lmscope-samples' style='overflow-x:auto'><table class='lmscope-samples-table'>",
+           f"<tr><th>held-out prompt</th>{'<th>expected</th>' if with_expected else ''}{head}</tr>"]
+    for k in order:
+        g = groups[k]
+        exp = (f"<td><code>{html.escape(g['expected'])}</code></td>" if g["expected"] is not None else "<td></td>") \
+            if with_expected else ""
+        out.append(f"<tr><td>{html.escape(g['prompt'])}</td>{exp}"
+                   + "".join(cell(g["cells"].get(s)) for s in steps) + "</tr>")
+    if with_expected:
+        tally = []
+        for s in steps:
+            known = [g["cells"][s]["correct"] for g in groups.values()
+                     if s in g["cells"] and g["cells"][s].get("correct") is not None]
+            tally.append(f"<td><b>{sum(map(bool, known))}/{len(known)}</b></td>" if known else "<td></td>")
+        out.append(f"<tr><td><b>correct</b></td><td></td>{''.join(tally)}</tr>")
+    out.append("</table></div>")
+    return "".join(out)

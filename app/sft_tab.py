@@ -147,28 +147,57 @@ def show_mask(model, dataset_kind, upload, index, request: gr.Request = None):
         if dataset_kind == "upload" and upload:
             convs = sft.load_jsonl(uploaded_file(upload))
         else:
-            convs, _ = sft.builtin_dataset(max(8, int(index or 0) + 1), 0, 0)
+            convs, _ = sft.builtin_dataset(max(8, min(int(index or 0), MAX_MASK_EXAMPLE) + 1), 0, 0)
         i = max(0, min(int(index or 0), len(convs) - 1))
         return sf.mask_html(sft.mask_view(lm.tokenizer, convs[i]))
     except LmscopeError as e:
         raise gr.Error(str(e)) from None
 
 
-@endpoint(model=True)
-def compare(base, tuned, prompt, chat, request: gr.Request = None):
-    """One prompt through base and fine-tuned models."""
+def _pair(base, tuned):
+    """The fine-tuned model and the one it is compared with (its parent unless another is picked)."""
     if not tuned:
         raise gr.Error("Pick a fine-tuned model to compare.")
     t = get_model(tuned)
     base = base or t.meta.get("parent") or default_model()
-    b = get_model(base)
-    try:
-        r = sft.compare_models(b, t, prompt, chat=bool(chat))
-    except LmscopeError as e:
-        raise gr.Error(str(e)) from None
-    return (sf.next_token_figure(r["next"], base, tuned), sf.kl_figure(r["tokens"], r["kl"]),
-            sf.lens_kl_figure(r["tokens"], r["lens_kl"]), sf.lens_table_html(r["lens_top"], base, tuned),
-            sf.attn_diff_figure(r["attn_diff"]))
+    return get_model(base), t
+
+
+@endpoint(model=True)
+def compare(base, tuned, prompt, chat, request: gr.Request = None):
+    """One prompt through base and fine-tuned models: headline numbers first, then the views."""
+    b, t = _pair(base, tuned)
+    r = sft.compare_models(b, t, prompt, chat=bool(chat))
+    return (sf.compare_headline(r, b.name, t.name), sf.next_token_figure(r["next"], b.name, t.name),
+            sf.kl_figure(r["tokens"], r["kl"]), sf.lens_kl_figure(r["tokens"], r["lens_kl"]),
+            sf.lens_table_html(r["lens_top"], b.name, t.name), sf.attn_diff_figure(r["attn_diff"]))
+
+
+SIDE_BY_SIDE_TOKENS = 48
+MAX_MASK_EXAMPLE = 999  # the built-in set is generated up to the example asked for: never 1e308 of them
+
+
+@endpoint(model=True)
+def generate_both(base, tuned, prompt, chat, request: gr.Request = None):
+    """The same prompt, greedy, through the base and the fine-tuned model."""
+    from model_core.generate import generate
+
+    b, t = _pair(base, tuned)
+    rows = []
+    for lm in (b, t):
+        use_chat = bool(chat) and lm.has_chat_template
+        gen = generate(lm, prompt, max_new_tokens=SIDE_BY_SIDE_TOKENS, seed=0, chat=use_chat)
+        rows.append((f"{lm.name}" + (" (chat)" if use_chat else ""), gen.text))
+    return sf.generations_html(rows, prompt or "")
+
+
+@endpoint(model=True)
+def weight_change(base, tuned, request: gr.Request = None):
+    """Per layer and module, how far the fine-tuned weights moved from the base's (‖ΔW‖/‖W‖)."""
+    from model_core.weight_delta import weight_delta
+
+    b, t = _pair(base, tuned)
+    return sf.weight_delta_figure(weight_delta(b, t))
 
 
 @endpoint
@@ -239,6 +268,12 @@ def build(shared: Shared) -> None:
         base = gr.Dropdown(_base_choices(), value=None, label="Base (default: its parent)", scale=2,
                            elem_id="sft-base", allow_custom_value=False)
         cmp_btn = gr.Button("Compare", variant="primary", scale=1, elem_id="sft-compare")
+    with gr.Row():
+        gen_btn = gr.Button("Generate with both (greedy)", scale=1, elem_id="sft-generate-both")
+        delta_btn = gr.Button("Where the weights changed", scale=1, elem_id="sft-weight-delta")
+    headline = gr.Markdown(elem_id="sft-headline")
+    both = gr.HTML(elem_id="sft-both")
+    delta_plot = gr.Plot(elem_id="sft-delta")
     next_plot = gr.Plot(elem_id="sft-next")
     kl_plot = gr.Plot(elem_id="sft-kl")
     with gr.Row():
@@ -263,8 +298,11 @@ def build(shared: Shared) -> None:
     mask_btn.click(show_mask, [model, dataset_kind, upload, index], [mask_out], api_name="loss_mask")
     tuned.change(parent_of, [tuned], [base])
     cmp_btn.click(compare, [base, tuned, shared.prompt, shared.chat],
-                  [next_plot, kl_plot, lens_plot, lens_table, attn_plot], concurrency_id="model",
+                  [headline, next_plot, kl_plot, lens_plot, lens_table, attn_plot], concurrency_id="model",
                   api_name="compare_models")
+    gen_btn.click(generate_both, [base, tuned, shared.prompt, shared.chat], [both], concurrency_id="model",
+                  api_name="generate_both")
+    delta_btn.click(weight_change, [base, tuned], [delta_plot], concurrency_id="model", api_name="weight_change")
     if shared.page is not None:
         shared.page.load(job_from_url, None, [selected, job])
 

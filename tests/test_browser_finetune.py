@@ -85,6 +85,21 @@ def test_finetuned_model_opens_without_a_restart(loop):
         assert "full" in table and "LoRA r4" in table
         screenshot(page, "finetune-runs-compared")
 
+        # the fine-tuned model against its parent: headline numbers first, and both models' answers
+        page.locator("#prompt textarea").fill("Convert 2024-03-15 to DD/MM/YYYY.")
+        page.locator("#sft-tuned input").click()
+        page.locator("ul.options li", has_text=name).first.click()
+        page.click("#sft-compare")
+        wait_until(lambda: "KL(tuned ‖ base)" in page.inner_text("#sft-headline"), 120, "the comparison headline")
+        assert MODEL in page.inner_text("#sft-headline") and name in page.inner_text("#sft-headline")
+        page.click("#sft-generate-both")
+        wait_until(lambda: page.locator("#sft-both td").count() == 2, 120, "two generations side by side")
+        page.click("#sft-weight-delta")
+        wait_until(lambda: "max" in (page.locator("#sft-delta .gtitle").first.inner_text()
+                                     if page.locator("#sft-delta .gtitle").count() else ""), 120,
+                   "the weight-change heatmap")
+        screenshot(page, "finetune-compare-with-base")
+
         # take the model away: the zip is a Hugging Face folder that transformers loads, same logits
         resp = page.request.get(server.url + f"download/model/{name}.zip")
         assert resp.status == 200
