@@ -25,7 +25,12 @@ base weights before saving, so every checkpoint loads as a plain model.
 Output: a safetensors checkpoint with tokenizer + chat template, written to a staging directory
 under <data dir>/sft-staging and renamed to <data dir>/models/<name> only after success (a
 cancelled or failed run never shows up as a model), with lmscope.json = {parent, parameters,
-training, dataset, accuracy_before, accuracy_after, metrics}.
+training, dataset, accuracy_before, accuracy_after, metrics, samples, checkpoints}.
+
+During training (run_sft's docstring has the details): greedy samples of a few held-out prompts at
+step 0, every `sample_every` steps and at the end; with `keep_checkpoints`, the model at evenly
+spaced steps, registered beside the final one as '<name>-step<S>' (lmscope.json adds checkpoint_of
+and step) only when the whole run succeeds.
 """
 
 from __future__ import annotations
@@ -81,6 +86,8 @@ def mfu(n_params: float, tokens_per_s: float, peak_flops: float) -> float:
 # Settings
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+MAX_SAMPLE_PROMPTS = 20
+MAX_KEEP_CHECKPOINTS = 20  # each one is a full copy of the model on disk
 
 
 @dataclass
@@ -105,6 +112,9 @@ class SFTSettings:
     device: str | None = None
     torch_compile: bool = False
     overwrite: bool = False
+    sample_every: int | None = None  # steps between sample generations; default ~4 points per run; 0 = off
+    sample_prompts: int = 3  # held-out prompts generated greedily at step 0, every sample_every steps, and at the end
+    keep_checkpoints: int = 0  # also register the model at this many evenly spaced steps, as <name>-step<S>
 
     def lr(self) -> float:
         return self.learning_rate or (1e-3 if self.method == "lora" else 1e-4)
@@ -149,7 +159,7 @@ def validate_settings(raw: dict | SFTSettings) -> SFTSettings:
     base = SFTSettings()
     for k in known:
         if d.get(k) is None and k not in ("output_name", "learning_rate", "max_steps", "lora_alpha",
-                                          "eval_every", "device"):
+                                          "eval_every", "device", "sample_every"):
             d[k] = getattr(base, k)
     method = str(d["method"]).lower()
     if method not in ("full", "lora"):
@@ -173,13 +183,24 @@ def validate_settings(raw: dict | SFTSettings) -> SFTSettings:
         accuracy_examples=_num(d, "accuracy_examples", int, 0, 10_000),
         device=(str(d["device"]) if d.get("device") else None),
         torch_compile=bool(d.get("torch_compile")), overwrite=bool(d.get("overwrite")),
+        sample_every=_num(d, "sample_every", int, 0, 10**7, allow_none=True),
+        sample_prompts=_num(d, "sample_prompts", int, 0, MAX_SAMPLE_PROMPTS),
+        keep_checkpoints=_num(d, "keep_checkpoints", int, 0, MAX_KEEP_CHECKPOINTS),
     )
     if not s.model:
         raise SettingsError("No model given to fine-tune.")
     if s.output_name is not None and not _NAME_RE.match(s.output_name):
         raise SettingsError("The output name may use letters, digits, '.', '_' and '-' (max 100), "
                             "and must start with a letter or digit.")
+    if s.keep_checkpoints and s.output_name is not None and len(checkpoint_name(s.output_name, 10**7)) > 100:
+        raise SettingsError("The output name is too long to also name checkpoints '<name>-step<S>' (max 100 "
+                            "characters in all); shorten it or keep no checkpoints.")
     return s
+
+
+def checkpoint_name(name: str, step: int) -> str:
+    """The registered name of a run's intermediate checkpoint: '<final name>-step<S>'."""
+    return f"{name}-step{int(step)}"
 
 
 def default_output_name(model: str, suffix: str | None = None, method: str = "full") -> str:
@@ -518,6 +539,124 @@ def heldout_from_convs(convs: list[list[dict]]) -> list[tuple[list[dict], str]]:
 
 
 # =============================================================================================
+# Sample generations during training
+
+SAMPLE_MAX_NEW_TOKENS = 24
+MAX_SAMPLE_STEPS = 50  # sample points kept in a run record (thinned evenly beyond this; first and last kept)
+_SAMPLE_PROMPT_CHARS = 300
+
+
+def sample_steps(max_steps: int, sample_every: int | None, n_prompts: int) -> list[int]:
+    """Steps at which the run generates its samples: 0 (before training), every `sample_every` steps
+    (default: ceil(max_steps / 4), about 4 points) and the last step. [] when off (0, or no prompts)."""
+    if sample_every == 0 or n_prompts <= 0:
+        return []
+    every = sample_every or max(1, math.ceil(max_steps / 4))
+    return sorted({0, max_steps, *range(every, max_steps + 1, every)})
+
+
+def sample_max_new_tokens(tokenizer, items: list[tuple[list[dict], str | None]]) -> int:
+    """24 tokens, more (up to 64) when a known answer needs them."""
+    longest = max((len(tokenizer(a, add_special_tokens=False)["input_ids"]) for _, a in items if a), default=0)
+    return max(SAMPLE_MAX_NEW_TOKENS, min(64, longest + 4))
+
+
+def sample_generations(model, tokenizer, items: list[tuple[list[dict], str | None]], step: int,
+                       max_new_tokens: int = SAMPLE_MAX_NEW_TOKENS, should_stop=None) -> list[dict]:
+    """Greedy completions of held-out prompts by the model as it is now: [{step, index, prompt,
+    completion, expected, correct}] with correct = exact match (as held-out accuracy) when the answer
+    is known, else None. Prompts of the same token length share a generate call and others run
+    alone, so no row is ever padded. Eval mode and no_grad for the generation, the training mode and
+    RNG state restored."""
+    dev = next(model.parameters()).device
+    groups: dict[int, list[int]] = {}
+    for i, (msgs, _) in enumerate(items):
+        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        groups.setdefault(len(tokenizer(text, add_special_tokens=False)["input_ids"]), []).append(i)
+    got: list[str] = [""] * len(items)
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        for idx in groups.values():
+            outs = greedy_answers(model, tokenizer, [items[i][0] for i in idx], max_new_tokens,
+                                  batch_size=len(idx), should_stop=should_stop)
+            for i, o in zip(idx, outs):
+                got[i] = o
+    rows = []
+    for i, ((msgs, expected), completion) in enumerate(zip(items, got)):
+        prompt = msgs[-1]["content"] if msgs else ""
+        if len(prompt) > _SAMPLE_PROMPT_CHARS:
+            prompt = prompt[: _SAMPLE_PROMPT_CHARS - 1] + "…"
+        rows.append({"step": int(step), "index": i, "prompt": prompt, "completion": completion,
+                     "expected": expected,
+                     "correct": None if expected is None else normalise_answer(completion) == normalise_answer(expected)})
+    return rows
+
+
+def thin_samples(samples: list[dict], max_points: int = MAX_SAMPLE_STEPS) -> list[dict]:
+    """Sample rows of at most `max_points` distinct steps, evenly spread (the first and last kept)."""
+    steps = sorted({r["step"] for r in samples})
+    if len(steps) <= max_points:
+        return list(samples)
+    keep = {steps[round(i * (len(steps) - 1) / (max_points - 1))] for i in range(max_points)}
+    return [r for r in samples if r["step"] in keep]
+
+
+# =============================================================================================
+# Intermediate checkpoints
+
+def checkpoint_steps(max_steps: int, keep: int) -> list[int]:
+    """At most `keep` evenly spaced steps strictly inside the run (the last step is the final model)."""
+    if keep <= 0:
+        return []
+    return sorted({round(max_steps * i / (keep + 1)) for i in range(1, keep + 1)} & set(range(1, max_steps)))
+
+
+def plain_state_dict(model):
+    """(the transformers model to save with, a CPU copy of the weights a plain model of that class
+    has). A peft LoRA model is merged in the copy (W + peft's own ΔW, as merge_and_unload computes
+    it); the training model is never modified. Tied weights stay one tensor."""
+    base = model.get_base_model() if hasattr(model, "peft_config") and hasattr(model, "get_base_model") else model
+    merged: dict[str, torch.Tensor] = {}
+    if base is not model:
+        from peft.tuners.lora.layer import Linear as LoraLinear
+        from peft.tuners.lora.layer import LoraLayer
+
+        for mname, mod in base.named_modules():
+            if not isinstance(mod, LoraLayer):
+                continue
+            active = [a for a in mod.active_adapters if a in mod.lora_A]
+            if not isinstance(mod, LoraLinear) or any(a in mod.lora_variant or mod.lora_bias.get(a) for a in active):
+                import copy  # something apply_lora never makes (DoRA, biases, embeddings): merge a whole copy
+
+                m = copy.deepcopy(model).merge_and_unload()
+                return m, {k: v.detach().to("cpu", copy=True) for k, v in m.state_dict().items()}
+            w = mod.get_base_layer().weight.detach()
+            for a in active:
+                w = w + mod.get_delta_weight(a)
+            merged[f"{mname}.base_layer.weight"] = w
+    out, by_ptr = {}, {}
+    with torch.no_grad():
+        for k, v in base.state_dict().items():
+            parts = k.split(".")
+            if any(p.startswith("lora_") for p in parts):
+                continue
+            src = merged.get(k, v)
+            key = ".".join(p for p in parts if p != "base_layer")
+            ptr = (v.data_ptr(), tuple(v.shape), k in merged)
+            if ptr not in by_ptr:
+                by_ptr[ptr] = src.detach().to("cpu", copy=True)
+            out[key] = by_ptr[ptr]
+    return base, out
+
+
+def save_plain(model, tokenizer, directory: Path) -> None:
+    """Write `model` (LoRA merged, see plain_state_dict) as a Hugging Face folder with its tokenizer."""
+    base, sd = plain_state_dict(model)
+    directory.mkdir(parents=True, exist_ok=True)
+    base.save_pretrained(directory, state_dict=sd, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+
+
+# =============================================================================================
 # Model setup
 
 def load_trainable(name: str, device: str | None = None):
@@ -559,6 +698,8 @@ class SFTResult:
     path: Path
     info: dict
     history: list[dict] = field(default_factory=list)
+    checkpoints: list[dict] = field(default_factory=list)  # [{name, step, path}] registered beside the final model
+    samples: list[dict] = field(default_factory=list)  # [{step, index, prompt, completion, expected, correct}]
 
 
 ProgressFn = Callable[[dict], None]
@@ -603,19 +744,28 @@ def _split(convs, eval_fraction: float, seed: int):
 
 def prepare_data(s: SFTSettings, tokenizer):
     """-> (train EncodedData, eval EncodedData | None, held-out accuracy items, dataset description)."""
+    train, ev, test, _samples, desc = _prepare_run_data(s, tokenizer)
+    return train, ev, test, desc
+
+
+def _prepare_run_data(s: SFTSettings, tokenizer):
+    """prepare_data plus the prompts sampled during training: the first `sample_prompts` held-out items
+    (built-in task: its held-out questions, with answers; uploads: the eval split's conversations up
+    to their last assistant turn, whose text is the expected answer). Never trained on."""
+    n_samples = s.sample_prompts if s.sample_every != 0 else 0
     if s.dataset == BUILTIN:
-        convs, test = builtin_dataset(s.builtin_train_size, s.accuracy_examples, s.seed)
+        convs, held = builtin_dataset(s.builtin_train_size, max(s.accuracy_examples, n_samples), s.seed)
         desc = {"source": BUILTIN, "task": BUILTIN_TASK, "size": len(convs)}
     else:
         convs = load_jsonl(s.dataset)
-        test = None
+        held = None
         desc = {"source": "upload", "file": Path(s.dataset).name, "size": len(convs)}
     train_c, eval_c = _split(convs, s.eval_fraction, s.seed)
-    if test is None:
-        test = heldout_from_convs(eval_c)[: s.accuracy_examples]
+    if held is None:
+        held = heldout_from_convs(eval_c)
     train = encode_dataset(tokenizer, train_c, s.max_length)
     ev = encode_dataset(tokenizer, eval_c, s.max_length) if eval_c else None
-    return train, ev, test, desc
+    return train, ev, held[: s.accuracy_examples], held[:n_samples], desc
 
 
 def run_sft(settings: SFTSettings | dict, progress: ProgressFn | None = None,
@@ -624,7 +774,16 @@ def run_sft(settings: SFTSettings | dict, progress: ProgressFn | None = None,
     """Fine-tune and register. progress(dict) gets {phase, step, max_steps, epoch, loss, eval_loss,
     tokens_per_s, lr, eta_s, elapsed_s, tokens_seen}; should_stop() is polled between steps (cancel ->
     SFTCancelled, nothing registered); NaN/inf loss -> SFTError. Returns the registered model.
-    tensorboard_dir: also write TensorBoard event files there (see tensorboard_callback)."""
+    tensorboard_dir: also write TensorBoard event files there (see tensorboard_callback).
+
+    Samples (sample_every, sample_prompts): at step 0, every sample_every steps and the last step,
+    greedy completions of held-out prompts (sample_generations) go to progress as {phase: "samples",
+    step, max_steps, samples: [{step, index, prompt, completion, expected, correct}]}; all of them are
+    in the result and in lmscope.json (thinned to MAX_SAMPLE_STEPS points).
+    Checkpoints (keep_checkpoints = N): the model at N evenly spaced steps (checkpoint_steps) is
+    saved beside the final model's staging folder (LoRA merged in a copy) and, only when the run
+    succeeds, registered as '<name>-step<S>' with lmscope.json {parent, checkpoint_of, step, ...};
+    a cancelled or failed run removes them with its staging folder."""
     from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
@@ -642,6 +801,7 @@ def run_sft(settings: SFTSettings | dict, progress: ProgressFn | None = None,
     staging = _staging_root() / f"{name}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
     t_start = time.time()
     tb = None
+    ckpts: dict[int, dict] = {}  # step -> {dir (staging), train_seconds, created}
     try:
         emit({"phase": "loading model", "step": 0})
         set_seed(s.seed)
@@ -652,7 +812,7 @@ def run_sft(settings: SFTSettings | dict, progress: ProgressFn | None = None,
         added_template = ensure_chat_template(tok)
         if added_template:
             say("the tokenizer has no chat template; using lmscope's simple 'role: content<eos>' template")
-        train, ev, test, desc = prepare_data(s, tok)
+        train, ev, test, sample_items, desc = _prepare_run_data(s, tok)
         say(f"data: {train.total} train examples ({train.truncated} truncated, {train.dropped} dropped at "
             f"max_length {s.max_length}), {ev.total if ev else 0} eval, {len(test)} held-out prompts; "
             f"{train.trained_tokens} of {train.tokens} train tokens count in the loss")
@@ -673,7 +833,51 @@ def run_sft(settings: SFTSettings | dict, progress: ProgressFn | None = None,
         say(f"training {s.method} ({trainable:,} of {total:,} parameters trainable) for {max_steps} steps, "
             f"batch {s.batch_size}, lr {s.lr():g}, on {dev}")
 
-        cb = _Callback(emit, stop, max_steps, t_start)
+        s_steps = set(sample_steps(max_steps, s.sample_every, len(sample_items)))
+        n_new = sample_max_new_tokens(tok, sample_items) if s_steps else SAMPLE_MAX_NEW_TOKENS
+        sampling = {"steps": sorted(s_steps), "prompts": len(sample_items) if s_steps else 0,
+                    "max_new_tokens": n_new}
+        if s.sample_every != 0 and s.sample_prompts and not sample_items:
+            say("no held-out prompts to sample during training (the eval split is empty)")
+        elif s_steps:
+            say(f"sampling {len(sample_items)} held-out prompt(s) greedily at steps "
+                f"{', '.join(map(str, sorted(s_steps)))}")
+        c_steps = checkpoint_steps(max_steps, s.keep_checkpoints)
+        if s.keep_checkpoints and len(c_steps) < s.keep_checkpoints:
+            say(f"{max_steps} steps leave room for {len(c_steps)} intermediate checkpoint(s), not {s.keep_checkpoints}")
+        if c_steps and len(checkpoint_name(name, c_steps[-1])) > 100:
+            raise SFTError(f"The name '{name}' is too long to also name its checkpoints '<name>-step<S>' (max 100 "
+                           "characters); shorten it or keep no checkpoints.")
+        for st in c_steps:
+            cname = checkpoint_name(name, st)
+            if (paths.finetuned_dir() / cname).exists() and not s.overwrite:
+                raise SFTError(f"A model named '{cname}' already exists (this run's checkpoint at step {st} would "
+                               "take that name); choose another output name.")
+            if cname in _registry_names():
+                raise SFTError(f"'{cname}' is a built-in model name; choose another output name.")
+        if c_steps:
+            say(f"keeping checkpoints at steps {', '.join(map(str, c_steps))} (registered when the run succeeds)")
+        samples: list[dict] = []
+        timing = {"sample_seconds": 0.0, "checkpoint_seconds": 0.0}
+        train_model = model
+
+        def at_step(step: int) -> None:
+            if step in s_steps:
+                t0 = time.time()
+                rows = sample_generations(train_model, tok, sample_items, step, n_new, should_stop=stop)
+                samples.extend(rows)
+                timing["sample_seconds"] += time.time() - t0
+                emit({"phase": "samples", "step": step, "max_steps": max_steps, "samples": rows})
+            if step in c_steps:
+                t0 = time.time()
+                d = _staging_root() / f"{checkpoint_name(name, step)}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
+                ckpts[step] = {"dir": d, "train_seconds": cb.train_time, "created": time.time()}
+                save_plain(train_model, tok, d)
+                timing["checkpoint_seconds"] += time.time() - t0
+                say(f"checkpoint at step {step} kept (registered as '{checkpoint_name(name, step)}' when the run "
+                    "succeeds)")
+
+        cb = _Callback(emit, stop, max_steps, t_start, at_step if (s_steps or c_steps) else None)
         use_cuda = dev.type == "cuda"
         args = TrainingArguments(
             output_dir=str(staging / "trainer"), max_steps=max_steps, per_device_train_batch_size=s.batch_size,
@@ -715,30 +919,63 @@ def run_sft(settings: SFTSettings | dict, progress: ProgressFn | None = None,
         if stop():
             raise SFTCancelled()
         emit({"phase": "saving", "step": max_steps})
+        ckpt_list = [{"name": checkpoint_name(name, st), "step": st} for st in sorted(ckpts)]
         info = {
             "parent": s.model, "parameters": n_params, "training": s.to_json(), "dataset": desc,
             "data": {"train": train.stats(), "eval": ev.stats() if ev else None},
             "accuracy_before": acc_before, "accuracy_after": acc_after,
-            "metrics": cb.summary(n_params), "history": cb.history,
-            "chat_template_added": added_template, "created": time.time(),
+            "metrics": {**cb.summary(n_params), **{k: round(v, 2) for k, v in timing.items()}},
+            "history": cb.history, "samples": thin_samples(samples), "sampling": sampling,
+            "checkpoints": ckpt_list, "chat_template_added": added_template, "created": time.time(),
         }
         staging.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(staging / "trainer", ignore_errors=True)
         model.to("cpu").save_pretrained(staging, safe_serialization=True)
         tok.save_pretrained(staging)
         (staging / "lmscope.json").write_text(json.dumps(info, indent=1))
+        for st, c in ckpts.items():
+            c_info = {**info, "checkpoint_of": name, "step": st, "max_steps": max_steps, "accuracy_after": None,
+                      "metrics": cb.summary(n_params, upto=st, train_time=c["train_seconds"]),
+                      "history": [r for r in cb.history if r["step"] <= st],
+                      "samples": [r for r in samples if r["step"] == st], "checkpoints": [],
+                      "created": c["created"]}
+            (c["dir"] / "lmscope.json").write_text(json.dumps(c_info, indent=1))
         if stop():
             raise SFTCancelled()
+        root = paths.finetuned_dir()
+        if s.overwrite:
+            _remove_checkpoints_of(name)
+            for c in ckpt_list:
+                shutil.rmtree(root / c["name"], ignore_errors=True)
+        for c in ckpt_list:
+            if (root / c["name"]).exists():
+                raise SFTError(f"A model named '{c['name']}' appeared while this run trained; choose another "
+                               "output name.")
         if final.exists() and s.overwrite:
             shutil.rmtree(final)
-        os.rename(staging, final)  # atomic on one filesystem: the model appears complete or not at all
+        registered: list[Path] = []
+        try:  # checkpoints first, the final model last: a run's models all appear, or none do
+            for st in sorted(ckpts):
+                target = root / checkpoint_name(name, st)
+                os.rename(ckpts[st]["dir"], target)
+                registered.append(target)
+            os.rename(staging, final)  # atomic on one filesystem: the model appears complete or not at all
+        except BaseException:
+            for target in registered:
+                shutil.rmtree(target, ignore_errors=True)
+            raise
+        for c in ckpt_list:
+            say(f"registered checkpoint '{c['name']}' (step {c['step']})")
         say(f"registered model '{name}' at {final}")
         emit({"phase": "done", "step": max_steps})
-        return SFTResult(name=name, path=final, info=info, history=cb.history)
+        return SFTResult(name=name, path=final, info=info, history=cb.history, samples=samples,
+                         checkpoints=[{**c, "path": root / c["name"]} for c in ckpt_list])
     finally:
         if tb is not None and tb.tb_writer is not None:  # a run that raised never reached on_train_end
             tb.tb_writer.close()
         shutil.rmtree(staging, ignore_errors=True)
+        for c in ckpts.values():
+            shutil.rmtree(c["dir"], ignore_errors=True)
 
 
 def tensorboard_callback(log_dir: str | os.PathLike, s: SFTSettings, say: Callable[[str], None] | None = None):
@@ -766,6 +1003,17 @@ def tensorboard_callback(log_dir: str | os.PathLike, s: SFTSettings, say: Callab
     return _TensorBoard(tb_writer=SummaryWriter(log_dir=str(log_dir)))
 
 
+def _remove_checkpoints_of(name: str) -> None:
+    """Remove registered checkpoints of an earlier run named `name` (an overwrite replaces the run)."""
+    for d in paths.finetuned_dir().iterdir():
+        try:
+            info = json.loads((d / "lmscope.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(info, dict) and info.get("checkpoint_of") == name:
+            shutil.rmtree(d, ignore_errors=True)
+
+
 def _registry_names() -> set[str]:
     from model_core.registry import REGISTRY
 
@@ -773,14 +1021,17 @@ def _registry_names() -> set[str]:
 
 
 class _Callback:
-    """Trainer callback: progress rows, cancel between steps, stop on a non-finite loss."""
+    """Trainer callback: progress rows, cancel between steps, stop on a non-finite loss. `at_step(step)`
+    (optional) runs at step 0 (train begin) and after every optimizer step that was not cancelled,
+    outside the measured training time (samples, checkpoints)."""
 
     def __new__(cls, *a, **k):
         from transformers import TrainerCallback
 
         class Impl(TrainerCallback):
-            def __init__(self, emit, stop, max_steps, t_start):
+            def __init__(self, emit, stop, max_steps, t_start, at_step=None):
                 self.emit, self.stop, self.max_steps, self.t_start = emit, stop, max_steps, t_start
+                self.at_step = at_step
                 self.history: list[dict] = []
                 self.nan_step = None
                 self.cancelled = False
@@ -790,6 +1041,8 @@ class _Callback:
                 self.last_eval = None
 
             def on_train_begin(self, args, state, control, **kw):
+                if self.at_step is not None:
+                    self.at_step(0)
                 self.t_last = self.t_train0 = time.time()
 
             def on_step_end(self, args, state, control, **kw):
@@ -801,6 +1054,10 @@ class _Callback:
                     control.should_training_stop = True
                     control.should_evaluate = False
                     control.should_log = False
+                    return
+                if self.at_step is not None:
+                    self.at_step(state.global_step)
+                    self.t_last = time.time()
 
             def _row(self, state, **extra):
                 step = state.global_step
@@ -842,13 +1099,18 @@ class _Callback:
                         control.should_training_stop = True
                 self.t_last = time.time()
 
-            def summary(self, n_params):
-                last = self.history[-1] if self.history else {}
+            def summary(self, n_params, upto: int | None = None, train_time: float | None = None):
+                """Run metrics; upto: as they stood at that step (a checkpoint's record)."""
+                hist = self.history if upto is None else [r for r in self.history if r["step"] <= upto]
+                last = hist[-1] if hist else {}
                 tps = last.get("tokens_per_s")
-                first_loss = next((r["loss"] for r in self.history if r.get("loss") is not None), None)
-                return {"steps": last.get("step", 0), "train_seconds": round(self.train_time, 2),
+                first_loss = next((r["loss"] for r in hist if r.get("loss") is not None), None)
+                evals = [r["eval_loss"] for r in hist if r.get("eval_loss") is not None]
+                last_eval = self.last_eval if upto is None else (evals[-1] if evals else None)
+                train_time = self.train_time if train_time is None else train_time
+                return {"steps": last.get("step", 0), "train_seconds": round(train_time, 2),
                         "tokens_seen": last.get("tokens_seen", 0), "tokens_per_s": tps,
-                        "first_loss": first_loss, "final_loss": last.get("loss"), "final_eval_loss": self.last_eval,
+                        "first_loss": first_loss, "final_loss": last.get("loss"), "final_eval_loss": last_eval,
                         "training_flops": 6 * n_params * last.get("tokens_seen", 0)}
 
         return Impl(*a, **k)

@@ -12,7 +12,11 @@ lines are skipped instead: the job's input holds the good lines only, and record
 Progress: 'loading model' (0-2 %), 'accuracy before' (2-5 %), 'training' (5-90 %, by step),
 'accuracy after' (90-97 %), 'saving' (97-100 %). The record gets an extra field `sft`:
 {history: [{step, loss, eval_loss, lr, tokens_per_s, eta_s, ...}], latest, data, accuracy_before,
-accuracy_after, model_name, dataset_lines (uploads)}; the Jobs/SFT tabs draw loss curves from it.
+accuracy_after, model_name, dataset_lines (uploads), samples, checkpoints}; the Jobs/SFT tabs draw
+loss curves from it. `samples` grows while the job runs (settings sample_every, sample_prompts):
+[{step, index, prompt, completion, expected, correct}], step 0 first, thinned to
+sft.MAX_SAMPLE_STEPS steps (app.sft_figures.samples_table_html draws it). `checkpoints` (setting
+keep_checkpoints), set when the run succeeds: [{name, step}], each a registered model '<name>-step<S>'.
 
 Cancel: run_sft polls the cancel flag between steps (the revoke from jobs.cancel_job also
 terminates the process); either way the staging directory is never renamed into <data dir>/models,
@@ -123,7 +127,7 @@ def submit_sft(params: dict, owner: str = "cli", files: list | None = None) -> d
         v["output_name"] = sft.default_output_name(v["model"], rec["id"][:8], v.get("method", "full"))
     if (sft.paths.finetuned_dir() / v["output_name"]).exists() and not v.get("overwrite"):
         raise sft.SFTError(f"A model named '{v['output_name']}' already exists; choose another output name.")
-    rec["sft"] = {"history": [], "latest": None, "model_name": v["output_name"]}
+    rec["sft"] = {"history": [], "latest": None, "model_name": v["output_name"], "samples": [], "checkpoints": []}
     if files:
         inp = config.job_dir(rec["id"]) / "input"
         inp.mkdir(parents=True, exist_ok=True)
@@ -152,11 +156,16 @@ class _SFTProgress(_Progress):
     def __init__(self, job_id: str, attempt: int):
         super().__init__(job_id, attempt)
         self.history: list[dict] = []
+        self.samples: list[dict] = []
         self.latest: dict | None = None
         self.eta: float | None = None
         self.extra: dict = {}
 
     def on_row(self, row: dict) -> None:
+        if row.get("phase") == "samples":  # generations at a step: a table, not a stage
+            with self.lock:
+                self.samples.extend(row.get("samples") or [])
+            return
         phase = row.get("phase", "training")
         lo, hi = PHASES.get(phase, (0.0, 0.0))
         f = lo
@@ -174,6 +183,7 @@ class _SFTProgress(_Progress):
         stage, f = self.current()
         with self.lock:
             hist, latest, eta, extra = list(self.history), self.latest, self.eta, dict(self.extra)
+            samples = sft.thin_samples(self.samples)
         if eta is None and f > 0.05:
             eta = round((time.time() - self.t_start) / f * (1 - f), 1)
 
@@ -182,7 +192,7 @@ class _SFTProgress(_Progress):
                 return None
             rec["progress"] = {"fraction": round(f, 4), "stage": stage, "eta_seconds": eta}
             s = rec.setdefault("sft", {})
-            s.update(extra, history=_thin(hist), latest=latest)
+            s.update(extra, history=_thin(hist), latest=latest, samples=samples)
             if log:
                 rec["log"].append(store.log_line(log))
             return rec
@@ -249,7 +259,8 @@ def run_sft_job(self, job_id: str) -> str:
         with prog.lock:
             prog.extra = {"data": info["data"], "accuracy_before": info["accuracy_before"],
                           "accuracy_after": info["accuracy_after"], "metrics": info["metrics"],
-                          "model_name": res.name, "model_path": str(res.path)}
+                          "model_name": res.name, "model_path": str(res.path),
+                          "checkpoints": [{"name": c["name"], "step": c["step"]} for c in res.checkpoints]}
         prog.push()
         arts = [{"name": n, "path": str(res.path / n), "bytes": (res.path / n).stat().st_size}
                 for n in ("lmscope.json", "model.safetensors") if (res.path / n).exists()] + tensorboard_artifact(jdir)
@@ -257,8 +268,10 @@ def run_sft_job(self, job_id: str) -> str:
         if info["accuracy_before"] and info["accuracy_after"]:
             acc = (f", held-out accuracy {info['accuracy_before']['accuracy']:.0%} -> "
                    f"{info['accuracy_after']['accuracy']:.0%}")
+        ck = f" (and {len(res.checkpoints)} checkpoint(s): {', '.join(c['name'] for c in res.checkpoints)})" \
+            if res.checkpoints else ""
         _finish(job_id, attempt, state="succeeded", artifacts=arts,
-                log=f"done: model '{res.name}' registered{acc}")
+                log=f"done: model '{res.name}' registered{ck}{acc}")
         return "succeeded"
     except sft.SFTCancelled:
         _finish(job_id, attempt, state="cancelled", log="cancelled; no model was registered",
@@ -297,6 +310,11 @@ def add_sft_arguments(s) -> None:
     add("--eval-fraction", type=float, default=None)
     add("--seed", type=int, default=None)
     add("--output-name", default=None, help="name of the registered model")
+    add("--sample-every", type=int, default=None,
+        help="generate the held-out samples every N steps (default: about 4 times a run; 0 = off)")
+    add("--sample-prompts", type=int, default=None, help="held-out prompts to sample (default 3)")
+    add("--keep-checkpoints", type=int, default=None,
+        help="also register the model at N evenly spaced steps as <name>-step<S> (default 0)")
     add("--skip-bad-lines", action="store_true", default=False,
         help="train on the dataset's good lines and skip malformed ones (default: refuse the file)")
 
@@ -309,6 +327,8 @@ def sft_params_from_args(args) -> tuple[dict, list]:
               "learning_rate": args.lr, "max_steps": args.max_steps, "epochs": args.epochs,
               "batch_size": getattr(args, "batch_size", None), "max_length": args.max_length,
               "eval_fraction": args.eval_fraction, "seed": args.seed, "output_name": args.output_name,
+              "sample_every": getattr(args, "sample_every", None), "sample_prompts": getattr(args, "sample_prompts", None),
+              "keep_checkpoints": getattr(args, "keep_checkpoints", None),
               "dataset": "builtin", "skip_bad_lines": bool(getattr(args, "skip_bad_lines", False)) or None}
     files = [] if args.dataset in (None, "builtin") else [args.dataset]
     return {k: v for k, v in params.items() if v is not None}, files
