@@ -84,7 +84,7 @@ def submit(algorithm, vocab, min_freq, specials, corpus_kind, files, corpus_mb, 
 @endpoint
 def select_job(evt: gr.SelectData):
     row = evt.row_value if evt is not None else None
-    return row[0] if row else None
+    return str(row[0]) if isinstance(row, list) and row else None
 
 
 @endpoint
@@ -157,7 +157,9 @@ def compare(prompt, ids, selected, request: gr.Request = None):
 def build(shared: Shared) -> None:
     from tasks.tokenizer_train import ALGORITHMS, VOCAB_MAX, VOCAB_MIN
 
-    selected = gr.State(None)
+    # The selected job id lives in the page (hidden) so it can go into the URL (?job=<id>): a reload or
+    # a link opens the same job. It is only an id: every read checks the viewer may see that job.
+    selected = gr.Textbox(visible=False, elem_id="job-selected")
     gr.Markdown("Background jobs run on a Celery worker; they keep running if you close the page. "
                 "Train a tokenizer on the built-in corpus (Python's standard-library docstrings) or your "
                 "own text, then compare it with the default model's tokenizer.")
@@ -211,12 +213,32 @@ def build(shared: Shared) -> None:
     submit_btn.click(submit, [algorithm, vocab, min_freq, specials, corpus_kind, files, corpus_mb],
                      [selected, status], api_name="jobs_submit_tokenizer").then(refresh, [selected], tick_out)
     table.select(select_job, None, [selected])
-    selected.change(show_selected, [selected], detail_out).then(tokenizer_choices, None, [others])
+    selected.change(show_selected, [selected], detail_out).then(tokenizer_choices, None, [others]).then(
+        None, [selected], None, js=JOB_URL_JS)
+    if shared.page is not None:
+        shared.page.load(job_from_url, None, [selected])
     cancel_btn.click(cancel, [selected], [status]).then(refresh, [selected], tick_out)
     # when the selected job finishes, load its report once
     progress.change(_maybe_report, [selected, progress], detail_out, show_progress="hidden")
     compare_btn.click(compare, [shared.prompt, others, selected], [compared, comp], api_name="tokenize")
     others.focus(tokenizer_choices, None, [others])
+
+
+JOB_URL_JS = """(j) => { const q = new URLSearchParams(location.search); if (j) q.set('job', j); else q.delete('job');
+                        history.replaceState(null, '', '?' + q.toString()); return []; }"""
+
+
+@endpoint
+def job_from_url(request: gr.Request = None):
+    """?job=<id> selects that job when the viewer may see it."""
+    q = dict(request.query_params) if request is not None else {}
+    job_id = q.get("job")
+    if not isinstance(job_id, str) or not job_id:
+        return gr.skip()
+    try:
+        return _jobs().get_job(job_id, job_viewer(request))["id"]
+    except LmscopeError:
+        return gr.skip()
 
 
 def _signed_in_server() -> bool:

@@ -12,6 +12,7 @@ import gradio as gr
 
 from app import sft_figures as sf
 from app.context import Shared, default_model, endpoint, get_model, job_owner, job_viewer, uploaded_file
+from app.jobs_tab import JOB_URL_JS
 from model_core import sft
 from model_core.errors import LmscopeError
 
@@ -38,14 +39,16 @@ def _base_choices() -> list[tuple[str, str]]:
 
 @endpoint
 def submit(model, dataset_kind, upload, skip_bad, method, rank, lr, steps, batch, max_len, seed, name,
-           request: gr.Request = None):
+           sample_every=None, keep_checkpoints=0, request: gr.Request = None):
     """Queue a run. A bad upload's message (with its line numbers) stays in the panel, not only in a
     toast; with "skip bad lines" the good lines train and the panel says how many were kept."""
     params = {"model": model or default_model(), "method": method,
               "lora_rank": int(rank or 8) if method == "lora" else None,
               "learning_rate": lr or None, "max_steps": int(steps) if steps else None,
               "batch_size": int(batch or 8), "max_length": int(max_len or 256), "seed": int(seed or 0),
-              "output_name": (name or "").strip() or None, "skip_bad_lines": bool(skip_bad)}
+              "output_name": (name or "").strip() or None, "skip_bad_lines": bool(skip_bad),
+              "sample_every": None if sample_every in (None, "") else int(sample_every),
+              "keep_checkpoints": int(keep_checkpoints or 0)}
     files = []
     if dataset_kind == "upload":
         if not upload:
@@ -76,6 +79,11 @@ def _job_choices(request=None, recs: list[dict] | None = None) -> list[tuple[str
 
 
 @endpoint
+def job_choices(request: gr.Request = None):
+    return gr.update(choices=_job_choices(request))
+
+
+@endpoint
 def refresh(selected, known_choices, request: gr.Request = None):
     """Timer tick: the selected job's progress, curves and accuracy, and the job menus' labels (a
     second browser sees the same runs; a finished run stops saying 'running')."""
@@ -83,19 +91,20 @@ def refresh(selected, known_choices, request: gr.Request = None):
 
     recs = _sft_records(request)
     choices = _job_choices(request, recs)
-    menus = [gr.skip(), gr.skip(), gr.skip()] if choices == known_choices else [
+    same = [list(c) for c in choices] == [list(c) for c in (known_choices or [])]  # State may hand back lists
+    menus = [gr.skip(), gr.skip(), gr.skip()] if same else [
         choices, gr.update(choices=choices), gr.update(choices=choices)]
     if not selected:
-        return [sf.status_markdown(None), jf.progress_html(None), gr.skip(), gr.skip(), "", *menus]
+        return [sf.status_markdown(None), jf.progress_html(None), gr.skip(), gr.skip(), "", "", *menus]
     rec = next((r for r in recs if r["id"] == selected), None)
     if rec is None:
         try:
             rec = _jobs().get_job(selected, job_viewer(request))
         except LmscopeError as e:
-            return [f"⚠️ {e}", jf.progress_html(None), gr.skip(), gr.skip(), "", *menus]
+            return [f"⚠️ {e}", jf.progress_html(None), gr.skip(), gr.skip(), "", "", *menus]
     hist = (rec.get("sft") or {}).get("history")
     return [sf.status_markdown(rec), jf.progress_html(rec), sf.loss_figure(hist), sf.throughput_figure(hist),
-            sf.accuracy_examples_html(rec), *menus]
+            sf.accuracy_examples_html(rec), sf.samples_table_html((rec.get("sft") or {}).get("samples")), *menus]
 
 
 @endpoint
@@ -125,10 +134,6 @@ def job_from_url(request: gr.Request = None):
     if rec["kind"] != "sft":
         return gr.skip(), gr.skip()
     return rec["id"], gr.update(choices=_job_choices(request), value=rec["id"])
-
-
-JOB_URL_JS = """(j) => { const q = new URLSearchParams(location.search); if (j) q.set('job', j); else q.delete('job');
-                        history.replaceState(null, '', '?' + q.toString()); return []; }"""
 
 
 @endpoint
@@ -235,6 +240,11 @@ def build(shared: Shared) -> None:
                 max_len = gr.Number(256, label="Max length (tokens)", precision=0, elem_id="sft-maxlen")
                 seed = gr.Number(0, label="Seed", precision=0, elem_id="sft-seed")
             name = gr.Textbox("", label="Name of the new model (empty: <model>-sft-full|lora-<job>)", elem_id="sft-name")
+            with gr.Row():
+                sample_every = gr.Number(None, label="Sample held-out prompts every N steps (empty: 4 times; 0 = off)",
+                                         precision=0, elem_id="sft-sample-every")
+                keep_ckpt = gr.Number(0, label="Keep N intermediate checkpoints (each opens as a model)",
+                                      precision=0, elem_id="sft-keep-checkpoints")
             submit_btn = gr.Button("Start fine-tuning", variant="primary", elem_id="sft-submit")
             status = gr.Markdown(elem_id="sft-status")
         with gr.Column(scale=2):
@@ -247,6 +257,8 @@ def build(shared: Shared) -> None:
                 loss_plot = gr.Plot(sf.loss_figure(None), elem_id="sft-loss")
                 tput_plot = gr.Plot(sf.throughput_figure(None), elem_id="sft-throughput")
             examples = gr.HTML(elem_id="sft-examples")
+            gr.Markdown("Greedy answers to held-out prompts while it trains (before → during → after):")
+            samples = gr.HTML(elem_id="sft-samples")
 
     with gr.Accordion("Loss mask: which tokens of a training example count", open=False):
         with gr.Row():
@@ -286,15 +298,18 @@ def build(shared: Shared) -> None:
     dataset_kind.change(show_if_upload, [dataset_kind], [upload]).then(show_if_upload, [dataset_kind], [skip_bad])
     method.change(show_if_lora, [method], [rank])
     submit_btn.click(submit, [model, dataset_kind, upload, skip_bad, method, rank, lr, steps, batch, max_len, seed,
-                              name], [selected, job, status], api_name="jobs_submit_sft")
+                              name, sample_every, keep_ckpt], [selected, job, status], api_name="jobs_submit_sft")
     job.change(pick_job, [job], [selected]).then(None, [job], None, js=JOB_URL_JS)
     timer = gr.Timer(REFRESH_S)
-    timer.tick(refresh, [selected, known_jobs], [info, progress, loss_plot, tput_plot, examples, known_jobs, job, runs],
+    timer.tick(refresh, [selected, known_jobs], [info, progress, loss_plot, tput_plot, examples, samples, known_jobs, job, runs],
                show_progress="hidden", queue=False)
     cancel_btn.click(cancel, [selected], [status]).then(refresh, [selected, known_jobs],
                                                         [info, progress, loss_plot, tput_plot, examples,
-                                                         known_jobs, job, runs])
+                                                         samples, known_jobs, job, runs])
     runs_btn.click(compare_runs, [runs], [runs_plot, runs_df], api_name="compare_runs")
+    # a menu opened fetches its list at once (a tab not shown yet may have missed the timer's update)
+    job.focus(job_choices, None, [job])
+    runs.focus(job_choices, None, [runs])
     mask_btn.click(show_mask, [model, dataset_kind, upload, index], [mask_out], api_name="loss_mask")
     tuned.change(parent_of, [tuned], [base])
     cmp_btn.click(compare, [base, tuned, shared.prompt, shared.chat],

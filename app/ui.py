@@ -64,6 +64,16 @@ def finetuned_choices() -> list[tuple[str, str]]:
     return model_choices("finetuned")
 
 
+@endpoint
+def fresh_choices_all():
+    return gr.update(choices=model_choices())
+
+
+@endpoint
+def fresh_choices_finetuned():
+    return gr.update(choices=finetuned_choices())
+
+
 def menus_refresher(kinds: list[str]):
     """A timer callback that sends every model menu its new choices when the registry changed (a
     fine-tuning run registered a model, one was deleted) and nothing otherwise. `known` is the
@@ -143,6 +153,8 @@ def build_demo() -> gr.Blocks:
                     importlib.import_module(module).build(shared)
                 tab.select(None, None, None, js=TAB_URL_JS % _tab_id(title))
 
+        for dropdown, kind in shared.pickers:  # opened, a menu fetches its list (a hidden tab may miss the timer)
+            dropdown.focus(fresh_choices_finetuned if kind == "finetuned" else fresh_choices_all, None, [dropdown])
         kinds = ["all"] + [k for _, k in shared.pickers]
         known = gr.State(None)
         gr.Timer(MODEL_MENUS_REFRESH_S).tick(menus_refresher(kinds), [known],

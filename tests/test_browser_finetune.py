@@ -36,10 +36,31 @@ def loop(tmp_path_factory):
 
 
 def _menu_options(page, elem_id: str) -> str:
+    """The option labels a dropdown offers right now (opened as a user would, then closed)."""
     page.locator(f"#{elem_id} input").click()
-    text = page.locator("ul.options").inner_text(timeout=10_000) if page.locator("ul.options").count() else ""
-    page.keyboard.press("Escape")
+    try:
+        page.locator(f"#{elem_id} [role=option]").first.wait_for(timeout=3000)  # the list opens
+    except Exception:  # noqa: BLE001 - an empty menu has no options to wait for
+        pass
+    text = "\n".join(page.locator(f"#{elem_id} [role=option]").all_inner_texts())
+    _close(page, elem_id)
     return text
+
+
+def _close(page, elem_id: str) -> None:
+    """Close the menu and leave it, as a user clicking elsewhere (a focused menu does not reopen on click)."""
+    page.keyboard.press("Escape")
+    page.locator(f"#{elem_id} input").evaluate("e => e.blur()")
+
+
+def _pick(page, elem_id: str, text: str) -> None:
+    """Choose an option as a user types it: filter by the text, then Enter."""
+    box = page.locator(f"#{elem_id} input")
+    box.click()
+    box.fill(text)
+    page.locator(f"#{elem_id} [role=option]", has_text=text).first.wait_for()
+    box.press("Enter")
+    _close(page, elem_id)
 
 
 def test_finetuned_model_opens_without_a_restart(loop):
@@ -73,11 +94,18 @@ def test_finetuned_model_opens_without_a_restart(loop):
 
         # the Fine-tune tab: runs labelled by method, overlaid in the comparison
         page.get_by_role("tab", name="Fine-tune").click()
-        wait_until(lambda: "(full)" in _menu_options(page, "sft-job"), 30, "the run labelled full")
+        seen = []
+
+        def labelled_full():
+            seen.append(_menu_options(page, "sft-job"))
+            return "(full)" in seen[-1]
+        try:
+            wait_until(labelled_full, 60, "the run labelled full")
+        except AssertionError:
+            screenshot(page, "finetune-job-menu")
+            raise AssertionError(f"the job menu offers {seen[-1:]!r}") from None
         for rec in (full, lora):
-            page.locator("#sft-runs input").click()
-            page.locator("ul.options li", has_text=rec["id"]).first.click()
-            page.keyboard.press("Escape")
+            _pick(page, "sft-runs", rec["id"])
         page.click("#sft-runs-compare")
         wait_until(lambda: len({t.get("type") for t in plot_data(page, "sft-runs-plot")}) > 0
                    and len(plot_data(page, "sft-runs-plot")) >= 4, 60, "two runs' train and eval curves")
@@ -87,8 +115,7 @@ def test_finetuned_model_opens_without_a_restart(loop):
 
         # the fine-tuned model against its parent: headline numbers first, and both models' answers
         page.locator("#prompt textarea").fill("Convert 2024-03-15 to DD/MM/YYYY.")
-        page.locator("#sft-tuned input").click()
-        page.locator("ul.options li", has_text=name).first.click()
+        _pick(page, "sft-tuned", name)
         page.click("#sft-compare")
         wait_until(lambda: "KL(tuned ‖ base)" in page.inner_text("#sft-headline"), 120, "the comparison headline")
         assert MODEL in page.inner_text("#sft-headline") and name in page.inner_text("#sft-headline")

@@ -104,6 +104,11 @@ def test_fuzz_public_api(server):
     from gradio_client import Client
 
     client = Client(server.url, auth=("fuzzer", TOKEN), verbose=False)
+    # what a client sees is exactly the documented public API (app.api.PUBLIC_API, the README's table)
+    from app.api import PUBLIC_API
+
+    listed = {name.lstrip("/") for name in client.view_api(print_info=False, return_format="dict")["named_endpoints"]}
+    assert listed == set(PUBLIC_API), listed ^ set(PUBLIC_API)
     cases = list(_cases())
     results = {"ok": 0, "error": 0}
     bad = []

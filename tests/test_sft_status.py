@@ -53,7 +53,7 @@ def test_cancel_clears_eta_and_state_everywhere(svc):
     assert "→" not in row["details"]  # a cancelled run points to no model
     # the tab's menus, from the same refresh the timer runs
     out = sft_tab.refresh(rec["id"], None)
-    labels = [label for label, _ in out[5]]
+    labels = [label for label, _ in out[6]]  # info, progress, 2 plots, examples, samples, then the menu list
     mine = next(label for label in labels if label.startswith(rec["id"]))
     assert "cancelled" in mine and "running" not in mine and "(full)" in mine
 
