@@ -350,7 +350,8 @@ def runs_table(records: list[dict]):
         if lines:
             data += f" ({lines.get('kept')} lines)"
         rows.append([run_label(rec), rec.get("state", ""), p.get("method", ""),
-                     p.get("lora_rank") if p.get("method") == "lora" else "", p.get("learning_rate"),
+                     p.get("lora_rank") if p.get("method") == "lora" else "",
+                     p.get("learning_rate") or ("1e-3 (default)" if p.get("method") == "lora" else "1e-4 (default)"),
                      m.get("steps") or p.get("max_steps"), p.get("batch_size"), data,
                      acc(s.get("accuracy_before")), acc(s.get("accuracy_after")),
                      _round(m.get("final_loss")), _round(m.get("final_eval_loss")), _round(m.get("tokens_per_s"), 0)])

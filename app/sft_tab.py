@@ -47,7 +47,7 @@ def submit(model, dataset_kind, upload, skip_bad, method, rank, lr, steps, batch
               "learning_rate": lr or None, "max_steps": int(steps) if steps else None,
               "batch_size": int(batch or 8), "max_length": int(max_len or 256), "seed": int(seed or 0),
               "output_name": (name or "").strip() or None, "skip_bad_lines": bool(skip_bad),
-              "sample_every": None if sample_every in (None, "") else int(sample_every),
+              "sample_every": int(sample_every) if sample_every else None,  # 0/empty: the run's own 4 points
               "keep_checkpoints": int(keep_checkpoints or 0)}
     files = []
     if dataset_kind == "upload":
@@ -241,7 +241,7 @@ def build(shared: Shared) -> None:
                 seed = gr.Number(0, label="Seed", precision=0, elem_id="sft-seed")
             name = gr.Textbox("", label="Name of the new model (empty: <model>-sft-full|lora-<job>)", elem_id="sft-name")
             with gr.Row():
-                sample_every = gr.Number(None, label="Sample held-out prompts every N steps (empty: 4 times; 0 = off)",
+                sample_every = gr.Number(0, label="Sample held-out prompts every N steps (0 = 4 times in the run)",
                                          precision=0, elem_id="sft-sample-every")
                 keep_ckpt = gr.Number(0, label="Keep N intermediate checkpoints (each opens as a model)",
                                       precision=0, elem_id="sft-keep-checkpoints")

@@ -189,7 +189,7 @@ def test_upload_slots_never_read_server_files(hosted):
     fd = {"path": str(hosted["secret"]), "meta": {"_type": "gradio.FileData"}}
     attempts = {
         "jobs_submit_tokenizer": ["bpe", 400, 2, "", "upload", [fd], None],
-        "jobs_submit_sft": [TINY, "upload", fd, "full", 8, None, 2, 8, 256, 0, ""],
+        "jobs_submit_sft": [TINY, "upload", fd, False, "full", 8, None, 2, 8, 256, 0, "", 0, 0],
         "loss_mask": [TINY, "upload", fd, 0],
     }
     for name, data in attempts.items():
