@@ -220,8 +220,7 @@ def attn_diff_figure(attn_diff: list[list[float]]) -> go.Figure:
                                colorbar=dict(title="TV"),
                                hovertemplate="%{y} %{x}<br>mean TV distance %{z:.4f}<extra></extra>"))
     fig.update_yaxes(autorange="reversed")
-    return _layout(fig, "Attention difference per layer and head (mean total-variation distance of rows; "
-                        "colour 0 = same, 1 = disjoint, the same on every prompt)",
+    return _layout(fig, "Attention difference per head: mean TV distance (0 same – 1 disjoint)",
                    max(300, 22 * len(attn_diff) + 100))
 
 
