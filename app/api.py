@@ -12,11 +12,12 @@ its fn_index, so "private" hides an event from the API docs, not from an attacke
 
 from __future__ import annotations
 
+import re
 import sys
 import traceback
 
 import gradio as gr
-from gradio.exceptions import InvalidPathError
+from gradio.exceptions import ComponentProcessingError, InvalidPathError
 from pydantic import ValidationError
 
 from app.context import echo, one_sentence, quiet_error
@@ -114,6 +115,14 @@ def harden(demo: gr.Blocks) -> None:
         except gr.Error as e:
             e.print_exception = False
             raise
+        except ComponentProcessingError as e:
+            # a component copied into the session (after a gr.update) has Gradio's own preprocess:
+            # name the setting from the index Gradio reports
+            m = re.search(r"input component at index (\d+)", str(e))
+            block = fn.inputs[int(m.group(1))] if m and int(m.group(1)) < len(fn.inputs) else None
+            what = _EXPECTED.get(type(block).__name__, "a valid value")
+            raise quiet_error(f"'{echo(_label(block), 40)}' must be {what}." if block is not None
+                              else "An input has the wrong type for this endpoint.") from None
         except InvalidPathError:  # a file path the request made up: Gradio refused to read it
             raise quiet_error("Only files uploaded through this page are accepted.") from None
         except ValidationError:  # Gradio validates file payloads with pydantic: ours are the only ones
