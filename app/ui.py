@@ -115,14 +115,16 @@ def from_url(request: gr.Request):
     model = q.get("model") or default_model()
     if model not in model_names():
         model = default_model()
-    tab = q.get("tab") if q.get("tab") in TAB_IDS else "explore"
+    # only a link that names a tab switches to it: a plain load must not pull back a user who
+    # already clicked another tab while the page was loading
+    tab = gr.Tabs(selected=q["tab"]) if q.get("tab") in TAB_IDS else gr.skip()
     # the menu's choices come with the value: a model registered after the page was built opens too
     return (gr.update(choices=model_choices(), value=model), q.get("prompt", EXAMPLE_PROMPT),
             q.get("chat") in ("1", "true"),
             max(0, num("layer", int, 0)), max(0, num("head", int, 0)), max(0, num("query", int, 0)),
             num("temperature", float, 1.0), num("top_k", int, 0), num("top_p", float, 1.0),
             num("min_p", float, 0.0), num("rep", float, 1.0),
-            {"run": bool(q.get("prompt")), "query": num("query", int, -1)}, gr.Tabs(selected=tab))
+            {"run": bool(q.get("prompt")), "query": num("query", int, -1)}, tab)
 
 
 def build_demo() -> gr.Blocks:
