@@ -92,7 +92,7 @@ def build_app(settings=None):
     from app import auth
     from app.api import limit_queue_share
     from app.settings import Settings
-    from app.ui import build_demo
+    from app.ui import HEAD_JS, build_demo
 
     settings = settings or Settings.from_env()
     api = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
@@ -172,7 +172,7 @@ def build_app(settings=None):
     app = gr.mount_gradio_app(
         api, demo, path="", auth=auth.async_authenticator(settings),
         auth_message="Sign in to lmscope." if settings.auth_on else None,
-        show_error=True, css_paths=[str(STATIC / "lmscope.css")], footer_links=["api"],
+        show_error=True, css_paths=[str(STATIC / "lmscope.css")], footer_links=["api"], head=HEAD_JS,
         max_file_size=int(settings.upload_max_mb * 1024 * 1024),
     )
     # Gradio checks that an input file came through its upload route only once the app "has

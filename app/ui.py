@@ -32,6 +32,12 @@ URL_JS = """(...v) => {
 }""" % (URL_KEYS,)
 TAB_URL_JS = """() => { const q = new URLSearchParams(location.search); q.set('tab', '%s');
                        history.replaceState(null, '', '?' + q.toString()); return []; }"""
+# Read before the app renders (its first tab's select rewrites the URL); app/main.py puts it in <head>.
+HEAD_JS = "<script>window.lmscopeOpenTab = new URLSearchParams(location.search).get('tab');</script>"
+OPEN_TAB_JS = """() => { const t = window.lmscopeOpenTab;
+  if (t && t !== 'explore') { const b = [...document.querySelectorAll('button[role=tab]')].find(
+      x => x.textContent.trim().toLowerCase().replace(/ /g, '-') === t); if (b) b.click(); }
+  return []; }"""
 MODEL_MENUS_REFRESH_S = 3.0  # how soon a model registered by a job appears in open pages' menus
 
 
@@ -115,16 +121,13 @@ def from_url(request: gr.Request):
     model = q.get("model") or default_model()
     if model not in model_names():
         model = default_model()
-    # only a link that names a tab switches to it: a plain load must not pull back a user who
-    # already clicked another tab while the page was loading
-    tab = gr.Tabs(selected=q["tab"]) if q.get("tab") in TAB_IDS else gr.skip()
     # the menu's choices come with the value: a model registered after the page was built opens too
     return (gr.update(choices=model_choices(), value=model), q.get("prompt", EXAMPLE_PROMPT),
             q.get("chat") in ("1", "true"),
             max(0, num("layer", int, 0)), max(0, num("head", int, 0)), max(0, num("query", int, 0)),
             num("temperature", float, 1.0), num("top_k", int, 0), num("top_p", float, 1.0),
             num("min_p", float, 0.0), num("rep", float, 1.0),
-            {"run": bool(q.get("prompt")), "query": num("query", int, -1)}, tab)
+            {"run": bool(q.get("prompt")), "query": num("query", int, -1)})
 
 
 def build_demo() -> gr.Blocks:
@@ -144,7 +147,7 @@ def build_demo() -> gr.Blocks:
         shared = Shared(model=model, prompt=prompt, chat=chat, page=demo)
         autorun = gr.State({"run": False, "query": -1})
 
-        with gr.Tabs(elem_id="tabs") as tabs:
+        with gr.Tabs(elem_id="tabs"):
             with gr.Tab("Explore", id="explore") as tab:
                 explore = ExploreTab(shared)
             tab.select(None, None, None, js=TAB_URL_JS % "explore")
@@ -171,7 +174,10 @@ def build_demo() -> gr.Blocks:
         for comp in (explore.layer, explore.head, explore.query, *explore.sampling_inputs):
             comp.input(None, url_inputs, None, js=URL_JS)
 
-        load = demo.load(from_url, None, [*url_inputs, autorun, tabs])
+        load = demo.load(from_url, None, [*url_inputs, autorun])
+        # ?tab=<id> opens that tab, as a click on it would (only a link that names a tab switches, so a
+        # user who clicked another tab while the page loaded stays there)
+        demo.load(None, None, None, js=OPEN_TAB_JS)
         load.then(model_info, [model], [info]).then(
             _autorun, [autorun, model, prompt, chat, explore.truncate, explore.layer, explore.head,
                        explore.lens_colour, *explore.sampling_inputs],

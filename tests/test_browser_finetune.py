@@ -90,6 +90,12 @@ def test_finetuned_model_opens_without_a_restart(loop):
         wait_until(lambda: name in page2.inner_text("#explore-status"), 120, "the trace on the fine-tuned model")
         assert "not in the list of choices" not in page2.inner_text("body")
 
+        # a link to the run opens its tab and the run itself (what a reload or a teammate gets)
+        page3 = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page3.goto(server.url + f"?tab=fine-tune&job={full['id']}")
+        wait_until(lambda: f"Job {full['id']}" in page3.inner_text("#sft-info"), 60, "the linked run")
+        page3.close()
+
         # the Fine-tune tab: runs labelled by method, overlaid in the comparison
         page.get_by_role("tab", name="Fine-tune").click()
         seen = []
