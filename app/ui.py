@@ -35,8 +35,10 @@ TAB_URL_JS = """() => { const q = new URLSearchParams(location.search); q.set('t
 # Read before the app renders (its first tab's select rewrites the URL); app/main.py puts it in <head>.
 HEAD_JS = "<script>window.lmscopeOpenTab = new URLSearchParams(location.search).get('tab');</script>"
 OPEN_TAB_JS = """() => { const t = window.lmscopeOpenTab;
-  if (t && t !== 'explore') { const b = [...document.querySelectorAll('button[role=tab]')].find(
-      x => x.textContent.trim().toLowerCase().replace(/ /g, '-') === t); if (b) b.click(); }
+  // in a narrow window the tabs that do not fit are plain buttons of an overflow menu: any button will do
+  if (t && t !== 'explore') { const m = [...document.querySelectorAll('#tabs button')].filter(
+      x => x.textContent.trim().toLowerCase().replace(/ /g, '-') === t);
+    const b = m.find(x => x.getAttribute('role') === 'tab') || m[m.length - 1]; if (b) b.click(); }
   return []; }"""
 MODEL_MENUS_REFRESH_S = 3.0  # how soon a model registered by a job appears in open pages' menus
 
