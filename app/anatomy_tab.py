@@ -67,11 +67,16 @@ $$\\cos(a,b) = \\frac{a\\cdot b}{\\lVert a\\rVert\\,\\lVert b\\rVert},\\qquad \\
     "norm": """**Normalisation.** Before attention and before the MLP (and at the end), each token's residual vector is
 rescaled to a standard size, then multiplied by a learned gain $g$ (LayerNorm also centres it and adds a bias $b$):
 $$\\text{RMSNorm: } y = \\frac{x}{\\sqrt{\\tfrac1d\\sum_i x_i^2 + \\epsilon}}\\odot g \\qquad \\text{LayerNorm: } y = \\frac{x-\\mu}{\\sqrt{\\sigma^2+\\epsilon}}\\odot g + b$$
-(Gemma stores the gain as an offset and multiplies by $1+g$.)""",
+(Gemma stores the gain as an offset and multiplies by $1+g$.)
+The check line compares the hand computation with something the model's own forward produced: the final norm's
+output; or, for the norms inside a layer, what the layer's MLP (or attention, fed with every token's hand-normalised
+vector up to this one) makes of the hand-normalised vector against what that block actually added to the residual.""",
     "mlp": """**MLP.** Each token, on its own, goes through a wide hidden layer of "neurons". In gated MLPs (SwiGLU / GeGLU)
 one projection is passed through a smooth switch (the gate) and multiplies another; the gate decides which neurons
 open. GPT-2 uses a plain GELU.
-$$\\text{SwiGLU: } h = \\operatorname{SiLU}(W_{gate}x)\\odot (W_{up}x),\\quad y = W_{down}h \\qquad \\text{GELU MLP: } h = \\operatorname{GELU}(W_{in}x+b),\\quad y = W_{out}h + b'$$""",
+$$\\text{SwiGLU: } h = \\operatorname{SiLU}(W_{gate}x)\\odot (W_{up}x),\\quad y = W_{down}h \\qquad \\text{GELU MLP: } h = \\operatorname{GELU}(W_{in}x+b),\\quad y = W_{out}h + b'$$
+The check line multiplies the neurons shown by $W_{down}$ and compares $y$ with the MLP output the model's own forward
+produced (captured, not recomputed).""",
     "out": """**Output.** The last position's residual vector goes through the final norm, the unembedding matrix $W_U$ turns it
 into one score (logit) per vocabulary entry, and softmax turns scores into probabilities:
 $$\\text{logits} = W_U\\,\\operatorname{norm}(x_L),\\qquad p_i = \\frac{e^{\\text{logit}_i}}{\\sum_j e^{\\text{logit}_j}}$$""",
@@ -198,7 +203,7 @@ def attention_panel(model_name, prompt, chat, layer, head, no_scale, no_mask, re
     # an independent check: every head's z through its slice of W_O, summed (+ bias, + Gemma's
     # post-attention norm), against the attention output the model's own forward returned
     with torch.inference_mode():
-        mine, ref = A.attn_out_from_heads(tr, layer), tr.attn_out[layer]
+        mine, ref = A.check_attention(tr, layer)
     info = (f"Scale used by the model: {step['scale']:.5g} (1/√d_k = {1 / lm.shape.d_head ** 0.5:.5g}).{extra}\n\n"
             + _check(f"Σ over all {H} heads of z_h·W_O (+ bias) vs the model's own attention output, layer {layer}",
                      mine, ref, _tolerance(ref)))
@@ -277,16 +282,18 @@ def norm_panel(model_name, prompt, chat, layer, position, which, request: gr.Req
     pos = _position(tr, position)
     which = {"before attention": "attn", "before MLP": "mlp", "final norm": "final"}[which]
     s = A.norm_step(tr, layer, pos, which)
-    with torch.inference_mode():
-        if which == "final":
-            ref = tr.ln_final[pos]
-        else:
-            src = tr.resid_pre[layer] if which == "attn" else tr.resid_mid(layer)
-            ref = A.norm_module(lm, layer, which)(src[pos])
+    # against the model's own forward: the final norm's captured output; or the layer's MLP /
+    # attention fed with the hand-normalised vector(s) vs what that block added to the residual
+    mine, ref = A.check_norm(tr, layer, pos, which, s["out"])
+    label = {"final": "hand computation vs the model's own final-norm output (captured)",
+             "mlp": f"the layer's MLP applied to the hand-normalised vector vs the model's own MLP output "
+                    f"(captured hook_mlp_out), token {pos}",
+             "attn": f"the layer's attention fed with the hand-normalised vectors vs the model's own attention "
+                     f"output (captured hook_attn_out), token {pos}"}[which]
     stats = (f"mean {s['mean']:.4g}, std {s['std']:.4g}" if s["type"] == "LayerNorm" else f"RMS {s['rms']:.4g}")
     info = (f"Token {pos} `{tr.tokens[pos]['display']}` — {s['class']}: {stats}, ε = {s['eps']:g}; the vector is divided "
             f"by {s['scale']:.4g}, then multiplied by the gain (mean {float(s['gain'].mean()):.3g}).\n\n"
-            + _check("hand computation vs the model's norm module", s["out"], ref))
+            + _check(label, mine, ref, _tolerance(ref)))
     return fig.norm_before_after(s), info
 
 
@@ -297,9 +304,11 @@ def mlp_panel(model_name, prompt, chat, layer, position, request: gr.Request = N
     pos = _position(tr, position)
     s = A.mlp_step(tr, layer, pos, top_k=40)
     hidden = s["product"] if s["gated"] else s["post"]
+    # W_down·h of the neurons shown vs the MLP output the model's own forward produced (captured)
+    mine, ref = A.check_mlp(tr, layer, pos, hidden)
     info = (f"Token {pos} `{tr.tokens[pos]['display']}`, layer {layer}: {hidden.numel()} neurons.\n\n"
-            + _check("hidden activation vs the input of the model's down projection (trace mlp_post)",
-                     hidden, tr.mlp_post(layer)[pos]))
+            + _check("W_down · h of these neurons vs the model's own MLP output (captured hook_mlp_out)",
+                     mine, ref, _tolerance(ref)))
     return fig.mlp_neurons(s), fig.mlp_gate_scatter(s), info
 
 
@@ -309,7 +318,8 @@ def output_panel(model_name, prompt, chat, k, request: gr.Request = None):
     s = A.output_step(tr, top_k=max(1, min(int(k or 10), 50)))
     info = (f"Last position: `{tr.tokens[-1]['display']}`; final hidden state [{s['hidden'].numel()}] → "
             f"logits [{s['logits'].numel():,}] → softmax.\n\n"
-            + _check("W_U · final norm vs the model's own logits", s["logits"], tr.next_logits))
+            + _check("W_U · final norm vs the model's own logits (captured)", *A.check_output(tr, s["logits"]),
+                     _tolerance(tr.next_logits)))
     return fig.output_bars(s), fig.logits_histogram(s), info
 
 

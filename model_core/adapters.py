@@ -143,7 +143,11 @@ class Adapter:
         """Every step of one layer's attention for one sequence (used by the pattern and the
         anatomy view). resid_pre: [T, d]."""
         layer = self.layers[layer_idx]
-        x = self.attn_norm(layer)(resid_pre)
+        return self.attention_from_normed(layer_idx, self.attn_norm(layer)(resid_pre), rope)
+
+    def attention_from_normed(self, layer_idx: int, x: torch.Tensor, rope) -> dict[str, torch.Tensor]:
+        """attention_scores from the already normalised input x [T, d] (the Anatomy norm check
+        feeds its hand-normalised vectors through the rest of the layer's attention)."""
         q, k, v = self.qkv(layer_idx, x, rope)
         groups = q.shape[0] // k.shape[0]
         k_rep = k.repeat_interleave(groups, dim=0)

@@ -451,6 +451,102 @@ def attn_out_from_heads(tr, layer: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
+# Checks: every panel's hand computation against a tensor captured from the model's own forward
+#
+# Each function returns (mine, captured): `mine` is computed from what the panel shows (its
+# vectors, pushed through the rest of the block with the model's own modules where needed), and
+# `captured` is what the instrumented forward recorded (hook_attn_out, hook_mlp_out,
+# ln_final.hook_normalized, the output logits). Neither side is recomputed from the other, so a
+# wrong panel value (e.g. from a corrupted trace) shows as a difference.
+
+
+def _to_model(lm, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return t.to(device=like.device, dtype=like.dtype)
+
+
+def check_attention(tr, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ_h z_h W_O^(h) (+ bias, + Gemma's post-attention norm) from the panel's heads vs the
+    captured hook_attn_out of this layer."""
+    return attn_out_from_heads(tr, layer), tr.attn_out[layer]
+
+
+def mlp_out_from_hidden(lm, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+    """The MLP's output from its hidden activation h [..., d_mlp]: W_down h (+ bias), then Gemma's
+    post-feedforward norm; for Llama and GPT-2 this is what the MLP adds to the residual."""
+    ad = lm.adapter
+    lay = ad.layers[layer]
+    down = ad.mlp_post_module(lay)
+    with torch.inference_mode():
+        out = down(_to_model(lm, hidden, down.weight))
+        post = ad.mlp_out_module(lay)
+        if post is not lay.mlp and _is_norm(post):
+            out = post(out)
+    return out
+
+
+def check_mlp(tr, layer: int, position: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W_down · h of the panel's hidden activation h vs the captured hook_mlp_out at that token."""
+    return mlp_out_from_hidden(tr._lm, layer, hidden), tr.mlp_out[layer][position]
+
+
+def _hand_norm(x: torch.Tensor, kind: dict, g: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """The norm formula by hand over the last dimension (float32)."""
+    x = x.float()
+    if kind["type"] == "LayerNorm":
+        mu = x.mean(-1, keepdim=True)
+        y = (x - mu) / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + kind["eps"])
+    else:
+        y = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + kind["eps"])
+    return y * g + (b if b is not None else 0)
+
+
+def check_norm(tr, layer: int, position: int, which: str, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The panel's hand-normalised vector `out` against the model's own forward:
+    final  -> out vs the captured final-norm output (ln_final.hook_normalized);
+    mlp    -> the layer's MLP (and Gemma's post-MLP norm) applied to out vs the captured hook_mlp_out;
+    attn   -> the layer's attention fed with the hand formula on every token up to this one (this
+              token's row is `out`) vs the captured hook_attn_out at this token."""
+    lm = tr._lm
+    ad = lm.adapter
+    T = tr.n_tokens
+    pos = position % T
+    if which == "final":
+        return out, tr.ln_final[pos]
+    lay = ad.layers[layer]
+    mod = norm_module(lm, layer, which)
+    w = mod.weight
+    with torch.inference_mode():
+        if which == "mlp":
+            y = lay.mlp(_to_model(lm, out, w))
+            post = ad.mlp_out_module(lay)
+            if post is not lay.mlp and _is_norm(post):
+                y = post(y)
+            return y, tr.mlp_out[layer][pos]
+        kind = norm_kind(mod)
+        g = w.detach().float().cpu() + kind["gain_offset"]
+        b = getattr(mod, "bias", None)
+        b = b.detach().float().cpu() if b is not None else None
+        normed = _hand_norm(tr.resid_pre[layer][: pos + 1].detach().float().cpu(), kind, g, b)
+        normed[pos] = out.float().cpu()
+        rope = tr.rope.get(layer)
+        if rope is not None:
+            rope = tuple(t[:, : pos + 1] for t in rope)
+        steps = ad.attention_from_normed(layer, _to_model(lm, normed, w), rope)
+        z = steps["z"]  # [H, pos + 1, dh]
+        o = ad.attn_z_module(lay)
+        y = o(z.transpose(0, 1).reshape(pos + 1, -1))
+        post = ad.attn_out_module(lay)
+        if _is_norm(post):
+            y = post(y)
+        return y[pos], tr.attn_out[layer][pos]
+
+
+def check_output(tr, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The panel's logits (W_U · the captured final-norm output) vs the logits the model returned."""
+    return logits, tr.next_logits
+
+
+# ---------------------------------------------------------------------------------------------
 # Positions: RoPE, sinusoidal, learned
 
 
@@ -639,7 +735,7 @@ def norm_step(tr, layer: int, position: int, which: str = "attn") -> dict:
         var = None
         scale = math.sqrt(float(x.pow(2).mean()) + eps)
         normalized = x / scale
-    out = normalized * g + (b if b is not None else 0)
+    out = _hand_norm(x, kind, g, b)
     return {"type": kind["type"], "class": kind["class"], "eps": eps, "gain_offset": kind["gain_offset"],
             "x": x, "mean": mean, "std": math.sqrt(var) if var is not None else None,
             "rms": math.sqrt(float(x.pow(2).mean())), "scale": scale, "normalized": normalized,

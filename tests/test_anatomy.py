@@ -5,6 +5,8 @@ modules (norms, o_proj, MLP) caught with plain forward hooks; the real DynamicCa
 token; model.parameters(); and worked numbers computed by hand.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -359,3 +361,114 @@ def test_tab_panels_fallbacks_and_checks():
     assert list(table["value"].columns) == ["property", "random-gpt2-tiny", DEFAULT, "random-gemma3-tiny"]
     assert len(table["column_widths"]) == 4
     assert isinstance(gr.__version__, str)
+
+
+# --- every ✓ check compares with a tensor captured from the model's own forward (issue 18) -------
+# Each panel's check line is green on the real model and turns red when the trace it reads is
+# corrupted: an input the panel computes from (resid_pre, attn_out, ...) or the captured value the
+# check compares with. The corrupted trace is served to the real panel function through its cache.
+
+CHECK_LAYER = 5
+
+
+def _corrupt(tr, **changes):
+    import collections
+    import dataclasses
+    import threading
+
+    return dataclasses.replace(tr, _cache=collections.OrderedDict(), _lock=threading.Lock(), **changes)
+
+
+def _zero(d, layer):
+    return {**d, layer: torch.zeros_like(d[layer])}
+
+
+def _shift(d, layer, by=0.5):
+    return {**d, layer: d[layer] + by}
+
+
+def _panel_info(T, model, key, panel, which=None, layer=CHECK_LAYER):
+    if panel == "attention":
+        return T.attention_panel(model, key, False, layer, 0, False, False)[2]
+    if panel == "norm":
+        return T.norm_panel(model, key, False, layer, -1, which)[1]
+    if panel == "mlp":
+        return T.mlp_panel(model, key, False, layer, -1)[2]
+    return T.output_panel(model, key, False, 5)[2]
+
+
+LAST = 29  # the default model's last layer (the final norm reads its resid_post)
+CORRUPTIONS = [
+    # (panel, which norm, layer, what is broken, how)
+    ("attention", None, CHECK_LAYER, "resid_pre (input)", lambda t: _corrupt(t, resid_pre=_shift(t.resid_pre, CHECK_LAYER))),
+    ("attention", None, CHECK_LAYER, "attn_out (captured)", lambda t: _corrupt(t, attn_out=_zero(t.attn_out, CHECK_LAYER))),
+    ("norm", "before attention", CHECK_LAYER, "resid_pre (input)",
+     lambda t: _corrupt(t, resid_pre=_shift(t.resid_pre, CHECK_LAYER))),
+    ("norm", "before attention", CHECK_LAYER, "attn_out (captured)",
+     lambda t: _corrupt(t, attn_out=_zero(t.attn_out, CHECK_LAYER))),
+    ("norm", "before MLP", CHECK_LAYER, "attn_out (input)", lambda t: _corrupt(t, attn_out=_zero(t.attn_out, CHECK_LAYER))),
+    ("norm", "before MLP", CHECK_LAYER, "mlp_out (captured)", lambda t: _corrupt(t, mlp_out=_shift(t.mlp_out, CHECK_LAYER))),
+    ("norm", "final norm", LAST, "mlp_out of the last layer (input)", lambda t: _corrupt(t, mlp_out=_zero(t.mlp_out, LAST))),
+    ("norm", "final norm", LAST, "ln_final (captured)", lambda t: _corrupt(t, ln_final=t.ln_final * 1.01)),
+    ("mlp", None, CHECK_LAYER, "attn_out (input)", lambda t: _corrupt(t, attn_out=_zero(t.attn_out, CHECK_LAYER))),
+    ("mlp", None, CHECK_LAYER, "mlp_out (captured)", lambda t: _corrupt(t, mlp_out=_shift(t.mlp_out, CHECK_LAYER, 0.01))),
+    ("output", None, LAST, "ln_final (input)", lambda t: _corrupt(t, ln_final=t.ln_final * 1.01)),
+    ("output", None, LAST, "next_logits (captured)", lambda t: _corrupt(t, next_logits=t.next_logits + 0.01)),
+]
+
+
+@pytest.fixture(scope="module")
+def default_trace():
+    lm = load_model(DEFAULT)
+    return lm, trace(lm, PROMPT)
+
+
+@pytest.mark.parametrize("panel,which,layer,broken,how", CORRUPTIONS,
+                         ids=[f"{c[0]}-{c[1] or ''}-{c[3]}" for c in CORRUPTIONS])
+def test_each_check_turns_red_when_its_input_is_corrupted(default_trace, panel, which, layer, broken, how):
+    from app import anatomy_tab as T
+
+    lm, tr = default_trace
+    assert lm.shape.n_layers - 1 == LAST
+    green_key, bad_key = f"green {panel} {which} {broken}", f"corrupted {panel} {which} {broken}"
+    with T._LOCK:
+        T._TRACES[(lm.name, green_key, False)] = tr
+        T._TRACES[(lm.name, bad_key, False)] = how(tr)
+    green = _panel_info(T, DEFAULT, green_key, panel, which, layer)
+    assert "✓ check" in green and "MISMATCH" not in green, green
+    red = _panel_info(T, DEFAULT, bad_key, panel, which, layer)
+    assert "✗ MISMATCH" in red and "✓" not in red, red
+    diff = float(re.search(r"max \|difference\| = ([0-9.e+-]+)", red).group(1))
+    assert diff > 1e-3, red
+
+
+def test_mlp_check_is_against_the_captured_mlp_output(default_trace):
+    """The issue's case: zero tr.attn_out[5]; the panel's neurons move ~0.35 and the check sees it
+    (it used to compare with a recomputation from the same corrupted input: ✓ 1.19e-07)."""
+    lm, tr = default_trace
+    h = A.mlp_step(tr, CHECK_LAYER, -1)["product"]
+    mine, ref = A.check_mlp(tr, CHECK_LAYER, -1, h)
+    assert float((mine - ref).abs().max()) < 1e-4
+    assert ref.data_ptr() == tr.mlp_out[CHECK_LAYER][-1].data_ptr()  # the captured tensor itself
+    bad = _corrupt(tr, attn_out=_zero(tr.attn_out, CHECK_LAYER))
+    hb = A.mlp_step(bad, CHECK_LAYER, -1)["product"]
+    assert float((hb - h).abs().max()) > 0.1
+    mine, ref = A.check_mlp(bad, CHECK_LAYER, -1, hb)
+    assert float((mine - ref).abs().max()) > 0.1
+
+
+@pytest.mark.parametrize("name", ["random-gpt2-tiny", "random-gemma3-tiny"])
+def test_checks_green_on_other_architectures(name):
+    """GPT-2 (biases, LayerNorm, Conv1D) and Gemma 3 (post-norms, sliding window, softcap) too."""
+    lm = load_model(name)
+    tr = trace(lm, PROMPT)
+    for layer in range(lm.shape.n_layers):
+        pos = tr.n_tokens - 1
+        for which in ("attn", "mlp"):
+            mine, ref = A.check_norm(tr, layer, pos, which, A.norm_step(tr, layer, pos, which)["out"])
+            torch.testing.assert_close(mine.float(), ref.float(), atol=1e-4, rtol=1e-4)
+        s = A.mlp_step(tr, layer, pos)
+        mine, ref = A.check_mlp(tr, layer, pos, s["product"] if s["gated"] else s["post"])
+        torch.testing.assert_close(mine.float(), ref.float(), atol=1e-4, rtol=1e-4)
+    s = A.norm_step(tr, 0, -1, "final")
+    torch.testing.assert_close(*(t.float() for t in A.check_norm(tr, 0, -1, "final", s["out"])), atol=1e-4, rtol=1e-4)
