@@ -4,12 +4,20 @@ Byte-level BPE (GPT-2, SmolLM2, Llama 3, Qwen) stores bytes as printable stand-i
 ("Ġ" is a space); SentencePiece (Gemma, Llama 2) uses "▁" and <0xNN> byte-fallback tokens.
 We recover each token's raw bytes so that spaces, newlines and partial UTF-8 sequences show
 up honestly instead of as "�".
+
+Glyph spans. A character outside ASCII is 2-4 bytes, and a byte-level vocabulary often splits
+it over several tokens (SmolLM2 spells every Burmese letter as three one-byte tokens). Those
+tokens mean nothing alone, so every view shows the character they make together while keeping
+one chip / one axis label per token: `describe_tokens` groups tokens into spans, each the
+shortest run of tokens whose bytes decode on their own, and labels a token of a run of n as
+"glyph·k/n" (e.g. "မ·1/3"). The spans' texts concatenate back to the decoded text exactly.
 """
 
 from __future__ import annotations
 
 import functools
 import re
+import unicodedata
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
@@ -28,63 +36,299 @@ def _byte_level_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(bs, cs)}
 
 
+# ---- what a vocabulary string stands for ------------------------------------------------------
+
+_KIND_ATTR = "_lmscope_vocab_kind"
+
+
+def vocab_kind(tokenizer) -> str:
+    """How the tokenizer spells bytes in its vocabulary: "byte-level" (GPT-2's table: every piece is
+    bytes written as stand-in characters), "sentencepiece" ("▁" for a space, <0xNN> byte fallback)
+    or "plain" (pieces are text). Read from the tokenizer's own decoder, cached on the tokenizer.
+    The kind belongs to the vocabulary, never to one piece: "é" is a letter in a SentencePiece
+    vocabulary although the byte-level table also has a character "é" (for byte 0xE9)."""
+    kind = getattr(tokenizer, _KIND_ATTR, None)
+    if kind:
+        return kind
+    kind = _detect_kind(tokenizer)
+    try:
+        setattr(tokenizer, _KIND_ATTR, kind)
+    except Exception:  # noqa: BLE001 - a read-only object: detect again next time (cheap)
+        pass
+    return kind
+
+
+def _detect_kind(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None and hasattr(tokenizer, "decoder") and hasattr(tokenizer, "id_to_token"):
+        backend = tokenizer  # a bare `tokenizers.Tokenizer`
+    dec = getattr(backend, "decoder", None) if backend is not None else None
+    if dec is not None:
+        try:
+            state = dec.__getstate__()
+            state = state.decode() if isinstance(state, bytes) else str(state)
+        except Exception:  # noqa: BLE001
+            state = type(dec).__name__
+        if "ByteLevel" in state:
+            return "byte-level"
+        if "ByteFallback" in state or "Metaspace" in state or "\u2581" in state or "\\u2581" in state:
+            return "sentencepiece"
+        return "plain"
+    if getattr(tokenizer, "sp_model", None) is not None:  # a slow SentencePiece tokenizer
+        return "sentencepiece"
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # noqa: BLE001
+        vocab = {}
+    if "Ġ" in vocab or "Ġt" in vocab or "Ġthe" in vocab:
+        return "byte-level"
+    if any(p.startswith("\u2581") for p in list(vocab)[:5000]):
+        return "sentencepiece"
+    return "plain"
+
+
+def _added_ids(tokenizer) -> frozenset[int]:
+    """Ids of added tokens (chat markers, <|endoftext|>...): their string is literal text."""
+    cached = getattr(tokenizer, "_lmscope_added_ids", None)
+    if cached is not None:
+        return cached
+    ids: set[int] = set()
+    try:
+        ids |= {int(i) for i in (getattr(tokenizer, "added_tokens_decoder", None) or {})}
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        ids |= {int(i) for i in (getattr(tokenizer, "all_special_ids", None) or ())}
+    except Exception:  # noqa: BLE001
+        pass
+    out = frozenset(ids)
+    try:
+        setattr(tokenizer, "_lmscope_added_ids", out)
+    except Exception:  # noqa: BLE001
+        pass
+    return out
+
+
+def piece_bytes(piece: str, kind: str) -> bytes:
+    """The bytes one (non-added) vocabulary string stands for, in a vocabulary of `kind`."""
+    if kind == "byte-level":
+        table = _byte_level_decoder()
+        if all(ch in table for ch in piece):
+            return bytes(table[ch] for ch in piece)
+        return piece.encode("utf-8")
+    if kind == "sentencepiece":
+        m = _BYTE_FALLBACK.match(piece)
+        if m:
+            return bytes([int(m.group(1), 16)])
+        return piece.replace("▁", " ").encode("utf-8")
+    return piece.encode("utf-8")
+
+
 def token_bytes(tokenizer, token_id: int) -> bytes:
     """The raw bytes a token stands for (best effort for unusual vocabularies)."""
-    piece = tokenizer.convert_ids_to_tokens(int(token_id))
+    token_id = int(token_id)
+    if hasattr(tokenizer, "convert_ids_to_tokens"):
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+    else:
+        piece = tokenizer.id_to_token(token_id)
     if piece is None:
         return b""
-    if piece in getattr(tokenizer, "all_special_tokens", ()):
+    if token_id in _added_ids(tokenizer) or piece in getattr(tokenizer, "all_special_tokens", ()):
         return piece.encode("utf-8")
-    m = _BYTE_FALLBACK.match(piece)
-    if m:
-        return bytes([int(m.group(1), 16)])
-    table = _byte_level_decoder()
-    if "▁" not in piece and all(ch in table for ch in piece):
-        return bytes(table[ch] for ch in piece)
-    return piece.replace("▁", " ").encode("utf-8")
+    return piece_bytes(piece, vocab_kind(tokenizer))
 
+
+# ---- showing bytes ----------------------------------------------------------------------------
 
 _VISIBLE = {" ": "␣", "\n": "↵", "\t": "⇥", "\r": "␍"}
+# Characters that draw nothing (or reorder what follows): named so a chip or a label is never
+# blank and never flips the text around it.
+_NAMED = {"\u200d": "ZWJ", "\u200c": "ZWNJ", "\u200b": "ZWSP", "\u2060": "WJ", "\ufeff": "BOM",
+          "\u00ad": "SHY", "\u200e": "LRM", "\u200f": "RLM", "\u061c": "ALM"}
+_JOINERS = {"\u200d", "\u200c"}  # shown as is between two characters (they join an emoji or a script)
+DOTTED_CIRCLE = "\u25cc"  # the base a lone combining mark is drawn on
+
+
+def _utf8_len(lead: int) -> int:
+    if lead < 0x80:
+        return 1
+    if 0xC2 <= lead <= 0xDF:
+        return 2
+    if 0xE0 <= lead <= 0xEF:
+        return 3
+    if 0xF0 <= lead <= 0xF4:
+        return 4
+    return 0  # never starts a character
+
+
+def char_units(raw: bytes) -> list[tuple[int, int, str | None]]:
+    """Split bytes into units [(start, end, char or None)]: each valid UTF-8 character, or a
+    single byte that is not part of one (None)."""
+    out, i, n = [], 0, len(raw)
+    while i < n:
+        w = _utf8_len(raw[i])
+        if w and i + w <= n:
+            try:
+                out.append((i, i + w, raw[i: i + w].decode("utf-8")))
+                i += w
+                continue
+            except UnicodeDecodeError:
+                pass
+        out.append((i, i + 1, None))
+        i += 1
+    return out
+
+
+def _is_mark(ch: str) -> bool:
+    return unicodedata.category(ch).startswith("M")
+
+
+def _show_char(ch: str, at_edge: bool) -> str:
+    if ch in _VISIBLE:
+        return _VISIBLE[ch]
+    if len(ch) == 1 and (ord(ch) < 32 or ord(ch) == 127):
+        return f"<0x{ord(ch):02X}>"
+    if ch in _JOINERS and not at_edge:
+        return ch
+    if ch in _NAMED:
+        return f"⟨{_NAMED[ch]}⟩"
+    cat = unicodedata.category(ch)
+    if cat == "Cf" or (0x202A <= ord(ch) <= 0x202E) or (0x2066 <= ord(ch) <= 0x2069):
+        return f"⟨U+{ord(ch):04X}⟩"
+    if 0xFE00 <= ord(ch) <= 0xFE0F and at_edge:
+        return f"⟨VS{ord(ch) - 0xFE00 + 1}⟩"
+    return ch
 
 
 def display_bytes(raw: bytes) -> str:
-    """Byte-safe display: whitespace made visible, control chars and broken UTF-8 as <0xNN>."""
+    """Byte-safe display: whitespace made visible, control chars and broken UTF-8 as <0xNN>,
+    invisible format characters named (⟨ZWJ⟩), a combining mark with nothing to sit on drawn on ◌."""
+    units = char_units(raw)
     out: list[str] = []
-    i = 0
-    while i < len(raw):
-        # Decode the longest valid UTF-8 sequence starting at i (1..4 bytes).
-        for width in (1, 2, 3, 4):
-            chunk = raw[i : i + width]
-            try:
-                ch = chunk.decode("utf-8")
-            except UnicodeDecodeError:
-                continue
-            break
-        else:
-            out.append(f"<0x{raw[i]:02X}>")
-            i += 1
+    for j, (a, _, ch) in enumerate(units):
+        if ch is None:
+            out.append(f"<0x{raw[a]:02X}>")
             continue
-        if ch in _VISIBLE:
-            out.append(_VISIBLE[ch])
-        elif len(ch) == 1 and (ord(ch) < 32 or ord(ch) == 127):
-            out.append(f"<0x{ord(ch):02X}>")
-        else:
-            out.append(ch)
-        i += len(chunk)
+        shown = _show_char(ch, at_edge=j == 0 or j == len(units) - 1)
+        if _is_mark(ch) and shown == ch and (not out or out[-1][-1:] in "␣↵⇥␍>⟩"):
+            shown = DOTTED_CIRCLE + ch
+        out.append(shown)
     return "".join(out)
 
 
-def describe_tokens(tokenizer, ids) -> list[dict]:
-    """[{id, text, display}] for a sequence of ids; `text` is the plain decode of that one token."""
-    rows = []
-    for tid in ids:
-        tid = int(tid)
-        rows.append({
-            "id": tid,
-            "text": tokenizer.decode([tid]),
-            "display": display_bytes(token_bytes(tokenizer, tid)),
-        })
+def hex_bytes(raw: bytes) -> str:
+    """'E1 80 99': a token's byte values, for hover texts."""
+    return " ".join(f"{b:02X}" for b in raw)
+
+
+# ---- glyph spans -----------------------------------------------------------------------------
+
+def glyph_spans(raws: list[bytes]) -> list[tuple[int, int]]:
+    """Token index ranges [start, end): the shortest runs of tokens whose bytes decode together
+    (no character cut at either edge). A token holding whole characters is a run of its own;
+    bytes that never make a character end their run (shown as <0xNN>)."""
+    cuts = set()  # byte offsets that fall inside a character
+    for a, b, ch in char_units(b"".join(raws)):
+        if ch is not None and b - a > 1:
+            cuts.update(range(a + 1, b))
+    spans, start, off = [], 0, 0
+    for i, r in enumerate(raws):
+        off += len(r)
+        if off not in cuts:
+            spans.append((start, i + 1))
+            start = i + 1
+    if start < len(raws):  # cannot happen (the end is never inside a character), kept for safety
+        spans.append((start, len(raws)))
+    return spans
+
+
+LABEL_GLYPH_CHARS = 8
+_MARKER = re.compile(r"⟨[^⟩]*⟩|<0x[0-9A-F]{2}>")
+
+
+def glyph_label(glyph: str, part: int, parts: int) -> str:
+    """A token's label: its glyph, and for a token that is one of several making it, which part
+    ("မ·1/3")."""
+    if parts <= 1:
+        return glyph
+    g = glyph
+    if len(glyph) > LABEL_GLYPH_CHARS:  # cut, but never inside a ⟨ZWJ⟩ / <0xNN> marker
+        cut = LABEL_GLYPH_CHARS - 1
+        for m in _MARKER.finditer(glyph):
+            if m.start() < cut < m.end():
+                cut = m.end()
+        g = glyph[:cut] + ("…" if cut < len(glyph) else "")
+    return f"{g}·{part}/{parts}"
+
+
+def describe_raw(ids, raws: list[bytes], texts: list[str] | None = None) -> list[dict]:
+    """Token rows from ids and their bytes (see describe_tokens)."""
+    rows: list[dict] = []
+    for s, e in glyph_spans(raws):
+        joined = b"".join(raws[s:e])
+        text = joined.decode("utf-8", errors="replace")
+        glyph = display_bytes(joined)
+        for k in range(s, e):
+            raw = raws[k]
+            own = display_bytes(raw)
+            rows.append({
+                "id": int(ids[k]),
+                "text": texts[k] if texts is not None else raw.decode("utf-8", errors="replace"),
+                "display": own if e - s == 1 else glyph_label(glyph, k - s + 1, e - s),
+                "bytes": hex_bytes(raw), "raw": own,
+                "glyph": glyph, "glyph_text": text, "span": [s, e], "part": k - s + 1, "parts": e - s,
+            })
     return rows
+
+
+def describe_tokens(tokenizer, ids) -> list[dict]:
+    """One row per id:
+      id, text     the id and the plain decode of that one token ("�" for a partial character)
+      display      what views show for the token: its byte-safe text, or for one of n tokens that
+                   only make a character together, "glyph·k/n"
+      raw          the token's own bytes shown byte-safe ("<0xE1><0x80>")
+      bytes        its byte values in hex ("E1 80"), for hover texts
+      glyph, glyph_text  the span's text shown byte-safe / exactly (equal for a token of its own)
+      span, part, parts  the span [start, end) of tokens in `ids`, this token's 1-based place in it
+    The glyph_text of each span, once per span, concatenates to the decoded bytes of `ids`."""
+    ids = [int(t) for t in ids]
+    raws = [token_bytes(tokenizer, t) for t in ids]
+    texts = [tokenizer.decode([t]) for t in ids]
+    return describe_raw(ids, raws, texts)
+
+
+def spans_of(rows: list[dict]) -> list[tuple[int, int]]:
+    """The (start, end) spans of describe_tokens rows, in order (rows without spans: one each)."""
+    out, i = [], 0
+    while i < len(rows):
+        s, e = rows[i].get("span") or (i, i + 1)
+        e = max(e - s, 1) + i  # spans are relative to the list describe_tokens was given
+        out.append((i, e))
+        i = e
+    return out
+
+
+def pending_bytes(raws: list[bytes]) -> bytes:
+    """The bytes at the end of `raws` that start a character not finished yet (b"" if none)."""
+    joined = b"".join(raws[-4:])
+    for back in range(1, min(4, len(joined)) + 1):
+        lead = joined[-back]
+        if lead < 0x80:
+            return b""
+        if lead >= 0xC0:
+            w = _utf8_len(lead)
+            return joined[-back:] if w > back else b""
+    return b""
+
+
+def continuation_display(pending: bytes, raw: bytes) -> str:
+    """How to show a token `raw` that follows unfinished bytes `pending`: "…မ" when it finishes
+    the character (the ellipsis: the character started in an earlier token), else byte-safe."""
+    if pending and raw:
+        units = char_units(pending + raw)
+        if units and units[0][2] is not None and units[0][1] > len(pending):
+            return "…" + display_bytes(pending + raw)
+    return display_bytes(raw)
 
 
 def byte_tokenizer():

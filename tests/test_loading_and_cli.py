@@ -101,8 +101,10 @@ def test_odd_unicode_is_traced_and_shown_byte_safe(default_lm):
     assert b"".join(token_bytes(default_lm.tokenizer, i) for i in tr.token_ids) == prompt.encode()
     shown = "".join(t["display"] for t in tr.tokens)
     assert "↵" in shown and "<0x07>" in shown
-    # the parrot is split over byte tokens: its bytes are shown, never a replacement char
-    assert "<0xF0><0x9F><0xA6><0x9C>" in shown and "\ufffd" not in shown
+    # the parrot is split over byte tokens: each one's own bytes are kept (raw), the views show the
+    # parrot with the token's part of it, never a replacement char
+    assert "<0xF0><0x9F><0xA6><0x9C>" in "".join(t["raw"] for t in tr.tokens) and "\ufffd" not in shown
+    assert "🦜·1/" in shown and "<0xF0>" not in shown
 
 
 def test_display_bytes():

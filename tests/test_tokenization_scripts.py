@@ -1,0 +1,186 @@
+"""Every script: tokens whose bytes only make a character together are shown as that character
+(one label per token, "glyph·k/n"), on the real default tokenizer (SmolLM2, byte-level BPE) and on
+a SentencePiece-style vocabulary. References: the tokenizer's own decoder and its character
+offsets (Rust `tokenizers`), never our own decoding."""
+
+import pytest
+
+from model_core.tokenization import (
+    char_units,
+    continuation_display,
+    describe_raw,
+    describe_tokens,
+    display_bytes,
+    glyph_spans,
+    pending_bytes,
+    spans_of,
+    token_bytes,
+    vocab_kind,
+)
+
+SCRIPTS = {
+    "burmese": "မြန်မာနိုင်ငံသည် အရှေ့တောင်အာရှတွင် ရှိသည်။",
+    "cjk": "東京は日本の首都です。서울은 한국의 수도",
+    "arabic": "مرحبا بالعالم، هذا نص عربي",
+    "emoji_zwj": "👩‍💻 writes code 🍕 and 👨‍👩‍👧",
+    "combining": "e\u0301te\u0301 and cafe\u0301",
+    "mixed": "Hello, မင်္ဂလာပါ 世界 🦜!",
+}
+
+
+@pytest.fixture(scope="module")
+def smol_tok():
+    from transformers import AutoTokenizer
+
+    from model_core.registry import converted_dir, is_ready
+
+    from conftest import DEFAULT
+
+    if not is_ready(DEFAULT):
+        pytest.skip("the default model is not converted on this machine (make setup)")
+    return AutoTokenizer.from_pretrained(str(converted_dir(DEFAULT)))
+
+
+def _check_rows(tok, text, ids, rows):
+    raws = [token_bytes(tok, i) for i in ids]
+    # the tokens' bytes are the text's bytes (the tokenizer's own decoder is the reference)
+    assert b"".join(raws) == tok.decode(ids).encode("utf-8")
+    spans = spans_of(rows)
+    assert spans == glyph_spans(raws)
+    assert [r["span"] for r in rows] == [[s, e] for s, e in spans for _ in range(s, e)]
+    # the glyphs round-trip to the exact decoded text
+    assert "".join(rows[s]["glyph_text"] for s, _ in spans) == tok.decode(ids) == text
+    for s, e in spans:
+        joined = b"".join(raws[s:e])
+        joined.decode("utf-8")  # a span decodes on its own ...
+        for k in range(s + 1, e):  # ... and is the shortest run that does
+            with pytest.raises(UnicodeDecodeError):
+                b"".join(raws[s:k]).decode("utf-8")
+        for k in range(s, e):
+            r = rows[k]
+            assert (r["part"], r["parts"]) == (k - s + 1, e - s)
+            assert r["display"] == (r["raw"] if e - s == 1 else f"{r['glyph']}·{k - s + 1}/{e - s}")
+            assert r["bytes"] == " ".join(f"{b:02X}" for b in raws[k])
+        assert "<0x" not in rows[s]["glyph"] and "\ufffd" not in rows[s]["glyph"]
+    assert not any("<0x" in r["display"] for r in rows)
+
+
+@pytest.mark.parametrize("name", list(SCRIPTS))
+def test_scripts_on_the_default_tokenizer(smol_tok, name):
+    text = SCRIPTS[name]
+    enc = smol_tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = enc["input_ids"]
+    rows = describe_tokens(smol_tok, ids)
+    _check_rows(smol_tok, text, ids, rows)
+    # each span's text is the text its tokens' character offsets cover (tokenizers' own offsets)
+    for s, e in spans_of(rows):
+        a = min(enc["offset_mapping"][k][0] for k in range(s, e))
+        b = max(enc["offset_mapping"][k][1] for k in range(s, e))
+        assert rows[s]["glyph_text"].strip() == text[a:b].strip(), (rows[s], text[a:b])
+
+
+def test_burmese_letters_are_shown_as_letters(smol_tok):
+    text = SCRIPTS["burmese"]
+    ids = smol_tok(text, add_special_tokens=False)["input_ids"]
+    rows = describe_tokens(smol_tok, ids)
+    assert any(r["parts"] > 1 for r in rows)  # byte-level BPE does split them
+    # every raw byte chip of old is now a Burmese letter with its part
+    assert rows[0]["display"] == "မ·1/3" and rows[0]["raw"] == "<0xE1>" and rows[0]["bytes"] == "E1"
+    assert all(any("\u1000" <= ch <= "\u109f" for ch in r["display"]) for r in rows if r["parts"] > 1)
+    # a lone vowel sign sits on a dotted circle so a label never glues it to its neighbour
+    assert any(r["glyph"].startswith("◌") for r in rows)
+
+
+def test_emoji_zwj_and_combining_marks_are_visible(smol_tok):
+    ids = smol_tok("👩‍💻", add_special_tokens=False)["input_ids"]
+    rows = describe_tokens(smol_tok, ids)
+    assert [rows[s]["glyph"] for s, _ in spans_of(rows)] == ["👩", "⟨ZWJ⟩", "💻"]
+    ids = smol_tok("e\u0301", add_special_tokens=False)["input_ids"]
+    rows = describe_tokens(smol_tok, ids)
+    assert [rows[s]["glyph"] for s, _ in spans_of(rows)] == ["e", "◌\u0301"]
+
+
+def test_display_bytes_edge_cases():
+    assert display_bytes(b" a\n") == "␣a↵"
+    assert display_bytes("🦜".encode()[:2]) == "<0xF0><0x9F>"
+    assert display_bytes("é".encode()) == "é"
+    assert display_bytes("e\u0301".encode()) == "e\u0301"  # a mark on its letter stays composed
+    assert display_bytes("\u0301".encode()) == "◌\u0301"
+    assert display_bytes("👩\u200d💻".encode()) == "👩\u200d💻"  # a joiner inside its sequence joins
+    assert display_bytes("\u200d".encode()) == "⟨ZWJ⟩"
+    assert display_bytes("a\u202eb".encode()) == "a⟨U+202E⟩b"  # never reorders the label around it
+    assert [c for *_, c in char_units(b"\xe1\x80a\x99")] == [None, None, "a", None]
+
+
+def test_spans_with_broken_bytes_end_where_nothing_can_follow():
+    # a generation stopped after two bytes of a three-byte letter: each stray byte is its own run
+    raws = [b"a", b"\xe1", b"\x80"]
+    assert glyph_spans(raws) == [(0, 1), (1, 2), (2, 3)]
+    rows = describe_raw([1, 2, 3], raws)
+    assert [r["display"] for r in rows] == ["a", "<0xE1>", "<0x80>"]
+    # a character cut across three tokens, one of which also holds the next character
+    raws = ["東".encode()[:2], "東".encode()[2:] + "京".encode()[:1], "京".encode()[1:], b"!"]
+    assert glyph_spans(raws) == [(0, 3), (3, 4)]
+    assert [r["display"] for r in describe_raw([1, 2, 3, 4], raws)] == ["東京·1/3", "東京·2/3", "東京·3/3", "!"]
+
+
+def test_pending_bytes_and_continuations():
+    assert pending_bytes([b"a", b"\xe1"]) == b"\xe1"
+    assert pending_bytes([b"a", b"\xe1", b"\x80"]) == b"\xe1\x80"
+    assert pending_bytes([b"a", "မ".encode()]) == b""
+    assert continuation_display(b"\xe1\x80", b"\x99") == "…မ"
+    assert continuation_display(b"\xe1", b"\x80") == "<0x80>"
+    assert continuation_display(b"", b" x") == "␣x"
+
+
+def _sentencepiece_style():
+    """A SentencePiece-style vocabulary in memory: "▁" for spaces, <0xNN> byte fallback, and
+    letters such as "é" that the byte-level table also contains (as the stand-in for byte 0xE9)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for piece in ["▁", "▁caf", "é", "▁t", "h", "▁the", "▁l", "a", "c", "f", "t", "e", "l", "ñ", "▁año"]:
+        vocab.setdefault(piece, len(vocab))
+    merges = [("▁", "t"), ("▁t", "h"), ("▁th", "e"), ("▁", "l"), ("c", "a"), ("ca", "f"), ("▁", "caf")]
+    vocab.setdefault("▁th", len(vocab))
+    vocab.setdefault("ca", len(vocab))
+    vocab.setdefault("caf", len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.pre_tokenizer = pre_tokenizers.Split("▁", "merged_with_next")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def test_sentencepiece_letters_are_letters_and_byte_fallback_merges():
+    tok = _sentencepiece_style()
+    assert vocab_kind(tok) == "sentencepiece"
+    e_id = tok.convert_tokens_to_ids("é")
+    # the known bug: "é" went through the byte-level table and came out as byte 0xE9
+    assert token_bytes(tok, e_id) == "é".encode("utf-8")
+    text = "café the lü 🦜"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    pieces = tok.convert_ids_to_tokens(ids)
+    assert "é" in pieces and "<0xC3>" in pieces and "<0xF0>" in pieces  # letters and byte fallback
+    rows = describe_tokens(tok, ids)
+    # the tokenizer's own decoder (which strips the leading space it added) is the reference
+    assert "".join(rows[s]["glyph_text"] for s, _ in spans_of(rows)) == " " + tok.decode(ids) == " " + text
+    glyphs = [rows[s]["glyph"] for s, _ in spans_of(rows)]
+    assert "ü" in glyphs and "🦜" in glyphs and "é" in glyphs
+    assert not any("<0x" in r["display"] for r in rows)
+    assert any(r["display"] == "ü·1/2" for r in rows)
+
+
+def test_byte_level_vocabulary_kind(smol_tok):
+    from model_core.tokenization import byte_tokenizer
+
+    assert vocab_kind(smol_tok) == "byte-level"
+    assert vocab_kind(byte_tokenizer()) == "byte-level"
+    bt = byte_tokenizer()
+    ids = bt("é🦜", add_special_tokens=False)["input_ids"]
+    rows = describe_tokens(bt, ids)
+    assert [r["display"] for r in rows] == ["é·1/2", "é·2/2", "🦜·1/4", "🦜·2/4", "🦜·3/4", "🦜·4/4"]
