@@ -313,4 +313,4 @@ def can_batch_model(lm) -> bool:
 
         layers = getattr(new_cache(lm), "layers", None)
         lm.meta[key] = bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
-    return lm.meta[key] and hooks._ACTIVE.get() is None
+    return lm.meta[key] and hooks.active_recorder() is None

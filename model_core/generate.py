@@ -25,6 +25,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -209,7 +210,7 @@ def _forward(lm, ids: torch.Tensor, cache) -> torch.Tensor:
 
 def _decode(lm, ids: torch.Tensor, cache, batcher) -> torch.Tensor:
     """One decode step; batched with other generations' steps when they run at the same time."""
-    if batcher is None or hooks._ACTIVE.get() is not None:  # a recorder or edits: this request's own
+    if batcher is None or hooks.active_recorder() is not None:  # a recorder or edits: this request's own
         return _forward(lm, ids, cache)
     return batcher.decode(ids, cache, _forward)
 
@@ -303,8 +304,9 @@ def sample_step(logits: torch.Tensor, settings: SamplingSettings, context_ids: t
     return chosen, packed, cur
 
 
-def _unpack(packed: torch.Tensor, k: int, settings: SamplingSettings) -> dict:
-    v = packed.tolist()
+def _unpack(packed, k: int, settings: SamplingSettings) -> dict:
+    """A packed record (tensor or list, `sample_step` / `row_sampling.sample_rows` layout) -> Step fields."""
+    v = packed.tolist() if torch.is_tensor(packed) else list(packed)
     head, rest = v[:15], v[15:]
     codes = [int(c) for c in rest[2 * k: 3 * k]]
     present = {"greedy"} if settings.greedy else {n for n, on in (
@@ -394,6 +396,10 @@ def iter_generate(lm, prompt: str | None = None, *, max_new_tokens: int = 32,
     if not settings.greedy:
         generator = torch.Generator(device=dev)
         generator.manual_seed(seed)
+    eng = _engine_for_request(lm, len(ids), n_steps, k)
+    if eng is not None:
+        yield from _iter_engine(lm, eng, gen, ids, n_steps, eos, stop, stopped, k, keep_logits, keep_probs, attention)
+        return
     use_rp = settings.repetition_penalty != 1.0
     t_start = time.perf_counter()
     cache = new_cache(lm)
@@ -480,6 +486,96 @@ def iter_generate(lm, prompt: str | None = None, *, max_new_tokens: int = 32,
             gen.finish_reason = "cancelled"
         gen.seconds = gen.seconds or (time.perf_counter() - t_start)
         del cache
+
+
+def _engine_for_request(lm, n_prompt: int, n_steps: int, k: int):
+    """The model's engine if this request can run there (see model_core.engine), else None."""
+    from model_core import engine
+
+    if k != engine.RECORDED or not engine.can_use_engine(lm):
+        return None
+    eng = engine.engine_for(lm)
+    if eng.start_error is not None or n_prompt + n_steps > eng.max_len:
+        return None
+    return eng
+
+
+def _finish_text(tok, token_ids: list[int], stop: list[str]) -> tuple[str, str | None]:
+    """The continuation's text, cut before the first stop string that appears in it."""
+    text = tok.decode(token_ids, skip_special_tokens=True)
+    hit = None
+    if stop:
+        found = [(text.find(s), s) for s in stop if s in text]
+        if found:
+            pos, hit = min(found)
+            text = text[:pos]
+    return text, hit
+
+
+def _iter_engine(lm, eng, gen: Generation, ids, n_steps, eos, stop, stopped, k, keep_logits, keep_probs,
+                 attention) -> Iterator[tuple[Step, Generation]]:
+    """iter_generate on the model's engine: submit, then turn each record into a Step."""
+    from model_core.engine import EngineRequest
+
+    t_start = time.perf_counter()
+    if stopped():
+        gen.finish_reason = "cancelled"
+        return
+    req = eng.submit(EngineRequest(ids=list(ids), n_steps=n_steps, settings=gen.settings, seed=gen.seed, eos=eos,
+                                   keep_logits=keep_logits, keep_probs=keep_probs))
+    tok = lm.tokenizer
+    try:
+        while True:
+            try:
+                rec = req.out.get(timeout=0.1)
+            except queue.Empty:
+                if stopped():
+                    req.cancel()
+                continue
+            if rec is None:
+                if req.error is not None:
+                    raise req.error
+                gen.finish_reason = gen.finish_reason or "cancelled"
+                return
+            if rec.index == 0:
+                gen.prefill_seconds = (req.first_token_at or time.perf_counter()) - req.submitted
+            info = _unpack(rec.packed, k, gen.settings)
+            gen.token_ids.append(info["chosen_id"])
+            gen.text, hit = _finish_text(tok, gen.token_ids, stop)
+            step = Step(index=rec.index, position=len(ids) + rec.index, seconds=rec.seconds, text_so_far=gen.text,
+                        **info)
+            step.logits, step.probs = rec.logits, rec.probs
+            gen.steps.append(step)
+            # the cache after this step holds the prompt and every token fed back so far
+            gen.kv_series.append((rec.tokens_cached, rec.tokens_cached * sum(eng.layer_bytes_per_token)))
+            if info["chosen_id"] in eos:
+                gen.finish_reason = "eos"
+            elif hit is not None:
+                gen.finish_reason, gen.stop_string = "stop_string", hit
+            elif rec.index == n_steps - 1:
+                gen.finish_reason = "length" if n_steps == gen.max_new_tokens else "context_full"
+            elif rec.last:  # the engine ended it: the consumer cancelled
+                gen.finish_reason = "cancelled"
+            if gen.finish_reason is not None:
+                req.cancel()
+                gen.kv_cache = _kv_report(lm, rec.tokens_cached, eng.layer_bytes_per_token)
+                gen.seconds = time.perf_counter() - t_start
+                if attention and gen.steps:
+                    _attach_attention(lm, gen)
+            yield step, gen
+            if gen.finish_reason is not None:
+                return
+            if stopped():
+                req.cancel()
+                gen.finish_reason = "cancelled"
+                gen.kv_cache = _kv_report(lm, rec.tokens_cached, eng.layer_bytes_per_token)
+                gen.seconds = time.perf_counter() - t_start
+                return
+    finally:
+        req.cancel()
+        if gen.finish_reason is None:
+            gen.finish_reason = "cancelled"
+        gen.seconds = gen.seconds or (time.perf_counter() - t_start)
 
 
 def generate(lm, prompt: str | None = None, *, max_new_tokens: int = 32, settings: SamplingSettings | None = None,
@@ -629,6 +725,17 @@ def kv_cache_report(lm, cache) -> dict:
     return {"tokens": tokens, "bytes_per_value": f["bytes_per_value"], "bytes_per_token": f["bytes_per_token"],
             "expression": f["expression"], "formula_per_layer": f["per_layer"], "formula_total": f["total"],
             "measured_per_layer": measured, "measured_total": sum(measured), "tokens_per_layer": tokens_per_layer}
+
+
+def _kv_report(lm, tokens: int, layer_bytes_per_token: list[int]) -> dict:
+    """kv_cache_report for an engine slot: the formula next to the bytes `tokens` tokens occupy in
+    the engine's preallocated cache tensors (their shapes and dtype, per layer)."""
+    f = kv_cache_formula(lm, tokens)
+    measured = [tokens * b for b in layer_bytes_per_token]
+    return {"tokens": tokens, "bytes_per_value": f["bytes_per_value"], "bytes_per_token": f["bytes_per_token"],
+            "expression": f["expression"], "formula_per_layer": f["per_layer"], "formula_total": f["total"],
+            "measured_per_layer": list(measured), "measured_total": sum(measured),
+            "tokens_per_layer": [tokens] * len(measured)}
 
 
 def kv_cache_growth(lm, total_tokens: int, points: int = 32) -> dict:

@@ -36,6 +36,11 @@ class Recorder:
 _ACTIVE: ContextVar[Recorder | None] = ContextVar("lmscope_recorder", default=None)
 
 
+def active_recorder() -> Recorder | None:
+    """The recorder active in the caller's context (None: a plain forward)."""
+    return _ACTIVE.get()
+
+
 @contextlib.contextmanager
 def recording(recorder: Recorder):
     token = _ACTIVE.set(recorder)

@@ -228,7 +228,7 @@ def trace(lm, prompt: str | None = None, token_ids=None, *, layers=None, chat: b
         raise PromptError(f"Layers must be between 0 and {n_layers - 1}.")
     instrument(lm.adapter)
     t0 = time.perf_counter()
-    if not edits and hooks._ACTIVE.get() is None:  # may share one forward with concurrent traces
+    if not edits and hooks.active_recorder() is None:  # may share one forward with concurrent traces
         from model_core.batching import batcher_for
 
         s, rope, logits = batcher_for(lm).trace(token_ids, frozenset(wanted),

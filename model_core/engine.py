@@ -1,0 +1,436 @@
+"""One inference engine per loaded model: a single thread owns every generation's torch work.
+
+Request handlers (Gradio callbacks, the CLI, jobs) `submit` a generation and read its records
+from a queue; they never run the model themselves. The engine thread loops:
+
+  1. drop cancelled rows, admit waiting requests into free slots (a prefill each, within a token
+     budget per loop so a long prompt cannot stall the running rows for long) and draw their
+     first token from the prefill's logits;
+  2. run one decode step for every running row at once (continuous batching: rows join and leave
+     between any two steps), sampling and recording on the device (`model_core.row_sampling`);
+  3. hand each row its packed record (one small host copy per step for the whole batch).
+
+The KV cache is `model_core.slot_cache.SlotCache`, preallocated. On CUDA the decode step (forward
++ sampling + records + advancing each row) is captured once per (rows, length) bucket as a CUDA
+graph at start, so a step is one graph launch instead of ~1,500 kernel launches from Python, and
+the host processes step n's records while the GPU runs step n+1.
+
+Run alone instead (`model_core.generate` keeps its own path for these): edits or a recorder active
+in the caller's context, sliding-window models, models split over several GPUs, a non-default
+number of recorded candidates.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from model_core import hooks
+from model_core.row_sampling import RowSettings, packed_width, sample_rows
+from model_core.slot_cache import SlotCache, step_mask
+
+RECORDED = 10  # candidates recorded per step (generate.TOP_K_RECORDED)
+PREFILL_BUDGET = 2048  # prompt tokens admitted per engine loop
+MIN_LENGTH_BUCKET = 128
+
+
+@dataclass
+class EngineRequest:
+    ids: list[int]  # the prompt
+    n_steps: int  # tokens to produce at most
+    settings: object  # SamplingSettings (validated)
+    seed: int
+    eos: set[int]
+    keep_logits: bool = False
+    keep_probs: bool = False
+    out: "queue.Queue" = field(default_factory=queue.Queue)  # records, then None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+@dataclass
+class Record:
+    index: int
+    packed: list[float]
+    seconds: float
+    tokens_cached: int
+    logits: torch.Tensor | None = None
+    probs: torch.Tensor | None = None
+    last: bool = False
+
+
+@dataclass
+class _Row:
+    req: EngineRequest
+    slot: int
+    emitted: int = 0  # records handed out
+    tokens: int = 0  # tokens in the cache once the pending step is done
+    t_last: float = 0.0
+    done: bool = False
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    tokens: int = 0
+    admitted: int = 0
+    batch_sizes: dict = field(default_factory=dict)  # rows per step -> count
+    queue_wait_s: float = 0.0
+    graphs: int = 0
+    busy_s: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
+
+    def as_dict(self, engine: "Engine") -> dict:
+        up = time.perf_counter() - self.started
+        return {"steps": self.steps, "tokens": self.tokens, "admitted": self.admitted,
+                "mean_batch": round(self.tokens / self.steps, 2) if self.steps else 0.0,
+                "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
+                "mean_queue_wait_s": round(self.queue_wait_s / self.admitted, 4) if self.admitted else 0.0,
+                "tokens_per_s_busy": round(self.tokens / self.busy_s, 1) if self.busy_s else 0.0,
+                "slots": engine.slots, "slots_in_use": len(engine._rows), "waiting": len(engine._pending),
+                "cuda_graphs": self.graphs, "uptime_s": round(up, 1)}
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return max(1, int(os.environ.get(name, "") or default))
+    except ValueError:
+        return default
+
+
+def _buckets(limit: int) -> list[int]:
+    out, b = [], 1
+    while b < limit:
+        out.append(b)
+        b *= 2
+    return out + [limit]
+
+
+class Engine:
+    """Owns a model's generation work on one thread. Create through `engine_for(lm)`."""
+
+    def __init__(self, lm, slots: int, max_len: int, use_graphs: bool | None = None):
+        self._lm = weakref.ref(lm)
+        self.device, self.dtype = lm.device, lm.dtype
+        self.slots, self.max_len = slots, max_len
+        self.vocab = lm.shape.vocab_size
+        self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
+        self.lookahead = self.use_graphs  # process step n's records while step n+1 runs
+        self.stats = EngineStats()
+        self._cv = threading.Condition()
+        self._pending: list[EngineRequest] = []
+        self._rows: dict[int, _Row] = {}  # slot -> row
+        self._stop = False
+        self._cache: SlotCache | None = None
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.ready = threading.Event()
+        self.start_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name=f"lmscope-engine-{lm.name}", daemon=True)
+        self._thread.start()
+
+    # --- client side ----------------------------------------------------------------------------
+    def submit(self, req: EngineRequest) -> EngineRequest:
+        with self._cv:
+            if self._stop:
+                raise RuntimeError("The model was unloaded; try again.")
+            self._pending.append(req)
+            self._cv.notify_all()
+        return req
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+
+    def stats_dict(self) -> dict:
+        return self.stats.as_dict(self)
+
+    # --- the engine thread ----------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            with torch.inference_mode():
+                self._allocate()
+                if self.use_graphs:
+                    self._capture_all()
+        except BaseException as e:  # noqa: BLE001 - reported to every request instead
+            self.start_error = e
+        self.ready.set()
+        pipeline: list = []  # launched steps whose records are not yet handed out
+        while True:
+            with self._cv:
+                while not self._stop and not self._pending and not self._rows and not pipeline:
+                    self._cv.wait()
+                if self._stop:
+                    break
+                new = self._take_pending()
+            if self.start_error is not None:
+                for r in new:
+                    self._fail(r, self.start_error)
+                continue
+            t0 = time.perf_counter()
+            try:
+                with torch.inference_mode():
+                    self._drop_cancelled()
+                    for r in new:
+                        self._admit(r)
+                    if self._live_rows():
+                        pipeline.append(self._launch())
+                    # with lookahead, the records of the step before the one just launched
+                    while pipeline and (len(pipeline) > 1 or not self.lookahead or not self._live_rows()):
+                        self._hand_out(pipeline.pop(0))
+            except BaseException as e:  # noqa: BLE001 - a failed step fails the rows in it, not the engine
+                pipeline.clear()
+                for row in list(self._rows.values()):
+                    self._fail(row.req, e)
+                self._rows.clear()
+            self.stats.busy_s += time.perf_counter() - t0
+        for row in list(self._rows.values()):
+            self._fail(row.req, RuntimeError("The model was unloaded; try again."))
+        for r in self._pending:
+            self._fail(r, RuntimeError("The model was unloaded; try again."))
+
+    def _take_pending(self) -> list[EngineRequest]:
+        free = self.slots - len(self._rows)
+        taken, budget = [], PREFILL_BUDGET
+        while self._pending and free > 0 and (not taken or budget >= len(self._pending[0].ids)):
+            r = self._pending.pop(0)
+            budget -= len(r.ids)
+            free -= 1
+            taken.append(r)
+        return taken
+
+    def _live_rows(self) -> list[_Row]:
+        return [r for r in self._rows.values() if not r.done]
+
+    def _fail(self, req: EngineRequest, e: BaseException) -> None:
+        req.error = e
+        req.out.put(None)
+
+    def _allocate(self) -> None:
+        lm = self._lm()
+        from transformers import DynamicCache
+
+        probe = DynamicCache(config=lm.model.config)
+        lm.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device), use_cache=True,
+                 cache=probe, logits_to_keep=1)
+        shapes = [(l.keys.shape[1], l.keys.shape[3]) for l in probe.layers]
+        self._cache = SlotCache(shapes, self.slots, self.max_len, self.dtype, self.device)
+        self.layer_bytes_per_token = self._cache.layer_bytes_per_token()
+        S, dev = self.slots, self.device
+        self.tok_in = torch.zeros(S, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(S, dtype=torch.long, device=dev)
+        self.active = torch.zeros(S, dtype=torch.bool, device=dev)
+        self.seen = torch.zeros(S, self.vocab, dtype=torch.bool, device=dev)
+        self.row_settings = RowSettings.empty(S, dev)
+        self.out_packed = torch.zeros(S, packed_width(RECORDED), device=dev)
+        self.out_logits = torch.zeros(S, self.vocab, device=dev)
+        self.out_final = torch.zeros(S, self.vocab, device=dev)
+        self._pinned = [torch.zeros(S, packed_width(RECORDED), pin_memory=dev.type == "cuda") for _ in range(2)]
+        self._rows_buckets = _buckets(S)
+        self._length_buckets = [b for b in _buckets(self.max_len) if b >= MIN_LENGTH_BUCKET] or [self.max_len]
+
+    # --- admission: prefill + the first token ----------------------------------------------------
+    def _admit(self, req: EngineRequest) -> None:
+        from transformers import DynamicCache
+
+        lm = self._lm()
+        self.stats.queue_wait_s += time.perf_counter() - req.submitted
+        self.stats.admitted += 1
+        if req.cancelled.is_set():
+            req.out.put(None)
+            return
+        slot = min(set(range(self.slots)) - set(self._rows))
+        t0 = time.perf_counter()
+        try:
+            if len(req.ids) + req.n_steps > self.max_len:
+                raise ValueError(f"The prompt plus new tokens exceed this server's {self.max_len}-token cache slots.")
+            ids = torch.tensor([req.ids], dtype=torch.long, device=self.device)
+            pre = DynamicCache(config=lm.model.config)
+            logits = lm.model(input_ids=ids, use_cache=True, cache=pre, logits_to_keep=1).logits[:, -1].float()
+            n = self._cache.load(slot, pre)
+            del pre
+            self.row_settings.set_row(slot, req.settings, req.seed)
+            self.seen[slot].zero_()
+            self.seen[slot, ids[0]] = True
+            one = slice(slot, slot + 1)
+            chosen, packed, final = sample_rows(logits, self.row_settings.rows(one), self.seen[one], RECORDED)
+            self.tok_in[slot] = chosen[0]
+            self.pos[slot] = n
+            self.row_settings.step[slot] = 1
+        except BaseException as e:  # noqa: BLE001 - this request fails alone
+            self._fail(req, e)
+            return
+        row = _Row(req=req, slot=slot, tokens=n, t_last=t0)
+        self._rows[slot] = row
+        req.first_token_at = time.perf_counter()
+        self._emit(row, packed[0].tolist(), logits[0], final[0])
+        if not row.done:
+            self.active[slot] = True
+
+    # --- one decode step for every running row ---------------------------------------------------
+    def _step(self, B: int, L: int) -> None:
+        """Everything one decode step does, on the first B slots, attending over L positions.
+        Only tensor operations on preallocated buffers (a CUDA graph replays exactly this)."""
+        lm = self._lm()
+        tok, pos, act, seen = self.tok_in[:B], self.pos[:B], self.active[:B], self.seen[:B]
+        # the token going in joins the context the repetition penalty sees
+        seen.scatter_(1, tok[:, None], seen.gather(1, tok[:, None]) | act[:, None])
+        self._cache.window(B, L, pos)
+        logits = lm.model(input_ids=tok[:, None], position_ids=pos[:, None], attention_mask=step_mask(pos, L, self.dtype),
+                          cache=self._cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+        st = self.row_settings.rows(slice(0, B))
+        chosen, packed, final = sample_rows(logits, st, seen, RECORDED)
+        self.out_packed[:B].copy_(packed)
+        self.out_logits[:B].copy_(logits)
+        self.out_final[:B].copy_(final)
+        tok.copy_(torch.where(act, chosen, tok))
+        st.step.add_(act.long())
+        pos.copy_(torch.where(act, (pos + 1).clamp(max=self.max_len - 1), pos))
+
+    def _bucket(self, rows: list[_Row]) -> tuple[int, int]:
+        top = max(r.slot for r in rows) + 1
+        B = next(b for b in self._rows_buckets if b >= top)
+        need = max(r.tokens for r in rows) + 1  # the positions the step attends over
+        if not self.use_graphs:
+            return B, need  # eager: exactly the positions in use
+        return B, next(b for b in self._length_buckets if b >= need)
+
+    def _launch(self):
+        rows = self._live_rows()
+        B, L = self._bucket(rows)
+        graph = self._graphs.get((B, L))
+        if graph is not None:
+            graph.replay()
+        else:
+            self._step(B, L)
+        buf = self._pinned[self.stats.steps % 2]
+        buf[:B].copy_(self.out_packed[:B], non_blocking=True)
+        event = torch.cuda.Event() if self.device.type == "cuda" else None
+        if event is not None:
+            event.record()
+        want = [r for r in rows if r.req.keep_logits or r.req.keep_probs]
+        extra = {r.slot: (self.out_logits[r.slot].cpu(), self.out_final[r.slot].cpu()) for r in want}
+        for r in rows:
+            r.tokens += 1
+        self.stats.steps += 1
+        self.stats.tokens += len(rows)
+        self.stats.batch_sizes[len(rows)] = self.stats.batch_sizes.get(len(rows), 0) + 1
+        return rows, buf, event, extra
+
+    def _hand_out(self, launched) -> None:
+        rows, buf, event, extra = launched
+        if event is not None:
+            event.synchronize()
+        host = buf.tolist()
+        for r in rows:
+            if r.done:
+                continue  # finished at the step before (seen only now, with lookahead)
+            lg, fin = extra.get(r.slot, (None, None))
+            self._emit(r, host[r.slot], lg, fin)
+
+    def _emit(self, row: _Row, packed: list[float], logits=None, final=None) -> None:
+        req, now = row.req, time.perf_counter()
+        chosen = int(packed[0])
+        last = (chosen in req.eos or row.emitted + 1 >= req.n_steps or req.cancelled.is_set())
+        rec = Record(index=row.emitted, packed=packed, seconds=now - row.t_last, tokens_cached=row.tokens,
+                     last=last)
+        if req.keep_logits and logits is not None:
+            rec.logits = logits.detach().cpu()
+        if req.keep_probs and final is not None:
+            rec.probs = torch.softmax(final.detach().float(), -1).cpu()
+        row.emitted += 1
+        row.t_last = now
+        if last:
+            self._free(row)
+        req.out.put(rec)
+        if last:
+            req.out.put(None)
+
+    def _free(self, row: _Row) -> None:
+        row.done = True
+        self.active[row.slot] = False
+        self.pos[row.slot] = 0
+        self._rows.pop(row.slot, None)
+
+    def _drop_cancelled(self) -> None:
+        for row in list(self._rows.values()):
+            if row.req.cancelled.is_set() and not row.done:
+                self._free(row)
+                row.req.out.put(None)
+
+    # --- CUDA graphs -----------------------------------------------------------------------------
+    def _capture_all(self) -> None:
+        """Capture the decode step for every (rows, length) bucket, all slots idle (so the warm-up
+        runs change no one's state), sharing one memory pool."""
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for B in self._rows_buckets:
+                for L in self._length_buckets:
+                    self._step(B, L)  # warm-up: allocations and lazy inits happen outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        for B in reversed(self._rows_buckets):
+            for L in reversed(self._length_buckets):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    self._step(B, L)
+                self._graphs[(B, L)] = g
+                self.stats.graphs += 1
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------
+# one engine per loaded model
+
+_LOCK = threading.Lock()
+
+
+def slots_from_env(device) -> int:
+    """LMSCOPE_MAX_BATCH (default 32 on a GPU, 8 on a CPU, where a step's cost grows with its rows)."""
+    return _env_int("LMSCOPE_MAX_BATCH", 32 if device.type == "cuda" else 8)
+
+
+def can_use_engine(lm) -> bool:
+    if os.environ.get("LMSCOPE_ENGINE", "1").strip() == "0":
+        return False
+    if getattr(lm.model, "hf_device_map", None) and len(set(lm.model.hf_device_map.values())) > 1:
+        return False
+    types = getattr(lm.model.config, "layer_types", None) or []
+    if any(t != "full_attention" for t in types):
+        return False
+    return hooks.active_recorder() is None
+
+
+def max_len_from_env(lm) -> int:
+    """Tokens per slot: the longest prompt plus the most new tokens this server allows, within the
+    model's context (LMSCOPE_MAX_PROMPT_TOKENS + LMSCOPE_MAX_NEW_TOKENS; longer requests run alone)."""
+    want = _env_int("LMSCOPE_MAX_PROMPT_TOKENS", 1024) + _env_int("LMSCOPE_MAX_NEW_TOKENS", 256)
+    return min(want, int(lm.shape.context_length))
+
+
+def engine_for(lm) -> Engine:
+    """The model's engine, created on first use (kept in `lm.meta`; closed when the model is freed)."""
+    with _LOCK:
+        eng = lm.meta.get("engine")
+        if eng is None:
+            eng = Engine(lm, slots_from_env(lm.device), max_len_from_env(lm))
+            lm.meta["engine"] = eng
+            weakref.finalize(lm, eng.close)
+    eng.ready.wait()
+    return eng
+
+
+def existing_engine(lm) -> Engine | None:
+    return lm.meta.get("engine")

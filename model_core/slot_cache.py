@@ -1,0 +1,68 @@
+"""A KV cache made for continuous batching: preallocated slots, one per running sequence.
+
+Per layer the keys and values are one tensor each, [slots, kv_heads, max_len, head_dim], allocated
+once. A sequence owns a slot from its prefill to its last token. A decode step runs the first
+`rows` slots together; every row writes its one new key/value at its own position (`write_pos`)
+and attends over the first `length` positions through a mask (`step_mask`), so rows of different
+lengths share a step without padding or copying, and the tensors a CUDA graph captured stay valid.
+
+transformers' attention layers call `cache.update(key, value, layer_idx)` and use what it returns
+as the keys and values to attend over; that is all this class provides (like `StaticCache`, but
+with a position per row instead of one `cache_position` for the whole batch).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SlotCache:
+    def __init__(self, layer_shapes: list[tuple[int, int]], slots: int, max_len: int, dtype, device):
+        """layer_shapes: (kv_heads, head_dim) per layer."""
+        self.slots, self.max_len = slots, max_len
+        self.keys = [torch.zeros(slots, h, max_len, d, dtype=dtype, device=device) for h, d in layer_shapes]
+        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.rows, self.length = slots, max_len  # the window a step works on
+        self.write_pos: torch.Tensor | None = None  # [rows] int64
+
+    def layer_bytes_per_token(self) -> list[int]:
+        """Bytes one token's key and value take in each layer's tensors (read off the tensors)."""
+        return [k[0, :, 0].numel() * k.element_size() + v[0, :, 0].numel() * v.element_size()
+                for k, v in zip(self.keys, self.values)]
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(k.numel() * k.element_size() * 2 for k in self.keys)
+
+    def window(self, rows: int, length: int, write_pos: torch.Tensor) -> None:
+        """The next forward runs slots [0, rows) and attends over positions [0, length)."""
+        self.rows, self.length, self.write_pos = rows, length, write_pos
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """key, value [rows, kv_heads, 1, head_dim] -> every row's keys/values [rows, kv_heads, length, head_dim]."""
+        K, V = self.keys[layer_idx][: self.rows], self.values[layer_idx][: self.rows]
+        idx = self.write_pos.view(-1, 1, 1, 1).expand(-1, K.shape[1], 1, K.shape[3])
+        K.scatter_(2, idx, key.to(K.dtype))
+        V.scatter_(2, idx, value.to(V.dtype))
+        return K[:, :, : self.length], V[:, :, : self.length]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions are always passed explicitly
+
+    def load(self, slot: int, prefill_cache) -> int:
+        """Copy a prefill's DynamicCache (batch 1) into a slot; returns its number of tokens."""
+        n = 0
+        for l, layer in enumerate(prefill_cache.layers):
+            k, v = layer.keys, layer.values  # [1, kv_heads, T, head_dim]
+            n = k.shape[2]
+            self.keys[l][slot, :, :n].copy_(k[0])
+            self.values[l][slot, :, :n].copy_(v[0])
+        return n
+
+
+def step_mask(write_pos: torch.Tensor, length: int, dtype) -> torch.Tensor:
+    """[rows] positions -> additive attention mask [rows, 1, 1, length]: row b sees keys 0..write_pos[b]."""
+    j = torch.arange(length, device=write_pos.device)
+    allowed = j[None, :] <= write_pos[:, None]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=write_pos.device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None, None, :]
