@@ -64,6 +64,7 @@ def attention_steps(step: dict, tokens: list[dict]) -> go.Figure:
     dims = list(range(step["q"].shape[1]))
     masked = step["masked"].clone()
     masked[~step["mask"]] = float("nan")  # shown as gaps: the mask removes them
+    after = "after RoPE · " if step.get("rope") else ""  # what a learner recomputing W_q·x must know
     panels = [
         ("Q (queries)", step["q"], dims, labels),
         ("K (keys)", step["k"], dims, labels),
@@ -76,7 +77,8 @@ def attention_steps(step: dict, tokens: list[dict]) -> go.Figure:
     ]
     scores = {panels[i][0] for i in (2, 3, 4)}
     smax = max(float(step["raw"].abs().max()), float(step["scaled"].abs().max()), 1e-9)
-    titles = [f"{p[0]}<br><span style='font-size:11px'>{_range(p[1])}</span>" for p in panels]
+    titles = [f"{p[0]}<br><span style='font-size:11px'>{after if i < 2 else ''}{_range(p[1])}</span>"
+              for i, p in enumerate(panels)]
     fig = make_subplots(rows=2, cols=4, subplot_titles=titles, horizontal_spacing=0.05, vertical_spacing=0.16)
     for idx, (name, m, x, y) in enumerate(panels):
         r, c = divmod(idx, 4)
@@ -93,6 +95,38 @@ def attention_steps(step: dict, tokens: list[dict]) -> go.Figure:
                       coloraxis=dict(colorscale="RdBu", reversescale=True, cmin=-smax, cmax=smax,
                                      colorbar=dict(title=dict(text="scores", side="right"), len=0.9, thickness=12)),
                       title=f"Layer {step['layer']}, head {step['head']} (K/V head {step['kv_head']})")
+    return fig
+
+
+def rope_rotation_step(step: dict, tokens: list[dict]) -> go.Figure:
+    """The rotation step of one head: W_q·x and W_k·x (before RoPE) next to Q and K after it, on
+    one colour range per pair, and the angle p·θ_i each dimension is turned by (rotate_half
+    layout: dimension i and i + d/2 share pair i's angle)."""
+    r = step["rope"]
+    labels = token_labels(tokens)
+    d = r["q_pre"].shape[1]
+    dims = list(range(d))
+    half = d // 2
+    angle = torch.arange(len(tokens), dtype=torch.float32)[:, None] * r["inv_freq"][None, :]
+    angle = torch.cat([angle, angle], dim=1)  # dimension i and i + d/2: the same angle
+    panels = [("W_q·x (before RoPE)", r["q_pre"], "q"), ("Q after RoPE (what attention uses)", step["q"], "q"),
+              ("W_k·x (before RoPE)", r["k_pre"], "k"), ("K after RoPE", step["k"], "k"),
+              (f"angle p·θᵢ (dims i and i+{half} share one)", torch.remainder(angle, 2 * torch.pi), None)]
+    fig = make_subplots(rows=1, cols=5, subplot_titles=[p[0] for p in panels], horizontal_spacing=0.03)
+    lim = {k: max(float(r["q_pre"].abs().max()), float(step["q"].abs().max())) if k == "q" else
+           max(float(r["k_pre"].abs().max()), float(step["k"].abs().max())) for k in ("q", "k")}
+    for i, (name, m, kind) in enumerate(panels):
+        style = (dict(colorscale="RdBu", reversescale=True, zmin=-lim[kind], zmax=lim[kind], showscale=False) if kind
+                 else dict(colorscale="Twilight", zmin=0, zmax=2 * 3.141592653589793, showscale=True,
+                           colorbar=dict(title="rad", thickness=10)))
+        fig.add_trace(go.Heatmap(z=_np(m), x=dims, y=labels, name=name, hoverongaps=False, **style,
+                                 hovertemplate="%{y}<br>dim %{x}<br>%{z:.4g}<extra>" + name + "</extra>"),
+                      row=1, col=i + 1)
+        fig.update_yaxes(autorange="reversed", showticklabels=i == 0, row=1, col=i + 1)
+        fig.update_xaxes(showticklabels=False, title="dimension", row=1, col=i + 1)
+    fig.update_layout(height=340, margin=dict(l=90, r=10, t=70, b=30),
+                      title=(f"The rotation step, head {step['head']}: Q differs from W_q·x by up to "
+                             f"{r['max_change_q']:.3g}, K from W_k·x by up to {r['max_change_k']:.3g}"))
     return fig
 
 

@@ -205,10 +205,35 @@ def attention_panel(model_name, prompt, chat, layer, head, no_scale, no_mask, re
     with torch.inference_mode():
         mine, ref = A.check_attention(tr, layer)
     info = (f"Scale used by the model: {step['scale']:.5g} (1/√d_k = {1 / lm.shape.d_head ** 0.5:.5g}).{extra}\n\n"
-            + _check(f"Σ over all {H} heads of z_h·W_O (+ bias) vs the model's own attention output, layer {layer}",
-                     mine, ref, _tolerance(ref)))
+            + _rope_note(step, tr) +
+            _check(f"Σ over all {H} heads of z_h·W_O (+ bias) vs the model's own attention output, layer {layer}",
+                   mine, ref, _tolerance(ref)))
+    rot = (gr.update(value=fig.rope_rotation_step(step, tr.tokens), visible=True) if step["rope"]
+           else gr.update(value=None, visible=False))
     return (fig.attention_steps(step, tr.tokens), fig.attention_variants(step, tr.tokens, no_scale, no_mask),
-            info)
+            info, rot)
+
+
+def _rope_note(step, tr) -> str:
+    """Q and K are shown after RoPE: the rotation, this model's pairing and a worked pair."""
+    r = step["rope"]
+    if not r:
+        return ("This model adds learned position vectors to its input (no RoPE): Q and K are W_q·x and W_k·x "
+                "(+ bias).\n\n")
+    d = r["q_pre"].shape[1]
+    p = tr.n_tokens - 1
+    ex = A.rope_pair_example(r["q_pre"][p], r["inv_freq"], p, 0)
+    (i, j), (a, b), (a2, b2) = ex["dims"], ex["before"], ex["after"]
+    return (f"**Q and K are shown after RoPE.** The model computes W_q·x and W_k·x, then rotates them by position "
+            f"(the rotation step below); recomputing Q from W_q·x alone is off by up to {r['max_change_q']:.3g} "
+            f"here. This model pairs dimension i with i + {d // 2} (d/2; Hugging Face's `rotate_half` layout): "
+            f"$(a, b) = (q_i, q_{{i+{d // 2}}}) \\mapsto (a\\cos p\\theta_i - b\\sin p\\theta_i,\\; "
+            f"b\\cos p\\theta_i + a\\sin p\\theta_i)$. The texts' adjacent-pair form rotates "
+            f"$(q_{{2i}}, q_{{2i+1}})$ by the same angles: the same rotation of a vector whose dimensions are ordered "
+            f"differently (converted checkpoints permute the rows of W_q and W_k). Worked pair {ex['pair']} at "
+            f"position {p}: dimensions ({i}, {j}) = ({a:.4f}, {b:.4f}), angle {p} × {ex['theta']:.5g} = "
+            f"{ex['angle']:.4f} rad → ({a2:.4f}, {b2:.4f}); Q after RoPE has ({float(step['q'][p, i]):.4f}, "
+            f"{float(step['q'][p, j]):.4f}).\n\n")
 
 
 @endpoint(model=True)
@@ -223,7 +248,7 @@ def rope_panel(model_name, layer, max_distance, request: gr.Request = None):
     theta = inv[1] ** (-lm.shape.d_head / 2) if inv.numel() > 1 else float("nan")
     info = (f"Layer {layer}: {inv.numel()} dimension pairs, base θ ≈ {float(theta):,.0f}; fastest pair turns "
             f"{float(inv[0]):.3g} rad per position, slowest {float(inv[-1]):.3g} rad "
-            f"(a full turn every {2 * 3.14159 / float(inv[-1]):,.0f} positions).")
+            f"(a full turn every {A.rope_full_turn_positions(inv):,.0f} positions).")
     return (gr.update(value=fig.rope_distance(data, f"Layer {layer}: score of q = k = 1 vs distance"), visible=True),
             gr.update(value=fig.rope_angles(A.rope_angles(lm, layer, 128)), visible=True), info)
 
@@ -386,6 +411,7 @@ def build(shared: Shared) -> None:
             no_mask = gr.Checkbox(value=True, label="show without mask")
         attn_info = _md("")
         attn_plot = gr.Plot(label="Steps")
+        attn_rot = gr.Plot(label="The rotation step (RoPE)", elem_id="anatomy-rope-step")
         attn_var = gr.Plot(label="Variants")
 
     with gr.Accordion("RoPE: rotation and distance", open=False, elem_id="anatomy-rope"):
@@ -451,7 +477,7 @@ def build(shared: Shared) -> None:
     card_io = dict(fn=card_panel, inputs=[m, compare], outputs=[card_df, compare_df, params_plot])
     tree_io = dict(fn=tree_panel, inputs=[m, p, c], outputs=[tree_df, tree_note])
     attn_io = dict(fn=attention_panel, inputs=[m, p, c, a_layer, a_head, no_scale, no_mask],
-                   outputs=[attn_plot, attn_var, attn_info])
+                   outputs=[attn_plot, attn_var, attn_info, attn_rot])
     rope_io = dict(fn=rope_panel, inputs=[m, r_layer, r_dist], outputs=[rope_plot, rope_ang, rope_info])
     pos_io = dict(fn=positions_panel, inputs=[m, n_pos], outputs=[pos_plot])
     emb_io = dict(fn=embed_panel, inputs=[m, e_tok, e_a, e_b, e_c, e_k], outputs=[near_plot, ana_plot, emb_info])

@@ -409,7 +409,20 @@ def attention_step(tr, layer: int, head: int) -> dict:
     masked = scaled.masked_fill(~mask, float("-inf"))
     no_scale = torch.softmax(raw.masked_fill(~mask, float("-inf")), dim=-1)
     no_mask = torch.softmax(scaled, dim=-1)
-    return {"layer": layer, "head": head, "kv_head": head // (H // n_kv), "scale": scale,
+    kv_head = head // (H // n_kv)
+    rope = None
+    if ad.uses_rope and tr.rope.get(layer) is not None:
+        # Q and K above are after RoPE. The rotation step: the same projections with the rotation
+        # switched off (cos = 1, sin = 0) give W_q·x and W_k·x, what a learner computes by hand.
+        cos, sin = tr.rope[layer]
+        with torch.inference_mode():
+            q0, k0, _ = ad.qkv(layer, steps["x_normed"], (torch.ones_like(cos), torch.zeros_like(sin)))
+        q_pre, k_pre = f(q0[head]), f(k0[kv_head])
+        rope = {"q_pre": q_pre, "k_pre": k_pre, "cos": f(cos[0]), "sin": f(sin[0]),
+                "inv_freq": rope_inv_freq(tr._lm, layer),
+                "max_change_q": float((f(steps["q"][head]) - q_pre).abs().max()),
+                "max_change_k": float((f(steps["k"][head]) - k_pre).abs().max())}
+    return {"layer": layer, "head": head, "kv_head": kv_head, "scale": scale, "rope": rope,
             "window": ad.sliding_window(layer),
             "softcap": ad.attn_logit_softcap(), "x_normed": f(steps["x_normed"]),
             "q": f(steps["q"][head]), "k": f(steps["k"][head]), "v": f(steps["v"][head]),
@@ -594,6 +607,26 @@ def rope_rotate(x: torch.Tensor, position: int, inv_freq: torch.Tensor) -> torch
     ang = position * inv_freq
     emb = torch.cat([ang, ang])
     return apply_rope(x, emb.cos(), emb.sin())
+
+
+def rope_pair_example(q_pre: torch.Tensor, inv_freq: torch.Tensor, position: int, pair: int = 0) -> dict:
+    """One dimension pair of one vector rotated by hand, in this model's layout (rotate_half):
+    pair i is (dimension i, dimension i + d/2), turned by the angle position x theta_i:
+      a' = a cos(p theta_i) - b sin(p theta_i),  b' = b cos(p theta_i) + a sin(p theta_i).
+    The papers' adjacent-pair form pairs dimensions (2i, 2i+1) instead: the same rotation of a
+    differently ordered vector (converted checkpoints permute the rows of W_q and W_k)."""
+    d = q_pre.numel()
+    half = d // 2
+    angle = position * float(inv_freq[pair])
+    a, b = float(q_pre[pair]), float(q_pre[pair + half])
+    return {"pair": pair, "dims": (pair, pair + half), "theta": float(inv_freq[pair]), "angle": angle,
+            "position": position, "before": (a, b),
+            "after": (a * math.cos(angle) - b * math.sin(angle), b * math.cos(angle) + a * math.sin(angle))}
+
+
+def rope_full_turn_positions(inv_freq: torch.Tensor) -> float:
+    """Positions the slowest pair needs for one full turn: 2 pi / theta_min."""
+    return 2 * math.pi / float(inv_freq[-1])
 
 
 def rope_score_vs_distance(lm, layer: int = 0, max_distance: int = 256, q: torch.Tensor | None = None,

@@ -354,7 +354,8 @@ def test_tab_panels_fallbacks_and_checks():
     line, ang, info = T.rope_panel("random-gemma3-tiny", 3, 64)
     assert line["visible"] is True and line["value"] is not None
     # the attention check is independent: heads through W_O vs the model's own attention output
-    _, _, info = T.attention_panel("random-gemma3-tiny", PROMPT, False, 0, 0, True, True)
+    _, _, info, rot = T.attention_panel("random-gemma3-tiny", PROMPT, False, 0, 0, True, True)
+    assert rot["visible"] is True and "after RoPE" in info
     assert "✓ check" in info and "W_O" in info
     assert T.DEFAULT_COMPARE[0] == DEFAULT
     _, table, _ = T.card_panel("random-gpt2-tiny", T.DEFAULT_COMPARE)
@@ -472,3 +473,54 @@ def test_checks_green_on_other_architectures(name):
         torch.testing.assert_close(mine.float(), ref.float(), atol=1e-4, rtol=1e-4)
     s = A.norm_step(tr, 0, -1, "final")
     torch.testing.assert_close(*(t.float() for t in A.check_norm(tr, 0, -1, "final", s["out"])), atol=1e-4, rtol=1e-4)
+
+
+# --- issue 18 fixes 2-6 ------------------------------------------------------------------------------
+
+def test_rotation_step_q_before_rope_is_the_models_projection_and_the_pairing_is_rotate_half(default_trace):
+    lm, tr = default_trace
+    layer, head = 2, 4
+    seen = {}
+    attn = lm.model.model.layers[layer].self_attn
+    handle = attn.q_proj.register_forward_hook(lambda m, i, o: seen.__setitem__("q", o[0]))
+    try:
+        with torch.inference_mode():
+            lm.model(torch.tensor([tr.token_ids]), use_cache=False)
+    finally:
+        handle.remove()
+    s = A.attention_step(tr, layer, head)
+    r = s["rope"]
+    T, dh = tr.n_tokens, lm.shape.d_head
+    # W_q·x as the model's own q_proj produced it (a forward hook), before any rotation
+    torch.testing.assert_close(r["q_pre"], seen["q"].view(T, -1, dh)[:, head].float(), atol=1e-5, rtol=1e-5)
+    assert r["max_change_q"] > 0.5  # Q after RoPE is not W_q·x
+    # the texts' adjacent-pair form: reorder the dimensions (i, i + d/2) -> (2i, 2i + 1), rotate each pair
+    # as a complex number by p·θ_i, order back: equals the model's Q after RoPE
+    half = dh // 2
+    perm = torch.stack([torch.arange(half), torch.arange(half) + half], 1).flatten()
+    z = torch.view_as_complex(r["q_pre"][:, perm].reshape(T, half, 2).contiguous())
+    angle = torch.arange(T, dtype=torch.float32)[:, None] * r["inv_freq"][None, :]
+    rotated = torch.view_as_real(z * torch.polar(torch.ones_like(angle), angle)).reshape(T, dh)
+    back = torch.empty_like(rotated)
+    back[:, perm] = rotated
+    torch.testing.assert_close(back, s["q"], atol=1e-4, rtol=1e-4)
+    # without the reordering the adjacent-pair form is wrong for this model
+    wrong = torch.view_as_real(torch.view_as_complex(r["q_pre"].reshape(T, half, 2).contiguous())
+                               * torch.polar(torch.ones_like(angle), angle)).reshape(T, dh)
+    assert float((wrong - s["q"]).abs().max()) > 0.1
+    ex = A.rope_pair_example(r["q_pre"][T - 1], r["inv_freq"], T - 1, 3)
+    assert ex["dims"] == (3, 3 + half)
+    assert ex["after"] == pytest.approx((float(s["q"][T - 1, 3]), float(s["q"][T - 1, 3 + half])), abs=1e-4)
+
+
+def test_rope_panels_say_after_rope_and_the_full_turn():
+    from app import anatomy_tab as T
+
+    steps, _, info, rot = T.attention_panel(DEFAULT, PROMPT, False, 2, 4, False, False)
+    assert "Q and K are shown after RoPE" in info and "i + 32" in info and "rotate_half" in info
+    assert rot["visible"] is True and "The rotation step" in rot["value"].layout.title.text
+    assert all("after RoPE" in a.text for a in steps.layout.annotations[:2])
+    # 2π / θ_min with θ_min = 100000^(-62/64): 438,459.9 positions (3.14159 for π gave 438,459)
+    assert "a full turn every 438,460 positions" in T.rope_panel(DEFAULT, 0, 64)[2]
+    _, _, info, rot = T.attention_panel("random-gpt2-tiny", PROMPT, False, 0, 0, False, False)
+    assert rot["visible"] is False and "no RoPE" in info
