@@ -34,23 +34,46 @@ def empty_figure(message: str, height: int = 300) -> go.Figure:
 
 
 def token_strip_html(tokens: list[dict], logprobs: list[float | None], perplexity: float | None) -> str:
-    """Tokens as chips coloured by surprisal (-log2 p); hover shows id and probability."""
-    chips = []
-    for t, lp in zip(tokens, logprobs):
+    """Tokens as chips coloured by surprisal (-log2 p); hover shows id, bytes and probability.
+    Tokens that only make a character together (model_core.tokenization glyph spans: a Burmese
+    letter is three byte tokens) are grouped: the character on top, one chip per token below."""
+    def chip(i: int, t: dict, lp, text: str, extra: str = "") -> str:
+        byte_ids = f" · bytes {t['bytes']}" if t.get("bytes") else ""
         if lp is None or (isinstance(lp, float) and math.isnan(lp)):
-            bits, title, bg = None, f"id {t['id']} · first token (nothing to predict it from)", "#eef"
+            title, bg = f"id {t['id']}{byte_ids}{extra} · first token (nothing to predict it from)", "#eef"
         else:
             bits = -lp / math.log(2)
             p = math.exp(lp)
             a = min(1.0, bits / 16)
             bg = f"rgba(220, 60, 40, {0.08 + 0.8 * a:.2f})"
-            title = f"id {t['id']} · p = {p:.4f} · surprisal {bits:.2f} bits"
-        chips.append(f'<span class="tok" title="{html.escape(title)}" style="background:{bg}">'
-                     f'{html.escape(t["display"])}</span>')
+            title = f"id {t['id']}{byte_ids}{extra} · p = {p:.4f} · surprisal {bits:.2f} bits"
+        cls = "tok tok-part" if extra else "tok"
+        return (f'<span class="{cls}" data-pos="{i}" title="{html.escape(title)}" style="background:{bg}">'
+                f'{html.escape(text)}</span>')
+
+    chips, i = [], 0
+    while i < len(tokens):
+        t = tokens[i]
+        n = max(1, int(t.get("parts") or 1))
+        # a whole span only (a slice of the prompt may start or end inside one)
+        if n == 1 or t.get("part") != 1 or i + n > len(tokens) or tokens[i + n - 1].get("part") != n:
+            chips.append(chip(i, t, logprobs[i], t["display"]))
+            i += 1
+            continue
+        glyph = t.get("glyph", "")
+        parts = "".join(chip(i + k, tokens[i + k], logprobs[i + k], tokens[i + k].get("bytes", ""),
+                             f" · token {k + 1} of {n} making “{glyph}”") for k in range(n))
+        title = f"“{glyph}”: {n} tokens, bytes " + " | ".join(tokens[i + k].get("bytes", "") for k in range(n))
+        chips.append(f'<span class="glyph" title="{html.escape(title)}"><span class="glyph-text">{html.escape(glyph)}'
+                     f'</span><span class="glyph-toks">{parts}</span></span>')
+        i += n
     ppl = f"perplexity <b>{perplexity:.2f}</b>" if perplexity else "perplexity n/a (one token)"
+    grouped = any((t.get("parts") or 1) > 1 for t in tokens)
     return (f'<div class="tokens">{"".join(chips)}</div>'
             f'<div class="token-legend">{len(tokens)} tokens · {ppl} · colour = surprisal '
-            f'(white: expected, red: surprising) · hover a token for its id and probability</div>')
+            f'(white: expected, red: surprising) · hover a token for its id and probability'
+            + (" · a character spelled by several tokens is shown above them (their bytes below)" if grouped else "")
+            + '</div>')
 
 
 def head_grid(patterns: np.ndarray, labels: list[str], positions: list[int], layer: int,
