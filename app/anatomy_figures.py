@@ -188,17 +188,24 @@ def neighbours_bar(rows: list[dict], title: str) -> go.Figure:
 
 def norm_before_after(step: dict) -> go.Figure:
     dims = list(range(step["x"].numel()))
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1,
-                        subplot_titles=["before: residual x", "after: the norm's output y"])
+    gst = step.get("gain_stats") or {}
+    gname = "1 + w" if step.get("gain_offset") else "g"
+    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.08,
+                        subplot_titles=["before: residual x", "after: the norm's output y",
+                                        f"the gain {gname} per dimension ({gst.get('negative', 0):.0%} negative, "
+                                        f"median {gst.get('median', 0):.3g})"])
     fig.add_bar(x=dims, y=_np(step["x"]), name="x", row=1, col=1)
     fig.add_bar(x=dims, y=_np(step["out"]), name="y", row=2, col=1)
+    gain = _np(step["gain"])
+    fig.add_bar(x=dims, y=gain, name="gain", row=3, col=1,
+                marker_color=["#d62728" if v < 0 else "#2ca02c" for v in gain])
     if step["type"] == "LayerNorm":
         scale = f"mean {step['mean']:.4g}, std {step['std']:.4g}"
     else:
         scale = f"RMS {step['rms']:.4g}"
-    fig.update_layout(title=f"{step['type']} ({scale}; divided by {step['scale']:.4g})", height=420,
+    fig.update_layout(title=f"{step['type']} ({scale}; divided by {step['scale']:.4g})", height=560,
                       showlegend=False, margin=dict(l=40, r=10, t=60, b=30))
-    fig.update_xaxes(title="dimension", row=2, col=1)
+    fig.update_xaxes(title="dimension", row=3, col=1)
     return fig
 
 

@@ -36,7 +36,9 @@ $$\\text{KV bytes per token} = 2 \\times \\text{layers} \\times \\text{kv heads}
     "tree": """**Module tree.** One forward pass on your prompt with a hook on every module: each row is a module in the
 order it runs, with the shape of what it outputs (batch dimension dropped; $T$ = number of tokens).
 Text goes in as token ids; the embedding turns them into vectors $[T, d_{model}]$, each layer keeps that shape,
-and the unembedding turns the last vectors into scores for every vocabulary entry $[T, V]$.""",
+and the unembedding turns the last vectors into scores for every vocabulary entry $[T, V]$.
+The params column counts each module's own tensors. A tied unembedding reuses the embedding matrix: its row says so
+and it is counted once, so the column adds up to the last row's total.""",
     "attn": """**Attention, step by step.** Each token asks a question (its query $q$), every earlier token offers a label
 (its key $k$) and a content (its value $v$). Their dot products are scaled by $1/\\sqrt{d_k}$ so they do not grow with
 the head size, future tokens are masked out (a decoder cannot look ahead), softmax turns each row into weights that
@@ -317,9 +319,17 @@ def norm_panel(model_name, prompt, chat, layer, position, which, request: gr.Req
                      f"output (captured hook_attn_out), token {pos}"}[which]
     stats = (f"mean {s['mean']:.4g}, std {s['std']:.4g}" if s["type"] == "LayerNorm" else f"RMS {s['rms']:.4g}")
     info = (f"Token {pos} `{tr.tokens[pos]['display']}` — {s['class']}: {stats}, ε = {s['eps']:g}; the vector is divided "
-            f"by {s['scale']:.4g}, then multiplied by the gain (mean {float(s['gain'].mean()):.3g}).\n\n"
+            f"by {s['scale']:.4g}, then multiplied by the gain g, one number per dimension: "
+            f"{_gain_words(s['gain_stats'], s['gain_offset'])}\n\n"
             + _check(label, mine, ref, _tolerance(ref)))
     return fig.norm_before_after(s), info
+
+
+def _gain_words(st: dict, offset: float) -> str:
+    g = "1 + w" if offset else "g"
+    return (f"{g} ranges {st['min']:.3g} … {st['max']:.3g} (median {st['median']:.3g}, mean {st['mean']:.3g}, "
+            f"mean |{g}| {st['mean_abs']:.3g}); {st['negative']:.0%} of the {st['n']} gains are negative "
+            f"(those dimensions flip sign). The bottom plot shows every gain.")
 
 
 @endpoint(model=True)

@@ -321,7 +321,8 @@ def module_tree(lm, token_ids, collapse_layers: bool = True) -> list[dict]:
         shape = tuple(out.shape[1:]) if torch.is_tensor(out) and out.dim() >= 1 else None
         rows.append({"path": names[id(module)], "module": type(module).__name__,
                      "shape": list(shape) if shape is not None else None,
-                     "params": sum(p.numel() for p in module.parameters(recurse=False))})
+                     "params": sum(p.numel() for p in module.parameters(recurse=False)),
+                     "_tensors": [(id(p), p.numel()) for p in module.parameters(recurse=False)]})
 
     for m in model.modules():
         handles.append(m.register_forward_pre_hook(pre))
@@ -342,28 +343,44 @@ def module_tree(lm, token_ids, collapse_layers: bool = True) -> list[dict]:
         r["depth"] = 0 if r["path"] == "" else r["path"].count(".") + 1
         r["path"] = r["path"] or type(model).__name__
         dedup.append(r)
+    # tied weights: a tensor is counted at the first module (in running order) that owns it; a later
+    # owner (a tied lm_head) shows its size with a note, so the "counted" column sums to the total
+    owner: dict[int, str] = {}
+    for r in dedup:
+        r["counted"], tied = 0, []
+        for pid, n in r.pop("_tensors"):
+            if pid in owner:
+                tied.append(owner[pid])
+            else:
+                owner[pid] = r["path"]
+                r["counted"] += n
+        r["tied_to"] = tied[0] if tied else None
+    total = sum(r["counted"] for r in dedup)
     # the layer list (a ModuleList) is never called, so no hook names it: add its row before layer 0
     list_path = layer_paths[0].rsplit(".", 1)[0] if "." in layer_paths[0] else None
     if list_path is not None and list_path not in seen:
         at = next(i for i, r in enumerate(dedup) if r["path"] == layer_paths[0])
         dedup.insert(at, {"path": list_path, "module": f"ModuleList ({len(layer_paths)} × {type(ad.layers[0]).__name__})",
-                          "shape": None, "params": 0, "depth": list_path.count(".") + 1})
+                          "shape": None, "params": 0, "counted": 0, "tied_to": None, "depth": list_path.count(".") + 1})
+    total_row = {"path": "total (each tensor counted once)", "module": "", "shape": None, "params": total,
+                 "counted": total, "tied_to": None, "depth": 0, "total": True}
     if not collapse_layers or len(layer_paths) < 3:
-        return dedup
-    out, skipped = [], 0
+        return dedup + [total_row]
+    out, skipped, skipped_params = [], 0, 0
     keep = (layer_paths[0], layer_paths[-1])
     for r in dedup:
         in_layer = next((lp for lp in layer_paths if r["path"] == lp or r["path"].startswith(lp + ".")), None)
         if in_layer is not None and in_layer not in keep:
             if r["path"] == in_layer:
                 skipped += 1
+            skipped_params += r["counted"]
             continue
         if in_layer == layer_paths[-1] and r["path"] == in_layer and skipped:
             out.append({"path": f"… {skipped} more layers, same shapes as layer 0", "module": "",
-                        "shape": None, "params": 0,
+                        "shape": None, "params": skipped_params, "counted": skipped_params, "tied_to": None,
                         "depth": r["depth"]})
         out.append(r)
-    return out
+    return out + [total_row]
 
 
 def tree_frame(rows: list[dict]) -> pd.DataFrame:
@@ -377,9 +394,13 @@ def tree_frame(rows: list[dict]) -> pd.DataFrame:
             leaf = ".".join(parts[-2:])
         if r["path"].startswith("…"):
             leaf = r["path"]
+        if r.get("total"):
+            leaf = r["path"]
         shape = "[" + ", ".join(str(s) for s in r["shape"]) + "]" if r["shape"] else ""
-        data.append({"module": indent + leaf, "type": r["module"], "output shape": shape,
-                     "params": f"{r['params']:,}" if r["params"] else ""})
+        params = f"{r['params']:,}" if r["params"] else ""
+        if r.get("tied_to"):
+            params += f" (tied to {r['tied_to']}: the same tensor, counted there)"
+        data.append({"module": indent + leaf, "type": r["module"], "output shape": shape, "params": params})
     return pd.DataFrame(data)
 
 
@@ -772,7 +793,16 @@ def norm_step(tr, layer: int, position: int, which: str = "attn") -> dict:
     return {"type": kind["type"], "class": kind["class"], "eps": eps, "gain_offset": kind["gain_offset"],
             "x": x, "mean": mean, "std": math.sqrt(var) if var is not None else None,
             "rms": math.sqrt(float(x.pow(2).mean())), "scale": scale, "normalized": normalized,
-            "gain": g, "bias": b, "out": out, "which": which, "position": position}
+            "gain": g, "bias": b, "out": out, "which": which, "position": position,
+            "gain_stats": gain_stats(g)}
+
+
+def gain_stats(g: torch.Tensor) -> dict:
+    """The distribution of a norm's gain vector (the effective gain: 1 + w for Gemma): a mean alone
+    hides gains that straddle zero (SmolLM2's first input norm: mean 0.001, 47 % negative)."""
+    g = g.detach().float().cpu()
+    return {"mean": float(g.mean()), "median": float(g.median()), "min": float(g.min()), "max": float(g.max()),
+            "mean_abs": float(g.abs().mean()), "negative": float((g < 0).float().mean()), "n": g.numel()}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -118,6 +118,10 @@ def test_cards_read_the_architecture():
 
 # --- module tree --------------------------------------------------------------------------------
 
+def names_of(lm):
+    return {id(m): n for n, m in lm.model.named_modules()}
+
+
 def test_module_tree_shapes(lm_tr):
     lm, tr = lm_tr
     rows = A.module_tree(lm, tr.token_ids)
@@ -125,7 +129,17 @@ def test_module_tree_shapes(lm_tr):
     by_path = {r["path"]: r for r in rows}
     embed_path = next(p for p, r in by_path.items() if r["module"].endswith(("Embedding",)) and "wpe" not in p)
     assert by_path[embed_path]["shape"] == [T, s.d_model]
-    assert rows[-1]["shape"] == [T, s.vocab_size]  # lm_head: logits [T, vocab]
+    assert rows[-2]["shape"] == [T, s.vocab_size]  # lm_head: logits [T, vocab]
+    # each tensor counted once (a tied lm_head is noted, not counted again): the column sums to the total
+    assert rows[-1]["total"] and rows[-1]["params"] == lm.n_params
+    assert sum(r["counted"] for r in rows[:-1]) == lm.n_params
+    tied = [r for r in rows if r.get("tied_to")]
+    if lm.model.config.tie_word_embeddings:
+        assert [r["path"] for r in tied] == [names_of(lm)[id(lm.adapter.unembed)]]
+        assert tied[0]["tied_to"] == names_of(lm)[id(lm.adapter.embed_tokens)] and tied[0]["counted"] == 0
+        assert "tied to" in A.tree_frame(rows)["params"].iloc[-2]
+    else:
+        assert not tied
     assert any(r["path"].startswith("…") for r in rows) or s.n_layers < 3
     assert not A.tree_frame(rows).empty
 
@@ -524,3 +538,21 @@ def test_rope_panels_say_after_rope_and_the_full_turn():
     assert "a full turn every 438,460 positions" in T.rope_panel(DEFAULT, 0, 64)[2]
     _, _, info, rot = T.attention_panel("random-gpt2-tiny", PROMPT, False, 0, 0, False, False)
     assert rot["visible"] is False and "no RoPE" in info
+
+
+def test_norm_panel_shows_the_gain_distribution(default_trace):
+    from app import anatomy_tab as T
+
+    lm, tr = default_trace
+    g = lm.model.model.layers[0].input_layernorm.weight.float()
+    s = A.norm_step(tr, 0, -1, "attn")
+    st = s["gain_stats"]
+    assert st["negative"] == pytest.approx(float((g < 0).float().mean())) and 0.3 < st["negative"] < 0.6
+    assert st["median"] == pytest.approx(float(g.median())) and st["min"] == pytest.approx(float(g.min()))
+    fig, info = T.norm_panel(DEFAULT, PROMPT, False, 0, -1, "before attention")
+    assert f"{st['negative']:.0%} of the 576 gains are negative" in info
+    torch.testing.assert_close(torch.tensor(fig.data[2].y, dtype=torch.float32), g)  # every gain drawn
+    gemma = load_model("random-gemma3-tiny")
+    s = A.norm_step(trace(gemma, PROMPT), 0, 0, "attn")  # Gemma: the effective gain is 1 + w
+    w = gemma.model.model.layers[0].input_layernorm.weight.float()
+    assert s["gain_stats"]["mean"] == pytest.approx(float((1 + w).mean()))

@@ -189,9 +189,10 @@ def check_attention(page, T: int, d_head: int, title: str, window: int | None = 
 
 def check_norm(page, d: int, kind: str):
     fig = wait_for(lambda: (p := plots(page, "anatomy-norm")) and kind in p[0]["title"] and p[0], f"{kind} plot")
-    x, y = fig["traces"]
-    assert len(x["y"]) == d and len(y["y"]) == d
+    x, y, gain = fig["traces"]
+    assert len(x["y"]) == d and len(y["y"]) == d and len(gain["y"]) == d  # every gain, not only their mean
     assert any(abs(v) > 1e-6 for v in x["y"]) and x["y"] != y["y"]
+    assert "negative" in fig["annotations"][2] and "negative" in text(page, "anatomy-norm")
     wait_for(lambda: checks_pass(page, "anatomy-norm"), "norm check line")
 
 
