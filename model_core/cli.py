@@ -102,6 +102,25 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_card(args) -> int:
+    from model_core import reference_cards as R
+
+    card = R.card(args.name)
+    if args.json:
+        _print_json(R.to_json(card))
+        return 0
+    marks = R.row_marks(card)
+    print(f"{card.get('title') or card['name']}  ({card['source']})")
+    for label, value in R.display_rows(card).items():
+        print(f"  {label:34s} {value}")
+        for m in marks.get(label, []):
+            said = "(value not quoted)" if m["claim"] is None else m["claim"]
+            print(f"  {'':34s} {'=' if m['agrees'] else '≠'} {m['source']}: {said}" + ("" if m["agrees"] else f" — {m['note']}"))
+    for note in card.get("notes", []):
+        print(f"  note: {note}")
+    return 0
+
+
 def cmd_serve(args) -> int:
     from app.main import serve
 
@@ -162,6 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=None)
     g.add_argument("--json", action="store_true")
     g.set_defaults(func=cmd_generate)
+
+    cd = sub.add_parser("card", help="architecture card computed from a config on the meta device: "
+                        "llama-3.2-1b, gpt2, gpt3-175b, mistral-7b, deepseek-v2, granite-3b, or any model")
+    cd.add_argument("name", help="a reference card name, a registry model, a fine-tuned model or a local folder")
+    cd.add_argument("--json", action="store_true")
+    cd.set_defaults(func=cmd_card)
 
     s = sub.add_parser("serve", help="start the web UI")
     s.add_argument("--host", default="127.0.0.1")

@@ -22,6 +22,8 @@ number of recorded candidates.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import queue
 import threading
@@ -132,6 +134,7 @@ class Engine:
         self._pending: list[EngineRequest] = []
         self._rows: dict[int, _Row] = {}  # slot -> row
         self._stop = False
+        self._held = False
         self._cache: SlotCache | None = None
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.ready = threading.Event()
@@ -147,6 +150,23 @@ class Engine:
             self._pending.append(req)
             self._cv.notify_all()
         return req
+
+    @contextlib.contextmanager
+    def hold(self):
+        """Admit no new request until the block ends (running rows go on): requests submitted
+        meanwhile start together in one step (tests, benchmarks)."""
+        with self._cv:
+            self._held = True
+        try:
+            yield self
+        finally:
+            with self._cv:
+                self._held = False
+                self._cv.notify_all()
+
+    def waiting(self) -> int:
+        with self._cv:
+            return len(self._pending)
 
     def close(self) -> None:
         with self._cv:
@@ -169,11 +189,11 @@ class Engine:
         pipeline: list = []  # launched steps whose records are not yet handed out
         while True:
             with self._cv:
-                while not self._stop and not self._pending and not self._rows and not pipeline:
+                while not self._stop and not (self._pending and not self._held) and not self._rows and not pipeline:
                     self._cv.wait()
                 if self._stop:
                     break
-                new = self._take_pending()
+                new = [] if self._held else self._take_pending()
             if self.start_error is not None:
                 for r in new:
                     self._fail(r, self.start_error)
@@ -320,7 +340,8 @@ class Engine:
         if event is not None:
             event.record()
         want = [r for r in rows if r.req.keep_logits or r.req.keep_probs]
-        extra = {r.slot: (self.out_logits[r.slot].cpu(), self.out_final[r.slot].cpu()) for r in want}
+        extra = {r.slot: (self.out_logits[r.slot].to("cpu", copy=True), self.out_final[r.slot].to("cpu", copy=True))
+                 for r in want}
         for r in rows:
             r.tokens += 1
         self.stats.steps += 1
@@ -346,7 +367,7 @@ class Engine:
         rec = Record(index=row.emitted, packed=packed, seconds=now - row.t_last, tokens_cached=row.tokens,
                      last=last)
         if req.keep_logits and logits is not None:
-            rec.logits = logits.detach().cpu()
+            rec.logits = logits.detach().to("cpu", copy=True)
         if req.keep_probs and final is not None:
             rec.probs = torch.softmax(final.detach().float(), -1).cpu()
         row.emitted += 1
@@ -395,6 +416,15 @@ class Engine:
 # one engine per loaded model
 
 _LOCK = threading.Lock()
+_ALL: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """Stop the engine threads before the interpreter tears torch down under them."""
+    for eng in list(_ALL):
+        eng.close()
+        eng._thread.join(timeout=5)
 
 
 def slots_from_env(device) -> int:
@@ -427,6 +457,7 @@ def engine_for(lm) -> Engine:
         if eng is None:
             eng = Engine(lm, slots_from_env(lm.device), max_len_from_env(lm))
             lm.meta["engine"] = eng
+            _ALL.add(eng)
             weakref.finalize(lm, eng.close)
     eng.ready.wait()
     return eng

@@ -33,10 +33,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from model_core import hooks
 from model_core import sampling as S
-from model_core.batching import batcher_for, can_batch_model
 from model_core.errors import PromptError, SettingsError
+from model_core.row_sampling import counter_uniform
 from model_core.sampling import SamplingSettings
 
 DEFAULT_MAX_NEW_TOKENS_CAP = 256
@@ -208,13 +207,6 @@ def _forward(lm, ids: torch.Tensor, cache) -> torch.Tensor:
     return out.logits[0, -1].float()
 
 
-def _decode(lm, ids: torch.Tensor, cache, batcher) -> torch.Tensor:
-    """One decode step; batched with other generations' steps when they run at the same time."""
-    if batcher is None or hooks.active_recorder() is not None:  # a recorder or edits: this request's own
-        return _forward(lm, ids, cache)
-    return batcher.decode(ids, cache, _forward)
-
-
 def eos_ids(lm) -> list[int]:
     ids: list[int] = []
     gc = getattr(lm.model, "generation_config", None)
@@ -235,7 +227,7 @@ _CODE_STAGES = {v: k for k, v in _STAGE_CODES.items()}
 
 
 def sample_step(logits: torch.Tensor, settings: SamplingSettings, context_ids: torch.Tensor | None,
-                generator: torch.Generator | None, k: int = TOP_K_RECORDED):
+                draw: tuple[int, int], k: int = TOP_K_RECORDED):
     """logits [V] float32 on the device -> (chosen id tensor [1], packed record tensor, final logits).
 
     The stages are sampling.py's functions (the arithmetic of transformers' processors), in
@@ -269,7 +261,11 @@ def sample_step(logits: torch.Tensor, settings: SamplingSettings, context_ids: t
     if settings.greedy:
         chosen = torch.argmax(cur).reshape(1)
     else:
-        chosen = torch.multinomial(probs, 1, generator=generator)
+        # the engine's draw (row_sampling): Gumbel-max over uniforms hashed from (seed, step, token),
+        # so a seed draws the same tokens on either path, alone or batched
+        seed, step = (torch.tensor([v], device=cur.device) for v in draw)
+        u = counter_uniform(seed, step, cur.shape[-1])[0]
+        chosen = torch.argmax(cur - torch.log(-torch.log(u))).reshape(1)
 
     base = torch.softmax(raw, -1)
     k = min(k, raw.numel())
@@ -392,10 +388,6 @@ def iter_generate(lm, prompt: str | None = None, *, max_new_tokens: int = 32,
     k = max(1, min(int(top_k_recorded), lm.shape.vocab_size))
     all_ids = torch.empty(len(ids) + n_steps, dtype=torch.long, device=dev)
     all_ids[: len(ids)] = torch.tensor(ids, dtype=torch.long)
-    generator = None
-    if not settings.greedy:
-        generator = torch.Generator(device=dev)
-        generator.manual_seed(seed)
     eng = _engine_for_request(lm, len(ids), n_steps, k)
     if eng is not None:
         yield from _iter_engine(lm, eng, gen, ids, n_steps, eos, stop, stopped, k, keep_logits, keep_probs, attention)
@@ -403,7 +395,6 @@ def iter_generate(lm, prompt: str | None = None, *, max_new_tokens: int = 32,
     use_rp = settings.repetition_penalty != 1.0
     t_start = time.perf_counter()
     cache = new_cache(lm)
-    batcher = None
     try:
         # Inference mode is thread-local and a generator may be resumed on another thread (Gradio
         # streams through a thread pool), so it is entered per step and never held across a yield.
@@ -411,28 +402,22 @@ def iter_generate(lm, prompt: str | None = None, *, max_new_tokens: int = 32,
             gen.finish_reason = "cancelled"
             return
         t0 = time.perf_counter()
-        # Prefill and decode steps may share forwards with other generations running now.
-        shared = batcher_for(lm) if can_batch_model(lm) else None
         with torch.inference_mode():
-            prompt_ids = all_ids[None, : len(ids)]
-            logits = shared.prefill(prompt_ids, cache, _forward) if shared else _forward(lm, prompt_ids, cache)
+            logits = _forward(lm, all_ids[None, : len(ids)], cache)
         gen.prefill_seconds = time.perf_counter() - t0
-        if shared is not None:
-            batcher = shared
-            batcher.enter()
         cur_len = len(ids)
         overlap = dev.type == "cuda"  # launch the next forward before the record's copy
         for i in range(n_steps):
             t0 = time.perf_counter()
             with torch.inference_mode():
                 chosen, packed, final_logits = sample_step(
-                    logits, settings, all_ids[:cur_len] if use_rp else None, generator, k)
+                    logits, settings, all_ids[:cur_len] if use_rp else None, (seed, i), k)
                 all_ids[cur_len: cur_len + 1] = chosen
                 cur_len += 1
                 last = i == n_steps - 1
                 step_logits = logits
                 if overlap and not last:
-                    logits = _decode(lm, all_ids[None, cur_len - 1: cur_len], cache, batcher)
+                    logits = _forward(lm, all_ids[None, cur_len - 1: cur_len], cache)
                 rec = _unpack(packed.cpu(), k, settings)  # the one device->host copy of the step
                 tid = rec["chosen_id"]
                 gen.token_ids.append(tid)
@@ -457,16 +442,13 @@ def iter_generate(lm, prompt: str | None = None, *, max_new_tokens: int = 32,
                 elif last:
                     gen.finish_reason = "length" if n_steps == max_new else "context_full"
                 if gen.finish_reason is None and not overlap:
-                    logits = _decode(lm, all_ids[None, cur_len - 1: cur_len], cache, batcher)
+                    logits = _forward(lm, all_ids[None, cur_len - 1: cur_len], cache)
                 step.seconds = time.perf_counter() - t0
                 gen.steps.append(step)
                 gen.kv_series.append(_cache_size(cache))
                 if gen.finish_reason is None and stopped():
                     gen.finish_reason = "cancelled"
                 if gen.finish_reason is not None:
-                    if batcher is not None:  # no more steps: others need not wait for this one
-                        batcher.leave()
-                        batcher = None
                     gen.kv_cache = kv_cache_report(lm, cache)
                     gen.seconds = time.perf_counter() - t_start
                     if attention and gen.steps:
@@ -480,8 +462,6 @@ def iter_generate(lm, prompt: str | None = None, *, max_new_tokens: int = 32,
                 gen.seconds = time.perf_counter() - t_start
                 return
     finally:
-        if batcher is not None:
-            batcher.leave()
         if gen.finish_reason is None:
             gen.finish_reason = "cancelled"
         gen.seconds = gen.seconds or (time.perf_counter() - t_start)

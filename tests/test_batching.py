@@ -1,15 +1,9 @@
-"""Concurrent requests batched into shared forwards (model_core.batching): generations' prefills
-and decode steps, and Explore's traces.
+"""Concurrent traces batched into shared forwards (model_core.batching). Generation is batched by
+the engine (tests/test_engine.py).
 
-References:
-- transformers' `model.generate(do_sample=False)` run alone on each prompt: greedy tokens of
-  generations that ran batched together must equal it token for token;
-- the same generation run alone through lmscope: every recorded step's probabilities must
-  match the solo run's up to float rounding (batched GEMMs and masked attention round
-  differently), and seeded samples must draw the same tokens.
-- for traces, transformers' own forward (hidden states and logits) of each prompt alone, and
-  lmscope's solo trace of it.
-The batcher's counters prove the requests really were batched (the test would be vacuous otherwise).
+References: transformers' own forward (hidden states and logits) of each prompt alone, and
+lmscope's solo trace of it. The batcher's counters prove the requests really were batched (the
+test would be vacuous otherwise).
 """
 
 import threading
@@ -20,22 +14,11 @@ import torch
 from model_core import load_model, trace
 from model_core.batching import batcher_for
 from model_core.generate import generate
-from model_core.sampling import SamplingSettings
 
 from conftest import DEFAULT
 
 PROMPTS = ["The capital of France is", "Once upon a time, there was a little",
            "def add(a, b):\n    return", "Water boils at"]
-
-
-@pytest.fixture(autouse=True)
-def patient_batcher():
-    """A longer gathering window than the server's, so that threads started together on a busy
-    2-core machine reliably meet in the same batch."""
-    saved = {}
-    yield saved
-    for b, g in saved.items():
-        b.gather_seconds = g
 
 
 def _concurrent(lm, fn, n):
@@ -90,49 +73,12 @@ def _hf_greedy(lm, prompt, n):
     return out[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("name", [DEFAULT, "random-llama-tiny", "random-gpt2-tiny"])
-def test_batched_greedy_equals_transformers_generate_alone(name, patient_batcher):
-    lm = load_model(name)
-    b = batcher_for(lm)
-    patient_batcher[b] = b.gather_seconds
-    b.gather_seconds = 0.25
-    before = b.stats.batched_requests
-    n_new = 10
-    gens = _concurrent(lm, lambda i: generate(lm, PROMPTS[i], max_new_tokens=n_new, ignore_eos=True), len(PROMPTS))
-    assert b.stats.batched_requests - before >= n_new, b.stats  # most steps really ran together
-    kinds = {k for (k, n) in b.stats.sizes if n > 1}
-    assert {"decode", "prefill"} <= kinds, b.stats.sizes
-    for prompt, g in zip(PROMPTS, gens):
-        assert g.token_ids == _hf_greedy(lm, prompt, n_new), prompt
+def test_sliding_window_models_generate_alone_and_still_correct():
+    from model_core.engine import can_use_engine
 
-
-def test_batched_steps_record_what_solo_steps_record(patient_batcher):
-    lm = load_model(DEFAULT)
-    b = batcher_for(lm)
-    patient_batcher[b] = b.gather_seconds
-    b.gather_seconds = 0.25
-    s = SamplingSettings(temperature=0.9, top_k=40, top_p=0.95, min_p=0.01, repetition_penalty=1.1)
-    before = b.stats.batched_requests
-
-    def one(i):
-        return generate(lm, PROMPTS[i], max_new_tokens=8, settings=s, seed=i, ignore_eos=True)
-
-    together = _concurrent(lm, one, 3)
-    assert b.stats.batched_requests > before
-    for i, g in enumerate(together):
-        solo = one(i)
-        assert g.token_ids == solo.token_ids  # the same seeded draws
-        for a, c in zip(g.steps, solo.steps):
-            assert a.top_ids == c.top_ids
-            torch.testing.assert_close(torch.tensor(a.top_probs), torch.tensor(c.top_probs), atol=1e-4, rtol=1e-3)
-            assert a.removed.keys() == c.removed.keys()
-
-
-def test_sliding_window_models_are_not_batched_and_still_correct():
     lm = load_model("random-gemma3-tiny")
-    b = batcher_for(lm)
+    assert not can_use_engine(lm)  # sliding windows run on the plain path
     gens = _concurrent(lm, lambda i: generate(lm, PROMPTS[i], max_new_tokens=6, ignore_eos=True), 2)
-    assert not any(k in ("decode", "prefill") for k, _ in b.stats.sizes)  # never batched
     for prompt, g in zip(PROMPTS, gens):
         assert g.token_ids == _hf_greedy(lm, prompt, 6)
 
@@ -157,19 +103,6 @@ def test_batched_traces_equal_transformers_and_solo_traces(name):
         torch.testing.assert_close(tr.token_logprobs, solo.token_logprobs, atol=2e-4, rtol=1e-4, equal_nan=True)
         torch.testing.assert_close(tr.attention_pattern(1), solo.attention_pattern(1), atol=1e-5, rtol=1e-4)
         assert tr.resid_pre[0].shape == (len(ids), lm.shape.d_model)
-
-
-def test_a_waiting_step_is_woken_when_the_others_arrive(patient_batcher):
-    """With a gathering window of an hour, generations running together must still finish at
-    once: the arrival of the step they wait for wakes them (a lost wakeup would hang here)."""
-    lm = load_model("random-llama-tiny")
-    b = batcher_for(lm)
-    patient_batcher[b] = b.gather_seconds
-    b.gather_seconds = 3600.0
-    before = b.stats.batched_requests
-    gens = _concurrent(lm, lambda i: generate(lm, PROMPTS[i], max_new_tokens=12, ignore_eos=True), 3)
-    assert all(len(g.token_ids) == 12 for g in gens)
-    assert b.stats.batched_requests > before
 
 
 def test_a_failed_batch_runs_each_request_alone(monkeypatch):

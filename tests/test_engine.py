@@ -1,0 +1,195 @@
+"""The inference engine (model_core.engine): continuous batching over a slot cache, sampling and
+records per row on the device.
+
+References:
+- transformers' logits processors (RepetitionPenalty, Temperature, TopK, TopP, MinP) applied to
+  one row at a time: every row of a batched step, each with its own settings, must give exactly
+  their distribution;
+- transformers' `model.generate(do_sample=False)` run alone on each prompt: greedy tokens of
+  generations that ran together in the engine must equal it token for token;
+- lmscope's own path without the engine (LMSCOPE_ENGINE=0, one request's plain forwards): the
+  same seed must draw the same tokens, alone or in a batch.
+The engine's step counters prove the requests really ran together (else the test is vacuous).
+"""
+
+import threading
+import time
+
+import pytest
+import torch
+from transformers import (LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                          TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+from model_core import load_model
+from model_core.engine import EngineRequest, engine_for
+from model_core.generate import generate, iter_generate, sample_step
+from model_core.row_sampling import RowSettings, sample_rows
+from model_core.sampling import SamplingSettings
+
+from conftest import DEFAULT
+
+PROMPTS = ["The capital of France is", "Once upon a time, there was a little",
+           "def add(a, b):\n    return", "Water boils at"]
+
+ROW_SETTINGS = [
+    SamplingSettings(temperature=0.0),
+    SamplingSettings(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.3),
+    SamplingSettings(temperature=1.5, top_p=0.8),
+    SamplingSettings(temperature=1.0, top_k=5),
+    SamplingSettings(temperature=0.9, min_p=0.2, repetition_penalty=0.8),
+    SamplingSettings(temperature=0.0, repetition_penalty=1.5),
+]
+
+
+def _hf(s: SamplingSettings) -> LogitsProcessorList:
+    procs = [RepetitionPenaltyLogitsProcessor(s.repetition_penalty)] if s.repetition_penalty != 1.0 else []
+    if not s.greedy:
+        procs.append(TemperatureLogitsWarper(s.temperature))
+        if s.top_k > 0:
+            procs.append(TopKLogitsWarper(s.top_k))
+        if s.top_p < 1.0:
+            procs.append(TopPLogitsWarper(s.top_p))
+        if s.min_p > 0:
+            procs.append(MinPLogitsWarper(s.min_p))
+    return LogitsProcessorList(procs)
+
+
+def _hf_greedy(lm, prompt, n):
+    ids = lm.tokenizer(prompt)["input_ids"]
+    with torch.inference_mode():
+        out = lm.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                do_sample=False, max_new_tokens=n, pad_token_id=lm.tokenizer.pad_token_id)
+    return out[0, len(ids):].tolist()
+
+
+def test_every_row_of_a_batched_step_equals_transformers_processors_on_that_row():
+    g = torch.Generator().manual_seed(0)
+    B, V = len(ROW_SETTINGS), 3000
+    logits = torch.randn(B, V, generator=g) * 4
+    context = [torch.randint(0, V, (20,), generator=g) for _ in range(B)]
+    seen = torch.zeros(B, V, dtype=torch.bool)
+    st = RowSettings.empty(B, "cpu")
+    for i, (s, ctx) in enumerate(zip(ROW_SETTINGS, context)):
+        seen[i, ctx] = True
+        st.set_row(i, s, seed=100 + i)
+        st.step[i] = 7
+    chosen, packed, final = sample_rows(logits, st, seen, k=10)
+    for i, (s, ctx) in enumerate(zip(ROW_SETTINGS, context)):
+        ref = _hf(s)(ctx[None], logits[i: i + 1].clone())[0]
+        if s.greedy:  # generate(do_sample=False) keeps the argmax alone
+            ref = torch.full_like(ref, float("-inf")).scatter(0, ref.argmax()[None], ref.max()[None])
+        assert torch.equal(final[i], ref), s
+        # the single-request path (generate.sample_step) records exactly the same numbers
+        one_chosen, one_packed, _ = sample_step(logits[i], s, ctx, (100 + i, 7), k=10)
+        assert int(chosen[i]) == int(one_chosen[0])
+        torch.testing.assert_close(packed[i], one_packed, atol=1e-6, rtol=1e-6)
+        assert final[i][chosen[i]] > float("-inf")  # drawn from the filtered distribution
+
+
+def test_seeded_draws_follow_the_distribution():
+    """Gumbel-max over the counter-based uniforms samples from softmax(logits): the frequencies
+    over 4,000 seeds match the probabilities (the draw is not biased by the hash)."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf")]]).repeat(4000, 1)
+    st = RowSettings.empty(4000, "cpu")
+    st.greedy[:] = False
+    st.seed.copy_(torch.arange(4000) * 7919 + 3)
+    chosen, _, _ = sample_rows(logits, st, torch.zeros(4000, 5, dtype=torch.bool), k=3)
+    freq = torch.bincount(chosen, minlength=5).float() / 4000
+    torch.testing.assert_close(freq, torch.softmax(logits[0], -1), atol=0.025, rtol=0)
+
+
+@pytest.mark.parametrize("name", [DEFAULT, "random-llama-tiny", "random-gpt2-tiny"])
+def test_generations_that_ran_together_equal_transformers_generate_alone(name):
+    lm = load_model(name)
+    eng = engine_for(lm)
+    n_new = 10
+    steps_before = dict(eng.stats.batch_sizes)
+    out = [None] * len(PROMPTS)
+    with eng.hold():  # all four are admitted at the same step
+        threads = [threading.Thread(target=lambda i=i: out.__setitem__(
+            i, generate(lm, PROMPTS[i], max_new_tokens=n_new, ignore_eos=True))) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        _wait(lambda: eng.waiting() == len(PROMPTS), "the requests to queue")
+    for t in threads:
+        t.join(120)
+    together = eng.stats.batch_sizes.get(len(PROMPTS), 0) - steps_before.get(len(PROMPTS), 0)
+    assert together >= n_new - 1, eng.stats.batch_sizes  # every decode step ran all four rows
+    for prompt, g in zip(PROMPTS, out):
+        assert g.token_ids == _hf_greedy(lm, prompt, n_new), prompt
+
+
+def test_seeded_sampling_is_the_same_alone_batched_and_without_the_engine(monkeypatch):
+    lm = load_model(DEFAULT)
+    s = SamplingSettings(temperature=0.9, top_k=40, top_p=0.95, min_p=0.01, repetition_penalty=1.1)
+    eng = engine_for(lm)
+
+    def one(i):
+        return generate(lm, PROMPTS[i], max_new_tokens=8, settings=s, seed=i, ignore_eos=True)
+
+    out = [None] * 3
+    with eng.hold():
+        threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, one(i))) for i in range(3)]
+        for t in threads:
+            t.start()
+        _wait(lambda: eng.waiting() == 3, "the requests to queue")
+    for t in threads:
+        t.join(120)
+    monkeypatch.setenv("LMSCOPE_ENGINE", "0")
+    for i, g in enumerate(out):
+        solo = one(i)  # lmscope's plain path: one request, its own DynamicCache
+        assert g.token_ids == solo.token_ids  # the same seeded draws
+        for a, c in zip(g.steps, solo.steps):
+            assert a.top_ids == c.top_ids and a.removed.keys() == c.removed.keys()
+            torch.testing.assert_close(torch.tensor(a.top_probs), torch.tensor(c.top_probs), atol=1e-4, rtol=1e-3)
+
+
+def test_cancel_and_disconnect_free_the_slot():
+    lm = load_model("random-llama-tiny")
+    eng = engine_for(lm)
+    it = iter_generate(lm, "abc", max_new_tokens=200, ignore_eos=True)
+    next(it), next(it)
+    assert eng.stats_dict()["slots_in_use"] == 1
+    it.close()  # the client went away
+    _wait(lambda: eng.stats_dict()["slots_in_use"] == 0, "the slot to be freed")
+    stop = threading.Event()
+    it = iter_generate(lm, "abc", max_new_tokens=200, ignore_eos=True, should_stop=stop)
+    next(it)
+    stop.set()  # the Stop button
+    rest = list(it)
+    assert rest == [] or rest[-1][1].finish_reason == "cancelled"
+    _wait(lambda: eng.stats_dict()["slots_in_use"] == 0, "the slot to be freed")
+
+
+def test_a_failing_request_does_not_fail_its_batch_mates():
+    lm = load_model("random-llama-tiny")
+    eng = engine_for(lm)
+    s = SamplingSettings(temperature=0.0)
+    good = [EngineRequest(ids=lm.tokenizer(p)["input_ids"], n_steps=6, settings=s, seed=0, eos=set()) for p in PROMPTS[:2]]
+    bad = EngineRequest(ids=[10 ** 9], n_steps=6, settings=s, seed=0, eos=set())  # no such token
+    with eng.hold():
+        for r in (good[0], bad, good[1]):
+            eng.submit(r)
+    for r in good:
+        recs = _drain(r)
+        assert r.error is None and len(recs) == 6
+        assert [int(x.packed[0]) for x in recs] == _hf_greedy(lm, PROMPTS[good.index(r)], 6)
+    assert _drain(bad) == [] and bad.error is not None
+
+
+def _drain(req, timeout=120):
+    out, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rec = req.out.get(timeout=timeout)
+        if rec is None:
+            return out
+        out.append(rec)
+    raise AssertionError("the request never finished")
+
+
+def _wait(cond, what, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
