@@ -97,7 +97,11 @@ class ExploreTab:
             self.min_p = gr.Slider(0, 1, value=0.0, step=0.01, label="Min-p", elem_id="min-p")
             self.rep = gr.Slider(0.5, 2.0, value=1.0, step=0.05, label="Repetition penalty", elem_id="rep")
         self.next_plot = gr.Plot(label="Next-token distribution", elem_id="next-token")
-        self.stages = gr.Dataframe(headers=["stage", "removed", "mass_kept"], label="What each stage did",
+        # mass kept is measured on each stage's input (after the penalty, temperature and earlier
+        # filters), not on the temperature-1 bars above: the headers say so (issue 18 fix 8)
+        self.stages = gr.Dataframe(headers=["stage", "removed", "mass kept (of the distribution entering the stage)"],
+                                   label="What each stage did (mass kept: of the distribution after the penalty, "
+                                         "temperature and earlier filters, not of the grey temperature-1 bars)",
                                    interactive=False)
 
     # ------------------------------------------------------------------ wiring

@@ -65,7 +65,8 @@ def timeline_figure(steps: list[dict], color_by: str = "prob", selected: int | N
 def distribution_figure(step: dict | None) -> go.Figure:
     """Top candidates before the filters (model softmax; coloured by the filter that removed
     them) next to the distribution after the filters (what the token was drawn from)."""
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("before filters (model)", "after filters (drawn from)"),
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("the model's softmax (temperature 1, no penalty, no filters)",
+                                                        "after penalty, temperature and filters (drawn from)"),
                         horizontal_spacing=0.18)
     if not step:
         fig.update_layout(title="Select a step", margin=_MARGIN, height=360)
@@ -105,7 +106,7 @@ def removed_summary(step: dict | None) -> str:
     """Markdown: what each filter removed at this step."""
     if not step:
         return ""
-    rows = ["| filter | tokens removed | probability mass kept |", "|---|---|---|"]
+    rows = ["| filter | tokens removed | mass kept, of the distribution entering the filter ¹ |", "|---|---|---|"]
     for stage, r in step.get("removed", {}).items():
         rows.append(f"| {stage} | {r['n_removed']:,} | {r['kept_mass']:.3f} |")
     if len(rows) == 2:
@@ -114,7 +115,10 @@ def removed_summary(step: dict | None) -> str:
     gone = [c for c in step["top_before"] if c.get("removed_by")]
     tail = (f"\n\n{kept:,} tokens could be drawn. Among the model's top {len(step['top_before'])}, removed: "
             + (", ".join(f"`{c['token']}` ({c['removed_by']})" for c in gone) if gone else "none") + ".")
-    return "\n".join(rows) + tail
+    note = ("\n\n¹ Each filter's kept mass is measured on the distribution it receives: after the repetition "
+            "penalty, the temperature and the filters above it. The left bars are the model's own temperature-1 "
+            "distribution, so their sum over the kept tokens can differ.")
+    return "\n".join(rows) + tail + note
 
 
 def attention_figure(attention: list[list[float]] | None, context_labels: list[str], step_index: int | None = None

@@ -107,7 +107,8 @@ def model_info(name: str, request: gr.Request = None) -> str:
     return (f"**{s['name']}** · {s['parameters'] / 1e6:.1f}M parameters · {s['layers']} layers · "
             f"{s['heads']} query heads / {s['kv_heads']} key-value heads ({kind}) · d_model {s['d_model']} · "
             f"vocab {s['vocab_size']:,} · {s['dtype']} on {s['device']} · loaded in {lm.load_seconds:.1f} s"
-            + (" · has a chat template" if s["chat_template"] else ""))
+            + (" · has a chat template" if s["chat_template"] else "")
+            + (f" · weights: {s['weights']}" if s.get("weights") else ""))
 
 
 @endpoint

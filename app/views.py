@@ -117,7 +117,7 @@ def next_token_view(tr: Trace, settings: SamplingSettings, k: int = 20) -> dict:
                 break
         removed_by.append(who)
     kept = int((res.probs > 0).sum())
-    parts = [f"{st.name.replace('_', '-')} removed {st.n_removed:,} ({1 - st.kept_mass:.1%} of mass)"
+    parts = [f"{st.name.replace('_', '-')} removed {st.n_removed:,} ({1 - st.kept_mass:.1%} of the mass entering it)"
              for st in res.stages[1:] if st.n_removed]
     summary = ("greedy: always the top token" if settings.greedy else
                f"{kept:,} tokens can be drawn" + ("; " + "; ".join(parts) if parts else "; no filter active"))
