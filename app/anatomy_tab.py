@@ -14,25 +14,39 @@ import pandas as pd
 import torch
 
 from app import anatomy_figures as fig
-from app.context import DEFAULT_MODEL, Shared, default_model, endpoint, get_model, max_prompt_tokens
+from app import cards_figures as cfig
+from app.context import Shared, default_model, endpoint, get_model, max_prompt_tokens
 from model_core import anatomy as A
+from model_core import reference_cards as R
 from model_core import trace as run_trace
 from model_core.errors import LmscopeError
 from model_core.registry import REGISTRY, RANDOM_CONFIGS, list_models
 from model_core.tokenization import describe_tokens
 
 LATEX = [{"left": "$$", "right": "$$", "display": True}, {"left": "$", "right": "$", "display": False}]
-GPT2_SMALL = "gpt2-small (config only)"
-# the default model stays in the comparison when another model is selected (it is skipped as a
-# comparison column while it is the selected model)
-DEFAULT_COMPARE = [DEFAULT_MODEL, "random-gpt2-tiny", "random-gemma3-tiny"]
+GPT2_SMALL = "gpt2-small (config only)"  # older name of the GPT-2 reference card (still accepted)
+# the comparison's default columns: real systems from their published configs (no weights needed);
+# random-weight test configs are offered too, labelled as such
+DEFAULT_COMPARE = list(R.REFERENCES)
 
 # --- captions and formulas -------------------------------------------------------------------
 TEXT = {
-    "card": """**Architecture card.** Everything below is read from the loaded model's config and weights.
-Parameter counts are sums of the real tensors (a tied unembedding is the embedding matrix, counted once).
+    "card": """**Architecture card.** The selected model's card is read from its config and weights. The comparison
+puts it next to six real systems nobody here has weights for (Llama 3.2-1B, GPT-2, GPT-3 175B, Mistral 7B, DeepSeek-V2,
+Granite 3B): each is built from its published configuration with transformers' own config class on PyTorch's
+*meta* device (every tensor's shape, no memory), and every number is computed from that model. Parameter counts
+are sums of the tensors (a tied unembedding is the embedding matrix, counted once). Where the decoder guide's
+comparison table or a paper says something else, a red box shows what the source says and why the computed value
+differs. Random-weight test models are labelled as such: their numbers describe shapes, not a trained model.
 The KV cache keeps each layer's keys and values for every past token, so generation does not recompute them:
 $$\\text{KV bytes per token} = 2 \\times \\text{layers} \\times \\text{kv heads} \\times d_{head} \\times \\text{bytes per value}$$""",
+    "kv": """**KV cache vs context.** One sequence's cache grows with its length $T$, by a formula per attention kind
+(fp16, 2 bytes per value):
+$$\\text{MHA / GQA / MQA: } 2 \\cdot L \\cdot n_{kv} \\cdot d_{head} \\cdot T \\cdot 2\\text{ B}\\qquad
+\\text{sliding window } W\\text{: } T \\to \\min(T, W)\\qquad
+\\text{MLA: } L \\cdot (d_c + d_h^R) \\cdot T \\cdot 2\\text{ B}$$
+MLA caches one compressed latent $d_c$ and one shared RoPE key $d_h^R$ per token and layer instead of every head's
+K and V (dotted: the uncompressed size). Each line ends at the model's context length.""",
     "tree": """**Module tree.** One forward pass on your prompt with a hook on every module: each row is a module in the
 order it runs, with the shape of what it outputs (batch dimension dropped; $T$ = number of tokens).
 Text goes in as token ids; the embedding turns them into vectors $[T, d_{model}]$, each layer keeps that shape,
@@ -140,41 +154,53 @@ def _tolerance(t: torch.Tensor) -> float:
 
 # --- panels ----------------------------------------------------------------------------------------
 
-def compare_choices() -> list[str]:
-    names = [r["name"] for r in list_models() if r["installed"]]
-    return names + [GPT2_SMALL]
+def compare_choices() -> list[tuple[str, str]]:
+    """(label, name): the reference cards (published configs, no weights), installed models, and the
+    random-weight test configs, each labelled with where its numbers come from."""
+    refs = [(f"{r.title} · published config, no weights", n) for n, r in R.REFERENCES.items()]
+    rows = [r for r in list_models() if r["installed"]]
+    real = [(r["name"], r["name"]) for r in rows if r["source"] != "random"]
+    rand = [(f"{r['name']} · random weights (untrained)", r["name"]) for r in rows if r["source"] == "random"]
+    return refs + real + rand
 
 
-def _card_source(name):
-    """A LoadedModel for real models; a weightless meta-device model for configs."""
-    if name == GPT2_SMALL:
-        from transformers import GPT2Config
-
-        return A.config_only_model(GPT2Config())
+def _compare_card(name):
+    """The card of one comparison column: a reference (meta device), a random-weight test config
+    (meta device, labelled random), or a model lmscope serves (its loaded tensors)."""
+    key = R.ALIASES.get(name, name)
+    if key in R.REFERENCES:
+        return R.reference_card(key), "reference"
     entry = REGISTRY.get(name)
     if entry is not None and entry.source == "random":
-        from transformers import AutoConfig
+        return R.card(name), "random"
+    lm = get_model(name)
+    return R.loaded_card(lm), "random" if lm.source == "random" else "loaded"
 
-        cfg = dict(RANDOM_CONFIGS[name])
-        return A.config_only_model(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
-    return get_model(name)
+
+def _column(card, kind):
+    return {"title": card.get("title") or card["name"], "kind": kind, "rows": R.display_rows(card),
+            "marks": R.row_marks(card), "notes": card.get("notes", [])}
 
 
 @endpoint(model=True)
 def card_panel(model_name, compare, request: gr.Request = None):
+    """The selected model's own card, then every card side by side (the sources' statements next to
+    the computed values), parameters by part and KV-cache growth with context."""
     lm = get_model(model_name)
-    card = A.architecture_card(lm)
-    cards = OrderedDict([(lm.name, card)])
+    single = A.card_frame(A.architecture_card(lm))
+    own = R.loaded_card(lm)
+    kind = "random" if lm.source == "random" else "loaded"
+    single = pd.concat([pd.DataFrame([("weights", own["weights"])], columns=single.columns), single],
+                       ignore_index=True)
+    cards = OrderedDict([(own["title"], (own, kind))])
     for name in compare or []:
-        if name and name not in cards:
-            cards[name] = A.architecture_card(_card_source(name))
-    counts = {n: {k.replace("params: ", ""): v for k, v in c.items() if k.startswith("params: ")} for n, c in cards.items()}
-    for c in counts.values():
-        c["total"] = c.get("total", 0)
-    table = A.compare_models(cards)
-    n = len(table.columns) - 1
-    widths = ["18%"] + [f"{82 / n:.2f}%"] * n  # fixed widths: long cells wrap instead of widening the table
-    return (A.card_frame(card), gr.update(value=table, column_widths=widths), fig.param_breakdown(counts))
+        if not name or name == lm.name:
+            continue
+        c, k = _compare_card(name)
+        cards.setdefault(c.get("title") or c["name"], (c, k))
+    table_html = cfig.comparison_html([_column(c, k) for c, k in cards.values()])
+    plain = OrderedDict((t, c) for t, (c, _) in cards.items())
+    return (single, table_html, cfig.param_share_figure(plain), cfig.kv_growth_figure(R.kv_growth(plain)))
 
 
 @endpoint(model=True)
@@ -262,7 +288,10 @@ def positions_panel(model_name, n_positions, request: gr.Request = None):
     n = max(2, min(n, lm.shape.context_length))
     learned = A.learned_positions(lm, n)
     if learned is not None:
-        own, title = learned, f"learned position embeddings [{n}, {learned.shape[1]}]"
+        # random-weight test models never learned anything: their table is initialisation noise
+        kind = ("untrained position embeddings (random weights, not learned)" if lm.source == "random"
+                else "learned position embeddings")
+        own, title = learned, f"{kind} [{n}, {learned.shape[1]}]"
         d, xtitle = learned.shape[1], "dimension"
     else:
         ang = A.rope_angles(lm, 0, n)
@@ -401,11 +430,14 @@ def build(shared: Shared) -> None:
         with gr.Accordion("This model only", open=False):
             card_df = gr.Dataframe(label="This model", interactive=False, wrap=True)
         choices = compare_choices()
-        compare = gr.Dropdown(choices=choices, value=[n for n in DEFAULT_COMPARE if n in choices], multiselect=True,
-                              label="Compare with (the selected model is the first column)",
-                              allow_custom_value=False)
-        compare_df = gr.Dataframe(label="Side by side", interactive=False, wrap=True, max_height=900)
+        compare = gr.Dropdown(choices=choices, value=[n for n in DEFAULT_COMPARE if n in {v for _, v in choices}],
+                              multiselect=True, allow_custom_value=False,
+                              label="Compare with (the selected model is the first column; reference systems are "
+                                    "built from their published configs on PyTorch's meta device, no weights)")
+        compare_df = gr.HTML(elem_id="anatomy-compare")
         params_plot = gr.Plot(label="Parameters by part")
+        _md(TEXT["kv"])
+        kv_plot = gr.Plot(label="KV cache vs context", elem_id="anatomy-kv-growth")
 
     with gr.Accordion("Module tree with shapes", open=False, elem_id="anatomy-tree"):
         _md(TEXT["tree"])
@@ -484,7 +516,7 @@ def build(shared: Shared) -> None:
             out_hist = gr.Plot()
 
     # --- events ---
-    card_io = dict(fn=card_panel, inputs=[m, compare], outputs=[card_df, compare_df, params_plot])
+    card_io = dict(fn=card_panel, inputs=[m, compare], outputs=[card_df, compare_df, params_plot, kv_plot])
     tree_io = dict(fn=tree_panel, inputs=[m, p, c], outputs=[tree_df, tree_note])
     attn_io = dict(fn=attention_panel, inputs=[m, p, c, a_layer, a_head, no_scale, no_mask],
                    outputs=[attn_plot, attn_var, attn_info, attn_rot])
@@ -520,5 +552,10 @@ def build(shared: Shared) -> None:
 
 
 def card_table_for(names: list[str]) -> pd.DataFrame:
-    """The comparison table for a list of model names (used by docs and tests)."""
-    return A.compare_models(OrderedDict((n, _card_source(n)) for n in names))
+    """The comparison for a list of names (references, random configs, served models) as a table:
+    one row per property, one column per model (used by docs and tests)."""
+    cols = [_compare_card(n)[0] for n in names]
+    rows = [R.display_rows(c) for c in cols]
+    labels = list(OrderedDict.fromkeys(k for r in rows for k in r))
+    data = {c.get("title") or c["name"]: [r.get(k, "—") for k in labels] for c, r in zip(cols, rows)}
+    return pd.DataFrame(data, index=pd.Index(labels, name="property")).reset_index()

@@ -371,10 +371,20 @@ def test_tab_panels_fallbacks_and_checks():
     _, _, info, rot = T.attention_panel("random-gemma3-tiny", PROMPT, False, 0, 0, True, True)
     assert rot["visible"] is True and "after RoPE" in info
     assert "✓ check" in info and "W_O" in info
-    assert T.DEFAULT_COMPARE[0] == DEFAULT
-    _, table, _ = T.card_panel("random-gpt2-tiny", T.DEFAULT_COMPARE)
-    assert list(table["value"].columns) == ["property", "random-gpt2-tiny", DEFAULT, "random-gemma3-tiny"]
-    assert len(table["column_widths"]) == 4
+    # the comparison defaults to the six real systems (published configs), not random-weight models (issue 18 fix 7)
+    assert T.DEFAULT_COMPARE == ["llama-3.2-1b", "gpt2", "gpt3-175b", "mistral-7b", "deepseek-v2", "granite-3b"]
+    single, html, shares, kv = T.card_panel("random-gpt2-tiny", T.DEFAULT_COMPARE + ["random-gemma3-tiny"])
+    heads = re.findall(r"<th [^>]*data-kind='(\w+)'>([^<]*)<", html)
+    assert heads == [("random", "random-gpt2-tiny (random weights)"), ("reference", "Llama 3.2-1B"),
+                     ("reference", "GPT-2 (124M)"), ("reference", "GPT-3 175B"), ("reference", "Mistral 7B"),
+                     ("reference", "DeepSeek-V2"), ("reference", "Granite 3B (4.1)"),
+                     ("random", "random-gemma3-tiny (random weights)")]
+    assert single.iloc[0]["property"] == "weights" and "random" in single.iloc[0]["value"]
+    assert len([t for t in kv.data if t.mode == "lines"]) == 9  # 8 models + DeepSeek-V2 uncompressed
+    labels = [lab for lab, name in T.compare_choices() if name.startswith("random-")]
+    assert labels and all("random weights" in lab for lab in labels)
+    pos = T.positions_panel("random-gpt2-tiny", 16)
+    assert pos.layout.annotations[0].text.startswith("untrained position embeddings (random weights")
     assert isinstance(gr.__version__, str)
 
 
