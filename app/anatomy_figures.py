@@ -262,3 +262,119 @@ def logits_histogram(step: dict) -> go.Figure:
     fig = go.Figure(go.Histogram(x=_np(step["logits"]), nbinsx=100))
     fig.update_layout(title=f"All {step['logits'].numel():,} logits", xaxis_title="logit", yaxis_type="log", **SMALL)
     return fig
+
+
+# --- chapters computed on tiny random-weight models (model_core.chapters) -----------------------
+
+def kv_variants_bars(rows: list[dict]) -> go.Figure:
+    """KV-cache bytes per token of each attention variant: formula next to the measured cache."""
+    names = [r["variant"] for r in rows]
+    fig = go.Figure()
+    fig.add_bar(name="formula", x=names, y=[r["formula B/token"] for r in rows], marker_color="#9ecae1",
+                text=[f"{r['formula B/token']:,}" for r in rows], textposition="outside",
+                hovertext=[r["formula"] for r in rows], hoverinfo="text")
+    fig.add_bar(name="measured (real cache tensors ÷ tokens)", x=names, y=[r["measured B/token"] for r in rows],
+                marker_color="#3182bd")
+    fig.update_layout(barmode="group", title="KV cache per token, same width (random weights)",
+                      yaxis_title="bytes per token (float32)", legend=dict(orientation="h", y=-0.2),
+                      **{**SMALL, "height": 360})
+    return fig
+
+
+def variant_patterns(patterns: dict, labels: list[str], head: int = 0) -> go.Figure:
+    """One head's attention pattern (layer 0) in each variant's random model."""
+    kinds = list(patterns)
+    fig = make_subplots(rows=1, cols=len(kinds), subplot_titles=[f"{k}, head {head}" for k in kinds],
+                        horizontal_spacing=0.03)
+    for i, k in enumerate(kinds):
+        fig.add_trace(go.Heatmap(z=_np(patterns[k][head]), x=labels, y=labels, colorscale="Viridis", zmin=0,
+                                 zmax=1, showscale=i == len(kinds) - 1, name=k), row=1, col=i + 1)
+        fig.update_yaxes(autorange="reversed", showticklabels=False, row=1, col=i + 1)
+        fig.update_xaxes(showticklabels=False, row=1, col=i + 1)
+    fig.update_layout(height=300, margin=dict(l=20, r=10, t=60, b=20),
+                      title="Attention pattern, layer 0 (random weights: the mask and the spread, not learned "
+                            "behaviour)")
+    return fig
+
+
+def norm_compare_bars(nc: dict, n: int = 48) -> go.Figure:
+    """The same vector, LayerNorm'd and RMSNorm'd (unit gain), first n dimensions."""
+    dims = list(range(min(n, nc["x"].numel())))
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12,
+                        subplot_titles=[f"x (mean {nc['mean']:.3g}, std {nc['std']:.3g}, RMS {nc['rms']:.3g})",
+                                        "LayerNorm(x) vs RMSNorm(x), unit gain"])
+    fig.add_bar(x=dims, y=_np(nc["x"][dims]), name="x", marker_color="#999999", row=1, col=1)
+    fig.add_bar(x=dims, y=_np(nc["layernorm"][dims]), name="LayerNorm: (x − mean) / std", row=2, col=1)
+    fig.add_bar(x=dims, y=_np(nc["rmsnorm"][dims]), name="RMSNorm: x / RMS", row=2, col=1)
+    fig.update_layout(barmode="group", height=440, margin=dict(l=40, r=10, t=70, b=30),
+                      legend=dict(orientation="h", y=-0.12),
+                      title=f"Same vector, two norms: they differ by up to {nc['max_ln_vs_rms']:.3g} "
+                            f"(first {len(dims)} dimensions)")
+    fig.update_xaxes(title="dimension", row=2, col=1)
+    return fig
+
+
+def residual_growth_lines(g: dict) -> go.Figure:
+    layers = list(range(len(g["pre"])))
+    fig = go.Figure()
+    fig.add_scatter(x=layers, y=g["pre"], mode="lines+markers", name="pre-norm: x + f(norm(x))")
+    fig.add_scatter(x=layers, y=g["post"], mode="lines+markers", name="post-norm: norm(x + f(x))")
+    fig.add_hline(y=g["sqrt_d"], line_dash="dot", annotation_text=f"√d = {g['sqrt_d']:.3g}")
+    fig.update_layout(title=f"Residual norm ‖x‖ after each layer, {g['layers']} random layers (d = {g['d_model']})",
+                      xaxis_title="after layer (0 = embedding)", yaxis_title="mean ‖x‖ over tokens",
+                      legend=dict(orientation="h", y=-0.25), **{**SMALL, "height": 360})
+    return fig
+
+
+def position_schemes(ps: dict, alibi4) -> go.Figure:
+    """Left: how RoPE and sinusoidal encodings make similarity fall with distance; middle: ALiBi's
+    linear bias per head; right: ALiBi's bias matrix of one head for the first positions."""
+    k = _np(ps["distance"])
+    fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.08,
+                        subplot_titles=[f"RoPE and sinusoidal vs distance (d = {ps['d']})",
+                                        f"ALiBi bias vs distance ({ps['n_heads']} heads)",
+                                        f"ALiBi bias, head 1, positions 0-{alibi4.shape[-1] - 1}"])
+    fig.add_scatter(x=k, y=_np(ps["rope"]), mode="lines", name="RoPE: (R_p 1)·(R_p+k 1) / d", row=1, col=1)
+    fig.add_scatter(x=k, y=_np(ps["sinusoidal"]), mode="lines", name="sinusoidal: PE_p·PE_p+k / (d/2)",
+                    line=dict(dash="dash"), row=1, col=1)
+    for h in range(ps["alibi"].shape[0]):
+        fig.add_scatter(x=k, y=_np(ps["alibi"][h]), mode="lines", name=f"ALiBi head {h + 1}",
+                        showlegend=h in (0, ps["alibi"].shape[0] - 1), line=dict(width=1), row=1, col=2)
+    z = alibi4[0].clone()
+    z[torch.isinf(z)] = float("nan")
+    n = z.shape[-1]
+    fig.add_trace(go.Heatmap(z=_np(z), x=list(range(n)), y=list(range(n)), colorscale="Blues", reversescale=True,
+                             showscale=False, hoverongaps=False, name="ALiBi bias",
+                             text=[[("" if v != v else f"{v:.3g}") for v in row] for row in _np(z)],
+                             texttemplate="%{text}"), row=1, col=3)
+    fig.update_yaxes(autorange="reversed", title="query position", row=1, col=3)
+    fig.update_xaxes(title="distance k", row=1, col=1)
+    fig.update_xaxes(title="distance k", row=1, col=2)
+    fig.update_xaxes(title="key position", row=1, col=3)
+    fig.update_layout(height=380, margin=dict(l=40, r=10, t=60, b=40), legend=dict(orientation="h", y=-0.25))
+    return fig
+
+
+def moe_router(r: dict, labels: list[str]) -> go.Figure:
+    """Router probabilities per token and expert (the chosen top-k marked), and the load."""
+    E = r["n_experts"]
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38], horizontal_spacing=0.1,
+                        subplot_titles=[f"router probabilities, layer {r['layer']} (● = one of the top {r['top_k']})",
+                                        "load per expert (share of top-k slots) and mean probability"])
+    probs = _np(r["probs"])
+    chosen = r["chosen"].tolist()
+    marks = [["●" if e in chosen[t] else "" for e in range(E)] for t in range(len(chosen))]
+    fig.add_trace(go.Heatmap(z=probs, x=[f"E{e}" for e in range(E)], y=labels, colorscale="Viridis", zmin=0,
+                             text=marks, texttemplate="%{text}", name="router p",
+                             colorbar=dict(x=0.55, thickness=10)), row=1, col=1)
+    fig.update_yaxes(autorange="reversed", row=1, col=1)
+    xs = [f"E{e}" for e in range(E)]
+    fig.add_bar(x=xs, y=_np(r["load"]), name="load f_e (sums to k)", row=1, col=2)
+    fig.add_bar(x=xs, y=_np(r["mean_prob"]), name="mean router p P_e", row=1, col=2)
+    fig.add_hline(y=r["top_k"] / E, line_dash="dot", annotation_text=f"balanced: k/E = {r['top_k'] / E:.3g}",
+                  row=1, col=2)
+    fig.update_layout(barmode="group", height=max(360, 14 * len(labels) + 120), margin=dict(l=90, r=10, t=60, b=40),
+                      legend=dict(orientation="h", y=-0.12),
+                      title=f"Mixture of experts (random weights): aux balance loss {r['aux_loss']:.4g} "
+                            f"(perfect balance: {r['top_k']})")
+    return fig

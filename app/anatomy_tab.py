@@ -17,6 +17,7 @@ from app import anatomy_figures as fig
 from app import cards_figures as cfig
 from app.context import Shared, default_model, endpoint, get_model, max_prompt_tokens
 from model_core import anatomy as A
+from model_core import chapters as C
 from model_core import reference_cards as R
 from model_core import trace as run_trace
 from model_core.errors import LmscopeError
@@ -96,6 +97,38 @@ produced (captured, not recomputed).""",
     "out": """**Output.** The last position's residual vector goes through the final norm, the unembedding matrix $W_U$ turns it
 into one score (logit) per vocabulary entry, and softmax turns scores into probabilities:
 $$\\text{logits} = W_U\\,\\operatorname{norm}(x_L),\\qquad p_i = \\frac{e^{\\text{logit}_i}}{\\sum_j e^{\\text{logit}_j}}$$""",
+    # chapters computed on tiny random-weight models (model_core.chapters), whatever model is selected
+    "variants": """**Attention variants and the KV cache** (tiny models with **random weights**, built from transformers' own
+config classes at one width: $d_{model} = 256$, 8 query heads of 32, 2 layers; your prompt as byte tokens).
+MHA gives every query head its own K and V; GQA lets groups of query heads share one K/V head; MQA shares one K/V
+head among all; MLA (DeepSeek-V2) caches one compressed latent $c^{KV}$ per token, from which every head's K and V are
+expanded, plus one small RoPE key shared by all heads:
+$$\\text{MHA/GQA/MQA: } 2 \\cdot L \\cdot n_{kv} \\cdot d_{head} \\cdot b \\qquad \\text{MLA: } L \\cdot (d_c + d^R_h) \\cdot b
+\\qquad\\text{bytes per token}$$
+The check lines compare each formula with the bytes of the real cache tensors after the forward pass.""",
+    "norms": """**LayerNorm vs RMSNorm; pre-norm vs post-norm.** Left: one real vector, the selected model's residual at the
+layer and token chosen in *Normalisation* above, through both norms with unit gain. LayerNorm subtracts the mean
+and divides by the standard deviation; RMSNorm only divides by the root mean square, and
+$\\text{RMS}^2 = \\sigma^2 + \\mu^2$: the two agree when the mean is 0. Right: 24 **random-weight** Llama layers
+wired two ways. Pre-norm (every modern decoder) adds each block's output to an un-normalised residual, so its
+norm grows with depth; post-norm (the original Transformer) normalises the sum, so it stays at $\\sqrt{d}$:
+$$\\text{pre: } x \\leftarrow x + f(\\operatorname{norm}(x)) \\qquad \\text{post: } x \\leftarrow \\operatorname{norm}(x + f(x))$$""",
+    "schemes": """**Position schemes side by side.** Sinusoidal (Vaswani et al. 2017) adds a fixed vector to the input;
+RoPE rotates q and k by $p\\,\\theta_i$; ALiBi (Press et al. 2022) adds nothing to the vectors and instead adds a
+bias $-m_h\\,(i - j)$ to each head's score, with slopes $m_h = 2^{-8h/H}$:
+$$PE_{p,2i} = \\sin(p\\,\\theta_i),\\; PE_{p,2i+1} = \\cos(p\\,\\theta_i) \\qquad \\theta_i = 10000^{-2i/d}
+\\qquad \\text{ALiBi: } s_{ij} = q_i \\cdot k_j - m_h (i - j)$$
+The tables are the worked example with $d = 4$ at positions 0-3 ($\\theta_0 = 1$, $\\theta_1 = 0.01$). For two
+all-ones vectors RoPE's score and the sinusoidal vectors' dot product fall with distance along the same curve
+($\\sum_i \\cos(k\\theta_i)$); the difference is where position enters: added to the input, sinusoidal position mixes
+with content inside $W_q$ and $W_k$; RoPE's score depends on the distance alone.""",
+    "moe": """**Mixture of experts** (a tiny Mixtral with **random weights**: 8 experts, top-2, 2 layers; your prompt as
+byte tokens). Each token's router scores every expert, $p = \\operatorname{softmax}(W_r x)$; the token goes to its
+top-$k$ experts only, weighted by their renormalised probabilities. Training adds a balance loss so the experts
+share the work: with $f_e$ the share of top-$k$ slots expert $e$ received and $P_e$ its mean probability,
+$$\\mathcal{L}_{aux} = E \\sum_e f_e\\,P_e \\quad(= k \\text{ when perfectly balanced})$$
+An untrained router is far from balanced. The check lines compare the hand computation with the router's own
+outputs and the model's aux_loss, captured from its forward.""",
 }
 
 
@@ -387,6 +420,105 @@ def output_panel(model_name, prompt, chat, k, request: gr.Request = None):
     return fig.output_bars(s), fig.logits_histogram(s), info
 
 
+# --- chapters on tiny random-weight models (model_core.chapters) ----------------------------------
+
+def _kv_check(rows) -> str:
+    return "\n\n".join(
+        _check(f"{r['variant']}: formula {r['formula']} × {r['tokens cached']} tokens vs the real cache tensors",
+               torch.tensor(float(r["formula B/token"] * r["tokens cached"])), torch.tensor(float(r["measured total B"])),
+               0.5) for r in rows)
+
+
+@endpoint(model=True)
+def variants_panel(prompt, request: gr.Request = None):
+    ids = C.byte_ids(prompt, 48)
+    v = C.attention_variants(ids)
+    cols = ["variant", "config", "query heads", "cached per layer and token", "formula", "formula B/token",
+            "measured B/token", "16-bit B/token", "vs MHA", "attention params / layer"]
+    table = pd.DataFrame([{k: (f"{r[k]:,.0f}" if isinstance(r[k], (int, float)) and k != "query heads" else r[k])
+                           for k in cols} for r in v["rows"]])
+    labels = [f"{i}:{chr(t) if 32 <= t < 127 else '·'}" for i, t in enumerate(ids)]
+    return (table, fig.kv_variants_bars(v["rows"]), fig.variant_patterns(v["patterns"], labels),
+            f"All four: {C.RANDOM}, {len(ids)} byte tokens.\n\n" + _kv_check(v["rows"]))
+
+
+def _growth_check(g) -> str:
+    mine, own = g["wiring_check"]
+    return _check("the pre-norm wiring here vs the model's own forward (its hidden states, layer by layer)",
+                  mine, own)
+
+
+@endpoint(model=True)
+def norms_chapter_panel(model_name, prompt, chat, layer, position, request: gr.Request = None):
+    lm, tr = _trace(model_name, prompt, chat)
+    layer = _layer(lm, layer)
+    pos = _position(tr, position)
+    nc = C.norm_compare(tr.resid_pre[layer][pos])
+    g = C.residual_growth(C.byte_ids(prompt, 48))
+    rms2, var_mu2 = nc["identity"]
+    info = (f"Token {pos} `{tr.tokens[pos]['display']}`, residual entering layer {layer} of {lm.name}: mean "
+            f"{nc['mean']:.4g}, std {nc['std']:.4g}, RMS {nc['rms']:.4g} (RMS² = {rms2:.6g} = σ² + μ² = {var_mu2:.6g}). "
+            f"LayerNorm and RMSNorm of it differ by up to {nc['max_ln_vs_rms']:.3g}; after centring the vector they "
+            f"agree to {nc['centred_agree']:.1e}. The hand formulas equal torch's own layer_norm / rms_norm to "
+            f"{float((nc['layernorm'] - nc['ref_layernorm']).abs().max()):.1e} / "
+            f"{float((nc['rmsnorm'] - nc['ref_rmsnorm']).abs().max()):.1e}.\n\n"
+            f"Pre- vs post-norm ({C.RANDOM}): after {g['layers']} layers the pre-norm residual's norm is "
+            f"{g['pre'][-1]:.3g} ({g['pre'][-1] / g['pre'][0]:.3g}× the embedding's {g['pre'][0]:.3g}); post-norm stays "
+            f"at {g['post'][-1]:.4g} = √{g['d_model']}.\n\n" + _growth_check(g))
+    return fig.norm_compare_bars(nc), fig.residual_growth_lines(g), info
+
+
+def _fmt4(t) -> str:
+    return ", ".join(f"{float(v):.4f}" for v in t)
+
+
+@endpoint
+def schemes_panel(n_heads, max_distance, request: gr.Request = None):
+    H = int(n_heads or 8)
+    if not 1 <= H <= 64:
+        raise gr.Error("ALiBi heads must be between 1 and 64.")
+    D = max(8, min(int(max_distance or 128), 4096))
+    pe = C.sinusoidal(4, 4)
+    sin_df = pd.DataFrame([{"position p": p, "sin(p·θ₀)": f"{pe[p, 0]:.4f}", "cos(p·θ₀)": f"{pe[p, 1]:.4f}",
+                            "sin(p·θ₁)": f"{pe[p, 2]:.4f}", "cos(p·θ₁)": f"{pe[p, 3]:.4f}"} for p in range(4)])
+    w = C.rope_worked()
+    rope_df = pd.DataFrame([{"position p": r["position"], "angles p·θ₀, p·θ₁ (rad)": _fmt4(r["angles"]),
+                             "q rotated, rotate_half: pairs (q₀,q₂), (q₁,q₃)": _fmt4(r["rotate_half"]),
+                             "q rotated, adjacent: pairs (q₀,q₁), (q₂,q₃)": _fmt4(r["adjacent"])} for r in w["rows"]])
+    bias = C.alibi_bias(4, H)
+    m = C.alibi_slopes(H)
+    alibi_df = pd.DataFrame([{"query i": i, **{f"key {j}": ("−∞ (masked)" if j > i else f"{float(bias[0, i, j]):.4g}")
+                                                  for j in range(4)}} for i in range(4)])
+    info = (f"q = ({_fmt4(w['q'])}), θ = ({_fmt4(w['theta'])}). Both pairings turn by the same angles but pair "
+            f"different dimensions, so the rotated vectors differ: a model's weights are stored for one of them. "
+            f"ALiBi slopes for {H} heads: " + ", ".join(f"{float(v):.4g}" for v in m[:8])
+            + (" …" if H > 8 else "") + f"; the table is head 1 (m = {float(m[0]):.4g}).")
+    return sin_df, rope_df, alibi_df, fig.position_schemes(C.position_scores(D, 64, H), bias), info
+
+
+def _moe_check(r) -> str:
+    T = r["tokens"]
+    return "\n\n".join([
+        _check(f"router logits W_r·x by hand vs the router's own output (captured), layer {r['layer']}",
+               r["logits"], r["captured_logits"]),
+        _check(f"top-{r['top_k']} experts by hand vs the router's own choice: {r['same_choice']} of {T} tokens agree",
+               torch.tensor(float(T - r["same_choice"])), torch.tensor(0.0), 0.5),
+        _check("balance loss by hand (all layers) vs the model's own aux_loss",
+               torch.tensor(r["aux_loss"]), torch.tensor(r["aux_loss_model"]))])
+
+
+@endpoint(model=True)
+def moe_panel(prompt, layer, request: gr.Request = None):
+    ids = C.byte_ids(prompt, 48)
+    r = C.moe_routing(ids, int(layer or 0))
+    labels = [f"{i}:{chr(t) if 32 <= t < 127 else '·'}" for i, t in enumerate(ids)]
+    busiest = int(r["load"].argmax())
+    info = (f"{C.RANDOM}. Layer {r['layer']}: expert E{busiest} takes {float(r['load'][busiest]) / r['top_k']:.0%} of "
+            f"the top-{r['top_k']} slots (balanced: {1 / r['n_experts']:.0%}); "
+            f"{int((r['load'] == 0).sum())} expert(s) get no token.\n\n" + _moe_check(r))
+    return fig.moe_router(r, labels), info
+
+
 @endpoint(model=True)
 def model_changed(model_name, layer, head, request: gr.Request = None):
     lm = get_model(model_name)
@@ -515,6 +647,41 @@ def build(shared: Shared) -> None:
             out_plot = gr.Plot()
             out_hist = gr.Plot()
 
+    # --- chapters computed on tiny random-weight models ---
+    with gr.Accordion("Attention variants and the KV cache (random weights)", open=False,
+                      elem_id="anatomy-kv-variants"):
+        _md(TEXT["variants"])
+        var_info = _md("")
+        var_df = gr.Dataframe(label="Same width, four attention variants", interactive=False, wrap=True)
+        with gr.Row():
+            var_bars = gr.Plot()
+            var_pat = gr.Plot()
+
+    with gr.Accordion("Norms: LayerNorm vs RMSNorm, pre-norm vs post-norm", open=False, elem_id="anatomy-norm-chapter"):
+        _md(TEXT["norms"])
+        nch_info = _md("")
+        with gr.Row():
+            nch_plot = gr.Plot()
+            growth_plot = gr.Plot()
+
+    with gr.Accordion("Position schemes: sinusoidal, RoPE, ALiBi (d = 4 worked example)", open=False,
+                      elem_id="anatomy-position-schemes"):
+        _md(TEXT["schemes"])
+        with gr.Row():
+            s_heads = gr.Number(value=8, precision=0, minimum=1, maximum=64, label="ALiBi heads")
+            s_dist = gr.Slider(8, 1024, value=128, step=8, label="Max distance")
+        sch_info = _md("")
+        sin_df = gr.Dataframe(label="Sinusoidal, d = 4, positions 0-3", interactive=False)
+        rope_df = gr.Dataframe(label="RoPE, d = 4, q = (1, 2, 3, 4), positions 0-3", interactive=False, wrap=True)
+        alibi_df = gr.Dataframe(label="ALiBi bias added to head 1's scores, positions 0-3", interactive=False)
+        sch_plot = gr.Plot()
+
+    with gr.Accordion("Mixture of experts: the router (random weights)", open=False, elem_id="anatomy-moe"):
+        _md(TEXT["moe"])
+        moe_layer = gr.Slider(0, C.MOE["num_hidden_layers"] - 1, value=0, step=1, label="MoE layer")
+        moe_info = _md("")
+        moe_plot = gr.Plot()
+
     # --- events ---
     card_io = dict(fn=card_panel, inputs=[m, compare], outputs=[card_df, compare_df, params_plot, kv_plot])
     tree_io = dict(fn=tree_panel, inputs=[m, p, c], outputs=[tree_df, tree_note])
@@ -531,9 +698,21 @@ def build(shared: Shared) -> None:
     # The chain after "Show anatomy" carries the public names (/anatomy_card, ...); the same panels
     # fired by their own controls below are private wiring.
     for name, io in (("card", card_io), ("tree", tree_io), ("attention", attn_io), ("rope", rope_io),
-                     ("positions", pos_io), ("norm", norm_io), ("mlp", mlp_io), ("output", out_io),
-                     ("embeddings", emb_io)):
+                     ("positions", pos_io), ("norm", norm_io), ("mlp", mlp_io), ("output", out_io)):
         ev = ev.then(**io, api_name=f"anatomy_{name}")
+    # the chapters (private events), then the embeddings: still the chain's last step
+    variants_io = dict(fn=variants_panel, inputs=[p], outputs=[var_df, var_bars, var_pat, var_info])
+    nch_io = dict(fn=norms_chapter_panel, inputs=[m, p, c, n_layer, n_posn], outputs=[nch_plot, growth_plot, nch_info])
+    sch_io = dict(fn=schemes_panel, inputs=[s_heads, s_dist], outputs=[sin_df, rope_df, alibi_df, sch_plot, sch_info])
+    moe_io = dict(fn=moe_panel, inputs=[p, moe_layer], outputs=[moe_plot, moe_info])
+    for io in (variants_io, nch_io, sch_io, moe_io):
+        ev = ev.then(**io)
+    ev = ev.then(**emb_io, api_name="anatomy_embeddings")
+    for ctl in (n_layer, n_posn):
+        ctl.change(**nch_io)
+    s_heads.change(**sch_io)
+    s_dist.input(**sch_io, trigger_mode="always_last")
+    moe_layer.change(**moe_io)
 
     m.change(fn=model_changed, inputs=[m, a_layer, a_head], outputs=[a_layer, a_head, n_layer, m_layer, r_layer])
     compare.change(**card_io)
