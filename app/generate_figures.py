@@ -10,8 +10,24 @@ STAGE_COLOURS = {"top_k": "#d62728", "top_p": "#ff7f0e", "min_p": "#9467bd", "gr
 _MARGIN = dict(l=50, r=20, t=40, b=40)
 
 
-def _label(step: dict) -> str:
-    return step["chosen"].get("display") or step["chosen"]["token"]
+def step_label(step: dict) -> str:
+    """The chosen token as views show it: "glyph·k/n" for one of several byte tokens making a
+    character (set by the tab once the tokens after it are known), else its byte-safe text."""
+    c = step["chosen"]
+    return c.get("label") or c.get("display") or c["token"]
+
+
+_label = step_label
+
+
+def _hint(fig: go.Figure, message: str, height: int) -> go.Figure:
+    """An empty chart says what to do instead of showing bare axes."""
+    fig.add_annotation(text=message, x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False,
+                       font=dict(size=14, color="#666"))
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    fig.update_layout(margin=_MARGIN, height=height)
+    return fig
 
 
 def prob_bucket(p: float) -> str:
@@ -33,13 +49,13 @@ def timeline_figure(steps: list[dict], color_by: str = "prob", selected: int | N
     entropy of the distribution in nats), colour = the same value."""
     fig = go.Figure()
     if not steps:
-        fig.update_layout(title="No steps yet: press Generate", margin=_MARGIN, height=260)
-        return fig
+        return _hint(fig, "No steps yet: press Generate", 260)
     by_entropy = color_by == "entropy"
     ys = [s["entropy"] if by_entropy else s["chosen"]["prob"] for s in steps]
     xs = [s["index"] for s in steps]
     hover = [
-        f"step {s['index']}: {_label(s)!s}<br>p = {s['chosen']['prob']:.3f} (rank {s['chosen']['rank']})"
+        f"step {s['index']}: {_label(s)!s}" + (f" (bytes {s['chosen']['bytes']})" if s["chosen"].get("bytes") else "")
+        + f"<br>p = {s['chosen']['prob']:.3f} (rank {s['chosen']['rank']})"
         f"<br>p after filters = {s['chosen'].get('prob_filtered', float('nan')):.3f}"
         f"<br>entropy = {s['entropy']:.2f} nats" for s in steps
     ]
@@ -69,8 +85,7 @@ def distribution_figure(step: dict | None) -> go.Figure:
                                                         "after penalty, temperature and filters (drawn from)"),
                         horizontal_spacing=0.18)
     if not step:
-        fig.update_layout(title="Select a step", margin=_MARGIN, height=360)
-        return fig
+        return _hint(go.Figure(), "Generate, then click a token (or move the step slider) to see its candidates", 360)
     before = list(reversed(step["top_before"]))
     after = list(reversed(step["top_after"]))
     chosen = step["chosen"]["id"]
@@ -95,7 +110,7 @@ def distribution_figure(step: dict | None) -> go.Figure:
         if stage:
             fig.add_scatter(x=[None], y=[None], mode="markers", marker=dict(color=colour, size=10, symbol="square"),
                             name=f"removed by {stage}", row=1, col=1)
-    fig.update_layout(title=f"Step {step['index']}: chose {step['chosen'].get('display', step['chosen']['token'])!s} "
+    fig.update_layout(title=f"Step {step['index']}: chose {step_label(step)!s} "
                             f"(p = {step['chosen']['prob']:.3f}, rank {step['chosen']['rank']})",
                       margin=dict(l=10, r=10, t=70, b=40), height=380, legend=dict(orientation="h", y=-0.15))
     fig.update_xaxes(title_text="probability", rangemode="tozero")
@@ -121,21 +136,23 @@ def removed_summary(step: dict | None) -> str:
     return "\n".join(rows) + tail + note
 
 
-def attention_figure(attention: list[list[float]] | None, context_labels: list[str], step_index: int | None = None
-                     ) -> go.Figure:
-    """[layers, context] attention of the query that produced the step's token (head mean)."""
-    fig = go.Figure()
+def attention_figure(attention: list[list[float]] | None, context_labels: list[str], step_index: int | None = None,
+                     token_label: str | None = None, hint: str | None = None) -> go.Figure:
+    """[layers, context] attention of the query that produced the step's token (head mean).
+    Rows are layers, first at the top, and columns the context's tokens ("position:token"), as in
+    Explore's views; with nothing to show, a hint says what to do."""
     if not attention:
-        fig.update_layout(title="Attention: select a step", margin=_MARGIN, height=300)
-        return fig
+        return _hint(go.Figure(), hint or "Generate, then click a token to see where that step looked", 300)
     n_layers = len(attention)
-    fig.add_heatmap(z=attention, x=list(range(len(context_labels))), y=list(range(n_layers)), colorscale="Blues",
-                    zmin=0, customdata=[[lab for lab in context_labels]] * n_layers,
-                    hovertemplate="layer %{y}<br>key %{x}: %{customdata}<br>weight %{z:.3f}<extra></extra>")
-    fig.update_layout(title=f"Attention over the context when producing step {step_index} (mean over heads)",
-                      xaxis=dict(title="context position", tickmode="array", tickvals=list(range(len(context_labels))),
-                                 ticktext=context_labels if len(context_labels) <= 40 else None),
-                      yaxis_title="layer", margin=_MARGIN, height=max(280, 12 * n_layers + 120))
+    x = [f"{i}:{lab}" for i, lab in enumerate(context_labels)]  # unique categories (Plotly merges equal ones)
+    fig = go.Figure(go.Heatmap(z=attention, x=x, y=[f"L{l}" for l in range(n_layers)], colorscale="Blues", zmin=0,
+                               colorbar=dict(title="weight"),
+                               hovertemplate="%{y} · key %{x}<br>weight %{z:.3f}<extra></extra>"))
+    what = f" “{token_label}”" if token_label else ""
+    fig.update_layout(title=f"Step {step_index}{what}: attention over the context when producing it (mean over heads)",
+                      xaxis=dict(title="context token (position:token)", tickangle=-60, type="category"),
+                      yaxis=dict(title="layer", autorange="reversed", type="category"),
+                      margin=dict(l=60, r=20, t=50, b=90), height=max(300, 14 * n_layers + 170))
     return fig
 
 
@@ -143,8 +160,7 @@ def kv_cache_figure(report: dict | None, growth: dict | None = None) -> go.Figur
     """Left: bytes per layer, formula next to measured. Right: total bytes as the sequence grows."""
     fig = make_subplots(rows=1, cols=2, subplot_titles=("per layer at the end", "total as the sequence grows"))
     if not report:
-        fig.update_layout(title="KV cache: generate something first", margin=_MARGIN, height=320)
-        return fig
+        return _hint(go.Figure(), "KV cache: generate something first", 320)
     layers = list(range(len(report["formula_per_layer"])))
     fig.add_bar(x=layers, y=report["formula_per_layer"], name="formula", marker_color="#9ecae1", row=1, col=1)
     fig.add_bar(x=layers, y=report["measured_per_layer"], name="measured tensors", marker_color="#3182bd",
@@ -168,10 +184,12 @@ def kv_cache_figure(report: dict | None, growth: dict | None = None) -> go.Figur
 def samples_figure(samples: list[dict]) -> go.Figure:
     """One line per sample: the probability of each chosen token, to compare diversity."""
     fig = go.Figure()
+    if not samples:
+        return _hint(fig, "Draw samples to compare them here", 300)
     for s in samples:
         fig.add_scatter(x=[st["index"] for st in s["steps"]], y=[st["chosen"]["prob"] for st in s["steps"]],
                         mode="lines+markers", name=f"seed {s['seed']}",
-                        hovertext=[st["chosen"].get("display", st["chosen"]["token"]) for st in s["steps"]])
+                        hovertext=[step_label(st) for st in s["steps"]])
     fig.update_layout(title="Chosen-token probability per step, one line per seed", xaxis_title="step",
                       yaxis=dict(title="p", range=[0, 1.05]), margin=_MARGIN, height=300)
     return fig

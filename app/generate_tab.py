@@ -9,9 +9,11 @@ from __future__ import annotations
 import gradio as gr
 
 from app import generate_figures as F
+from app import validation as V
 from app.context import Shared, endpoint, generate_concurrency, get_model, max_prompt_tokens
 from model_core.errors import LmscopeError
 from model_core.generate import (
+    check_seed,
     generation_to_json,
     iter_generate,
     kv_cache_growth,
@@ -21,6 +23,7 @@ from model_core.generate import (
     time_cache_vs_no_cache,
 )
 from model_core.sampling import SamplingSettings
+from model_core.tokenization import continuation_display, describe_raw, describe_tokens, pending_bytes, token_bytes
 
 MAX_SAMPLES = 8
 SAMPLE_TOKENS_CAP = 64  # each of the N samples is at most this long (N x tokens of CPU time)
@@ -42,7 +45,44 @@ def _settings(temperature, top_k, top_p, min_p, repetition_penalty) -> SamplingS
 
 
 def _highlight(steps: list[dict]) -> list[tuple[str, str]]:
-    return [(s["chosen"].get("display") or s["chosen"]["token"], F.prob_bucket(s["chosen"]["prob"])) for s in steps]
+    return [(F.step_label(s), F.prob_bucket(s["chosen"]["prob"])) for s in steps]
+
+
+def _problems(t, k, p, m, r, sd) -> dict[str, str]:
+    """{setting: one sentence} for every bad sampling setting or seed; empty when all are fine."""
+    _, problems = V.check_settings(t, k, p, m, r)
+    try:
+        check_seed(sd)
+    except LmscopeError as e:
+        problems["seed"] = str(e)
+    return problems
+
+
+class _Labeller:
+    """Generated tokens as people should see them while they stream: a character spelled by
+    several byte tokens is labelled "glyph·k/n" on each of them (model_core.tokenization), and a
+    step's candidates that finish a character the text so far left open show it ("…မ")."""
+
+    def __init__(self, tokenizer, prompt_ids):
+        self.tok = tokenizer
+        self.raws: list[bytes] = []
+        self.ids: list[int] = []
+        self.context = [token_bytes(tokenizer, i) for i in list(prompt_ids)[-4:]]
+
+    def add(self, step: dict) -> None:
+        pending = pending_bytes(self.context + self.raws)
+        if pending:  # the model is in the middle of a character: say which one each candidate makes
+            step["pending"] = pending.hex(" ").upper()
+            for c in step["top_before"] + step["top_after"]:
+                c["token"] = continuation_display(pending, token_bytes(self.tok, c["id"]))
+        cid = int(step["chosen"]["id"])
+        self.ids.append(cid)
+        self.raws.append(token_bytes(self.tok, cid))
+
+    def label(self, steps: list[dict]) -> None:
+        for step, row in zip(steps, describe_raw(self.ids, self.raws)):
+            step["chosen"]["label"] = row["display"]
+            step["chosen"]["bytes"] = row["bytes"]
 
 
 def _status(gen_json: dict, running: bool) -> str:
@@ -89,14 +129,17 @@ def build(shared: Shared) -> None:
             temperature = gr.Slider(0, 2, value=0.0, step=0.05, label="temperature (0 = greedy)",
                                     elem_id="gen-temperature")
             top_k = gr.Number(value=0, precision=0, label="top-k (0 = off)", elem_id="gen-top-k")
+            topk_msg = V.field_message("gen-top-k-msg")
             top_p = gr.Slider(0.01, 1, value=1.0, step=0.01, label="top-p (1 = off)", elem_id="gen-top-p")
             min_p = gr.Slider(0, 1, value=0.0, step=0.01, label="min-p (0 = off)", elem_id="gen-min-p")
             rep = gr.Slider(0.5, 2.0, value=1.0, step=0.05, label="repetition penalty (1 = off)", elem_id="gen-rep")
             seed = gr.Number(value=0, precision=0, label="seed", elem_id="gen-seed")
+            seed_msg = V.field_message("gen-seed-msg")
             stop = gr.Textbox(label="stop strings (one per line, \\n for newline)", lines=2, elem_id="gen-stop")
             with gr.Row():
                 go_btn = gr.Button("Generate", variant="primary", elem_id="gen-generate")
                 stop_btn = gr.Button("Stop", elem_id="gen-stop-btn")
+            gen_msg = V.field_message("gen-msg")  # the prompt, stop strings and anything else
         with gr.Column(scale=3):
             gr.Markdown("Tokens appear as they are generated, coloured by how likely the model found them. "
                         "Click a token to inspect that step.")
@@ -143,37 +186,69 @@ def build(shared: Shared) -> None:
     def run(model_name, prompt, chat, n_new, t, k, p, m, r, sd, stop_text, colour, request: gr.Request = None):
         yield from _run(model_name, prompt, chat, n_new, t, k, p, m, r, sd, stop_text, colour)
 
+    def _msgs(problems: dict | None = None) -> tuple:
+        """Updates for (gen_msg, topk_msg, seed_msg): each problem beside the control that caused
+        it (what no control of its own has goes under the Generate button); none: all cleared."""
+        problems = dict(problems or {})
+        k_msg, seed_msg_ = problems.pop("top_k", None), problems.pop("seed", None)
+        rest = " ".join(problems.values())
+        return tuple(V.show(x) if x else V.clear() for x in (rest, k_msg, seed_msg_))
+
     def _run(model_name, prompt, chat, n_new, t, k, p, m, r, sd, stop_text, colour):
+        keep = (gr.skip(),) * 12  # one per view: a refused request leaves the last generation on screen
+        problems = _problems(t, k, p, m, r, sd)
+        if problems:
+            yield (*keep, *_msgs(problems))
+            return
         lm = get_model(model_name)
         settings = _settings(t, k, p, m, r)
+        steps_json: list[dict] = []
+        gen = lab = None
         try:
             it = iter_generate(lm, prompt, max_new_tokens=n_new, settings=settings, seed=sd, chat=bool(chat),
                                stop=parse_stop(stop_text), max_prompt_tokens=max_prompt_tokens())
-            steps_json: list[dict] = []
-            gen = None
             for step, gen in it:
-                steps_json.append(step_to_json(lm, step))
+                if lab is None:
+                    lab = _Labeller(lm.tokenizer, gen.prompt_ids)
+                sj = step_to_json(lm, step)
+                lab.add(sj)
+                steps_json.append(sj)
                 if not gen.finished:
+                    lab.label(steps_json)
                     redraw = len(steps_json) % TIMELINE_EVERY == 1
                     yield (gen.text, _highlight(steps_json), f"Generating… {len(steps_json)} tokens",
                            F.timeline_figure(steps_json, colour) if redraw else gr.skip(),
-                           gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip())
+                           gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(),
+                           *(_msgs() if len(steps_json) == 1 else (gr.skip(),) * 3))
         except LmscopeError as e:
-            raise gr.Error(str(e)) from None
+            # before the first token (an empty or too long prompt, a bad stop string): nothing shown
+            # is lost; later, the tokens so far stay and the status says why it stopped
+            field = V.field_of(e) or "prompt"
+            if not steps_json:
+                yield (*keep, *_msgs({field: str(e)}))
+            else:
+                yield (gr.skip(), gr.skip(), f"Stopped after {len(steps_json)} tokens: {e}", *keep[3:],
+                       *_msgs({field: str(e)}))
+            return
         if gen is None:
             yield ("", [], "Stopped before the first token.", F.timeline_figure([]), gr.skip(), gr.skip(),
-                   gr.skip(), F.attention_figure(None, []), gr.skip(), gr.skip(), None)
+                   gr.skip(), F.attention_figure(None, []), gr.skip(), gr.skip(), None, False, *_msgs())
             return
+        lab.label(steps_json)
         gj = generation_to_json(lm, gen)
         st = _light_state(lm, gen, steps_json)
         last = max(0, len(steps_json) - 1)
         yield (gen.text, _highlight(steps_json), _status(gj, False), F.timeline_figure(steps_json, colour, 0),
                gr.update(minimum=0, maximum=max(1, last), value=0), F.distribution_figure(steps_json[0] if steps_json
                                                                                          else None),
-               F.removed_summary(steps_json[0] if steps_json else None), F.attention_figure(None, []),
-               F.kv_cache_figure(st["kv"], st["growth"]), _kv_markdown(st["kv"]), st)
+               F.removed_summary(steps_json[0] if steps_json else None),
+               F.attention_figure(None, [], hint="Working out where step 0 looked…"),
+               F.kv_cache_figure(st["kv"], st["growth"]), _kv_markdown(st["kv"]), st, True, *_msgs())
 
-    gen_outputs = [out_text, tokens, status, timeline, step_sel, dist, removed_md, att_plot, kv_plot, kv_md, state]
+    messages = [gen_msg, topk_msg, seed_msg]
+    opening = gr.State(False)  # a generation just finished: show its first step with attention
+    gen_outputs = [out_text, tokens, status, timeline, step_sel, dist, removed_md, att_plot, kv_plot, kv_md, state,
+                   opening, *messages]
     gen_inputs = [shared.model, shared.prompt, shared.chat, max_new, temperature, top_k, top_p, min_p, rep, seed,
                   stop, color_by]
     gen_event = go_btn.click(run, gen_inputs, gen_outputs, concurrency_id="generate",
@@ -185,21 +260,29 @@ def build(shared: Shared) -> None:
             return F.distribution_figure(None), "", F.attention_figure(None, []), gr.skip()
         i = int(max(0, min(int(i or 0), len(st["steps"]) - 1)))
         step = st["steps"][i]
-        att_fig = F.attention_figure(None, [])
+        att_fig = F.attention_figure(None, [], hint="Attention is off: tick “show attention for the step” above.")
         if with_att:
             lm = get_model(st["model"])
             try:
                 a = step_attention(lm, st["ids"], step["position"]).float().mean(1)  # [layers, context]
             except LmscopeError as e:
                 raise gr.Error(str(e)) from None
-            from model_core.tokenization import describe_tokens
-
-            labels = [t["display"] for t in describe_tokens(lm.tokenizer, st["ids"][: step["position"]])]
-            att_fig = F.attention_figure(a.tolist(), labels, i)
+            # labelled over the whole text, so a character cut by the step boundary keeps its glyph
+            labels = [t["display"] for t in describe_tokens(lm.tokenizer, st["ids"])][: step["position"]]
+            att_fig = F.attention_figure(a.tolist(), labels, i, F.step_label(step))
         return (F.distribution_figure(step), F.removed_summary(step), att_fig,
                 F.timeline_figure(st["steps"], colour, i))
 
     step_sel.release(show_step, [step_sel, state, color_by, show_att], [dist, removed_md, att_plot, timeline])
+    @endpoint  # show_step holds the model slot
+    def open_first_step(fresh, st, colour, with_att, request: gr.Request = None):
+        if fresh is not True:  # a refused request: nothing new to open
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        return (*show_step(0, st, colour, with_att, request), False)
+
+    # a finished generation opens at step 0 with its attention, never empty axes
+    gen_event.success(open_first_step, [opening, state, color_by, show_att],
+                      [dist, removed_md, att_plot, timeline, opening])
     show_att.change(show_step, [step_sel, state, color_by, show_att], [dist, removed_md, att_plot, timeline])
 
     @endpoint
@@ -217,6 +300,10 @@ def build(shared: Shared) -> None:
 
     @endpoint(model=True)
     def samples(model_name, prompt, chat, n_new, t, k, p, m, r, sd, stop_text, n, request: gr.Request = None):
+        problems = _problems(t, k, p, m, r, sd)
+        if problems:  # the samples already drawn stay
+            yield gr.skip(), gr.skip(), *_msgs(problems)
+            return
         lm = get_model(model_name)
         settings = _settings(t, k, p, m, r)
         n = int(max(2, min(int(n or 2), MAX_SAMPLES)))
@@ -233,16 +320,19 @@ def build(shared: Shared) -> None:
                 mean_p = sum(s["chosen"]["prob"] for s in gj["steps"]) / max(1, len(gj["steps"]))
                 rows.append([base + j, gen.text, len(gen.token_ids), round(mean_p, 3), gen.finish_reason])
                 gens.append({"seed": base + j, "steps": gj["steps"]})
-                yield rows, gr.skip()
+                yield rows, gr.skip(), *(_msgs() if j == 0 else (gr.skip(),) * 3)
         except LmscopeError as e:
+            if not rows:
+                yield gr.skip(), gr.skip(), *_msgs({V.field_of(e) or "prompt": str(e)})
+                return
             raise gr.Error(str(e)) from None
         if settings.greedy:
             gr.Info("Temperature 0 is greedy: every seed gives the same text.")
         distinct = len({row[1] for row in rows})
         rows.append(["", f"{distinct} distinct texts out of {len(rows)}", "", "", ""])
-        yield rows, F.samples_figure(gens)
+        yield rows, F.samples_figure(gens), *_msgs()
 
-    samples_event = samples_btn.click(samples, gen_inputs[:-1] + [n_samples], [samples_df, samples_plot],
+    samples_event = samples_btn.click(samples, gen_inputs[:-1] + [n_samples], [samples_df, samples_plot, *messages],
                                       api_name="sample")
 
     # Stop: cancelling closes the running generator, which ends generation at once (model_core

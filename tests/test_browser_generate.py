@@ -4,7 +4,7 @@ clicked token opens its step, a changed setting regenerates differently."""
 import pytest
 from playwright.sync_api import sync_playwright
 
-from browser import launch_browser, plot_title, screenshot, set_number, wait_until
+from browser import launch_browser, plot_data, plot_title, screenshot, set_number, wait_until
 
 pytestmark = pytest.mark.browser
 
@@ -14,6 +14,8 @@ def test_generate_in_the_browser(server):
         browser = launch_browser(pw)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.goto(server.url)
+        # the page's load fills the prompt from the URL: type after it, as a user would
+        wait_until(lambda: "parameters" in page.inner_text("#model-info"), 60, "the page to load")
         page.locator("#prompt textarea").fill("Once upon a time, in a small village,")
         page.get_by_role("tab", name="Generate").click()
         set_number(page, "gen-max-new", 40)
@@ -42,4 +44,31 @@ def test_generate_in_the_browser(server):
                    timeout=120, what="the sampled generation")
         assert out.input_value() != final
         screenshot(page, "generate-sampled")
+
+        # a finished generation opens at step 0 with its attention: token labels, layer 0 on top
+        # (Explore's convention), never empty axes
+        wait_until(lambda: "Step 0" in plot_title(page, "gen-attention"), 90, "step 0's attention")
+        att = plot_data(page, "gen-attention")[0]
+        assert att["x"][0].startswith("0:") and "Once" in att["x"][0] and att["y"][0] == "L0"
+        y_range = page.evaluate("() => document.querySelector('#gen-attention .js-plotly-plot')._fullLayout.yaxis.range")
+        assert y_range[0] > y_range[1]  # drawn top down: the first layer is the top row
+
+        # a bad top-k runs nothing and loses nothing: the message stands under top-k, the last
+        # generation stays on screen (no "Error" badge anywhere)
+        sampled, status = out.input_value(), page.inner_text("#gen-status")
+        set_number(page, "gen-top-k", -3)
+        page.click("#gen-generate")
+        wait_until(lambda: page.locator("#gen-top-k-msg").is_visible()
+                   and "top_k must be" in page.inner_text("#gen-top-k-msg"), 30, "the message beside top-k")
+        wait_until(lambda: page.locator("#gen-timeline .js-plotly-plot").count() == 1, 30, "the timeline")
+        assert out.input_value() == sampled and page.inner_text("#gen-status") == status
+        assert page.locator(".error").count() == 0
+        box = page.locator("#gen-top-k").bounding_box()
+        msg = page.locator("#gen-top-k-msg").bounding_box()
+        assert 0 <= msg["y"] - (box["y"] + box["height"]) < 40  # right under the control
+        screenshot(page, "generate-bad-top-k")
+        # fixed, the message goes and the generation runs
+        set_number(page, "gen-top-k", 0)
+        page.click("#gen-generate")
+        wait_until(lambda: not page.locator("#gen-top-k-msg").is_visible(), 60, "the message to go")
         browser.close()

@@ -184,3 +184,26 @@ def test_byte_level_vocabulary_kind(smol_tok):
     ids = bt("é🦜", add_special_tokens=False)["input_ids"]
     rows = describe_tokens(bt, ids)
     assert [r["display"] for r in rows] == ["é·1/2", "é·2/2", "🦜·1/4", "🦜·2/4", "🦜·3/4", "🦜·4/4"]
+
+
+def test_generate_labels_streamed_tokens_by_the_character_they_make():
+    """Generate's tokens arrive one at a time: once a character's last byte token is in, every token
+    of it is labelled with the character, and a step's candidates that finish a character the text
+    left open show it ("…é")."""
+    from app.generate_tab import _highlight, _Labeller
+    from model_core.tokenization import byte_tokenizer
+
+    bt = byte_tokenizer()
+    ids = bt("aé🦜", add_special_tokens=False)["input_ids"]
+    lab = _Labeller(bt, bt("x", add_special_tokens=False)["input_ids"])
+    steps = []
+    for i in ids:
+        step = {"chosen": {"id": i, "token": "", "prob": 0.5},
+                "top_before": [{"id": j, "token": "?"} for j in ids], "top_after": [{"id": i, "token": "?"}]}
+        lab.add(step)
+        steps.append(step)
+        lab.label(steps)
+    assert [t for t, _ in _highlight(steps)] == ["a", "é·1/2", "é·2/2", "🦜·1/4", "🦜·2/4", "🦜·3/4", "🦜·4/4"]
+    assert steps[2]["pending"] == "C3" and steps[2]["top_after"][0]["token"] == "…é"
+    assert steps[1].get("pending") is None and steps[1]["top_after"][0]["token"] == "?"  # nothing open: as given
+    assert steps[6]["top_after"][0]["token"] == "…🦜" and steps[3]["chosen"]["bytes"] == "F0"
