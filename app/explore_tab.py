@@ -22,6 +22,78 @@ from model_core.trace import trace
 OVERVIEW_METRICS = ["entropy (nats; low = focused)", "first-token attention (attention sink)",
                     "previous-token score"]
 LENS_COLOURS = ["probability", "entropy (nats)"]
+SCALE_CHOICES = [("linear", "linear"), ("log", "log"), ("per-row renormalised", "row")]  # values: views.SCALES
+
+# The page's side of linked views (installed once by a js-only load event): clicks on token chips and
+# on plot cells, and boxes dragged on the chosen head or the lens, go to the hidden #explore-action
+# box as JSON, whose input event runs on_action. gr.Plot has no click event of its own; Gradio draws
+# figures with Plotly.react on the same element, which keeps the listeners bound here. The figures
+# say in layout.meta.lmscope which axes carry token labels (category: values are "pos:token", ranges
+# are indices from lo) and which carry positions (numeric). The chip of the query is outlined.
+BRIDGE_JS = """() => {
+  if (window.lmscopeBridge) return [];
+  window.lmscopeBridge = true;
+  const style = document.createElement('style');
+  style.textContent = '#tokens [data-pos] { cursor: pointer; } #tokens .tok-query { outline: 2px solid #e4572e; outline-offset: 1px; }';
+  document.head.appendChild(style);
+  let seq = 0;
+  const send = (msg) => {
+    const box = document.querySelector('#explore-action textarea, #explore-action input');
+    if (!box) return;
+    msg.n = ++seq;  // every message differs from the last
+    box.value = JSON.stringify(msg);
+    box.dispatchEvent(new Event('input', {bubbles: true}));
+  };
+  const num = (v) => { if (typeof v === 'string') { const m = v.match(/\\d+/); return m ? +m[0] : null; }
+                       return typeof v === 'number' ? Math.round(v) : null; };
+  const meta = (gd) => (gd.layout && gd.layout.meta && gd.layout.meta.lmscope) || {};
+  const span = (ax, a, b) => {  // a dragged range on an axis -> [first, last] position
+    if (!ax || a === undefined || b === undefined) return null;
+    let lo = Math.round(Math.min(a, b)), hi = Math.round(Math.max(a, b));
+    if (ax.cat) { lo += ax.lo; hi += ax.lo; }
+    lo = Math.max(ax.lo, lo); hi = Math.min(ax.hi, hi);
+    return hi >= lo ? [lo, hi] : null;
+  };
+  document.addEventListener('click', (e) => {
+    const chip = e.target.closest && e.target.closest('#tokens [data-pos]');
+    if (chip) send({kind: 'query', pos: +chip.dataset.pos});
+  });
+  const onClick = (gd, ev) => {
+    const p = ev && ev.points && ev.points[0];
+    if (!p) return;
+    const m = meta(gd);
+    if (m.kind === 'overview') send({kind: 'head', layer: num(p.y), head: num(p.x)});
+    else if (m.kind === 'grid') send({kind: 'head', head: p.curveNumber});
+    else if (m.kind === 'head') send({kind: 'query', pos: num(p.y)});
+    else if (m.kind === 'lens') send({kind: 'lens', layer: num(p.y), pos: num(p.x)});
+  };
+  const onZoom = (gd, ev) => {
+    const m = meta(gd);
+    if (!ev || (m.kind !== 'head' && m.kind !== 'lens')) return;
+    if (ev['xaxis.autorange'] === true || ev['yaxis.autorange'] === true) { send({kind: 'zoom'}); return; }
+    const cols = span(m.x, ev['xaxis.range[0]'], ev['xaxis.range[1]']);
+    const rows = m.kind === 'head' ? span(m.y, ev['yaxis.range[0]'], ev['yaxis.range[1]']) : cols;
+    if (!cols && !rows) return;  // not a zoom (a resize, a pan of nothing)
+    const whole = (ax) => ax ? [ax.lo, ax.hi] : null;
+    send({kind: 'zoom', rows: rows || whole(m.y), cols: cols || whole(m.x)});
+  };
+  const bind = () => {
+    for (const id of ['head-overview', 'head-grid', 'head-big', 'lens']) {
+      const gd = document.querySelector('#' + id + ' .js-plotly-plot');
+      if (!gd || !gd.on || gd.lmscopeBound) continue;
+      gd.lmscopeBound = true;
+      gd.on('plotly_click', (ev) => onClick(gd, ev));
+      gd.on('plotly_relayout', (ev) => onZoom(gd, ev));
+    }
+    const q = document.querySelector('#query input[type=number]');
+    const want = q ? q.value : null;
+    for (const c of document.querySelectorAll('#tokens .tok-query')) if (c.dataset.pos !== want) c.classList.remove('tok-query');
+    const chip = want !== null && document.querySelector('#tokens [data-pos="' + want + '"]');
+    if (chip && !chip.classList.contains('tok-query')) chip.classList.add('tok-query');
+  };
+  setInterval(bind, 300);
+  return [];
+}"""
 
 
 def _md(text: str) -> gr.Markdown:
@@ -49,13 +121,26 @@ class ExploreTab:
         gr.Markdown("### Attention")
         _md("Each head decides, for every token (row), how much to read from each earlier token (column). "
             "Look for diagonal stripes (previous-token heads), a bright first column (attention sinks), "
-            "and heads that jump to a specific earlier word.")
+            "and heads that jump to a specific earlier word. Every position is shown, however long the prompt: "
+            "beyond 64 positions a cell is the largest weight of a block; drag a box on the chosen head or type "
+            "a range to zoom to single cells. Click a token chip to look from that token, a head to open it.")
         with gr.Row():
             # Generous bounds until the first run sets the model's own (a shared URL may name any layer).
             self.layer = gr.Slider(0, 127, value=0, step=1, label="Layer", elem_id="layer")
             self.head = gr.Slider(0, 127, value=0, step=1, label="Head", elem_id="head")
             self.query = gr.Slider(0, 8191, value=0, step=1, label="Query token (position)", elem_id="query")
-        self.last = gr.State(-1)  # Run always starts at the last token
+        with gr.Row():
+            self.scale = gr.Radio(SCALE_CHOICES, value="linear", label="Attention colour scale", elem_id="attn-scale",
+                                  scale=2)
+            self.zoom = gr.Textbox(label="Zoom to positions (Enter)", elem_id="zoom", scale=2, max_lines=1,
+                                   placeholder="whole prompt · 100-160 · or 100-160, 0-160 (query rows, key columns)")
+            self.zoom_reset = gr.Button("Whole prompt", size="sm", scale=1, elem_id="zoom-reset")
+        self.attn_note = gr.Markdown(elem_id="attn-note")
+        # Applied view settings. Run reads them in its query slot (Run always starts at the last token),
+        # so the public /trace API and the raw event's inputs stay as they were.
+        self.view = gr.State({"scale": "linear", "zoom": ""})
+        # clicks and dragged boxes in the views arrive here as JSON from the page's bridge (BRIDGE_JS)
+        self.action = gr.Textbox(visible="hidden", elem_id="explore-action", label="view action")
         self.head_grid = gr.Plot(label="All heads of this layer", elem_id="head-grid")
         with gr.Row():
             self.head_big = gr.Plot(label="Chosen head", elem_id="head-big", scale=3)
@@ -111,29 +196,56 @@ class ExploreTab:
 
     @property
     def layer_head_outputs(self):
-        return [self.head_grid, self.head_big, self.head_bars, self.neurons, self.neuron_bars]
+        return [self.head_grid, self.head_big, self.head_bars, self.neurons, self.neuron_bars, self.overview]
 
     @property
     def view_outputs(self):
         return [self.head_grid, self.head_big, self.head_bars, self.lens, self.target, self.contrib, self.resid,
                 self.neurons, self.neuron_bars]
 
+    @property
+    def run_outputs(self):
+        """What run_trace returns, in order (app/ui.py's link autorun sends the same)."""
+        return [self.state, self.status, self.tokens, self.layer, self.head, self.query,
+                *self.view_outputs, self.next_plot, self.stages, self.zoom, self.view, self.attn_note]
+
+    @property
+    def zoom_outputs(self):
+        return [self.zoom, self.view, self.attn_note, self.head_grid, self.head_big, self.head_bars, self.contrib,
+                self.resid, self.neurons, self.neuron_bars]
+
     def wire(self, run_button: gr.Button):
         s = self.shared
-        run_inputs = [s.model, s.prompt, s.chat, self.truncate, self.layer, self.head, self.last,
+        run_inputs = [s.model, s.prompt, s.chat, self.truncate, self.layer, self.head, self.view,
                       self.lens_colour, *self.sampling_inputs]
-        run_outputs = [self.state, self.status, self.tokens, self.layer, self.head, self.query,
-                       *self.view_outputs, self.next_plot, self.stages]
+        run_outputs = self.run_outputs
         ev = run_button.click(run_trace, run_inputs, run_outputs, concurrency_id="model", api_name="trace")
         ev2 = s.prompt.submit(run_trace, run_inputs, run_outputs, concurrency_id="model")
         for e in (ev, ev2):
             e.then(overview, [self.state, self.metric, self.layer, self.head], [self.overview])
-        slice_inputs = [self.state, self.layer, self.head, self.query, self.lens_colour]
-        # Layer/head only change the attention and neuron views; the query position changes all.
+        slice_inputs = [self.state, self.layer, self.head, self.query, self.lens_colour, self.view, self.metric]
+        # Layer/head change the attention and neuron views (and the overview's outline); the query
+        # position changes all; the zoom every view over positions, then the lens (costly when new).
         for comp in (self.layer, self.head):
             comp.input(update_layer_head, slice_inputs, self.layer_head_outputs, concurrency_id="views")
         self.query.input(update_views, slice_inputs, self.view_outputs, concurrency_id="views")
         self.lens_colour.input(update_views, slice_inputs, self.view_outputs, concurrency_id="views")
+        sc = self.scale.input(set_scale, [self.state, self.layer, self.head, self.query, self.scale, self.view],
+                              [self.view, self.head_grid, self.head_big], concurrency_id="views")
+        lens_inputs = [self.state, self.query, self.lens_colour, self.view]
+        zoom_inputs = [self.state, self.layer, self.head, self.query, self.zoom, self.view]
+        z1 = self.zoom.submit(set_zoom, zoom_inputs, self.zoom_outputs, concurrency_id="views")
+        z2 = self.zoom_reset.click(reset_zoom, [self.state, self.layer, self.head, self.query, self.view],
+                                   self.zoom_outputs, concurrency_id="views")
+        a = self.action.input(on_action, [self.state, self.action, *slice_inputs[1:]],
+                              [self.layer, self.head, self.query, *self.zoom_outputs, self.overview],
+                              concurrency_id="views", show_progress="minimal")
+        for e in (z1, z2, a):
+            e.then(update_lens, lens_inputs, [self.lens, self.target], concurrency_id="views")
+        # app/ui.py mirrors the settings into the URL after these
+        self.url_events = [z1, z2, a, sc]
+        if s.page is not None:
+            s.page.load(None, None, None, js=BRIDGE_JS)
         self.metric.input(overview, [self.state, self.metric, self.layer, self.head], [self.overview])
         for comp in self.sampling_inputs:
             comp.input(update_next, [self.state, *self.sampling_inputs], [self.next_plot, self.stages])
@@ -167,36 +279,85 @@ def _get_trace(state: dict):
 def _clamp(v, hi) -> int:
     try:
         v = int(v)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         v = hi
     return max(0, min(hi, v))
 
 
-def render_layer_head(tr, layer: int, head: int, query: int) -> list:
+def _view(view) -> tuple[str, str]:
+    """(scale, zoom) of the applied view settings (a hand-made request may send anything)."""
+    v = view if isinstance(view, dict) else {}
+    scale = v.get("scale") if v.get("scale") in views.SCALES else "linear"
+    zoom = v.get("zoom") if isinstance(v.get("zoom"), str) else ""
+    return scale, zoom[:200]
+
+
+def _region(tr, zoom):
+    return views.parse_region(zoom, tr.n_tokens)
+
+
+def region_note(tr, region, notice: str = "") -> str:
+    """One line under the zoom box: what the views show, how, and any clamp."""
+    T = tr.n_tokens
+    q0, q1, k0, k1 = region
+    what = ("the whole prompt" if region == views.whole(T) else
+            f"query rows {q0}-{q1} × key columns {k0}-{k1}" if (q0, q1) != (k0, k1) else f"positions {q0}-{q1}")
+    wide = max(q1 - q0, k1 - k0) + 1
+    how = ("every cell" if wide <= views.EXACT else
+           f"pooled (drag a box on the chosen head, or type a range of at most {views.EXACT} positions, "
+           "to see single cells)")
+    return (f"⚠️ {notice} " if notice else "") + f"Showing {what} of {T:,} tokens, {how}."
+
+
+def render_attention(tr, layer: int, head: int, query: int, region=None, scale: str = "linear") -> list:
     labels = views.labels(tr)
-    av = views.attention_view(tr, layer, head, query)
-    pos = av["positions"]
-    grid = figures.head_grid(av["patterns"], labels, pos, layer, views.kv_groups(tr), head)
-    big = figures.attention_heatmap(av["patterns"][head], labels, pos, layer, head, query)
-    note = f" (+{av['outside_mass']:.0%} on earlier tokens not shown)" if av["outside_mass"] > 0.005 else ""
-    bars = figures.attention_bars(av["row"], labels, pos, labels[query] + note, layer, head)
-    nv = views.neuron_view(tr, layer, query)
-    neurons = figures.neuron_heatmap(nv["acts"], nv["neurons"], labels, nv["positions"], layer)
+    av = views.attention_view(tr, layer, head, query, region, scale)
+    grid = figures.head_grid(av["grid"], av["grid_rows"], av["grid_cols"], layer, views.kv_groups(tr), head,
+                             av["scale"], av["log_floor"])
+    big = figures.attention_heatmap(av["big"], av["rows"], av["cols"], layer, head, query, av["scale"],
+                                    av["log_floor"])
+    bars = figures.attention_bars(av["row"], av["bars"], labels[query], layer, head, av["outside_mass"])
+    return [grid, big, bars]
+
+
+def render_neurons(tr, layer: int, query: int, region=None) -> list:
+    labels = views.labels(tr)
+    region = region or views.whole(tr.n_tokens)
+    nv = views.neuron_view(tr, layer, query, region[:2])
+    neurons = figures.neuron_heatmap(nv["acts"], nv["neurons"], nv["axis"], layer)
     nbars = figures.top_neurons_bars(nv["query_values"], nv["query_neurons"], labels[query], layer)
-    return [grid, big, bars, neurons, nbars]
+    return [neurons, nbars]
 
 
-def render_views(tr, layer: int, head: int, query: int, lens_colour: str) -> list:
-    grid, big, bars, neurons, nbars = render_layer_head(tr, layer, head, query)
+def render_residual(tr, query: int, region=None) -> list:
     labels = views.labels(tr)
+    region = region or views.whole(tr.n_tokens)
+    rv = views.residual_view(tr, query, region[:2])
+    return [figures.block_contributions(rv["attn"], rv["mlp"], labels[query]), figures.residual_norms(rv["norms"], rv["axis"])]
+
+
+def render_lens(tr, query: int, lens_colour: str, region=None) -> list:
+    labels = views.labels(tr)
+    region = region or views.whole(tr.n_tokens)
     lens_colour = lens_colour if lens_colour in LENS_COLOURS else LENS_COLOURS[0]  # a hand-made request may send anything
-    lv = views.lens_view(tr, query, "probability" if lens_colour == "probability" else "entropy")
+    lv = views.lens_view(tr, query, "probability" if lens_colour == "probability" else "entropy", region[:2])
     lens = figures.logit_lens_grid(lv["top"], lv["probs"], lv["colour"], lens_colour, labels, lv["positions"],
-                                   lv["layers"])
+                                   lv["layers"], lv["step"], query)
     target = figures.target_across_layers(lv["target_probs"], lv["target_ranks"], lv["target"], labels[query])
-    rv = views.residual_view(tr, query)
-    contrib = figures.block_contributions(rv["attn"], rv["mlp"], labels[query])
-    resid = figures.residual_norms(rv["norms"], labels, rv["positions"])
+    return [lens, target]
+
+
+def render_layer_head(tr, layer: int, head: int, query: int, region=None, scale: str = "linear") -> list:
+    return [*render_attention(tr, layer, head, query, region, scale), *render_neurons(tr, layer, query, region)]
+
+
+def render_views(tr, layer: int, head: int, query: int, lens_colour: str, region=None, scale: str = "linear") -> list:
+    """Every view over positions, in ExploreTab.view_outputs order. The query only marks a row /
+    column and picks what the bars show: it never crops a view."""
+    grid, big, bars = render_attention(tr, layer, head, query, region, scale)
+    lens, target = render_lens(tr, query, lens_colour, region)
+    contrib, resid = render_residual(tr, query, region)
+    neurons, nbars = render_neurons(tr, layer, query, region)
     return [grid, big, bars, lens, target, contrib, resid, neurons, nbars]
 
 
@@ -210,6 +371,11 @@ def next_outputs(tr, settings: SamplingSettings):
 @endpoint(model=True)
 def run_trace(model, prompt, chat, truncate, layer, head, query, lens_colour, temperature, top_k, top_p, min_p,
               rep, request: gr.Request = None):
+    """query: a position (out of range or -1: the last token), or the page's view settings
+    {"scale", "zoom", "query"?} (the attention colour scale and the zoom, which is clamped to the
+    prompt with a notice; from a link, the query too)."""
+    view = query if isinstance(query, dict) else None
+    query = view.get("query", -1) if view is not None else query
     settings = _settings(temperature, top_k, top_p, min_p, rep)
     lm = get_model(model)
     try:
@@ -220,33 +386,141 @@ def run_trace(model, prompt, chat, truncate, layer, head, query, lens_colour, te
     shape = lm.shape
     L, H, T = shape.n_layers, shape.n_heads, tr.n_tokens
     layer, head = _clamp(layer, L - 1), _clamp(head, H - 1)
-    query = T - 1 if query is None or int(query) < 0 or int(query) >= T else int(query)
+    query = T - 1 if _int(query) is None or not 0 <= _int(query) < T else _int(query)
     state = {"key": key, "model": lm.name, "prompt": prompt, "chat": bool(chat), "truncate": bool(truncate)}
     ppl = tr.perplexity()
     lp = [None if i == 0 else float(v) for i, v in enumerate(tr.token_logprobs.tolist())]
     status = (f"**{lm.name}** · {T} tokens · {L} layers × {H} heads ({shape.n_kv_heads} key/value heads) · "
               f"traced in {tr.seconds * 1000:.0f} ms on {lm.device}")
-    figs = render_views(tr, layer, head, query, lens_colour)
+    scale, zoom = _view(view)
+    region, notice = _region(tr, zoom)
+    figs = render_views(tr, layer, head, query, lens_colour, region, scale)
     nfig, rows = next_outputs(tr, settings)
+    zoom = views.region_text(region, T)
     return [state, status, figures.token_strip_html(tr.tokens, lp, ppl),
             gr.update(maximum=max(L - 1, 1), value=layer), gr.update(maximum=max(H - 1, 1), value=head),
-            gr.update(maximum=max(T - 1, 1), value=query), *figs, nfig, rows]
+            gr.update(maximum=max(T - 1, 1), value=query), *figs, nfig, rows,
+            zoom, {"scale": scale, "zoom": zoom}, region_note(tr, region, notice)]
+
+
+def _where(state, layer, head, query):
+    """The stored trace and the layer, head and query clamped to it."""
+    tr = _get_trace(state)
+    s = tr._lm.shape
+    return tr, _clamp(layer, s.n_layers - 1), _clamp(head, s.n_heads - 1), _clamp(query, tr.n_tokens - 1)
+
+
+def _overview_fig(tr, metric, layer: int, head: int):
+    metric = metric if metric in OVERVIEW_METRICS else OVERVIEW_METRICS[2]
+    return figures.head_overview(views.head_overview(tr, metric), metric, (layer, head))
 
 
 @endpoint(model=True)
-def update_views(state, layer, head, query, lens_colour, request: gr.Request = None):
-    tr = _get_trace(state)
-    s = tr._lm.shape
-    return render_views(tr, _clamp(layer, s.n_layers - 1), _clamp(head, s.n_heads - 1),
-                        _clamp(query, tr.n_tokens - 1), lens_colour)
+def update_views(state, layer, head, query, lens_colour, view=None, metric=None, request: gr.Request = None):
+    tr, layer, head, query = _where(state, layer, head, query)
+    scale, zoom = _view(view)
+    return render_views(tr, layer, head, query, lens_colour, _region(tr, zoom)[0], scale)
 
 
 @endpoint(model=True)
-def update_layer_head(state, layer, head, query, lens_colour, request: gr.Request = None):
+def update_layer_head(state, layer, head, query, lens_colour, view=None, metric=None, request: gr.Request = None):
+    tr, layer, head, query = _where(state, layer, head, query)
+    scale, zoom = _view(view)
+    figs = render_layer_head(tr, layer, head, query, _region(tr, zoom)[0], scale)
+    return [*figs, _overview_fig(tr, metric, layer, head)]
+
+
+@endpoint(model=True)
+def update_lens(state, query, lens_colour, view=None, request: gr.Request = None):
     tr = _get_trace(state)
-    s = tr._lm.shape
-    return render_layer_head(tr, _clamp(layer, s.n_layers - 1), _clamp(head, s.n_heads - 1),
-                             _clamp(query, tr.n_tokens - 1))
+    query = _clamp(query, tr.n_tokens - 1)
+    return render_lens(tr, query, lens_colour, _region(tr, _view(view)[1])[0])
+
+
+@endpoint(model=True)
+def set_scale(state, layer, head, query, scale, view=None, request: gr.Request = None):
+    tr, layer, head, query = _where(state, layer, head, query)
+    scale = scale if scale in views.SCALES else "linear"
+    zoom = _view(view)[1]
+    grid, big, _ = render_attention(tr, layer, head, query, _region(tr, zoom)[0], scale)
+    return [{"scale": scale, "zoom": zoom}, grid, big]
+
+
+def _zoomed(tr, layer, head, query, scale, region, notice=""):
+    """Outputs of ExploreTab.zoom_outputs for a region (the lens follows in update_lens)."""
+    zoom = views.region_text(region, tr.n_tokens)
+    grid, big, bars = render_attention(tr, layer, head, query, region, scale)
+    contrib, resid = render_residual(tr, query, region)
+    neurons, nbars = render_neurons(tr, layer, query, region)
+    return [zoom, {"scale": scale, "zoom": zoom}, region_note(tr, region, notice), grid, big, bars, contrib, resid,
+            neurons, nbars]
+
+
+@endpoint(model=True)
+def set_zoom(state, layer, head, query, zoom, view=None, request: gr.Request = None):
+    tr, layer, head, query = _where(state, layer, head, query)
+    region, notice = _region(tr, zoom)
+    return _zoomed(tr, layer, head, query, _view(view)[0], region, notice)
+
+
+@endpoint(model=True)
+def reset_zoom(state, layer, head, query, view=None, request: gr.Request = None):
+    tr, layer, head, query = _where(state, layer, head, query)
+    return _zoomed(tr, layer, head, query, _view(view)[0], views.whole(tr.n_tokens))
+
+
+def _int(v):
+    """An integer from a bridge message, or None (hostile values are simply ignored)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or abs(v) > 1e9:
+        return None
+    return int(round(v))
+
+
+def _range(v):
+    if isinstance(v, list) and len(v) == 2:
+        a, b = _int(v[0]), _int(v[1])
+        if a is not None and b is not None:
+            return min(a, b), max(a, b)
+    return None
+
+
+@endpoint(model=True)
+def on_action(state, action, layer, head, query, lens_colour, view=None, metric=None, request: gr.Request = None):
+    """A click or a dragged box in the page (BRIDGE_JS), as JSON: {"kind": "query", "pos"} (a token
+    chip, a row of the chosen head), {"kind": "head", "layer"?, "head"} (the overview, the grid),
+    {"kind": "lens", "layer", "pos"}, {"kind": "zoom", "rows": [a, b], "cols"?: [c, d]} or
+    {"kind": "zoom"} for the whole prompt. Returns the sliders, the zoom outputs and the overview;
+    the lens follows in update_lens. Anything else changes nothing."""
+    n_out = 3 + 10 + 1
+    try:
+        msg = json.loads(action) if isinstance(action, str) and len(action) < 2000 else None
+    except ValueError:
+        msg = None
+    if not isinstance(msg, dict) or not state or not isinstance(state, dict) or not state.get("key"):
+        return [gr.skip()] * n_out
+    tr, layer, head, query = _where(state, layer, head, query)
+    s, T = tr._lm.shape, tr.n_tokens
+    scale, zoom = _view(view)
+    region, notice = _region(tr, zoom)
+    kind = msg.get("kind")
+    if kind in ("query", "lens") and _int(msg.get("pos")) is not None:
+        query = _clamp(_int(msg["pos"]), T - 1)
+    if kind in ("head", "lens") and _int(msg.get("layer")) is not None:
+        layer = _clamp(_int(msg["layer"]), s.n_layers - 1)
+    if kind == "head" and _int(msg.get("head")) is not None:
+        head = _clamp(_int(msg["head"]), s.n_heads - 1)
+    if kind == "zoom":
+        rows, cols = _range(msg.get("rows")), _range(msg.get("cols"))
+        if rows is None:
+            region, notice = views.whole(T), ""
+        else:
+            cols = cols or rows
+            text = f"{rows[0]}-{rows[1]}, {cols[0]}-{cols[1]}"
+            region, notice = views.parse_region(text, T) if min(rows + cols) >= 0 else (views.whole(T), "")
+    elif kind not in ("query", "lens", "head"):
+        return [gr.skip()] * n_out
+    out = _zoomed(tr, layer, head, query, scale, region, notice)
+    return [layer, head, query, *out, _overview_fig(tr, metric, layer, head)]
 
 
 @endpoint
@@ -259,9 +533,8 @@ def update_next(state, temperature, top_k, top_p, min_p, rep):
 def overview(state, metric, layer, head, request: gr.Request = None):
     if not state or not state.get("key"):
         return figures.empty_figure("Run a prompt to see every head.")
-    tr = _get_trace(state)
-    values = views.head_overview(tr, metric)
-    return figures.head_overview(values, metric, (int(layer), int(head)))
+    tr, layer, head, _ = _where(state, layer, head, 0)
+    return _overview_fig(tr, metric, layer, head)
 
 
 @endpoint

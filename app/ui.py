@@ -11,6 +11,7 @@ import gradio as gr
 from app.api import harden
 from app.context import Shared, allowed_models, default_model, endpoint, get_model
 from app.explore_tab import ExploreTab
+from app.views import SCALES
 from model_core.registry import list_models
 
 EXAMPLE_PROMPT = "The animal didn't cross the street because it was too tired"
@@ -20,7 +21,8 @@ OTHER_TABS = [("app.generate_tab", "Generate"), ("app.interventions_tab", "Inter
               ("app.anatomy_tab", "Anatomy"), ("app.sft_tab", "Fine-tune"), ("app.jobs_tab", "Jobs")]
 
 # Everything a teammate needs to reproduce a view, mirrored into the page URL.
-URL_KEYS = ["model", "prompt", "chat", "layer", "head", "query", "temperature", "top_k", "top_p", "min_p", "rep"]
+URL_KEYS = ["model", "prompt", "chat", "layer", "head", "query", "temperature", "top_k", "top_p", "min_p", "rep",
+            "scale", "zoom"]
 # Other keys in the URL (the open tab, the selected job) are kept as they are.
 URL_JS = """(...v) => {
   const keys = %s;
@@ -121,6 +123,9 @@ def from_url(request: gr.Request):
             return cast(q[k])
         except (KeyError, ValueError, TypeError):
             return default
+    # Explore's attention colour scale and zoom (the zoom is clamped to the prompt when it runs)
+    scale = q.get("scale") if q.get("scale") in SCALES else "linear"
+    zoom = str(q.get("zoom") or "")[:80]
     model = q.get("model") or default_model()
     if model not in model_names():
         model = default_model()
@@ -129,8 +134,8 @@ def from_url(request: gr.Request):
             q.get("chat") in ("1", "true"),
             max(0, num("layer", int, 0)), max(0, num("head", int, 0)), max(0, num("query", int, 0)),
             num("temperature", float, 1.0), num("top_k", int, 0), num("top_p", float, 1.0),
-            num("min_p", float, 0.0), num("rep", float, 1.0),
-            {"run": bool(q.get("prompt")), "query": num("query", int, -1)})
+            num("min_p", float, 0.0), num("rep", float, 1.0), scale, zoom,
+            {"run": bool(q.get("prompt")), "query": num("query", int, -1), "scale": scale, "zoom": zoom})
 
 
 def build_demo() -> gr.Blocks:
@@ -171,11 +176,14 @@ def build_demo() -> gr.Blocks:
 
         ev_run, ev_submit = explore.wire(run)
         model.change(model_info, [model], [info], api_name="model_info")
-        url_inputs = [model, prompt, chat, explore.layer, explore.head, explore.query, *explore.sampling_inputs]
+        url_inputs = [model, prompt, chat, explore.layer, explore.head, explore.query, *explore.sampling_inputs,
+                      explore.scale, explore.zoom]
         for ev in (ev_run, ev_submit):
             ev.then(None, url_inputs, None, js=URL_JS)
         for comp in (explore.layer, explore.head, explore.query, *explore.sampling_inputs):
             comp.input(None, url_inputs, None, js=URL_JS)
+        for ev in explore.url_events:  # zoom, colour scale, clicks in the views
+            ev.then(None, url_inputs, None, js=URL_JS)
 
         load = demo.load(from_url, None, [*url_inputs, autorun])
         # ?tab=<id> opens that tab, as a click on it would (only a link that names a tab switches, so a
@@ -184,8 +192,7 @@ def build_demo() -> gr.Blocks:
         load.then(model_info, [model], [info]).then(
             _autorun, [autorun, model, prompt, chat, explore.truncate, explore.layer, explore.head,
                        explore.lens_colour, *explore.sampling_inputs],
-            [explore.state, explore.status, explore.tokens, explore.layer, explore.head, explore.query,
-             *explore.view_outputs, explore.next_plot, explore.stages],
+            explore.run_outputs,
             concurrency_id="model",
         ).then(_overview_if_ready, [explore.state, explore.metric, explore.layer, explore.head], [explore.overview])
     harden(demo)
@@ -199,8 +206,9 @@ def _autorun(autorun, model, prompt, chat, truncate, layer, head, lens_colour, t
     from app.explore_tab import run_trace
 
     if not isinstance(autorun, dict) or not autorun.get("run"):
-        return [gr.skip()] * 17  # one per output: state, status, tokens, 3 sliders, 9 views, next plot, stages
-    return run_trace(model, prompt, chat, truncate, layer, head, autorun.get("query", -1), lens_colour, temperature,
+        return [gr.skip()] * 20  # one per output: ExploreTab.run_outputs
+    view = {"query": autorun.get("query", -1), "scale": autorun.get("scale"), "zoom": autorun.get("zoom")}
+    return run_trace(model, prompt, chat, truncate, layer, head, view, lens_colour, temperature,
                      top_k, top_p, min_p, rep, request=request)
 
 

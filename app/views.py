@@ -1,27 +1,47 @@
 """From a Trace to the numbers each Explore view shows (pure functions: Trace in, arrays out).
-Only the visible slice is computed and sent: long prompts are shown through a window."""
+
+Every view shows the whole prompt at any length the server allows. A *region* of positions (query
+rows x key columns; by default the whole prompt) is drawn cell by cell with token labels when it is
+small, and otherwise pooled here on the server, so what the browser receives is bounded whatever the
+length: attention by max pooling (a cell is the largest weight of its block), the bars of one row by
+sum pooling (a bar is the attention mass on its block), the logit lens by sampling one position per
+column (each column costs a pass through the unembedding per layer) and zoomed to see every position.
+"""
 
 from __future__ import annotations
 
 import math
+import re
+import threading
+import weakref
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from model_core.lens import logit_lens
 from model_core.sampling import SamplingSettings, apply_sampling
 from model_core.trace import Trace
 
-WINDOW = 48  # positions shown in attention heatmaps and residual views
-LENS_WINDOW = 12  # positions in the logit-lens grid (each costs 30 rows through the 49k-vocab unembedding)
+EXACT = 64  # a region at most this many positions per axis is drawn cell by cell, with token labels
+BIG_BINS = 96  # cells per axis at most in the chosen head's heatmap (max-pooled beyond)
+GRID_EXACT = 48  # the all-heads grid is drawn cell by cell up to this many positions per axis ...
+GRID_BINS = 32  # ... and max-pooled to this many cells per axis beyond
+BAR_BINS = 128  # bars at most in "where the chosen token looks" (sum-pooled beyond)
+LENS_EXACT = 32  # logit-lens positions shown one by one, each cell labelled with its top token
+LENS_COLS = 64  # logit-lens columns at most when the region is wider (one sampled position each)
+SEQ_BINS = 96  # positions at most in the residual-norm and neuron views (max-pooled beyond)
+NEURONS = 24  # neurons in the neuron heatmap
+
+# colour scales of the attention heatmaps: name -> what the caption says
+SCALES = {
+    "linear": "weight, linear 0-1",
+    "log": "weight on a log scale",
+    "row": "each query row divided by its largest weight among the keys shown",
+}
 
 
-def window(T: int, end: int, size: int = WINDOW) -> list[int]:
-    """`size` positions ending at `end` (inclusive), clipped to the prompt."""
-    end = max(0, min(T - 1, end))
-    start = max(0, end - size + 1)
-    return list(range(start, end + 1))
-
+# ---------------------------------------------------------------------- labels and regions
 
 def labels(tr: Trace) -> list[str]:
     return [t["display"] for t in tr.tokens]
@@ -37,17 +57,138 @@ def to_np(x: torch.Tensor) -> np.ndarray:
     return x.detach().float().cpu().numpy()
 
 
-def attention_view(tr: Trace, layer: int, head: int, query: int) -> dict:
-    pos = window(tr.n_tokens, query)
-    sl = slice(pos[0], pos[-1] + 1)
-    pattern = tr.attention_pattern(layer)[:, sl, sl]
-    row = tr.attention_pattern(layer)[head, query]
-    return {"positions": pos, "patterns": to_np(pattern), "row": to_np(row[sl]),
-            "outside_mass": float(row[: pos[0]].sum()) if pos[0] > 0 else 0.0}
+def whole(T: int) -> tuple[int, int, int, int]:
+    return (0, T - 1, 0, T - 1)
+
+
+_RANGE = re.compile(r"(\d{1,9})\s*(?:-|–|—|:|\.\.|to)\s*(\d{1,9})")
+
+
+def parse_region(text, T: int) -> tuple[tuple[int, int, int, int], str]:
+    """A zoom as people type it -> ((first row, last row, first key, last key), notice).
+
+    "" or "all" is the whole prompt; "a-b" is positions a..b as both query rows and key columns;
+    "a-b, c-d" is query rows a..b and key columns c..d (inclusive, 0-based). Out-of-range values
+    are clamped and said so in the notice; what cannot be read shows the whole prompt, also said."""
+    T = max(1, int(T))
+    text = "" if text is None else str(text)[:200]
+    if not text.strip() or text.strip().lower() in ("all", "whole", "none"):
+        return whole(T), ""
+    found = _RANGE.findall(text)
+    if not found or len(found) > 2:
+        return whole(T), (f"Zoom “{text[:40]}” is not a range like 100-160 or 100-160, 0-160; "
+                          "showing the whole prompt.")
+    (a, b), (c, d) = found[0], found[-1]
+    vals = [int(a), int(b), int(c), int(d)]
+    clamped = [max(0, min(T - 1, v)) for v in vals]
+    q0, q1 = sorted(clamped[:2])
+    k0, k1 = sorted(clamped[2:])
+    note = ""
+    if clamped != vals:
+        if min(vals[0], vals[1]) > T - 1:  # nothing of it is in this prompt
+            return whole(T), f"Zoom {text[:40]} lies beyond this prompt's {T} tokens; showing the whole prompt."
+        note = f"Zoom {text[:40]} clamped to this prompt's positions 0-{T - 1}."
+    return (q0, q1, k0, k1), note
+
+
+def region_text(region: tuple[int, int, int, int], T: int) -> str:
+    """The canonical zoom string of a region ("" for the whole prompt)."""
+    q0, q1, k0, k1 = region
+    if region == whole(T):
+        return ""
+    return f"{q0}-{q1}" if (q0, q1) == (k0, k1) else f"{q0}-{q1}, {k0}-{k1}"
+
+
+def axis(lo: int, hi: int, max_bins: int, names: list[str] | None = None) -> dict:
+    """Positions lo..hi in at most `max_bins` equal bins (the last one may be shorter).
+    labels: "pos:token" per position when a bin is one position, else None (numeric axis)."""
+    n = hi - lo + 1
+    b = max(1, math.ceil(n / max(1, max_bins)))
+    starts = list(range(lo, hi + 1, b))
+    ends = [min(s + b - 1, hi) for s in starts]
+    return {"lo": lo, "hi": hi, "bin": b, "starts": starts, "ends": ends,
+            "centers": [(s + e) / 2 for s, e in zip(starts, ends)],
+            "labels": [f"{i}:{names[i]}" for i in range(lo, hi + 1)] if (b == 1 and names is not None) else None}
+
+
+# ---------------------------------------------------------------------- per-trace view caches
+
+_CACHES: dict[int, dict] = {}
+_CACHES_LOCK = threading.Lock()
+
+
+def _vcache(tr: Trace) -> dict:
+    """Numbers derived from one trace that several views reuse (lens columns, residual norms,
+    head summaries), kept beside it for as long as it lives (the trace's own LRU is for tensors)."""
+    key = id(tr)
+    with _CACHES_LOCK:
+        c = _CACHES.get(key)
+        if c is None:
+            c = _CACHES[key] = {"lock": threading.Lock()}
+            weakref.finalize(tr, _CACHES.pop, key, None)
+        return c
+
+
+# ---------------------------------------------------------------------- attention
+
+def _pool_max(x: torch.Tensor, br: int, bc: int) -> torch.Tensor:
+    """[N, R, C] -> [N, ceil(R/br), ceil(C/bc)], each cell the largest value of its block."""
+    if br == 1 and bc == 1:
+        return x
+    return F.max_pool2d(x[None], (br, bc), (br, bc), ceil_mode=True)[0]
+
+
+def _colour(x: torch.Tensor, scale: str, T: int) -> torch.Tensor:
+    if scale == "log":
+        return torch.log10(x.clamp_min(10.0 ** log_floor(T)))
+    return x
+
+
+def log_floor(T: int) -> float:
+    """Lowest decade the log scale shows: two below a uniform row over the whole prompt."""
+    return -float(math.ceil(math.log10(max(T, 2))) + 2)
+
+
+def attention_view(tr: Trace, layer: int, head: int, query: int,
+                   region: tuple[int, int, int, int] | None = None, scale: str = "linear") -> dict:
+    """The chosen layer's heads over a region: every head small (grid), the chosen head larger
+    (big), and the query's row over the region's keys (row; sum-pooled beyond BAR_BINS)."""
+    T = tr.n_tokens
+    q0, q1, k0, k1 = region or whole(T)
+    scale = scale if scale in SCALES else "linear"
+    names = labels(tr)
+    p = tr.attention_pattern(layer)
+    sub = p[:, q0: q1 + 1, k0: k1 + 1].float()
+    if scale == "row":
+        sub = sub / sub.amax(-1, keepdim=True).clamp_min(1e-30)
+    nq, nk = q1 - q0 + 1, k1 - k0 + 1
+    gb = GRID_EXACT if max(nq, nk) <= GRID_EXACT else GRID_BINS
+    g_rows, g_cols = axis(q0, q1, gb, names), axis(k0, k1, gb, names)
+    b_rows, b_cols = axis(q0, q1, EXACT if max(nq, nk) <= EXACT else BIG_BINS, names), \
+        axis(k0, k1, EXACT if max(nq, nk) <= EXACT else BIG_BINS, names)
+    grid = _colour(_pool_max(sub, g_rows["bin"], g_cols["bin"]), scale, T)
+    big = _colour(_pool_max(sub[head: head + 1], b_rows["bin"], b_cols["bin"])[0], scale, T)
+    row = p[head, query].float()
+    inside = row[k0: k1 + 1]
+    bars = axis(k0, k1, BAR_BINS, names)
+    if bars["bin"] > 1:
+        pad = (-inside.shape[0]) % bars["bin"]
+        summed = F.pad(inside, (0, pad)).view(-1, bars["bin"]).sum(-1)
+    else:
+        summed = inside
+    return {"grid": to_np(grid).astype(np.float32), "big": to_np(big).astype(np.float32),
+            "grid_rows": g_rows, "grid_cols": g_cols, "rows": b_rows, "cols": b_cols,
+            "row": to_np(summed).astype(np.float32), "bars": bars, "scale": scale,
+            "log_floor": log_floor(T), "outside_mass": max(0.0, float(row.sum() - inside.sum()))}
 
 
 def head_overview(tr: Trace, metric: str) -> np.ndarray:
-    """[L, H] summary of every head, one layer's pattern at a time (nothing big is kept)."""
+    """[L, H] summary of every head, one layer's pattern at a time (nothing big is kept; the
+    summary itself is kept per trace and metric, so moving the highlight costs nothing)."""
+    c = _vcache(tr)
+    key = ("overview", metric[:40])
+    if key in c:
+        return c[key]
     out = []
     for l in tr.captured_layers:
         p = tr.attention_pattern(l).float()
@@ -59,44 +200,123 @@ def head_overview(tr: Trace, metric: str) -> np.ndarray:
         else:  # previous-token score
             v = torch.diagonal(p, offset=-1, dim1=-2, dim2=-1).mean(-1) if T > 1 else torch.zeros(p.shape[0])
         out.append(to_np(v))
-    return np.stack(out)
+    c[key] = np.stack(out)
+    return c[key]
 
 
-def residual_view(tr: Trace, query: int) -> dict:
-    pos = window(tr.n_tokens, query)
-    sl = slice(pos[0], pos[-1] + 1)
-    rows = [tr.embed[sl].norm(dim=-1)] + [tr.resid_post(l)[sl].norm(dim=-1) for l in tr.captured_layers]
+def head_overview_cached(tr: Trace, metric: str) -> np.ndarray | None:
+    return _vcache(tr).get(("overview", metric[:40]))
+
+
+# ---------------------------------------------------------------------- residual stream, neurons
+
+def _pool_seq(x: torch.Tensor, b: int, signed: bool = False) -> torch.Tensor:
+    """[P, ...] -> [ceil(P/b), ...]: the largest value per bin (signed: the value of largest |x|)."""
+    if b == 1:
+        return x
+    pad = (-x.shape[0]) % b
+    if signed:
+        xp = F.pad(x.T, (0, pad)).T.reshape(-1, b, *x.shape[1:])
+        idx = xp.abs().argmax(1, keepdim=True)
+        return xp.gather(1, idx)[:, 0]
+    xp = F.pad(x.T, (0, pad), value=float("-inf")).T.reshape(-1, b, *x.shape[1:])
+    return xp.amax(1)
+
+
+def residual_view(tr: Trace, query: int, rows: tuple[int, int] | None = None) -> dict:
+    """Residual norms [L+1, bins] over positions rows (max-pooled beyond SEQ_BINS) and what each
+    block adds at the query."""
+    T = tr.n_tokens
+    lo, hi = rows or (0, T - 1)
+    c = _vcache(tr)
+    with c["lock"]:
+        if "norms" not in c:
+            with torch.inference_mode():
+                r = [tr.embed.norm(dim=-1)] + [tr.resid_post(l).norm(dim=-1) for l in tr.captured_layers]
+                c["norms"] = torch.stack([x.float().cpu() for x in r])
+    norms = c["norms"][:, lo: hi + 1]
+    ax = axis(lo, hi, SEQ_BINS, labels(tr))
+    pooled = _pool_seq(norms.T, ax["bin"]).T
     attn = [float(tr.attn_out[l][query].norm()) for l in tr.captured_layers]
     mlp = [float(tr.mlp_out[l][query].norm()) for l in tr.captured_layers]
-    return {"positions": pos, "norms": to_np(torch.stack(rows)), "attn": np.array(attn), "mlp": np.array(mlp)}
+    return {"axis": ax, "positions": list(range(lo, hi + 1)), "norms": to_np(pooled).astype(np.float32),
+            "attn": np.array(attn), "mlp": np.array(mlp)}
 
 
-def lens_view(tr: Trace, query: int, colour: str = "probability") -> dict:
-    pos = window(tr.n_tokens, query, LENS_WINDOW)
-    tok = tr._lm.tokenizer
-    # target at each position = the actual next prompt token (or the model's own top-1 at the end)
-    nxt = tr.token_ids[1:] + [int(torch.argmax(tr.next_logits))]
-    # The lens is the costly view (layers x positions rows through the unembedding): cache it
-    # per window so slider moves that keep the window reuse it.
-    res = tr._cached(("lens", tuple(pos)), lambda: logit_lens(tr, positions=pos, k=1, targets=[nxt[p] for p in pos]))
-    top = [[_show(tok, int(i)) for i in row] for row in res.top_ids[:, :, 0]]
-    probs = to_np(res.top_probs[:, :, 0])
-    col = probs if colour == "probability" else to_np(res.entropy)
-    qi = pos.index(query)
-    return {"positions": pos, "top": top, "probs": probs, "colour": col, "layers": res.layers,
-            "target": _show(tok, nxt[query]), "target_probs": to_np(res.target_probs[:, qi]),
-            "target_ranks": to_np(res.target_ranks[:, qi])}
-
-
-def neuron_view(tr: Trace, layer: int, query: int, n: int = 24) -> dict:
-    pos = window(tr.n_tokens, query)
+def neuron_view(tr: Trace, layer: int, query: int, rows: tuple[int, int] | None = None, n: int = NEURONS) -> dict:
+    """The layer's neurons that fire hardest over positions rows (acts [bins, n], signed max-|x|
+    pooled beyond SEQ_BINS) and the strongest ones at the query."""
+    T = tr.n_tokens
+    lo, hi = rows or (0, T - 1)
     acts = tr.mlp_post(layer)
-    win = acts[pos[0]: pos[-1] + 1]
+    win = acts[lo: hi + 1].float()
     ids = torch.topk(win.abs().amax(0), min(n, win.shape[-1])).indices
-    at_q = acts[query]
+    ax = axis(lo, hi, SEQ_BINS, labels(tr))
+    at_q = acts[query].float()
     qids = torch.topk(at_q.abs(), min(16, at_q.shape[-1])).indices
-    return {"positions": pos, "acts": to_np(win[:, ids]), "neurons": ids.tolist(),
-            "query_values": to_np(at_q[qids]), "query_neurons": qids.tolist()}
+    return {"axis": ax, "acts": to_np(_pool_seq(win[:, ids], ax["bin"], signed=True)).astype(np.float32),
+            "neurons": ids.tolist(), "query_values": to_np(at_q[qids]), "query_neurons": qids.tolist()}
+
+
+# ---------------------------------------------------------------------- logit lens
+
+def _next_ids(tr: Trace) -> list[int]:
+    """The token each position predicts: the next prompt token (the model's own top-1 at the end)."""
+    c = _vcache(tr)
+    if "next_ids" not in c:
+        c["next_ids"] = tr.token_ids[1:] + [int(torch.argmax(tr.next_logits))]
+    return c["next_ids"]
+
+
+def lens_columns(tr: Trace, positions: list[int]) -> dict:
+    """Logit-lens numbers [L, P] at these positions: top-1 id and probability, entropy, and the
+    next token's probability and rank. Columns are computed once per trace and kept, so zooming
+    back and forth and moving the query cost nothing new."""
+    c = _vcache(tr)
+    T, L = tr.n_tokens, len(tr.captured_layers)
+    with c["lock"]:
+        st = c.get("lens")
+        if st is None:
+            st = c["lens"] = {"done": np.zeros(T, bool), "top": np.zeros((L, T), np.int64),
+                              "p": np.zeros((L, T), np.float32), "ent": np.zeros((L, T), np.float32),
+                              "tp": np.zeros((L, T), np.float32), "rank": np.zeros((L, T), np.int64)}
+        missing = sorted({p for p in positions if not st["done"][p]})
+        if missing:
+            nxt = _next_ids(tr)
+            res = logit_lens(tr, positions=missing, k=1, targets=[nxt[p] for p in missing])
+            st["top"][:, missing] = res.top_ids[:, :, 0].numpy()
+            st["p"][:, missing] = res.top_probs[:, :, 0].float().numpy()
+            st["ent"][:, missing] = res.entropy.float().numpy()
+            st["tp"][:, missing] = res.target_probs.float().numpy()
+            st["rank"][:, missing] = res.target_ranks.numpy()
+            st["done"][missing] = True
+        return {k: st[k][:, positions] for k in ("top", "p", "ent", "tp", "rank")}
+
+
+def lens_positions(lo: int, hi: int) -> tuple[list[int], int]:
+    """Positions the lens shows for rows lo..hi: all of them up to LENS_EXACT, else the last
+    position of each of at most LENS_COLS equal bins (the region's last position always in)."""
+    n = hi - lo + 1
+    if n <= LENS_EXACT:
+        return list(range(lo, hi + 1)), 1
+    step = math.ceil(n / LENS_COLS)
+    return [min(hi, lo + step * j + step - 1) for j in range(math.ceil(n / step))], step
+
+
+def lens_view(tr: Trace, query: int, colour: str = "probability", rows: tuple[int, int] | None = None) -> dict:
+    T = tr.n_tokens
+    lo, hi = rows or (0, T - 1)
+    pos, step = lens_positions(lo, hi)
+    tok = tr._lm.tokenizer
+    cols = lens_columns(tr, pos)
+    at_q = lens_columns(tr, [query])
+    show = _vcache(tr).setdefault("shown", {})
+    top = [[show.get(i) or show.setdefault(i, _show(tok, i)) for i in row] for row in cols["top"].tolist()]
+    probs = cols["p"]
+    return {"positions": pos, "step": step, "top": top, "probs": probs,
+            "colour": probs if colour == "probability" else cols["ent"], "layers": list(tr.captured_layers),
+            "target": _show(tok, _next_ids(tr)[query]), "target_probs": at_q["tp"][:, 0],
+            "target_ranks": at_q["rank"][:, 0].astype(np.float64)}
 
 
 def _show(tok, i: int) -> str:
@@ -104,6 +324,8 @@ def _show(tok, i: int) -> str:
 
     return display_bytes(token_bytes(tok, i))
 
+
+# ---------------------------------------------------------------------- next token, tables
 
 def next_token_view(tr: Trace, settings: SamplingSettings, k: int = 20) -> dict:
     res = apply_sampling(tr.next_logits, settings, context_ids=tr.token_ids)

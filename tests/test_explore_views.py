@@ -1,0 +1,213 @@
+"""Explore views over long prompts (issue 15 items 1 and 3), on a tiny random-weight model: pooled
+overviews equal a block-by-block reference, zoomed regions are exact, the lens is the model's own
+final norm and unembedding, the query never crops a view, what is sent stays bounded at any
+length, and clicks arriving from the page move the right settings."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import plotly.graph_objects as go
+import pytest
+import torch
+
+from app import explore_tab, views
+from model_core import load_model, trace
+
+MODEL = "random-llama-tiny"  # byte-level tokens: one token per character
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return load_model(MODEL)
+
+
+def _prompt(n: int) -> str:
+    words = "the quick brown fox jumps over a lazy dog while otters watch from the bank".split()
+    text = " ".join(words[i % len(words)] for i in range(n))
+    return text[:n]  # one token per character
+
+
+@pytest.fixture(scope="module")
+def long_tr(lm):
+    tr = trace(lm, _prompt(700))
+    assert tr.n_tokens == 700
+    return tr
+
+
+def _block_max(a: np.ndarray, br: int, bc: int) -> np.ndarray:
+    """Reference max pooling, one block at a time (ragged last blocks included)."""
+    R, C = a.shape
+    out = np.zeros((math.ceil(R / br), math.ceil(C / bc)), np.float32)
+    for i in range(out.shape[0]):
+        for j in range(out.shape[1]):
+            out[i, j] = a[i * br:(i + 1) * br, j * bc:(j + 1) * bc].max()
+    return out
+
+
+def test_whole_prompt_overview_is_block_max_of_the_real_pattern(long_tr):
+    tr = long_tr
+    pat = tr.attention_pattern(1).float().numpy()
+    av = views.attention_view(tr, 1, 2, query=3)  # an early query crops nothing
+    T = tr.n_tokens
+    assert (av["rows"]["lo"], av["rows"]["hi"], av["cols"]["lo"], av["cols"]["hi"]) == (0, T - 1, 0, T - 1)
+    b = av["rows"]["bin"]
+    assert b == math.ceil(T / views.BIG_BINS) and av["rows"]["labels"] is None
+    np.testing.assert_allclose(av["big"], _block_max(pat[2], b, av["cols"]["bin"]), rtol=0, atol=1e-7)
+    gb = av["grid_rows"]["bin"]
+    for h in range(pat.shape[0]):
+        np.testing.assert_allclose(av["grid"][h], _block_max(pat[h], gb, gb), rtol=0, atol=1e-7)
+    # the query's bars are sums over key blocks: with what lies outside the region, the whole row
+    assert av["bars"]["bin"] > 1 and len(av["row"]) <= views.BAR_BINS
+    assert abs(av["row"].sum() + av["outside_mass"] - 1) < 1e-4
+    np.testing.assert_allclose(av["row"][0], pat[2, 3, :av["bars"]["bin"]].sum(), atol=1e-6)
+
+
+def test_zoomed_region_is_exact_with_labels_and_scales(long_tr):
+    tr = long_tr
+    pat = tr.attention_pattern(0).float().numpy()
+    region, note = views.parse_region("600-640, 560-640", tr.n_tokens)
+    assert region == (600, 640, 560, 640) and note == ""
+    av = views.attention_view(tr, 0, 1, 620, region)
+    assert av["rows"]["bin"] == av["cols"]["bin"] == 1
+    np.testing.assert_array_equal(av["big"], pat[1, 600:641, 560:641])
+    names = views.labels(tr)
+    assert av["rows"]["labels"][0] == f"600:{names[600]}" and len(av["cols"]["labels"]) == 81
+    assert av["outside_mass"] == pytest.approx(pat[1, 620, :560].sum(), abs=1e-5)
+    # log: log10 of the weight, floored two decades below a uniform row
+    lg = views.attention_view(tr, 0, 1, 620, region, "log")
+    floor = views.log_floor(tr.n_tokens)
+    np.testing.assert_allclose(lg["big"], np.log10(np.maximum(pat[1, 600:641, 560:641], 10.0 ** floor)), atol=1e-5)
+    # per row: every row's largest shown weight is 1
+    rw = views.attention_view(tr, 0, 1, 620, region, "row")
+    np.testing.assert_allclose(rw["big"].max(-1), 1.0, atol=1e-6)
+    np.testing.assert_allclose(rw["big"], pat[1, 600:641, 560:641] / pat[1, 600:641, 560:641].max(-1, keepdims=True),
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize("text,T,region,clamped", [
+    ("", 100, (0, 99, 0, 99), False), ("all", 100, (0, 99, 0, 99), False),
+    ("10-20", 100, (10, 20, 10, 20), False), ("30-20, 0-5", 100, (20, 30, 0, 5), False),
+    ("10 to 20 / 3..9", 100, (10, 20, 3, 9), False), ("50-999", 100, (50, 99, 50, 99), True),
+    ("500-999", 100, (0, 99, 0, 99), True), ("nonsense", 100, (0, 99, 0, 99), True),
+    ("1-2, 3-4, 5-6", 100, (0, 99, 0, 99), True), ("-5", 100, (0, 99, 0, 99), True),
+    (None, 1, (0, 0, 0, 0), False), (["1-2"], 10, (1, 2, 1, 2), False),
+])
+def test_zoom_text_is_parsed_and_clamped_with_a_notice(text, T, region, clamped):
+    got, note = views.parse_region(text, T)
+    assert got == region
+    assert bool(note) == clamped
+    if region == views.whole(T):
+        assert views.region_text(got, T) == ""
+    elif not clamped:
+        assert views.parse_region(views.region_text(got, T), T) == (got, "")
+
+
+def test_lens_over_all_positions_matches_the_models_own_unembedding(lm, long_tr):
+    tr = long_tr
+    T = tr.n_tokens
+    lv = views.lens_view(tr, query=3)  # the query does not crop the lens
+    pos = lv["positions"]
+    assert pos[-1] == T - 1 and len(pos) <= views.LENS_COLS and lv["step"] == math.ceil(T / views.LENS_COLS)
+    # reference: transformers' own final norm and lm_head on the residual stream after each layer
+    norm, head = lm.model.model.norm, lm.model.lm_head
+    with torch.inference_mode():
+        for i, layer in enumerate(lv["layers"]):
+            x = tr.resid_post(layer)[pos]
+            probs = torch.softmax(head(norm(x)).float(), -1)
+            top = probs.max(-1)
+            np.testing.assert_allclose(lv["probs"][i], top.values.numpy(), rtol=1e-4, atol=1e-6)
+            ids = top.indices.tolist()
+            assert lv["top"][i] == [views._show(lm.tokenizer, t) for t in ids]
+        # the target plot is at the query: the probability of the next prompt token
+        x = tr.resid_post(lv["layers"][-1])[3:4]
+        p = torch.softmax(head(norm(x)).float(), -1)[0, tr.token_ids[4]]
+    assert lv["target_probs"][-1] == pytest.approx(float(p), rel=1e-4)
+    # zoomed to a few positions: every one of them
+    zoomed = views.lens_view(tr, query=650, rows=(640, 660))
+    assert zoomed["positions"] == list(range(640, 661)) and zoomed["step"] == 1
+
+
+def test_lens_columns_are_computed_once(long_tr, monkeypatch):
+    calls = []
+    real = views.logit_lens
+    monkeypatch.setattr(views, "logit_lens", lambda *a, **k: calls.append(k["positions"]) or real(*a, **k))
+    views.lens_columns(long_tr, [100, 101, 102])
+    views.lens_columns(long_tr, [101, 102, 103])
+    views.lens_columns(long_tr, [100, 103])
+    assert calls in ([[100, 101, 102], [103]], [[103]], [])  # earlier tests may have filled some
+    assert all(len(set(c)) == len(c) for c in calls)
+
+
+def _cells(fig: go.Figure) -> int:
+    n = 0
+    for tr in fig.data:
+        z = getattr(tr, "z", None)
+        if z is not None:
+            n += int(np.asarray(z).size)
+    return n
+
+
+@pytest.mark.parametrize("n", [40, 300, 1000])
+def test_what_is_sent_is_bounded_whatever_the_length(lm, n):
+    tr = trace(lm, _prompt(n))
+    figs = explore_tab.render_views(tr, 2, 1, 5, "probability")
+    grid, big, bars, lens, target, contrib, resid, neurons, nbars = figs
+    H = lm.shape.n_heads
+    T = tr.n_tokens
+    assert _cells(grid) <= H * views.GRID_EXACT ** 2 and _cells(big) <= views.EXACT ** 2 + views.BIG_BINS ** 2
+    assert len(bars.data[0].y) <= views.BAR_BINS and np.asarray(lens.data[0].z).shape[1] <= views.LENS_COLS
+    assert np.asarray(resid.data[0].z).shape[1] <= views.SEQ_BINS
+    assert np.asarray(neurons.data[0].z).shape[1] <= views.SEQ_BINS
+    # the views reach the end of the prompt whatever the query (5)
+    for fig in (big, lens, resid, neurons):
+        assert fig.layout.meta["lmscope"]["x" if fig is not big else "y"]["hi"] == T - 1
+    size = sum(len(f.to_json()) for f in figs)
+    if n == 1000:
+        assert size < 200_000, size
+    # pooled views say so in their caption; exact ones have token labels
+    if T > views.EXACT:
+        assert "max pooling" in big.layout.title.text and "one column per" in lens.layout.title.text
+    else:
+        assert "every cell shown" in big.layout.title.text and isinstance(big.data[0].x[0], str)
+
+
+def test_clicks_from_the_page_move_the_settings(lm):
+    out = explore_tab.run_trace(MODEL, _prompt(300), False, False, 0, 0, -1, "probability", 1.0, 0, 1.0, 0.0, 1.0)
+    state, view = out[0], out[-2]
+    assert out[5]["value"] == 299 and view == {"scale": "linear", "zoom": ""}
+    act = explore_tab.on_action
+
+    def send(msg, layer=0, head=0, query=299):
+        return act(state, json.dumps(msg), layer, head, query, "probability", view, None)
+    # a token chip: the query moves, layer and head stay
+    o = send({"kind": "query", "pos": 17})
+    assert o[:3] == [0, 0, 17]
+    # an overview cell: layer and head; the overview outlines it
+    o = send({"kind": "head", "layer": 2, "head": 3})
+    assert o[:2] == [2, 3] and o[-1].layout.shapes[0].x0 == 2.5 and o[-1].layout.shapes[0].y0 == 1.5
+    assert "Layer 2, head 3" in o[7].layout.title.text  # the chosen head's figure
+    # a lens cell: layer and position
+    o = send({"kind": "lens", "layer": 1, "pos": 250}, layer=2, head=3)
+    assert o[:3] == [1, 3, 250]
+    # a dragged box: the zoom box, the view state and the figures follow; clamped to the prompt
+    o = send({"kind": "zoom", "rows": [280, 400], "cols": [200, 290]})
+    assert o[3] == "280-299, 200-290" and o[4] == {"scale": "linear", "zoom": "280-299, 200-290"}
+    assert "clamped" in o[5]
+    meta = o[7].layout.meta["lmscope"]
+    assert (meta["y"]["lo"], meta["y"]["hi"], meta["x"]["lo"], meta["x"]["hi"]) == (280, 299, 200, 290)
+    lens, _ = explore_tab.update_lens(state, 290, "probability", o[4])
+    assert lens.layout.meta["lmscope"]["x"]["lo"] == 280 and list(lens.data[0].x)[-1].startswith("299:")
+    # double-click: the whole prompt
+    o = send({"kind": "zoom"})
+    assert o[3] == "" and o[4]["zoom"] == ""
+    # out of range and hostile messages are clamped or change nothing
+    o = send({"kind": "head", "layer": 999, "head": -4})
+    assert o[:2] == [lm.shape.n_layers - 1, 0]
+    import gradio as gr
+    for bad in ["", "{", "[]", "null", json.dumps({"kind": "rm -rf"}), json.dumps({"kind": "query", "pos": "x"}),
+                json.dumps({"kind": "query", "pos": 1e308}), "x" * 5000]:
+        o = act(state, bad, 0, 0, 5, "probability", view, None)
+        assert all(isinstance(v, type(gr.skip())) for v in o) or o[:3] == [0, 0, 5], bad
