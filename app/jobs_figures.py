@@ -193,13 +193,18 @@ def _shown(text: str, limit: int = 80) -> str:
     return "“" + (s if len(s) <= limit else s[:limit] + "…") + "”"
 
 
-def _chip(i: int, p: dict, text: str | None) -> str:
-    """One token: the token itself (its vocabulary string, byte-safe); the text it covered on hover."""
+def _chip(i: int, p: dict, text: str | None, shown: str | None = None) -> str:
+    """One token: the token itself (its vocabulary string, byte-safe); the text it covered on hover.
+    `shown`: what the chip says instead (the byte values of a token that is part of a character)."""
     if "display" not in p:  # a bare {id, text} piece: show the text it covered
         return (f"<span class='lmscope-tok' title='id {p['id']}' style='background:{PALETTE[i % len(PALETTE)]};"
                 f"border-radius:3px;padding:1px 0;margin-right:1px;font-family:monospace'>{_piece(p['text'])}</span>")
     a, b = p.get("start", 0), p.get("end", 0)
     title = f"id {p['id']} · token {p.get('token', '')!r} · "
+    if p.get("bytes"):
+        title += f"bytes {p['bytes']} · "
+    if (p.get("parts") or 1) > 1:
+        title += f"token {p['part']} of {p['parts']} making “{p.get('glyph', '')}” · "
     if text is None:
         title += f"covers {_shown(p['text'])}"
     elif a == b:
@@ -220,8 +225,31 @@ def _chip(i: int, p: dict, text: str | None) -> str:
         cls += " lmscope-tok-special"
         style += ";font-style:italic"
     mark = " data-unk='1'" if p.get("unk") else ""
+    if shown is not None:
+        style += (";font-size:9px;color:#444;padding:0 2px;margin:0;border-radius:0;flex:1 1 auto;text-align:center;"
+                  "white-space:nowrap")
     return (f"<span class='{cls}'{mark} title='{html.escape(title, quote=True)}' style='{style}'>"
-            f"{html.escape(p['display'], quote=True)}</span>")
+            f"{html.escape(p['display'] if shown is None else shown, quote=True)}</span>")
+
+
+def _chips(pieces: list[dict], text: str | None) -> str:
+    """Every token a chip; a character several byte tokens spell together (pieces with parts > 1)
+    is shown once above its tokens' chips, which show their byte values."""
+    out, i = [], 0
+    while i < len(pieces):
+        p = pieces[i]
+        n = int(p.get("parts") or 1)
+        if n == 1 or p.get("part") != 1 or i + n > len(pieces) or pieces[i + n - 1].get("part") != n:
+            out.append(_chip(i, p, text))
+            i += 1
+            continue
+        chips = "".join(_chip(i + k, pieces[i + k], text, pieces[i + k].get("bytes", "")) for k in range(n))
+        out.append("<span class='lmscope-glyph' style='display:inline-flex;flex-direction:column;vertical-align:top;"
+                   "border:1px solid #cbd5e1;border-radius:3px;margin-right:1px;line-height:1.4'>"
+                   f"<span style='text-align:center;padding:0 3px;font-family:monospace;unicode-bidi:isolate'>"
+                   f"{html.escape(p.get('glyph', ''))}</span><span style='display:flex;gap:1px'>{chips}</span></span>")
+        i += n
+    return "".join(out)
 
 
 def _stats(name: str, a: dict) -> str:
@@ -262,7 +290,7 @@ def tokens_html(rows: list[tuple], text: str | None = None) -> str:
             a = {"pieces": a, "tokens": len(a), "unknown": sum(1 for p in a if p.get("unk"))}
         if text is not None:
             a = {**a, "chars": len(text)}
-        spans = "".join(_chip(i, p, text) for i, p in enumerate(a["pieces"]))
+        spans = _chips(a["pieces"], text)
         out.append(f"<div style='margin:8px 0'>{_stats(name, a)}"
                    f"<div style='line-height:1.9;color:#111'>{spans}</div></div>")
     out.append("</div>")

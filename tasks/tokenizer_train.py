@@ -251,8 +251,10 @@ def report(tok: Tokenizer, p: dict, heldout: list[str], heldout_source: str, tra
 #
 # A chip shows the token itself: the vocabulary's string for its id (never the input text it was
 # matched on: Unigram and BPE report the input characters as the "token" of an <unk>), made
-# byte-safe like everywhere else (model_core.tokenization.display_bytes: ␣ space, ↵ newline,
-# <0xNN> raw bytes). Each piece also says which characters of the text it covered:
+# byte-safe like everywhere else (model_core.tokenization: ␣ space, ↵ newline, byte tokens that
+# only make a character together as "glyph·k/n", their <0xNN> bytes kept in `raw` and `bytes`;
+# `glyph`, `part`, `parts` say which character and which part of it). Each piece also says which
+# characters of the text it covered:
 #   start, end  the encoding's offsets (text[start:end]; several byte-level tokens share one
 #               character, and an inserted "▁" marker covers none: start == end)
 #   text        a partition of the text: the pieces' texts concatenate back to it (whitespace a
@@ -294,10 +296,11 @@ def unk_id_of(tok: Tokenizer) -> int | None:
 
 def _pieces(ids, offsets, tokens: list[str], raw: list[bytes], specials: set[int], unk_id: int | None,
             unk_token: str | None, text: str) -> list[dict]:
-    from model_core.tokenization import display_bytes
+    from model_core.tokenization import describe_raw
 
+    shown = describe_raw(ids, raw)  # byte tokens that make a character together: "မ·1/3" (glyph spans)
     out, pos = [], 0
-    for tid, (a, b), token, rb in zip(ids, offsets, tokens, raw):
+    for tid, (a, b), token, rb, row in zip(ids, offsets, tokens, raw, shown):
         a, b = min(a, len(text)), min(b, len(text))
         covered = text[a:b]
         readable = rb.decode("utf-8", errors="replace")
@@ -311,7 +314,9 @@ def _pieces(ids, offsets, tokens: list[str], raw: list[bytes], specials: set[int
             end = max(b, pos)
             piece_text, pos = text[pos:end], end
         out.append({
-            "id": int(tid), "token": token, "display": token if tid in specials else display_bytes(rb),
+            "id": int(tid), "token": token, "display": token if tid in specials else row["display"],
+            "raw": token if tid in specials else row["raw"], "bytes": row["bytes"], "glyph": row["glyph"],
+            "part": row["part"], "parts": row["parts"],
             "text": piece_text, "start": a, "end": b,
             # a literal "<unk>" typed in the text is matched as the special token: not unknown text
             "unk": unk_id is not None and tid == unk_id and covered != unk_token,

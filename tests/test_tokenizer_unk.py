@@ -84,9 +84,13 @@ def test_bytelevel_bpe_on_burmese_has_no_unknowns_and_round_trips(bytelevel):
     assert a["unknown"] == 0 and a["unknown_rate"] == 0.0 and a["roundtrip"] is True
     assert a["tokens"] > len(BURMESE)  # byte tokens: up to 3 per Burmese character
     assert "".join(p["text"] for p in a["pieces"]) == BURMESE
-    # a byte token shows its byte, not a stand-in character or "�"
-    assert all(p["display"].startswith("<0x") or p["display"] == "␣" for p in a["pieces"])
-    assert not any("\ufffd" in p["display"] for p in a["pieces"])
+    # a byte token keeps its byte (raw), not a stand-in character or "�", and is shown as the
+    # Burmese character it makes with its neighbours ("မ·1/3")
+    assert all(p["raw"].startswith("<0x") or p["raw"] == "␣" for p in a["pieces"])
+    assert not any("\ufffd" in p["display"] or "<0x" in p["display"] for p in a["pieces"])
+    assert any(p["parts"] > 1 and any("\u1000" <= ch <= "\u109f" for ch in p["display"]) for p in a["pieces"])
+    h = jf.tokens_html([("byte-level", a)], BURMESE)
+    assert h.count("lmscope-glyph") == sum(1 for p in a["pieces"] if p["parts"] > 1 and p["part"] == 1)
 
 
 def test_default_model_tokenizer_on_burmese():
