@@ -45,13 +45,41 @@ def _empty(fig: go.Figure, message: str) -> go.Figure:
     return fig
 
 
+ETA_MIN_FRACTION = 0.1  # before this much is done, or this soon after the start, a rate says nothing yet
+ETA_MIN_ELAPSED_S = 5.0
+
+
+def eta_text(rec: dict, now: float | None = None) -> str:
+    """The time left as a person would say it, or "" while no honest estimate exists: a job at 5%
+    after a second has no rate yet ("about 0 s left" was the old answer), a finished one none."""
+    pr = rec.get("progress") or {}
+    eta, frac = pr.get("eta_seconds"), float(pr.get("fraction") or 0)
+    started = rec.get("started")
+    now = time.time() if now is None else now
+    if rec.get("state") != "running" or eta is None or frac < ETA_MIN_FRACTION:
+        return ""
+    if started and now - started < ETA_MIN_ELAPSED_S:
+        return ""
+    eta = max(0.0, float(eta))
+    if eta < 10:
+        return "a few seconds left"
+    if eta < 90:
+        return f"about {5 * round(eta / 5):.0f} s left"
+    if eta < 5400:
+        return f"about {round(eta / 60):.0f} min left"
+    return f"about {eta / 3600:.1f} h left"
+
+
+def cancellable(rec: dict | None) -> bool:
+    return bool(rec) and rec.get("state") in ("queued", "running")
+
+
 def jobs_table(records: list[dict]) -> pd.DataFrame:
     rows = []
     for r in records:
         pr = r.get("progress") or {}
-        eta = pr.get("eta_seconds")
         rows.append([r["id"], r["kind"], r["state"], f"{100 * (pr.get('fraction') or 0):.0f}%",
-                     pr.get("stage", ""), f"{eta:.0f} s" if eta and r["state"] == "running" else "",
+                     pr.get("stage", ""), eta_text(r).replace(" left", ""),
                      _ago(r.get("created")), job_details(r)])
     return pd.DataFrame(rows, columns=JOB_COLUMNS)
 
@@ -62,10 +90,9 @@ def progress_html(rec: dict | None) -> str:
     pr = rec.get("progress") or {}
     frac = max(0.0, min(1.0, float(pr.get("fraction") or 0)))
     colour = STATE_COLOUR.get(rec["state"], "#6b7280")
-    eta = pr.get("eta_seconds")
     bits = [f"<b>{html.escape(rec['id'])}</b> · {html.escape(rec['state'])}", html.escape(str(pr.get("stage", "")))]
-    if eta and rec["state"] == "running":
-        bits.append(f"about {eta:.0f} s left")
+    if eta_text(rec):
+        bits.append(eta_text(rec))
     if rec.get("started") and rec.get("finished"):
         bits.append(f"ran {rec['finished'] - rec['started']:.1f} s")
     err = f"<div style='color:#dc2626'>{html.escape(rec['error'])}</div>" if rec.get("error") else ""

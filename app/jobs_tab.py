@@ -188,7 +188,8 @@ def build(shared: Shared) -> None:
                                  label="Click a row to see its progress, log and report")
             progress = gr.HTML(jf.progress_html(None), elem_id="job-progress")
             with gr.Row():
-                cancel_btn = gr.Button("Cancel job", variant="stop", elem_id="job-cancel")
+                # only while the selected job can still be stopped (a finished one has nothing to cancel)
+                cancel_btn = gr.Button("Cancel job", variant="stop", size="sm", visible=False, elem_id="job-cancel")
             log = gr.Textbox(label="Log", lines=8, max_lines=16, interactive=False, elem_id="job-log")
             downloads = gr.HTML(jf.downloads_html(None), elem_id="job-files-out")
     gr.Markdown("### Tokenizer report")
@@ -220,6 +221,7 @@ def build(shared: Shared) -> None:
     cancel_btn.click(cancel, [selected], [status]).then(refresh, [selected], tick_out)
     # when the selected job finishes, load its report once
     progress.change(_maybe_report, [selected, progress], detail_out, show_progress="hidden")
+    progress.change(_cancel_button, [progress], [cancel_btn], show_progress="hidden", queue=False)
     compare_btn.click(compare, [shared.prompt, others, selected], [compared, comp], api_name="tokenize")
     others.focus(tokenizer_choices, None, [others])
 
@@ -250,6 +252,14 @@ def _signed_in_server() -> bool:
 @endpoint
 def show_if_upload(kind):
     return gr.update(visible=kind == "upload")
+
+
+@endpoint
+def _cancel_button(progress_html):
+    """The cancel button shows only while the selected job is queued or running (read from the
+    progress panel the page already has: no extra request to the job store)."""
+    h = progress_html if isinstance(progress_html, str) else ""
+    return gr.update(visible=any(f"data-state='{s}'" in h for s in ("queued", "running")))
 
 
 @endpoint
