@@ -118,7 +118,10 @@ def _tok(lm, i: int) -> str:
 
 
 def _pos_labels(lm, ids) -> list[str]:
-    return [f"{p}:{_tok(lm, t)}" for p, t in enumerate(ids)]
+    """'position:token' axis labels; byte tokens that make a character together say which ("မ·1/3")."""
+    from model_core.tokenization import describe_tokens
+
+    return [f"{p}:{r['display'] or '∅'}" for p, r in enumerate(describe_tokens(lm.tokenizer, ids))]
 
 
 # --- handlers ----------------------------------------------------------------------------------
@@ -265,6 +268,51 @@ def poll_patch_job(job_id, request: gr.Request = None):
     return bar, summary, heat, gr.Timer(active=False)
 
 
+def _space_problems(lm, target, other, kind) -> list[tuple[str, dict]]:
+    from model_core.tokenization import spaced_alternative
+
+    fields = [("target", target)] + ([("other", other)] if kind == "logit_diff" else [])
+    return [(name, alt) for name, text in fields if (alt := spaced_alternative(lm.tokenizer, text))]
+
+
+def _space_sentence(name: str, alt: dict) -> str:
+    became = " + ".join(f"“{d}”" for d in alt["shown"])
+    ids = ", ".join(str(i) for i in alt["ids"])
+    n = len(alt["ids"])
+    return (f"The {name} '{alt['text']}' became {'token' if n == 1 else f'{n} tokens'} {became} (id {ids}), "
+            f"without a leading space; after a word the model writes “{alt['spaced_shown']}” "
+            f"(id {alt['spaced_id']}).")
+
+
+@endpoint(model=True)
+def space_note(model, target, other, kind, request: gr.Request = None):
+    """Under the target and other boxes: which token a text without its leading space became, and
+    the button that puts the space in (hidden when both already name the token a model writes)."""
+    try:
+        problems = _space_problems(get_model(model), target, other, kind)
+    except (gr.Error, LmscopeError):
+        return gr.update(visible=False), gr.update(visible=False)
+    if not problems:
+        return gr.update(value="", visible=False), gr.update(visible=False)
+    text = " ".join(_space_sentence(n, a) for n, a in problems)
+    label = "Use " + " and ".join(f"'{a['spaced']}'" for _, a in problems)
+    return gr.update(value=f"ⓘ {text}", visible=True), gr.update(value=label, visible=True)
+
+
+@endpoint(model=True)
+def use_spaced(model, target, other, kind, request: gr.Request = None):
+    problems = dict(_space_problems(get_model(model), target, other, kind))
+    return (problems["target"]["spaced"] if "target" in problems else gr.skip(),
+            problems["other"]["spaced"] if "other" in problems else gr.skip(),
+            gr.update(value="", visible=False), gr.update(visible=False))
+
+
+@endpoint
+def _job_cancel_button(bar_html):
+    h = bar_html if isinstance(bar_html, str) else ""
+    return gr.update(visible=any(f"data-state='{s}'" in h for s in ("queued", "running")))
+
+
 @endpoint
 def cancel_patch_job(job_id, request: gr.Request = None):
     from app import jobs_figures as jf
@@ -315,6 +363,11 @@ def build(shared: Shared) -> None:
         other = gr.Textbox(OTHER, label="Other token (for a logit difference)", elem_id="iv-other")
         kind = gr.Radio([("logit difference", "logit_diff"), ("target log-prob", "logprob")], value="logit_diff",
                         label="Metric", elem_id="iv-metric")
+    # "Paris" typed without its leading space is another token than the " Paris" a model writes
+    # mid-sentence: say which token each became, and offer the spaced one
+    with gr.Row():
+        space_md = gr.Markdown(visible=False, elem_id="iv-space-note", elem_classes=["field-msg"])
+        space_fix = gr.Button("Use the spaced tokens", size="sm", visible=False, scale=0, elem_id="iv-space-fix")
 
     with gr.Accordion("Ablate heads, MLPs, neurons (clean prompt)", open=True):
         with gr.Row():
@@ -342,7 +395,7 @@ def build(shared: Shared) -> None:
         with gr.Group(visible=False, elem_id="iv-job-box") as job_box:
             with gr.Row():
                 job_btn = gr.Button("Run as a background job", variant="primary", elem_id="iv-job-submit")
-                job_cancel = gr.Button("Cancel job", variant="stop", elem_id="iv-job-cancel")
+                job_cancel = gr.Button("Cancel job", variant="stop", size="sm", visible=False, elem_id="iv-job-cancel")
             job_bar = gr.HTML(elem_id="iv-job-progress")
         patch_plot = gr.Plot(label="Patching effect", elem_id="iv-patch-plot")
         job_id = gr.State(None)
@@ -370,6 +423,12 @@ def build(shared: Shared) -> None:
     job_btn.click(submit_patch_job, [m, clean, corrupt, target, other, kind, what, align],
                   [job_id, job_bar, job_timer, patch_md], api_name="jobs_submit_patching")
     job_timer.tick(poll_patch_job, [job_id], [job_bar, patch_md, patch_plot, job_timer], show_progress="hidden")
+    # a finished job has nothing to cancel: the button goes with it
+    job_bar.change(_job_cancel_button, [job_bar], [job_cancel], show_progress="hidden", queue=False)
+    for ev in (target.blur, other.blur, target.submit, other.submit, kind.change, m.change, ablate_btn.click,
+               patch_btn.click, attr_btn.click):
+        ev(space_note, [m, target, other, kind], [space_md, space_fix], show_progress="hidden")
+    space_fix.click(use_spaced, [m, target, other, kind], [target, other, space_md, space_fix])
     job_cancel.click(cancel_patch_job, [job_id], [job_bar])
     attr_btn.click(run_attribution, [m, clean, target, other, kind], [attr_md, attr_heads, attr_layers],
                    concurrency_id="model", api_name="attribute")

@@ -331,6 +331,22 @@ def continuation_display(pending: bytes, raw: bytes) -> str:
     return display_bytes(raw)
 
 
+def spaced_alternative(tokenizer, text) -> dict | None:
+    """A target typed without its leading space ("Paris") is a different token from the one a model
+    writes mid-sentence (" Paris"). When `text` has no leading space and " " + text is one token
+    that differs from what `text` encodes to, says both: {text, ids, shown, spaced, spaced_id,
+    spaced_shown} (shown: the tokens as views show them); else None."""
+    if not isinstance(text, str) or not text or text[0].isspace() or text.strip().lstrip("-").isdigit():
+        return None
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    spaced = list(tokenizer(" " + text, add_special_tokens=False)["input_ids"])
+    if len(spaced) != 1 or spaced == ids:
+        return None
+    return {"text": text, "ids": [int(i) for i in ids], "shown": [r["display"] for r in describe_tokens(tokenizer, ids)],
+            "spaced": " " + text, "spaced_id": int(spaced[0]),
+            "spaced_shown": describe_tokens(tokenizer, spaced)[0]["display"]}
+
+
 def byte_tokenizer():
     """A 258-token byte-level tokenizer built in memory (no files, no hub): every byte is a
     token, plus <bos>/<eos>. Random-weight models use it, so they run anywhere, GPU box included."""

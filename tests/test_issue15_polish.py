@@ -33,3 +33,28 @@ def test_cancel_button_only_while_a_job_can_stop():
                          ("cancelled", False)]:
         assert _cancel_button(jf.progress_html(_rec(state=state)))["visible"] is shown, state
     assert _cancel_button(jf.progress_html(None))["visible"] is False
+
+
+def test_a_target_without_its_leading_space_is_named_and_the_spaced_one_offered():
+    """On the real default tokenizer: 'Paris' is token 38634, ' Paris' (what the model writes after
+    'city of') is 7042; the note says both and the button puts the space in."""
+    from transformers import AutoTokenizer
+
+    from app import interventions_tab as iv
+    from conftest import DEFAULT
+
+    from model_core.registry import converted_dir
+
+    tok = AutoTokenizer.from_pretrained(str(converted_dir(DEFAULT)))
+    paris, spaced = tok.encode("Paris", add_special_tokens=False), tok.encode(" Paris", add_special_tokens=False)
+    assert len(paris) == len(spaced) == 1 and paris != spaced
+    note, fix = iv.space_note(DEFAULT, "Paris", " Rome", "logit_diff")
+    assert note["visible"] and fix["visible"] and fix["value"] == "Use ' Paris'"
+    assert f"id {paris[0]}" in note["value"] and f"id {spaced[0]}" in note["value"] and "“␣Paris”" in note["value"]
+    note, fix = iv.space_note(DEFAULT, "Paris", "Rome", "logit_diff")
+    assert fix["value"] == "Use ' Paris' and ' Rome'"
+    target, other, note, fix = iv.use_spaced(DEFAULT, "Paris", "Rome", "logit_diff")
+    assert (target, other) == (" Paris", " Rome") and not note["visible"]
+    # already spaced, an id, or "other" unused by the log-prob metric: nothing to say
+    assert not iv.space_note(DEFAULT, " Paris", " Rome", "logit_diff")[0]["visible"]
+    assert not iv.space_note(DEFAULT, "7042", "Rome", "logprob")[0]["visible"]
