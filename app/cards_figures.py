@@ -41,7 +41,7 @@ def comparison_html(columns: list[dict]) -> str:
                 labels.insert(labels.index(prev) + 1 if prev in labels else len(labels), k)
             prev = k
     n = max(1, len(columns))
-    width = max(150, int(780 / n))
+    width = max(118, int(780 / n))
     th = ("style='position:sticky;top:0;background:var(--block-background-fill, #fff);text-align:left;"
           f"vertical-align:bottom;min-width:{width}px;padding:4px 6px;border-bottom:2px solid #999'")
     head = "".join(
@@ -88,18 +88,19 @@ def kv_growth_figure(growth: dict) -> go.Figure:
                         customdata=[[_human_bytes(b)] for b in g["bytes"]],
                         hovertemplate=(f"{html.escape(name)} ({g['kind']})<br>%{{x:,}} tokens: %{{customdata[0]}}"
                                        f"<br>per token: {html.escape(g['formula'])}<extra></extra>"))
-        fig.add_scatter(x=[g["tokens"][-1]], y=[g["bytes"][-1]], mode="markers+text", showlegend=False,
-                        marker=dict(color=color, size=7), text=[_human_bytes(g["bytes"][-1])],
-                        textposition="middle left", textfont=dict(size=10, color=color), hoverinfo="skip",
-                        name=f"{name}: at its context length")
+        fig.add_scatter(x=[g["tokens"][-1]], y=[g["bytes"][-1]], mode="markers", showlegend=False,
+                        marker=dict(color=color, size=7), name=f"{name}: at its context length",
+                        hovertemplate=(f"{html.escape(name)} at its context length, %{{x:,}} tokens: "
+                                       f"{_human_bytes(g['bytes'][-1])}<extra></extra>"))
         if g.get("uncompressed"):
             fig.add_scatter(x=g["tokens"], y=g["uncompressed"], mode="lines", name=f"{name} if uncompressed",
                             line=dict(color=color, dash="dot", width=1.5),
                             customdata=[[_human_bytes(b)] for b in g["uncompressed"]],
                             hovertemplate=(f"{html.escape(name)}, every head's full K and V<br>%{{x:,}} tokens: "
                                            "%{customdata[0]}<extra></extra>"))
-    fig.update_layout(title="KV cache of one sequence (fp16) vs context length", height=420,
-                      margin=dict(l=60, r=10, t=50, b=40), legend=dict(font=dict(size=10)),
+    fig.update_layout(title="KV cache (fp16) vs context", height=520,
+                      margin=dict(l=60, r=10, t=50, b=40),
+                      legend=dict(font=dict(size=10), orientation="h", yanchor="top", y=-0.18, x=0),
                       xaxis=dict(type="log", title="context length T (tokens)"),
                       yaxis=dict(type="log", title="bytes", tickformat=".0s", ticksuffix="B"))
     return fig
@@ -124,6 +125,7 @@ def param_share_figure(cards: dict) -> go.Figure:
                         customdata=[cards[n]["active_params"] for n in moe],
                         hovertemplate="%{y}: %{customdata:,} parameters per token (%{x:.1f}%)<extra></extra>")
     fig.update_layout(barmode="stack", title="Parameters by part (% of each model)", xaxis_title="%",
-                      height=80 + 34 * len(names), margin=dict(l=10, r=10, t=40, b=30),
-                      yaxis=dict(autorange="reversed", automargin=True), legend=dict(font=dict(size=10)))
+                      height=160 + 34 * len(names), margin=dict(l=10, r=10, t=40, b=30),
+                      yaxis=dict(autorange="reversed", automargin=True),
+                      legend=dict(font=dict(size=10), orientation="h", yanchor="top", y=-0.22, x=0, traceorder="normal"))
     return fig

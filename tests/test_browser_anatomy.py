@@ -103,40 +103,77 @@ def checks_pass(page, panel: str, n: int = 1) -> bool:
 
 # --- panel by panel ---------------------------------------------------------------------------------
 
-def check_card(page, model: str, want: dict):
-    rows = wait_for(lambda: (r := table(page, "anatomy-card", "Side by side")) and r[0][1:2] == [model]
-                    and len(r) > 20 and r, f"architecture card for {model}")
-    header, body = rows[0], {r[0]: r[1:] for r in rows[1:]}
-    assert header[0] == "property" and len(header) >= 3, header  # selected model first, then the comparisons
-    assert "smollm2-135m-instruct" in header[1:]  # the default model stays in the comparison
-    # the rows people compare first are at the top, and every row has something in every column
-    assert [r[0] for r in rows[1:6]] == ["architecture", "params: total", "dtype", "KV cache / token",
-                                         "KV cache / token (16-bit)"], rows[1:6]
-    assert {"QK-norm", "sliding window"} <= {r[0] for r in rows[1:16]}
-    assert all(len(r) == len(header) and all(r) for r in rows[1:])
-    # the table fits its panel: the last column's right edge is inside the card, not cut off
-    edges = page.evaluate("""() => { const g = document.querySelector('#anatomy-card [role=grid][aria-label="Side by side"]');
-        const hs = g.querySelectorAll('thead [role=columnheader]'); const last = hs[hs.length - 1].getBoundingClientRect();
-        return [last.right, document.querySelector('#anatomy-card').getBoundingClientRect().right]; }""")
-    assert edges[0] <= edges[1] + 1, edges
-    assert len(rows) == int(page.get_attribute('#anatomy-card [role=grid][aria-label="Side by side"]', "aria-rowcount"))
+REFERENCE_TITLES = ["Llama 3.2-1B", "GPT-2 (124M)", "GPT-3 175B", "Mistral 7B", "DeepSeek-V2", "Granite 3B (4.1)"]
+
+
+def compare_table(page) -> dict:
+    """The side-by-side cards (an HTML table): column titles and kinds, and per row label the
+    cells' texts and whether a source's statement in the cell differs from the computed value."""
+    return page.evaluate("""() => { const t = document.querySelector('#anatomy-compare table');
+        if (!t) return null;
+        const heads = Array.from(t.querySelectorAll('thead th[data-kind]'));
+        const rows = {};
+        t.querySelectorAll('tbody tr').forEach(r => { rows[r.dataset.row] = Array.from(r.querySelectorAll('td')).map(
+            c => ({text: c.innerText.trim(), differs: c.dataset.differs === '1',
+                   marks: Array.from(c.querySelectorAll('.lmscope-claim')).map(m => ({agrees: m.dataset.agrees === '1',
+                                                                                    text: m.innerText.trim()}))})); });
+        const box = document.querySelector('#anatomy-compare .lmscope-cards').getBoundingClientRect();
+        return {titles: heads.map(h => h.firstChild.textContent.trim()), kinds: heads.map(h => h.dataset.kind),
+                rows, right: box.right, card_right: document.querySelector('#anatomy-card').getBoundingClientRect().right,
+                page_width: document.documentElement.scrollWidth}; }""")
+
+
+def check_card(page, model: str, want: dict, kind: str = "loaded"):
+    title = model + (" (random weights)" if kind == "random" else "")
+    tab = wait_for(lambda: (t := compare_table(page)) and t["titles"][:1] == [title] and t, f"architecture cards for {model}")
+    # the selected model first, then by default the six real systems from their published configs (issue 21)
+    assert tab["titles"] == [title] + REFERENCE_TITLES and tab["kinds"] == [kind] + ["reference"] * 6, tab["titles"]
+    body = {label: [c["text"] for c in cells] for label, cells in tab["rows"].items()}
+    assert list(body)[:4] == ["architecture", "weights", "params", "active params / token"], list(body)[:6]
+    assert all(len(cells) == 7 and all(cells) for cells in body.values())  # every model, every row
+    assert tab["right"] <= tab["card_right"] + 1, tab  # wide tables scroll inside the panel, not off it
     for key, value in want.items():
         assert value in body[key][0], (key, body[key][0], value)
-    assert int(body["params: total"][0].replace(",", "")) > 0
-    assert int(body["KV cache / token"][0].replace(",", "")) > 0
-    bars = wait_for(lambda: (p := plots(page, "anatomy-card")) and p[0]["traces"][0]["x"][0] == model
+    assert ("random" in body["weights"][0]) == (kind == "random")
+    assert all("meta device" in w for w in body["weights"][1:])
+    # the bar's numbers, computed in the server from the configs
+    col = {t: i for i, t in enumerate(tab["titles"])}
+    for t, params, kv in (("GPT-2 (124M)", "124,439,808", "36,864 B"), ("Llama 3.2-1B", "1,235,814,400", "32,768 B"),
+                          ("Mistral 7B", "7,241,732,096", "131,072 B"), ("DeepSeek-V2", "235,741,434,880", "69,120 B")):
+        assert body["params"][col[t]].startswith(params) and body["KV cache / token (fp16)"][col[t]].startswith(kv)
+    # the source table's errors are marked in their cells, each with the reason; its sizes agree (✓)
+    cell = lambda row, t: tab["rows"][row][col[t]]  # noqa: E731
+    assert cell("norm position", "GPT-2 (124M)")["differs"] and "post-norm" in cell("norm position", "GPT-2 (124M)")["text"]
+    assert "ln_1" in cell("norm position", "GPT-2 (124M)")["text"]  # the reason names the computed wiring
+    assert cell("vocabulary", "GPT-3 175B")["differs"] and "100K" in cell("vocabulary", "GPT-3 175B")["text"]
+    assert cell("context length", "GPT-3 175B")["differs"] and cell("context length", "GPT-3 175B")["text"].startswith("2,048")
+    assert cell("context length", "DeepSeek-V2")["differs"]
+    assert all(any(m["agrees"] and m["text"].startswith("✓ table") for m in cell("params", t)["marks"])
+               for t in REFERENCE_TITLES)
+    assert not any(c["differs"] for c in tab["rows"]["params"][:1])  # nothing is claimed about the selected model
+    bars = wait_for(lambda: (p := plots(page, "anatomy-card")) and p[0]["traces"][0]["y"][0] == title
                     and p[0]["traces"], "parameters-by-part bars")
-    assert [t["name"] for t in bars][:4] == ["embedding", "attention", "mlp", "norms"]
-    per_model = [sum((t["y"][i] or 0) for t in bars) for i in range(len(bars[0]["x"]))]
+    stacked = [t for t in bars if t["type"] == "bar"]
+    assert [t["name"] for t in stacked][:4] == ["embedding", "attention", "MLP (dense, shared experts)",
+                                                "routed experts + router"]
+    per_model = [sum((t["x"][i] or 0) for t in stacked) for i in range(len(stacked[0]["y"]))]
     assert all(abs(s - 100) < 0.5 for s in per_model), per_model  # each bar is 100 % of its model
-    assert bars[0]["x"][0] == model
+    active = next(t for t in bars if t["name"] == "active per token (MoE)")
+    assert active["y"] == ["DeepSeek-V2"] and 9 < active["x"][0] < 9.2  # 21.4B of 235.7B
+    kv = wait_for(lambda: (p := plots(page, "anatomy-card")) and len(p) == 2 and p[1], "KV-cache growth plot")
+    lines = {t["name"]: t for t in kv["traces"] if t["type"] == "scatter" and len(t["x"] or []) > 1}
+    assert set(lines) == {title, *REFERENCE_TITLES, "DeepSeek-V2 if uncompressed"}
+    mistral = dict(zip(lines["Mistral 7B"]["x"], lines["Mistral 7B"]["y"]))
+    assert mistral[4096] == mistral[32768] == 131_072 * 4096  # the sliding window caps the cache
+    assert lines["DeepSeek-V2"]["y"][-1] == 69_120 * 163_840
     return body
 
 
 def check_single_card(page, body: dict):
     single = wait_for(lambda: (r := table(page, "anatomy-card", "This model")) and len(r) > 20 and r, "single card")
     mine = {r[0]: r[1] for r in single[1:]}
-    assert all(mine[k] == v[0] for k, v in body.items() if k in mine), (mine, body)
+    shared = [k for k in body if k in mine]
+    assert len(shared) >= 8 and all(mine[k] == body[k][0] for k in shared), [(k, mine[k], body[k][0]) for k in shared]
     assert len(mine) >= 20
 
 
@@ -243,9 +280,18 @@ def test_anatomy_in_the_browser(server):
         T = 12  # the example prompt, as in the Explore test
         card = check_card(page, "smollm2-135m-instruct", {
             "architecture": "LlamaForCausalLM", "layers": "30", "d_model": "576", "query heads": "9",
-            "key/value heads": "3", "attention": "GQA", "head dim": "64", "FFN type": "SwiGLU",
-            "FFN width": "1,536", "norm": "RMSNorm", "positions": "RoPE", "vocabulary": "49,152",
-            "weight tying": "tied"})
+            "key/value heads": "3", "attention kind": "GQA", "head dim": "64", "feed-forward": "SwiGLU 1,536",
+            "norm": "RMSNorm", "position encoding": "RoPE", "vocabulary": "49,152", "weight tying": "tied",
+            "norm position": "pre-norm", "KV cache / token (fp16)": "23,040 B", "params": "134,515,008"})
+        cards = page.locator("#anatomy-card")
+        cards.screenshot(path=str(ARTIFACTS / "anatomy-cards-1400.png"))
+        page.set_viewport_size({"width": 420, "height": 900})  # a phone: the table scrolls inside its panel
+        narrow = wait_for(lambda: (t := compare_table(page)) and t["page_width"] <= 421 and t, "the cards at 420 px")
+        assert narrow["right"] <= narrow["card_right"] + 1, narrow
+        assert page.evaluate("() => { const b = document.querySelector('#anatomy-compare .lmscope-cards'); "
+                             "return b.scrollWidth > b.clientWidth; }")  # seven columns: scroll sideways
+        cards.screenshot(path=str(ARTIFACTS / "anatomy-cards-420.png"))
+        page.set_viewport_size({"width": 1400, "height": 1000})
         check_output(page, 49152)
         for panel in PANELS:  # the newcomer opens every panel after the first run
             open_panel(page, panel)
@@ -294,16 +340,18 @@ def test_anatomy_in_the_browser(server):
         prompt = page.locator("#prompt textarea").input_value()
         check_card(page, "random-gpt2-tiny", {
             "architecture": "GPT2LMHeadModel", "layers": "3", "d_model": "64", "query heads": "4",
-            "key/value heads": "4", "attention": "MHA", "FFN type": "GELU MLP", "FFN width": "256",
-            "norm": "LayerNorm", "positions": "learned absolute", "vocabulary": "258"})
+            "key/value heads": "4", "attention kind": "MHA", "feed-forward": "GELU MLP 256", "norm": "LayerNorm",
+            "position encoding": "learned absolute", "vocabulary": "258", "norm position": "pre-norm"},
+            kind="random")
         check_output(page, 258)
         Tb = len(prompt.encode())  # one byte per token
         check_tree(page, Tb, 64, 258, layer_list="h")
         check_attention(page, Tb, 16, "head")
         wait_for(lambda: "does not use RoPE" in text(page, "anatomy-rope"), "the no-RoPE note")
         wait_for(lambda: all(p["width"] == 0 for p in plots(page, "anatomy-rope")), "the RoPE plots hidden")
-        own, sinus = wait_for(lambda: (p := plots(page, "anatomy-positions")) and "learned" in p[0]["annotations"][0]
-                              and p[0]["traces"], "learned position embeddings")
+        own, sinus = wait_for(lambda: (p := plots(page, "anatomy-positions"))  # random weights never learned
+                              and "untrained position embeddings (random weights" in p[0]["annotations"][0]
+                              and p[0]["traces"], "untrained position embeddings")
         assert len(own["z"]) == 64 and len(own["z"][0]) == 64 and len(sinus["z"][0]) == 64
         check_norm(page, 64, "LayerNorm")
         check_mlp(page, 256, gated=False)
@@ -324,8 +372,9 @@ def test_anatomy_in_the_browser(server):
         page.click("#anatomy-go")
         check_card(page, "random-gemma3-tiny", {
             "architecture": "Gemma3ForCausalLM", "layers": "4", "query heads": "4", "key/value heads": "1",
-            "attention": "MQA", "FFN type": "GeGLU", "norm": "RMSNorm with gain (1 + w)", "positions": "RoPE",
-            "sliding window": "3 of 4 layers", "QK-norm": "yes"})
+            "attention kind": "MQA", "feed-forward": "GeGLU", "norm": "RMSNorm with gain (1 + w)",
+            "position encoding": "RoPE", "sliding window": "3 of 4 layers", "norm position": "pre- and post-norm"},
+            kind="random")
         check_embedding(page, "'t'")  # the chain's last step: every panel below is this model's
         check_tree(page, Tb, 64, 258)
         check_attention(page, Tb, 16, "(K/V head 0)", window=6)  # MQA: every query head shares K/V head 0
