@@ -1,15 +1,18 @@
-"""Concurrent requests with and without batched forwards (model_core.batching), in one process.
+"""Many users at once: lmscope's engine against transformers' own batched generate, in one process.
 
-N threads at once, each one user: a generation of --new-tokens greedy tokens, or a trace of a
-~30-token prompt. For each N the same work runs twice in the same run, batched (the server's
-default) and with batching off (LMSCOPE_MAX_BATCH=1: one forward at a time), interleaved, and
-prints aggregate tokens/s (generation) or traces/s, the median latency, the batched / unbatched
-throughput ratio, and the batch sizes seen. Batched greedy tokens are also compared with the
-unbatched ones (equal on the CPU in float32; in bf16 on a GPU, batched rows round differently
-and a near-tie may go the other way: the count of differing generations is printed).
+Generation: N threads at once, each one user asking for --new-tokens greedy tokens with every step
+recorded, through model_core.generate (the engine: continuous batching over a slot cache, CUDA
+graphs on a GPU). Baseline in the same run: transformers' `generate` on all N prompts as one batch
+(static cache on CUDA, which compiles the forward; dynamic cache on the CPU), which records
+nothing. Prints aggregate tokens/s of both, their ratio, p50/p95 time to first token of the
+engine's users, and how many greedy generations differ from transformers' (0 on the CPU in
+float32; in bf16 on a GPU a near-tie may go the other way, so the count is reported).
+
+Traces: N threads at once, each a trace of a ~30-token prompt, batched (model_core.batching) and
+one forward at a time (max_batch 1), interleaved; traces/s and the ratio.
 
 CPU:  .venv/bin/python bench/batching.py                 (the real default model)
-GPU:  PYTHONPATH=. python bench/batching.py --random --device cuda
+GPU:  PYTHONPATH=. python bench/batching.py --random --device cuda --users 1 8 16 32
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ import torch  # noqa: E402
 
 from model_core import load_model, trace  # noqa: E402
 from model_core.batching import batcher_for  # noqa: E402
-from model_core.generate import generate  # noqa: E402
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven curious students measure how far "
          "sound travels in warm air and cold water before the evening bell").split()
@@ -63,6 +65,32 @@ def concurrently(fn, n: int):
     return out, time.perf_counter() - t0, lat
 
 
+def _hf_batch(lm, ids: list[list[int]], n_new: int, static: bool):
+    x = torch.tensor(ids, device=lm.device)
+    kw = dict(max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, attention_mask=torch.ones_like(x),
+              pad_token_id=lm.tokenizer.pad_token_id or 0, temperature=None, top_k=None, top_p=None)
+    if static:
+        kw["cache_implementation"] = "static"
+    with torch.inference_mode():
+        return lm.model.generate(x, **kw)[:, x.shape[1]:].tolist()
+
+
+def _user(lm, ids, n_new):
+    """One user's recorded generation; returns (tokens, seconds to the first token)."""
+    from model_core.generate import iter_generate
+
+    t0 = time.perf_counter()
+    ttft, gen = None, None
+    for _, gen in iter_generate(lm, token_ids=ids, max_new_tokens=n_new, ignore_eos=True):
+        ttft = ttft or time.perf_counter() - t0
+    return gen.token_ids, ttft
+
+
+def _pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--random", action="store_true", help="random-smollm2-135m instead of the real default model")
@@ -70,52 +98,63 @@ def main(argv=None) -> int:
     ap.add_argument("--users", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--no-traces", action="store_true")
     args = ap.parse_args(argv)
     lm = load_model("random-smollm2-135m" if args.random else "smollm2-135m-instruct", device=args.device)
     b = batcher_for(lm)
+    static = lm.device.type == "cuda"
     dev = torch.cuda.get_device_name(0) if lm.device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
     print(f"# bench/batching.py  {lm.name} on {dev}, {lm.dtype}; {args.new_tokens} new tokens per generation")
+    P = 24
+    ids = [lm.tokenizer(prompt(i, 40))["input_ids"][:P] for i in range(max(args.users))]  # equal lengths: no padding
 
-    def gen(i):
-        return generate(lm, prompt(i), max_new_tokens=args.new_tokens, ignore_eos=True).token_ids
+    global _POOL
+    _POOL = ThreadPoolExecutor(max(args.users))
+    concurrently(lambda i: _user(lm, ids[i], 4), max(args.users))  # warm every thread and the engine
+    from model_core.engine import engine_for
+
+    eng = engine_for(lm)
+    hf_name = "hf static" if static else "hf dynamic"
+    print(f"{'users':>5} {'engine tok/s':>12} {hf_name + ' tok/s':>16} {'ratio':>6} {'ttft p50/p95 ms':>16}  differ  batch sizes")
+    for n in args.users:
+        _hf_batch(lm, ids[:n], args.new_tokens, static), _hf_batch(lm, ids[:n], args.new_tokens, static)  # compile
+        ours_r, hf_r, ttfts, differ = [], [], [], 0
+        before = dict(eng.stats.batch_sizes)
+        for _ in range(args.repeats):
+            out, wall, _lat = concurrently(lambda i: _user(lm, ids[i], args.new_tokens), n)
+            ours_r.append(n * args.new_tokens / wall)
+            ttfts += [t for _, t in out]
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            ref = _hf_batch(lm, ids[:n], args.new_tokens, static)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            hf_r.append(n * args.new_tokens / (time.perf_counter() - t0))
+            differ += sum(toks != r for (toks, _), r in zip(out, ref))
+        sizes = {k: v - before.get(k, 0) for k, v in eng.stats.batch_sizes.items() if v - before.get(k, 0)}
+        to, th = statistics.median(ours_r), statistics.median(hf_r)
+        shown = ", ".join(f"{k}:{v}" for k, v in sorted(sizes.items()))
+        print(f"{n:>5} {to:>12.1f} {th:>16.1f} {to / th:>6.2f} {1000 * _pct(ttfts, .5):>7.0f} / {1000 * _pct(ttfts, .95):<6.0f}"
+              f"  {differ:>3}/{n * args.repeats}  {shown}", flush=True)
+    print("engine:", eng.stats_dict())
+    if args.no_traces:
+        return 0
 
     def tr(i):
         return trace(lm, prompt(i, 30)).n_tokens
 
-    global _POOL
-    _POOL = ThreadPoolExecutor(max(args.users))
-    b.max_batch = 1
-    concurrently(lambda i: (gen(i), tr(i)), max(args.users))  # warm every thread of the pool, alone
-    b.max_batch = 32
-    print(f"{'work':>5} {'users':>5} {'batched':>13} {'unbatched':>13} {'ratio':>6} {'p50 latency b / u':>18}  batch sizes")
-    for kind, fn, unit in (("gen", gen, args.new_tokens), ("trace", tr, 1)):
-        for n in args.users:
-            runs = {"batched": [], "unbatched": []}
-            sizes: dict = {}
-            differ = 0
-            for _ in range(args.repeats):
-                results = {}
-                for mode in ("batched", "unbatched"):
-                    b.max_batch = 1 if mode == "unbatched" else 32
-                    before = dict(b.stats.sizes)
-                    out, wall, lat = concurrently(fn, n)
-                    runs[mode].append((n * unit / wall, statistics.median(lat)))
-                    results[mode] = out
-                    if mode == "batched":
-                        for k, v in b.stats.sizes.items():
-                            if v - before.get(k, 0) and k[1] > 1:
-                                sizes[k] = sizes.get(k, 0) + v - before.get(k, 0)
-                if kind == "gen":
-                    differ += sum(x != y for x, y in zip(results["batched"], results["unbatched"]))
-            b.max_batch = 32
-            tb = statistics.median(r[0] for r in runs["batched"])
-            tu = statistics.median(r[0] for r in runs["unbatched"])
-            lb = statistics.median(r[1] for r in runs["batched"])
-            lu = statistics.median(r[1] for r in runs["unbatched"])
-            shown = ", ".join(f"{k[0]}x{k[1]}:{v}" for k, v in sorted(sizes.items())) or "-"
-            per = "tok/s" if kind == "gen" else "tr/s"
-            print(f"{kind:>5} {n:>5} {tb:>7.1f} {per:<5} {tu:>7.1f} {per:<5} {tb / tu:>6.2f} {lb:>8.2f} / {lu:.2f} s   {shown}"
-                  + (f"  ({differ} of {n * args.repeats} generations differ)" if kind == "gen" and differ else ""))
+    print(f"{'users':>5} {'traces batched':>15} {'one at a time':>14} {'ratio':>6}")
+    for n in args.users:
+        runs = {"batched": [], "unbatched": []}
+        for _ in range(args.repeats):
+            for mode in ("batched", "unbatched"):
+                b.max_batch = 1 if mode == "unbatched" else 32
+                _, wall, _ = concurrently(tr, n)
+                runs[mode].append(n / wall)
+        b.max_batch = 32
+        tb, tu = statistics.median(runs["batched"]), statistics.median(runs["unbatched"])
+        print(f"{n:>5} {tb:>10.1f} tr/s {tu:>9.1f} tr/s {tb / tu:>6.2f}", flush=True)
     return 0
 
 

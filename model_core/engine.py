@@ -26,6 +26,7 @@ import atexit
 import contextlib
 import os
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -34,12 +35,14 @@ from dataclasses import dataclass, field
 import torch
 
 from model_core import hooks
+from model_core.cache_api import cache_kwarg, new_cache
 from model_core.row_sampling import RowSettings, packed_width, sample_rows
 from model_core.slot_cache import SlotCache, step_mask
 
 RECORDED = 10  # candidates recorded per step (generate.TOP_K_RECORDED)
 PREFILL_BUDGET = 2048  # prompt tokens admitted per engine loop
 MIN_LENGTH_BUCKET = 128
+SWITCH_INTERVAL = 0.0005  # seconds (sys.setswitchinterval)
 
 
 @dataclass
@@ -137,6 +140,9 @@ class Engine:
         self._held = False
         self._cache: SlotCache | None = None
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        # Request threads turn records into text while this thread launches steps: with Python's
+        # default 5 ms GIL switch interval a waiting thread can stall a whole decode step.
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL))
         self.ready = threading.Event()
         self.start_error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name=f"lmscope-engine-{lm.name}", daemon=True)
@@ -183,8 +189,10 @@ class Engine:
                 self._allocate()
                 if self.use_graphs:
                     self._capture_all()
-        except BaseException as e:  # noqa: BLE001 - reported to every request instead
+        except BaseException as e:  # noqa: BLE001 - requests run on the plain path instead
             self.start_error = e
+            print(f"lmscope: the inference engine for {self._lm().name} could not start "
+                  f"({type(e).__name__}: {e}); generation runs one request at a time", file=sys.stderr)
         self.ready.set()
         pipeline: list = []  # launched steps whose records are not yet handed out
         while True:
@@ -239,11 +247,9 @@ class Engine:
 
     def _allocate(self) -> None:
         lm = self._lm()
-        from transformers import DynamicCache
-
-        probe = DynamicCache(config=lm.model.config)
+        probe = new_cache(lm)
         lm.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device), use_cache=True,
-                 cache=probe, logits_to_keep=1)
+                 logits_to_keep=1, **{cache_kwarg(lm.model): probe})
         shapes = [(l.keys.shape[1], l.keys.shape[3]) for l in probe.layers]
         self._cache = SlotCache(shapes, self.slots, self.max_len, self.dtype, self.device)
         self.layer_bytes_per_token = self._cache.layer_bytes_per_token()
@@ -262,8 +268,6 @@ class Engine:
 
     # --- admission: prefill + the first token ----------------------------------------------------
     def _admit(self, req: EngineRequest) -> None:
-        from transformers import DynamicCache
-
         lm = self._lm()
         self.stats.queue_wait_s += time.perf_counter() - req.submitted
         self.stats.admitted += 1
@@ -276,8 +280,9 @@ class Engine:
             if len(req.ids) + req.n_steps > self.max_len:
                 raise ValueError(f"The prompt plus new tokens exceed this server's {self.max_len}-token cache slots.")
             ids = torch.tensor([req.ids], dtype=torch.long, device=self.device)
-            pre = DynamicCache(config=lm.model.config)
-            logits = lm.model(input_ids=ids, use_cache=True, cache=pre, logits_to_keep=1).logits[:, -1].float()
+            pre = new_cache(lm)
+            logits = lm.model(input_ids=ids, use_cache=True, logits_to_keep=1,
+                              **{cache_kwarg(lm.model): pre}).logits[:, -1].float()
             n = self._cache.load(slot, pre)
             del pre
             self.row_settings.set_row(slot, req.settings, req.seed)
@@ -308,7 +313,7 @@ class Engine:
         seen.scatter_(1, tok[:, None], seen.gather(1, tok[:, None]) | act[:, None])
         self._cache.window(B, L, pos)
         logits = lm.model(input_ids=tok[:, None], position_ids=pos[:, None], attention_mask=step_mask(pos, L, self.dtype),
-                          cache=self._cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+                          use_cache=True, logits_to_keep=1, **{cache_kwarg(lm.model): self._cache}).logits[:, -1].float()
         st = self.row_settings.rows(slice(0, B))
         chosen, packed, final = sample_rows(logits, st, seen, RECORDED)
         self.out_packed[:B].copy_(packed)

@@ -22,7 +22,6 @@ Entry points:
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 import queue
@@ -34,6 +33,7 @@ from typing import Callable, Iterator
 import torch
 
 from model_core import sampling as S
+from model_core.cache_api import cache_kwarg, new_cache
 from model_core.errors import PromptError, SettingsError
 from model_core.row_sampling import counter_uniform
 from model_core.sampling import SamplingSettings
@@ -180,30 +180,9 @@ class Generation:
 # ---------------------------------------------------------------------------------------------
 # Model plumbing (public transformers APIs only; works on transformers 5.17 and newer)
 
-def _cache_kwarg(model) -> str:
-    """transformers >= 5.2x names the forward argument `cache`; earlier 5.x `past_key_values`."""
-    key = ("cache_kwarg", type(model))
-    if key not in _CACHE_KW:
-        params = inspect.signature(model.forward).parameters
-        _CACHE_KW[key] = "cache" if "cache" in params else "past_key_values"
-    return _CACHE_KW[key]
-
-
-_CACHE_KW: dict = {}
-
-
-def new_cache(lm):
-    from transformers import DynamicCache
-
-    try:
-        return DynamicCache(config=lm.model.config)
-    except TypeError:  # very old signature
-        return DynamicCache()
-
-
 def _forward(lm, ids: torch.Tensor, cache) -> torch.Tensor:
     """ids [1, t] -> logits of the last position [V] (float32); the cache grows by t."""
-    out = lm.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{_cache_kwarg(lm.model): cache})
+    out = lm.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(lm.model): cache})
     return out.logits[0, -1].float()
 
 

@@ -1,0 +1,29 @@
+"""transformers' cache API across the 5.x versions this project runs on (one place to adapt).
+
+transformers >= 5.2x names the forward's cache argument `cache`; earlier 5.x `past_key_values`.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+_CACHE_KW: dict = {}
+
+
+def cache_kwarg(model) -> str:
+    """The name of `model.forward`'s cache argument."""
+    key = type(model)
+    if key not in _CACHE_KW:
+        params = inspect.signature(model.forward).parameters
+        _CACHE_KW[key] = "cache" if "cache" in params else "past_key_values"
+    return _CACHE_KW[key]
+
+
+def new_cache(lm):
+    """An empty DynamicCache for the model (layer types from its config)."""
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=lm.model.config)
+    except TypeError:  # very old signature
+        return DynamicCache()
