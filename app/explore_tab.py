@@ -13,6 +13,7 @@ from pathlib import Path
 import gradio as gr
 
 from app import figures, views
+from app import validation as V
 from app.context import Shared, endpoint, get_model, max_prompt_tokens, scratch_dir
 from app.trace_store import STORE
 from model_core.errors import LmscopeError
@@ -106,6 +107,8 @@ class ExploreTab:
     def __init__(self, shared: Shared):
         self.shared = shared
         self.state = gr.State({})  # {"key", "model", "prompt", "chat", "truncate"}
+        # a prompt that cannot run (empty, too long) says so here, under the prompt; the views stay
+        self.prompt_msg = V.field_message("explore-msg")
         self.status = gr.Markdown(elem_id="explore-status")
         with gr.Row():
             self.truncate = gr.Checkbox(label=f"Truncate prompts over {max_prompt_tokens()} tokens (keep the end)",
@@ -181,6 +184,7 @@ class ExploreTab:
             self.top_p = gr.Slider(0.01, 1, value=1.0, step=0.01, label="Top-p", elem_id="top-p")
             self.min_p = gr.Slider(0, 1, value=0.0, step=0.01, label="Min-p", elem_id="min-p")
             self.rep = gr.Slider(0.5, 2.0, value=1.0, step=0.05, label="Repetition penalty", elem_id="rep")
+        self.sampling_msg = V.field_message("explore-sampling-msg")
         self.next_plot = gr.Plot(label="Next-token distribution", elem_id="next-token")
         # mass kept is measured on each stage's input (after the penalty, temperature and earlier
         # filters), not on the temperature-1 bars above: the headers say so (issue 18 fix 8)
@@ -207,7 +211,8 @@ class ExploreTab:
     def run_outputs(self):
         """What run_trace returns, in order (app/ui.py's link autorun sends the same)."""
         return [self.state, self.status, self.tokens, self.layer, self.head, self.query,
-                *self.view_outputs, self.next_plot, self.stages, self.zoom, self.view, self.attn_note]
+                *self.view_outputs, self.next_plot, self.stages, self.zoom, self.view, self.attn_note,
+                self.prompt_msg, self.sampling_msg]
 
     @property
     def zoom_outputs(self):
@@ -248,7 +253,7 @@ class ExploreTab:
             s.page.load(None, None, None, js=BRIDGE_JS)
         self.metric.input(overview, [self.state, self.metric, self.layer, self.head], [self.overview])
         for comp in self.sampling_inputs:
-            comp.input(update_next, [self.state, *self.sampling_inputs], [self.next_plot, self.stages])
+            comp.input(update_next, [self.state, *self.sampling_inputs], [self.next_plot, self.stages, self.sampling_msg])
         self.export_btn.click(export, [self.state], [self.export_files])
         return ev, ev2
 
@@ -376,17 +381,28 @@ def run_trace(model, prompt, chat, truncate, layer, head, query, lens_colour, te
     prompt with a notice; from a link, the query too)."""
     view = query if isinstance(query, dict) else None
     query = view.get("query", -1) if view is not None else query
-    settings = _settings(temperature, top_k, top_p, min_p, rep)
+    # a bad sampling setting loses nothing: the views run, the distribution leaves that setting at
+    # its default, and the sentence stands under the settings (issue 15 item 4)
+    settings, problems = V.check_settings(temperature, top_k, top_p, min_p, rep)
     lm = get_model(model)
     try:
         tr = trace(lm, prompt, chat=bool(chat), truncate=bool(truncate), max_tokens=max_prompt_tokens())
-    except LmscopeError as e:
-        raise gr.Error(str(e)) from None
+    except LmscopeError as e:  # an empty or too long prompt: every view keeps the last good one
+        return [gr.skip()] * (len(RUN_OUTPUT_NAMES) - 2) + [V.show(str(e)), gr.skip()]
     key = STORE.put(tr)
     shape = lm.shape
     L, H, T = shape.n_layers, shape.n_heads, tr.n_tokens
+    asked = {"layer": _asked(layer), "head": _asked(head), "query": _asked(query)}
     layer, head = _clamp(layer, L - 1), _clamp(head, H - 1)
     query = T - 1 if _int(query) is None or not 0 <= _int(query) < T else _int(query)
+    # out-of-range values (a shared link's ?layer=999, another model's layer) are clamped, and said
+    clamped = [str(view.get("notice"))[:300]] if view is not None and view.get("notice") else []
+    for what, got, n in (("Layer", layer, L), ("Head", head, H)):
+        if asked[what.lower()] is not None and asked[what.lower()] != got:
+            clamped.append(f"{what} {asked[what.lower()]} is outside {lm.name}'s {n} {what.lower()}s "
+                           f"(0–{n - 1}): showing {what.lower()} {got}.")
+    if view is not None and asked["query"] not in (None, -1) and asked["query"] != query:
+        clamped.append(f"Query position {asked['query']} is outside the prompt's {T} tokens: showing the last.")
     state = {"key": key, "model": lm.name, "prompt": prompt, "chat": bool(chat), "truncate": bool(truncate)}
     ppl = tr.perplexity()
     lp = [None if i == 0 else float(v) for i, v in enumerate(tr.token_logprobs.tolist())]
@@ -394,13 +410,29 @@ def run_trace(model, prompt, chat, truncate, layer, head, query, lens_colour, te
               f"traced in {tr.seconds * 1000:.0f} ms on {lm.device}")
     scale, zoom = _view(view)
     region, notice = _region(tr, zoom)
+    notice = " ".join([*clamped, notice] if notice else clamped)
     figs = render_views(tr, layer, head, query, lens_colour, region, scale)
     nfig, rows = next_outputs(tr, settings)
     zoom = views.region_text(region, T)
+    sampling = (V.show(" ".join(problems.values()) + " The distribution below leaves it at its default.")
+                if problems else V.clear())
     return [state, status, figures.token_strip_html(tr.tokens, lp, ppl),
             gr.update(maximum=max(L - 1, 1), value=layer), gr.update(maximum=max(H - 1, 1), value=head),
             gr.update(maximum=max(T - 1, 1), value=query), *figs, nfig, rows,
-            zoom, {"scale": scale, "zoom": zoom}, region_note(tr, region, notice)]
+            zoom, {"scale": scale, "zoom": zoom}, region_note(tr, region, notice), V.clear(), sampling]
+
+
+RUN_OUTPUT_NAMES = ["state", "status", "tokens", "layer", "head", "query", "head_grid", "head_big", "head_bars",
+                    "lens", "target", "contrib", "resid", "neurons", "neuron_bars", "next_plot", "stages", "zoom",
+                    "view", "attn_note", "prompt_msg", "sampling_msg"]  # ExploreTab.run_outputs, in order
+
+
+def _asked(v):
+    """The integer a request asked for (to say what was clamped), or None."""
+    try:
+        return int(v)
+    except (TypeError, ValueError, OverflowError):
+        return None
 
 
 def _where(state, layer, head, query):
@@ -525,8 +557,11 @@ def on_action(state, action, layer, head, query, lens_colour, view=None, metric=
 
 @endpoint
 def update_next(state, temperature, top_k, top_p, min_p, rep):
+    settings, problems = V.check_settings(temperature, top_k, top_p, min_p, rep)
+    if problems:  # the distribution shown stays; the sentence stands under the settings
+        return gr.skip(), gr.skip(), V.show(" ".join(problems.values()))
     tr = _get_trace(state)
-    return next_outputs(tr, _settings(temperature, top_k, top_p, min_p, rep))
+    return (*next_outputs(tr, settings), V.clear())
 
 
 @endpoint(model=True)

@@ -129,13 +129,30 @@ def from_url(request: gr.Request):
     model = q.get("model") or default_model()
     if model not in model_names():
         model = default_model()
+    # A link's value outside a control's range would fail the whole page load (Gradio refuses a
+    # slider value beyond its bounds): each is clamped into its control, with a notice. The layer and
+    # head go to the run as asked, which clamps them to the model and says so (issue 15 item 4).
+    notes = []
+
+    def within(k, cast, default, lo, hi):
+        v = num(k, cast, default)
+        if v != v or v in (float("inf"), float("-inf")):
+            v = default
+        if not lo <= v <= hi:
+            c = max(lo, min(hi, v))
+            if k not in ("layer", "head", "query"):  # the run says those, against the model and prompt
+                notes.append(f"The link's {k}={q.get(k)} is outside {lo:g}–{hi:g}: using {c:g}.")
+            v = c
+        return v
+    layer, head = num("layer", int, 0), num("head", int, 0)
     # the menu's choices come with the value: a model registered after the page was built opens too
     return (gr.update(choices=model_choices(), value=model), q.get("prompt", EXAMPLE_PROMPT),
             q.get("chat") in ("1", "true"),
-            max(0, num("layer", int, 0)), max(0, num("head", int, 0)), max(0, num("query", int, 0)),
-            num("temperature", float, 1.0), num("top_k", int, 0), num("top_p", float, 1.0),
-            num("min_p", float, 0.0), num("rep", float, 1.0), scale, zoom,
-            {"run": bool(q.get("prompt")), "query": num("query", int, -1), "scale": scale, "zoom": zoom})
+            within("layer", int, 0, 0, 127), within("head", int, 0, 0, 127), within("query", int, 0, 0, 8191),
+            within("temperature", float, 1.0, 0, 3), num("top_k", int, 0), within("top_p", float, 1.0, 0.01, 1),
+            within("min_p", float, 0.0, 0, 1), within("rep", float, 1.0, 0.5, 2), scale, zoom,
+            {"run": bool(q.get("prompt")), "query": num("query", int, -1), "scale": scale, "zoom": zoom,
+             "layer": layer, "head": head, "notice": " ".join(notes)})
 
 
 def build_demo() -> gr.Blocks:
@@ -205,9 +222,16 @@ def _autorun(autorun, model, prompt, chat, truncate, layer, head, lens_colour, t
     """A shared link (?prompt=...) reproduces the view at once; a plain visit waits for Run."""
     from app.explore_tab import run_trace
 
+    from app.explore_tab import RUN_OUTPUT_NAMES
+
     if not isinstance(autorun, dict) or not autorun.get("run"):
-        return [gr.skip()] * 20  # one per output: ExploreTab.run_outputs
-    view = {"query": autorun.get("query", -1), "scale": autorun.get("scale"), "zoom": autorun.get("zoom")}
+        return [gr.skip()] * len(RUN_OUTPUT_NAMES)  # one per output: ExploreTab.run_outputs
+    view = {"query": autorun.get("query", -1), "scale": autorun.get("scale"), "zoom": autorun.get("zoom"),
+            "notice": autorun.get("notice") or ""}
+    # the link's own layer and head (the sliders hold them clamped to their bounds): the run clamps
+    # them to the model and says so
+    layer = autorun.get("layer", layer) if isinstance(autorun.get("layer"), int) else layer
+    head = autorun.get("head", head) if isinstance(autorun.get("head"), int) else head
     return run_trace(model, prompt, chat, truncate, layer, head, view, lens_colour, temperature,
                      top_k, top_p, min_p, rep, request=request)
 

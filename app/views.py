@@ -311,7 +311,8 @@ def lens_view(tr: Trace, query: int, colour: str = "probability", rows: tuple[in
     cols = lens_columns(tr, pos)
     at_q = lens_columns(tr, [query])
     show = _vcache(tr).setdefault("shown", {})
-    top = [[show.get(i) or show.setdefault(i, _show(tok, i)) for i in row] for row in cols["top"].tolist()]
+    pend = [_pending(tr, p) for p in pos]  # a character the prompt left open at that position
+    top = [[_cell(show, tok, i, pend[j]) for j, i in enumerate(row)] for row in cols["top"].tolist()]
     probs = cols["p"]
     return {"positions": pos, "step": step, "top": top, "probs": probs,
             "colour": probs if colour == "probability" else cols["ent"], "layers": list(tr.captured_layers),
@@ -323,6 +324,26 @@ def _show(tok, i: int) -> str:
     from model_core.tokenization import display_bytes, token_bytes
 
     return display_bytes(token_bytes(tok, i))
+
+
+def _pending(tr: Trace, p: int) -> bytes:
+    """The bytes of a character the prompt has started but not finished at position p (b"" if none)."""
+    from model_core.tokenization import pending_bytes
+
+    rows = tr.tokens[max(0, p - 3): p + 1]
+    return pending_bytes([bytes.fromhex(t.get("bytes", "")) for t in rows]) if any(
+        (t.get("parts") or 1) > 1 for t in rows) else b""
+
+
+def _cell(show: dict, tok, i: int, pending: bytes) -> str:
+    """A lens cell: the predicted token, or after an unfinished character the character it would
+    finish ("…မ", model_core.tokenization.continuation_display) instead of a bare byte."""
+    if not pending:
+        return show.get(i) or show.setdefault(i, _show(tok, i))
+    from model_core.tokenization import continuation_display, token_bytes
+
+    key = (i, pending)
+    return show.get(key) or show.setdefault(key, continuation_display(pending, token_bytes(tok, i)))
 
 
 # ---------------------------------------------------------------------- next token, tables

@@ -73,3 +73,59 @@ def test_explore_in_the_browser(server):
         assert plot_title(page, "head-grid").startswith("Layer 5")
         screenshot(page, "explore-odd-unicode")
         browser.close()
+
+
+BURMESE = "မြန်မာနိုင်ငံသည် အရှေ့တောင်အာရှတွင် ရှိသည်။"
+
+
+def test_every_script_and_bad_values_lose_nothing(server):
+    """Issue 15 items 2 and 4: a Burmese prompt's strip shows Burmese letters, each above the byte
+    tokens that spell it (not <0x..> chips); a link with ?layer=999 opens clamped with a notice; an
+    empty prompt or a bad top-k says so beside its control and every view keeps what it showed."""
+    from urllib.parse import quote
+
+    with sync_playwright() as pw:
+        browser = launch_browser(pw)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(server.url + f"?prompt={quote(BURMESE)}&layer=999&head=4")
+        page.wait_for_selector("#head-big .js-plotly-plot", timeout=120_000)
+        wait_title(page, "head-big", "Layer 29, head 4")
+        note = page.inner_text("#attn-note")
+        assert "Layer 999 is outside" in note and "showing layer 29" in note, note
+        assert page.locator("#layer input[type=number]").input_value() == "29"
+        strip = page.inner_text("#tokens")
+        assert "<0x" not in strip and "\ufffd" not in strip
+        glyphs = page.locator("#tokens .glyph-text").all_inner_texts()
+        assert "မ" in glyphs and len(glyphs) >= 30  # one per Burmese letter spelled by byte tokens
+        # every token keeps its own chip (with its byte values), under the letter it helps spell
+        n_tokens = int(page.inner_text("#tokens .token-legend").split(" tokens")[0])
+        assert page.locator("#tokens [data-pos]").count() == n_tokens
+        assert page.locator("#tokens .glyph").first.locator(".tok-part").count() == 3
+        axis = plot_data(page, "head-bars")[0]["x"]  # position:token labels (the 123-token heatmaps are pooled)
+        assert any("မ·1/3" in str(x) for x in axis) and not any("<0x" in str(x) for x in axis)
+        screenshot(page, "explore-burmese-layer999")
+        before = plot_data(page, "head-big")[0]["z"]
+
+        # an empty prompt: the sentence under the prompt, every view as it was, no "Error" badge
+        page.locator("#prompt textarea").fill("   ")
+        page.click("#run")
+        wait_until(lambda: page.locator("#explore-msg").is_visible()
+                   and "empty" in page.inner_text("#explore-msg"), 30, "the message under the prompt")
+        assert page.locator(".error").count() == 0
+        assert plot_data(page, "head-big")[0]["z"] == before and "မ" in page.inner_text("#tokens")
+        # a bad top-k: the sentence beside the settings, the distribution as it was
+        dist = plot_data(page, "next-token")[1]["y"]
+        set_number(page, "top-k", -3)
+        wait_until(lambda: page.locator("#explore-sampling-msg").is_visible()
+                   and "top_k" in page.inner_text("#explore-sampling-msg"), 30, "the message under top-k")
+        assert plot_data(page, "next-token")[1]["y"] == dist and page.locator(".error").count() == 0
+        screenshot(page, "explore-empty-prompt-bad-top-k")
+
+        # a narrow phone screen: the Burmese strip wraps inside the page
+        narrow = browser.new_page(viewport={"width": 420, "height": 900})
+        narrow.goto(server.url + f"?prompt={quote(BURMESE)}")
+        narrow.wait_for_selector("#tokens .glyph", timeout=120_000)
+        assert narrow.evaluate("() => { const t = document.querySelector('#tokens .tokens');"
+                               " return t.scrollWidth <= t.clientWidth + 1; }")
+        screenshot(narrow, "explore-burmese-420")
+        browser.close()

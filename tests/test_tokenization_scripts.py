@@ -207,3 +207,20 @@ def test_generate_labels_streamed_tokens_by_the_character_they_make():
     assert steps[2]["pending"] == "C3" and steps[2]["top_after"][0]["token"] == "…é"
     assert steps[1].get("pending") is None and steps[1]["top_after"][0]["token"] == "?"  # nothing open: as given
     assert steps[6]["top_after"][0]["token"] == "…🦜" and steps[3]["chosen"]["bytes"] == "F0"
+
+
+def test_lens_cells_after_an_open_character_show_the_character_they_finish(default_lm):
+    """On the real model: where the prompt stops two bytes into a Burmese letter, the last layer's
+    guess is the letter's last byte; the lens cell shows the letter it finishes ("…မ"), not <0x99>."""
+    from app import views
+    from model_core.trace import trace
+
+    tr = trace(default_lm, SCRIPTS["burmese"])
+    lv = views.lens_view(tr, tr.n_tokens - 1)
+    open_two = [j for j, p in enumerate(lv["positions"]) if tr.tokens[p]["parts"] == 3 and tr.tokens[p]["part"] == 2]
+    assert open_two
+    last = lv["top"][-1]
+    finished = [last[j] for j in open_two if last[j].startswith("…")]
+    assert len(finished) >= len(open_two) // 2, [last[j] for j in open_two]
+    assert all(any("\u1000" <= ch <= "\u109f" for ch in c) for c in finished)
+    assert not any(c.startswith("…") for j, c in enumerate(last) if tr.tokens[lv["positions"][j]]["parts"] == 1)
