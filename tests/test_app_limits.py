@@ -21,9 +21,12 @@ def test_one_token_prompt_gives_valid_sliders(default_lm):
 
 def test_prompt_cap_comes_from_the_server_setting(default_lm, monkeypatch):
     monkeypatch.setenv("LMSCOPE_MAX_PROMPT_TOKENS", "8")
-    with pytest.raises(gr.Error, match="limit is 8"):
-        explore_tab.run_trace(default_lm.name, "one two three four five six seven eight nine ten", False, False,
-                              0, 0, -1, "probability", 1.0, 0, 1.0, 0.0, 1.0)
+    out = explore_tab.run_trace(default_lm.name, "one two three four five six seven eight nine ten", False, False,
+                                0, 0, -1, "probability", 1.0, 0, 1.0, 0.0, 1.0)
+    # the sentence stands under the prompt and every view keeps what it showed (issue 15 item 4)
+    msg = out[explore_tab.RUN_OUTPUT_NAMES.index("prompt_msg")]
+    assert msg["visible"] and "limit is 8" in msg["value"]
+    assert all(v == gr.skip() for v in out[:6])
 
 
 def test_concurrent_requests_per_user_are_capped(monkeypatch):
