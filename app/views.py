@@ -377,6 +377,10 @@ def token_table(tr: Trace):
     lp = tr.token_logprobs.float().cpu().tolist()
     return pd.DataFrame({
         "position": range(tr.n_tokens), "id": tr.token_ids, "token": [t["text"] for t in tr.tokens],
-        "display": labels(tr), "logprob": lp,
+        "display": labels(tr),
+        # a token that is one of several byte tokens spelling a character: its bytes, the character, which part
+        "bytes": [t.get("bytes", "") for t in tr.tokens], "glyph": [t.get("glyph_text", t["text"]) for t in tr.tokens],
+        "part": [f"{t['part']}/{t['parts']}" if (t.get("parts") or 1) > 1 else "" for t in tr.tokens],
+        "logprob": lp,
         "surprisal_bits": [(-v / math.log(2)) if v == v else None for v in lp],
     })

@@ -52,7 +52,8 @@ def trace_summary(lm, tr, k: int = 10) -> dict:
     tok = lm.tokenizer
     return {
         "model": lm.name,
-        "tokens": [{"id": t["id"], "text": t["text"], "display": t["display"]} for t in tr.tokens],
+        "tokens": [{"id": t["id"], "text": t["text"], "display": t["display"], "bytes": t.get("bytes", ""),
+                    "glyph": t.get("glyph_text", t["text"])} for t in tr.tokens],
         "next_tokens": [{"id": int(a), "token": tok.decode([int(a)]), "prob": float(b)} for a, b in zip(i, p)],
         "logit_lens": [
             {"layer": int(l), "token": tok.decode([int(lens.top_ids[j, 0, 0])]), "id": int(lens.top_ids[j, 0, 0]),

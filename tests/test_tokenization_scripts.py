@@ -224,3 +224,19 @@ def test_lens_cells_after_an_open_character_show_the_character_they_finish(defau
     assert len(finished) >= len(open_two) // 2, [last[j] for j in open_two]
     assert all(any("\u1000" <= ch <= "\u109f" for ch in c) for c in finished)
     assert not any(c.startswith("…") for j, c in enumerate(last) if tr.tokens[lv["positions"][j]]["parts"] == 1)
+
+
+def test_exports_carry_bytes_and_characters(default_lm):
+    """tokens.csv and trace.json: each token's bytes, the character it helps spell and which part."""
+    from app import views
+    from model_core.cli import trace_summary
+    from model_core.trace import trace
+
+    text = "🍕 " + SCRIPTS["burmese"][:6]
+    tr = trace(default_lm, text)
+    table = views.token_table(tr)
+    assert b"".join(bytes.fromhex(h) for h in table["bytes"]) == text.encode()
+    assert list(table["part"])[:3] == ["1/3", "2/3", "3/3"] and list(table["glyph"])[:3] == ["🍕"] * 3
+    assert "".join(g for g, p in zip(table["glyph"], table["part"]) if p in ("", "1/3", "1/2")) == text
+    toks = trace_summary(default_lm, tr)["tokens"]
+    assert [t["glyph"] for t in toks[:3]] == ["🍕"] * 3 and toks[0]["bytes"] == "F0 9F"
