@@ -137,6 +137,20 @@ def main(argv=None) -> int:
         shown = ", ".join(f"{k}:{v}" for k, v in sorted(sizes.items()))
         print(f"{n:>5} {to:>12.1f} {th:>16.1f} {to / th:>6.2f} {1000 * _pct(ttfts, .5):>7.0f} / {1000 * _pct(ttfts, .95):<6.0f}"
               f"  {differ:>3}/{n * args.repeats}  {shown}", flush=True)
+    # the engine alone: requests submitted directly, records drained without turning them into text
+    from model_core.engine import EngineRequest
+    from model_core.sampling import SamplingSettings
+
+    for n in args.users:
+        reqs = [EngineRequest(ids=ids[i], n_steps=args.new_tokens, settings=SamplingSettings(temperature=0), seed=0,
+                              eos=set()) for i in range(n)]
+        t0 = time.perf_counter()
+        for r in reqs:
+            eng.submit(r)
+        for r in reqs:
+            while r.out.get() is not None:
+                pass
+        print(f"engine alone, {n:>3} users: {n * args.new_tokens / (time.perf_counter() - t0):9.1f} tok/s", flush=True)
     print("engine:", eng.stats_dict())
     if args.no_traces:
         return 0

@@ -1,0 +1,80 @@
+"""What one engine decode step costs on a GPU, by part: the whole captured step, the model's forward
+alone, and the sampling + records alone, each as a CUDA graph replayed 200 times, per batch size.
+
+GPU:  PYTHONPATH=. python bench/engine_step.py   (random-smollm2-135m in bf16)
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from model_core import load_model  # noqa: E402
+from model_core.engine import RECORDED, engine_for  # noqa: E402
+from model_core.row_sampling import sample_rows  # noqa: E402
+
+
+def replay_ms(fn, n=200) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        g.replay()
+    torch.cuda.synchronize()
+    return 1000 * (time.perf_counter() - t0) / n
+
+
+def main() -> int:
+    lm = load_model("random-smollm2-135m", device="cuda")
+    eng = engine_for(lm)
+    print(f"# {torch.cuda.get_device_name(0)}, {lm.name} {lm.dtype}")
+    print(f"{'rows':>4} {'L':>5} {'whole step ms':>14} {'sampling+records ms':>20} {'step tok/s':>11}")
+    with torch.inference_mode():
+        for B in (1, 8, 32):
+            for L in (512,):
+                g = eng._graphs[(B, L)]
+                g.replay()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(200):
+                    g.replay()
+                torch.cuda.synchronize()
+                whole = 1000 * (time.perf_counter() - t0) / 200
+                logits = torch.randn(B, lm.shape.vocab_size, device="cuda")
+                st = eng.row_settings.rows(slice(0, B))
+                seen = eng.seen[:B]
+                samp = replay_ms(lambda: sample_rows(logits, st, seen, RECORDED))
+                print(f"{B:>4} {L:>5} {whole:>14.3f} {samp:>20.3f} {B / whole * 1000:>11.0f}", flush=True)
+    if "--compile" in sys.argv:  # the same step compiled by inductor (dynamic shapes), then captured
+        step = torch.compile(eng._step, dynamic=True)
+        for B in (1, 8, 32):
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                ms = replay_ms(lambda: step(B, 512))
+            print(f"compiled {B:>4} rows: {ms:.3f} ms/step, {B / ms * 1000:.0f} tok/s "
+                  f"(compile + capture {time.perf_counter() - t0:.0f} s)", flush=True)
+    with torch.inference_mode(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        logits = torch.randn(1, lm.shape.vocab_size, device="cuda")
+        st = eng.row_settings.rows(slice(0, 1))
+        for _ in range(5):
+            sample_rows(logits, st, eng.seen[:1], RECORDED)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
