@@ -27,7 +27,8 @@ SCALE_CHOICES = [("linear", "linear"), ("log", "log"), ("per-row renormalised", 
 
 # The page's side of linked views (installed once by a js-only load event): clicks on token chips and
 # on plot cells, and boxes dragged on the chosen head or the lens, go to the hidden #explore-action
-# box as JSON, whose input event runs on_action. gr.Plot has no click event of its own; Gradio draws
+# box as JSON, whose input event runs on_action (Gradio 6's Textbox sends "input" from its keypress
+# handler, so the bridge sets the value, then presses a key). gr.Plot has no click event of its own; Gradio draws
 # figures with Plotly.react on the same element, which keeps the listeners bound here. The figures
 # say in layout.meta.lmscope which axes carry token labels (category: values are "pos:token", ranges
 # are indices from lo) and which carry positions (numeric). The chip of the query is outlined.
@@ -43,7 +44,8 @@ BRIDGE_JS = """() => {
     if (!box) return;
     msg.n = ++seq;  // every message differs from the last
     box.value = JSON.stringify(msg);
-    box.dispatchEvent(new Event('input', {bubbles: true}));
+    box.dispatchEvent(new Event('input', {bubbles: true}));  // the component's value ...
+    box.dispatchEvent(new KeyboardEvent('keypress', {key: 'x', bubbles: true}));  // ... and Gradio 6's input event
   };
   const num = (v) => { if (typeof v === 'string') { const m = v.match(/\\d+/); return m ? +m[0] : null; }
                        return typeof v === 'number' ? Math.round(v) : null; };
@@ -92,7 +94,26 @@ BRIDGE_JS = """() => {
     const chip = want !== null && document.querySelector('#tokens [data-pos="' + want + '"]');
     if (chip && !chip.classList.contains('tok-query')) chip.classList.add('tok-query');
   };
-  setInterval(bind, 300);
+  // Plotly points gradients (colour bars) and clip paths at url(<page URL>#id) when the page has a
+  // <base> (Gradio's has), with the URL of the moment the plot was made; once the URL changes (the
+  // view state is mirrored into it) those references break and colour bars go blank. Re-point them.
+  const fixUrls = () => {
+    const base = location.href.split('#')[0];
+    for (const gd of document.querySelectorAll('.js-plotly-plot')) {
+      const old = gd._context && gd._context._baseUrl;
+      if (!old || old === base) continue;
+      gd._context._baseUrl = base;
+      for (const el of gd.querySelectorAll('[style*="url("], [clip-path*="url("], [fill*="url("], [stroke*="url("]')) {
+        for (const a of ['clip-path', 'fill', 'stroke']) {
+          const v = el.getAttribute(a);
+          if (v && v.includes(old)) el.setAttribute(a, v.split(old).join(base));
+          const w = el.style.getPropertyValue(a);
+          if (w && w.includes(old)) el.style.setProperty(a, w.split(old).join(base));
+        }
+      }
+    }
+  };
+  setInterval(() => { bind(); fixUrls(); }, 300);
   return [];
 }"""
 
@@ -236,7 +257,7 @@ class ExploreTab:
         self.query.input(update_views, slice_inputs, self.view_outputs, concurrency_id="views")
         self.lens_colour.input(update_views, slice_inputs, self.view_outputs, concurrency_id="views")
         sc = self.scale.input(set_scale, [self.state, self.layer, self.head, self.query, self.scale, self.view],
-                              [self.view, self.head_grid, self.head_big], concurrency_id="views")
+                              [self.view, self.head_grid, self.head_big, self.attn_note], concurrency_id="views")
         lens_inputs = [self.state, self.query, self.lens_colour, self.view]
         zoom_inputs = [self.state, self.layer, self.head, self.query, self.zoom, self.view]
         z1 = self.zoom.submit(set_zoom, zoom_inputs, self.zoom_outputs, concurrency_id="views")
@@ -301,7 +322,7 @@ def _region(tr, zoom):
     return views.parse_region(zoom, tr.n_tokens)
 
 
-def region_note(tr, region, notice: str = "") -> str:
+def region_note(tr, region, notice: str = "", scale: str = "linear") -> str:
     """One line under the zoom box: what the views show, how, and any clamp."""
     T = tr.n_tokens
     q0, q1, k0, k1 = region
@@ -311,7 +332,9 @@ def region_note(tr, region, notice: str = "") -> str:
     how = ("every cell" if wide <= views.EXACT else
            f"pooled (drag a box on the chosen head, or type a range of at most {views.EXACT} positions, "
            "to see single cells)")
-    return (f"⚠️ {notice} " if notice else "") + f"Showing {what} of {T:,} tokens, {how}."
+    thin = (" Over many tokens attention is spread thin: the log or per-row scale shows more."
+            if scale == "linear" and T > views.EXACT else "")
+    return (f"⚠️ {notice} " if notice else "") + f"Showing {what} of {T:,} tokens, {how}.{thin}"
 
 
 def render_attention(tr, layer: int, head: int, query: int, region=None, scale: str = "linear") -> list:
@@ -419,7 +442,7 @@ def run_trace(model, prompt, chat, truncate, layer, head, query, lens_colour, te
     return [state, status, figures.token_strip_html(tr.tokens, lp, ppl),
             gr.update(maximum=max(L - 1, 1), value=layer), gr.update(maximum=max(H - 1, 1), value=head),
             gr.update(maximum=max(T - 1, 1), value=query), *figs, nfig, rows,
-            zoom, {"scale": scale, "zoom": zoom}, region_note(tr, region, notice), V.clear(), sampling]
+            zoom, {"scale": scale, "zoom": zoom}, region_note(tr, region, notice, scale), V.clear(), sampling]
 
 
 RUN_OUTPUT_NAMES = ["state", "status", "tokens", "layer", "head", "query", "head_grid", "head_big", "head_bars",
@@ -474,8 +497,9 @@ def set_scale(state, layer, head, query, scale, view=None, request: gr.Request =
     tr, layer, head, query = _where(state, layer, head, query)
     scale = scale if scale in views.SCALES else "linear"
     zoom = _view(view)[1]
-    grid, big, _ = render_attention(tr, layer, head, query, _region(tr, zoom)[0], scale)
-    return [{"scale": scale, "zoom": zoom}, grid, big]
+    region, notice = _region(tr, zoom)
+    grid, big, _ = render_attention(tr, layer, head, query, region, scale)
+    return [{"scale": scale, "zoom": zoom}, grid, big, region_note(tr, region, notice, scale)]
 
 
 def _zoomed(tr, layer, head, query, scale, region, notice=""):
@@ -484,7 +508,7 @@ def _zoomed(tr, layer, head, query, scale, region, notice=""):
     grid, big, bars = render_attention(tr, layer, head, query, region, scale)
     contrib, resid = render_residual(tr, query, region)
     neurons, nbars = render_neurons(tr, layer, query, region)
-    return [zoom, {"scale": scale, "zoom": zoom}, region_note(tr, region, notice), grid, big, bars, contrib, resid,
+    return [zoom, {"scale": scale, "zoom": zoom}, region_note(tr, region, notice, scale), grid, big, bars, contrib, resid,
             neurons, nbars]
 
 

@@ -187,7 +187,7 @@ def attention_heatmap(pattern: np.ndarray, rows: dict, cols: dict, layer: int, h
     fig.update_yaxes(autorange="reversed", title="query token (attending)")
     fig.update_xaxes(title="key token (attended to)", tickangle=-60)
     caption = (f"queries {_span(rows)} × keys {_span(cols)} · {pooling_note(rows, cols)} · "
-               f"{SCALE_WORDS.get(scale, scale)} · drag a box to zoom, double-click for the whole prompt")
+               f"{SCALE_WORDS.get(scale, scale)} · drag to zoom, double-click: whole")
     fig.update_layout(meta=_meta("head", cols, rows))
     return _layout(fig, f"Layer {layer}, head {head}<br><sub>{caption}</sub>", height=580)
 

@@ -152,7 +152,8 @@ def log_floor(T: int) -> float:
 def attention_view(tr: Trace, layer: int, head: int, query: int,
                    region: tuple[int, int, int, int] | None = None, scale: str = "linear") -> dict:
     """The chosen layer's heads over a region: every head small (grid), the chosen head larger
-    (big), and the query's row over the region's keys (row; sum-pooled beyond BAR_BINS)."""
+    (big), and the query's row over the region's keys (row; sum-pooled beyond BAR_BINS; over the
+    whole prompt when the query is not one of the region's rows)."""
     T = tr.n_tokens
     q0, q1, k0, k1 = region or whole(T)
     scale = scale if scale in SCALES else "linear"
@@ -169,6 +170,8 @@ def attention_view(tr: Trace, layer: int, head: int, query: int,
     grid = _colour(_pool_max(sub, g_rows["bin"], g_cols["bin"]), scale, T)
     big = _colour(_pool_max(sub[head: head + 1], b_rows["bin"], b_cols["bin"])[0], scale, T)
     row = p[head, query].float()
+    if not q0 <= query <= q1:  # a query outside the zoomed rows: where it looks over the whole prompt
+        k0, k1 = 0, T - 1
     inside = row[k0: k1 + 1]
     bars = axis(k0, k1, BAR_BINS, names)
     if bars["bin"] > 1:

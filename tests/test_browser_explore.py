@@ -1,5 +1,6 @@
 """The Explore view in real headless Chromium against a live server on the real default model."""
 
+import re
 
 import pytest
 from playwright.sync_api import sync_playwright
@@ -128,4 +129,140 @@ def test_every_script_and_bad_values_lose_nothing(server):
         assert narrow.evaluate("() => { const t = document.querySelector('#tokens .tokens');"
                                " return t.scrollWidth <= t.clientWidth + 1; }")
         screenshot(narrow, "explore-burmese-420")
+        browser.close()
+
+
+# ---------------------------------------------------------------------- long prompts, linked views
+
+def _xy(page, elem_id: str, x: float, y: float, axis: str = "") -> tuple[float, float]:
+    """The viewport pixel of linear coordinates (x, y) in a plot (on a category axis: the index)."""
+    page.evaluate("(id) => document.querySelector('#' + id + ' .js-plotly-plot').scrollIntoView({block: 'center'})",
+                  elem_id)
+    return page.evaluate("""([id, x, y, n]) => { const gd = document.querySelector('#' + id + ' .js-plotly-plot');
+        const xa = gd._fullLayout['xaxis' + n], ya = gd._fullLayout['yaxis' + n], r = gd.getBoundingClientRect();
+        return [r.left + xa._offset + xa.l2p(x), r.top + ya._offset + ya.l2p(y)]; }""", [elem_id, x, y, axis])
+
+
+def _click_cell(page, elem_id: str, x: float, y: float, axis: str = "") -> None:
+    """Point at a cell like a user (Plotly reports the cell under the pointer), then click it."""
+    px, py = _xy(page, elem_id, x, y, axis)
+    page.mouse.move(px - 4, py)
+    page.mouse.move(px, py)
+    wait_until(lambda: page.evaluate(
+        "(id) => (document.querySelector('#' + id + ' .js-plotly-plot')._hoverdata || []).length > 0", elem_id),
+        10, f"the pointer over a cell of {elem_id}")
+    page.mouse.click(px, py)
+
+
+def _value(page, elem_id: str) -> str:
+    return page.locator(f"#{elem_id} input[type=number]").input_value()
+
+
+def _z(page, elem_id: str, i: int = 0) -> list[list[float]]:
+    return plot_data(page, elem_id)[i]["z"]
+
+
+def _filled(z) -> float:
+    """Share of cells with a value above zero (a blank view has none)."""
+    flat = [v for row in z for v in row if v is not None]
+    return sum(v > 0 for v in flat) / max(1, len(flat))
+
+
+def test_long_prompt_whole_and_linked(server):
+    """A 600-token prompt shows whole (pooled attention, lens over every position, no blank view);
+    a token chip sets the query, an overview cell and a grid head open that head, a lens cell picks
+    layer and position, a dragged box zooms to single cells, the scale and zoom travel in the link
+    (an out-of-range zoom is clamped with a notice)."""
+    words = "the quick brown fox jumps over a lazy dog while seven curious otters watch".split()
+    prompt = " ".join(words[i % len(words)] for i in range(600))
+    with sync_playwright() as pw:
+        browser = launch_browser(pw)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(server.url)
+        wait_until(lambda: "parameters" in page.inner_text("#model-info"), 120, "the page to load")
+        page.locator("#prompt textarea").fill(prompt)
+        page.click("#run")
+        wait_title(page, "head-big", "queries 0-599", 180)
+        assert "600 tokens" in page.inner_text("#explore-status")
+
+        # the whole pattern, max-pooled (the caption says so), with real weights in it
+        big = plot_data(page, "head-big")[0]
+        assert len(big["z"]) >= 80 and len(big["z"][0]) >= 80 and isinstance(big["x"][0], (int, float))
+        assert big["y"][-1] > 590 and max(max(r) for r in big["z"]) > 0.5 and _filled(big["z"]) > 0.3
+        assert "max pooling" in plot_title(page, "head-big")
+        grid = plot_data(page, "head-grid")
+        assert len(grid) == 9 and all(len(t["z"]) >= 16 and _filled(t["z"]) > 0.3 for t in grid)
+        # the lens over the whole prompt: 30 layers, sampled columns up to the last position, each filled
+        lens = plot_data(page, "lens")[0]
+        assert len(lens["z"]) == 30 and len(lens["z"][0]) >= 50 and lens["x"][-1] == 599
+        assert _filled(lens["z"]) == 1 and all(t for row in lens["text"] for t in row)
+        assert "one column per" in plot_title(page, "lens")
+        for plot in ("resid", "neurons"):
+            assert _filled([[abs(v) for v in r] for r in _z(page, plot)]) > 0.9, plot
+        assert "pooled" in page.inner_text("#attn-note")
+        screenshot(page, "explore-600-tokens")
+
+        # a token chip sets the query (and is outlined); the views are not cropped by it
+        page.locator('#tokens [data-pos="17"]').click()
+        wait_until(lambda: _value(page, "query") == "17", 30, "the query to move to the clicked chip")
+        wait_title(page, "head-bars", "Where “")
+        assert page.locator('#tokens [data-pos="17"]').get_attribute("class").count("tok-query") == 1
+        assert "queries 0-599" in plot_title(page, "head-big") and plot_data(page, "lens")[0]["x"][-1] == 599
+
+        # the layer x head overview: a click opens that head, and its outline follows
+        page.get_by_text("Find interesting heads").click()
+        wait_until(lambda: plot_data(page, "head-overview") != [], 120, "the head overview")
+        _click_cell(page, "head-overview", 4, 7)
+        wait_until(lambda: (_value(page, "layer"), _value(page, "head")) == ("7", "4"), 30, "layer 7, head 4")
+        wait_title(page, "head-big", "Layer 7, head 4")
+        shape = page.evaluate("() => document.querySelector('#head-overview .js-plotly-plot').layout.shapes[0]")
+        assert (shape["x0"], shape["y0"]) == (3.5, 6.5)
+        # a head of the grid opens that head
+        _click_cell(page, "head-grid", 300, 300, "3")
+        wait_until(lambda: _value(page, "head") == "2", 30, "head 2 from the grid")
+        wait_title(page, "head-big", "Layer 7, head 2")
+        # a lens cell: its layer and its position
+        col = plot_data(page, "lens")[0]["x"][30]
+        _click_cell(page, "lens", col, 20)
+        wait_until(lambda: (_value(page, "layer"), _value(page, "query")) == ("20", str(col)), 30, "layer 20 at the cell")
+        wait_title(page, "head-big", "Layer 20, head 2")
+
+        # a box dragged on the chosen head zooms to single cells with token labels; the lens follows
+        x0, y0 = _xy(page, "head-big", 480, 500)
+        x1, y1 = _xy(page, "head-big", 540, 540)
+        page.mouse.move(x0, y0)
+        page.mouse.down()
+        page.mouse.move((x0 + x1) / 2, (y0 + y1) / 2, steps=4)
+        page.mouse.move(x1, y1, steps=4)
+        page.mouse.up()
+        wait_title(page, "head-big", "every cell shown", 30)
+        zoom = page.locator("#zoom textarea, #zoom input").first.input_value()
+        q0, q1 = (int(v) for v in zoom.split(",")[0].split("-"))
+        k0, k1 = (int(v) for v in zoom.split(",")[1].split("-"))
+        assert abs(q0 - 500) <= 2 and abs(q1 - 540) <= 2 and abs(k0 - 480) <= 2 and abs(k1 - 540) <= 2, zoom
+        big = plot_data(page, "head-big")[0]
+        assert big["y"][0].startswith(f"{q0}:") and len(big["y"]) == q1 - q0 + 1 and len(big["x"]) == k1 - k0 + 1
+        wait_title(page, "lens", f"positions {q0}-{q1}, every position", 60)
+        assert len(plot_data(page, "lens")[0]["text"][0]) == q1 - q0 + 1
+
+        # the log scale; the link carries scale and zoom
+        page.get_by_label("log").check()
+        wait_title(page, "head-big", "log scale")
+        wait_until(lambda: "scale=log" in page.url and "zoom=" in page.url, 10, "the URL to carry scale and zoom")
+        screenshot(page, "explore-600-zoomed-log")
+        other = browser.new_page(viewport={"width": 1400, "height": 1000})
+        other.goto(page.url)
+        wait_title(other, "head-big", f"queries {q0}-{q1} × keys {k0}-{k1}", 180)
+        assert "log scale" in plot_title(other, "head-big") and "Layer 20, head 2" in plot_title(other, "head-big")
+        # a link whose zoom lies partly outside the prompt opens clamped, and says so
+        other.goto(re.sub(r"&zoom=[^&]*", "", page.url) + "&zoom=590-900")
+        wait_title(other, "head-big", "queries 590-599", 180)
+        assert "clamped" in other.inner_text("#attn-note")
+        screenshot(other, "explore-600-link-clamped")
+
+        # double-click on the chosen head: the whole prompt again
+        px, py = _xy(page, "head-big", 5, 5)
+        page.mouse.dblclick(px, py)
+        wait_title(page, "head-big", "queries 0-599", 30)
+        assert page.locator("#zoom textarea, #zoom input").first.input_value() == ""
         browser.close()

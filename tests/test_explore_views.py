@@ -76,6 +76,10 @@ def test_zoomed_region_is_exact_with_labels_and_scales(long_tr):
     names = views.labels(tr)
     assert av["rows"]["labels"][0] == f"600:{names[600]}" and len(av["cols"]["labels"]) == 81
     assert av["outside_mass"] == pytest.approx(pat[1, 620, :560].sum(), abs=1e-5)
+    # a query outside the zoomed rows: its bars span the whole prompt (not an empty chart)
+    away = views.attention_view(tr, 0, 1, 100, region)
+    assert (away["bars"]["lo"], away["bars"]["hi"]) == (0, tr.n_tokens - 1) and away["outside_mass"] < 1e-5
+    assert away["row"].sum() == pytest.approx(1, abs=1e-4)
     # log: log10 of the weight, floored two decades below a uniform row
     lg = views.attention_view(tr, 0, 1, 620, region, "log")
     floor = views.log_floor(tr.n_tokens)
@@ -176,7 +180,7 @@ def test_what_is_sent_is_bounded_whatever_the_length(lm, n):
 
 def test_clicks_from_the_page_move_the_settings(lm):
     out = explore_tab.run_trace(MODEL, _prompt(300), False, False, 0, 0, -1, "probability", 1.0, 0, 1.0, 0.0, 1.0)
-    state, view = out[0], out[-2]
+    state, view = out[0], out[explore_tab.RUN_OUTPUT_NAMES.index("view")]
     assert out[5]["value"] == 299 and view == {"scale": "linear", "zoom": ""}
     act = explore_tab.on_action
 
