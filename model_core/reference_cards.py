@@ -579,7 +579,6 @@ def card_from_model(model: nn.Module, name: str | None = None, weights: str = ""
         detail = (f"MLA: {a0['q_heads']} heads read keys and values decompressed from one "
                   f"{a0['latent']}-dim latent per token (+ a {a0['rope']}-dim shared RoPE key)")
         uncompressed = sum(x[1] for x in kv_layers) * FP16
-        head_dim = f"q·k {a0['head_dim']} ({a0['head_dim'] - a0['rope']} + {a0['rope']} RoPE), v {a0['v_head_dim']}"
     else:
         formula = f"2 × {L} layers × {a0['kv_heads']} kv heads × {a0['head_dim']} × {FP16} B"
         g = a0["q_heads"] // max(1, a0["kv_heads"])
@@ -587,7 +586,6 @@ def card_from_model(model: nn.Module, name: str | None = None, weights: str = ""
                   "MQA": f"MQA: {a0['q_heads']} query heads share 1 K/V head",
                   "GQA": f"GQA: {a0['q_heads']} query heads share {a0['kv_heads']} K/V heads ({g} per group)"}[a0["kind"]]
         uncompressed = None
-        head_dim = a0["head_dim"]
     if len(kinds) > 1:
         detail += f" (layers differ: {kind})"
     if n_slide:
@@ -607,7 +605,9 @@ def card_from_model(model: nn.Module, name: str | None = None, weights: str = ""
     card["attention_detail"] = detail
     card["q_heads"] = a0["q_heads"]
     card["kv_heads"] = a0["kv_heads"]
-    card["head_dim"] = head_dim
+    card["head_dim"] = a0["head_dim"]  # of q and k (MLA: the part without RoPE + the RoPE part)
+    if a0["kind"] == "MLA":
+        card["v_head_dim"] = a0["v_head_dim"]
     card["sliding_window"] = W
     card["sliding_layers"] = n_slide
     card["kv_bytes_per_token"] = kv
@@ -792,7 +792,11 @@ def display_rows(card: dict) -> "OrderedDict[str, str]":
     r["attention kind"] = card["attention_detail"]
     r["query heads"] = _n(card["q_heads"])
     r["key/value heads"] = _n(card["kv_heads"])
-    r["head dim"] = _n(card["head_dim"])
+    if card.get("v_head_dim"):
+        r["head dim"] = (f"q·k {card['head_dim']} ({card['head_dim'] - card['kv_rope_key']} + {card['kv_rope_key']} RoPE), "
+                         f"v {card['v_head_dim']}")
+    else:
+        r["head dim"] = _n(card["head_dim"])
     r["KV cache / token (fp16)"] = f"{card['kv_bytes_per_token']:,} B = {card['kv_formula']}"
     if card["kv_bytes_per_token_uncompressed"]:
         u = card["kv_bytes_per_token_uncompressed"]
