@@ -275,8 +275,10 @@ def kv_variants_bars(rows: list[dict]) -> go.Figure:
                 hovertext=[r["formula"] for r in rows], hoverinfo="text")
     fig.add_bar(name="measured (real cache tensors ÷ tokens)", x=names, y=[r["measured B/token"] for r in rows],
                 marker_color="#3182bd")
+    top = max(max(r["formula B/token"], r["measured B/token"]) for r in rows)
     fig.update_layout(barmode="group", title="KV cache per token, same width (random weights)",
-                      yaxis_title="bytes per token (float32)", legend=dict(orientation="h", y=-0.2),
+                      yaxis=dict(title="bytes per token (float32)", range=[0, top * 1.18]),
+                      legend=dict(orientation="h", y=-0.2),
                       **{**SMALL, "height": 360})
     return fig
 
@@ -292,8 +294,7 @@ def variant_patterns(patterns: dict, labels: list[str], head: int = 0) -> go.Fig
         fig.update_yaxes(autorange="reversed", showticklabels=False, row=1, col=i + 1)
         fig.update_xaxes(showticklabels=False, row=1, col=i + 1)
     fig.update_layout(height=300, margin=dict(l=20, r=10, t=60, b=20),
-                      title="Attention pattern, layer 0 (random weights: the mask and the spread, not learned "
-                            "behaviour)")
+                      title="Layer-0 pattern (random weights: the mask, not learned behaviour)")
     return fig
 
 
@@ -307,7 +308,7 @@ def norm_compare_bars(nc: dict, n: int = 48) -> go.Figure:
     fig.add_bar(x=dims, y=_np(nc["layernorm"][dims]), name="LayerNorm: (x − mean) / std", row=2, col=1)
     fig.add_bar(x=dims, y=_np(nc["rmsnorm"][dims]), name="RMSNorm: x / RMS", row=2, col=1)
     fig.update_layout(barmode="group", height=440, margin=dict(l=40, r=10, t=70, b=30),
-                      legend=dict(orientation="h", y=-0.12),
+                      legend=dict(orientation="h", y=-0.2),
                       title=f"Same vector, two norms: they differ by up to {nc['max_ln_vs_rms']:.3g} "
                             f"(first {len(dims)} dimensions)")
     fig.update_xaxes(title="dimension", row=2, col=1)
@@ -360,7 +361,7 @@ def moe_router(r: dict, labels: list[str]) -> go.Figure:
     E = r["n_experts"]
     fig = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38], horizontal_spacing=0.1,
                         subplot_titles=[f"router probabilities, layer {r['layer']} (● = one of the top {r['top_k']})",
-                                        "load per expert (share of top-k slots) and mean probability"])
+                                        "load f_e and mean probability P_e"])
     probs = _np(r["probs"])
     chosen = r["chosen"].tolist()
     marks = [["●" if e in chosen[t] else "" for e in range(E)] for t in range(len(chosen))]
@@ -375,6 +376,6 @@ def moe_router(r: dict, labels: list[str]) -> go.Figure:
                   row=1, col=2)
     fig.update_layout(barmode="group", height=max(360, 14 * len(labels) + 120), margin=dict(l=90, r=10, t=60, b=40),
                       legend=dict(orientation="h", y=-0.12),
-                      title=f"Mixture of experts (random weights): aux balance loss {r['aux_loss']:.4g} "
-                            f"(perfect balance: {r['top_k']})")
+                      title=f"Mixture of experts (random weights): balance loss over all layers "
+                            f"{r['aux_loss']:.4g} (perfect balance: {r['top_k']})")
     return fig

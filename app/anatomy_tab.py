@@ -433,10 +433,13 @@ def _kv_check(rows) -> str:
 def variants_panel(prompt, request: gr.Request = None):
     ids = C.byte_ids(prompt, 48)
     v = C.attention_variants(ids)
-    cols = ["variant", "config", "query heads", "cached per layer and token", "formula", "formula B/token",
-            "measured B/token", "16-bit B/token", "vs MHA", "attention params / layer"]
-    table = pd.DataFrame([{k: (f"{r[k]:,.0f}" if isinstance(r[k], (int, float)) and k != "query heads" else r[k])
-                           for k in cols} for r in v["rows"]])
+    # short headers (the formulas are in the check lines below the table)
+    cols = {"variant": "variant", "config": "config", "query heads": "query heads",
+            "cached per layer and token": "cached per layer and token", "formula B/token": "formula B/token",
+            "measured B/token": "measured B/token", "16-bit B/token": "16-bit B/token", "vs MHA": "vs MHA",
+            "attention params / layer": "attention params/layer"}
+    table = pd.DataFrame([{h: (f"{r[k]:,.0f}" if isinstance(r[k], (int, float)) and k != "query heads" else r[k])
+                           for k, h in cols.items()} for r in v["rows"]])
     labels = [f"{i}:{chr(t) if 32 <= t < 127 else '·'}" for i, t in enumerate(ids)]
     return (table, fig.kv_variants_bars(v["rows"]), fig.variant_patterns(v["patterns"], labels),
             f"All four: {C.RANDOM}, {len(ids)} byte tokens.\n\n" + _kv_check(v["rows"]))
@@ -652,7 +655,8 @@ def build(shared: Shared) -> None:
                       elem_id="anatomy-kv-variants"):
         _md(TEXT["variants"])
         var_info = _md("")
-        var_df = gr.Dataframe(label="Same width, four attention variants", interactive=False, wrap=True)
+        var_df = gr.Dataframe(label="Same width, four attention variants", interactive=False, wrap=True,
+                              column_widths=["7%", "14%", "7%", "20%", "10%", "10%", "9%", "8%", "15%"])
         with gr.Row():
             var_bars = gr.Plot()
             var_pat = gr.Plot()

@@ -14,7 +14,9 @@ from browser import ARTIFACTS, launch_browser, screenshot
 pytestmark = pytest.mark.browser
 
 PANELS = ["anatomy-card", "anatomy-tree", "anatomy-attention", "anatomy-rope", "anatomy-positions",
-          "anatomy-embedding", "anatomy-norm", "anatomy-mlp", "anatomy-output"]
+          "anatomy-embedding", "anatomy-norm", "anatomy-mlp", "anatomy-output",
+          # chapters on tiny random-weight models (issue 18)
+          "anatomy-kv-variants", "anatomy-norm-chapter", "anatomy-position-schemes", "anatomy-moe"]
 
 
 # --- reading the page -----------------------------------------------------------------------------
@@ -192,8 +194,10 @@ def check_tree(page, T: int, d: int, vocab: int, layer_list: str = "layers"):
 
 
 def check_attention(page, T: int, d_head: int, title: str, window: int | None = None):
-    steps, var = wait_for(lambda: (p := plots(page, "anatomy-attention")) and len(p) == 2
-                          and title in p[0]["title"] and p, f"attention steps titled {title!r}")
+    # steps, the RoPE rotation step (hidden for models without RoPE), variants
+    steps, var = wait_for(lambda: (p := [x for x in plots(page, "anatomy-attention") if x["width"] > 0])
+                          and len(p) in (2, 3) and title in p[0]["title"] and [p[0], p[-1]],
+                          f"attention steps titled {title!r}")
     names = steps["annotations"]
     heads = [n.split("<br>")[0] for n in names]  # each subplot title: the step, then its value range
     assert heads[:3] == ["Q (queries)", "K (keys)", "raw scores Q·Kᵀ"] and "softmax = pattern" in heads
@@ -222,6 +226,69 @@ def check_attention(page, T: int, d_head: int, title: str, window: int | None = 
     assert "nats" in var["title"]
     wait_for(lambda: checks_pass(page, "anatomy-attention"), "attention check line")
     assert "z_h·W_O" in text(page, "anatomy-attention")  # heads through W_O vs the model's own output
+
+
+def check_rope_step(page, T: int, d_head: int, shown: bool):
+    """Q and K are said to be after RoPE; the rotation step shows W_q·x, Q, W_k·x, K and the angles
+    (RoPE models), or is hidden and the note says there is no RoPE (GPT-2)."""
+    if not shown:
+        wait_for(lambda: "no RoPE" in text(page, "anatomy-attention"), "the no-RoPE note")
+        assert all(p["width"] == 0 for p in plots(page, "anatomy-attention") if "rotation step" in p["title"])
+        return
+    rot = wait_for(lambda: (p := [x for x in plots(page, "anatomy-attention") if "rotation step" in x["title"]
+                                  and x["width"] > 0]) and p[0], "the RoPE rotation step")
+    assert [t["name"] for t in rot["traces"]][:4] == ["W_q·x (before RoPE)", "Q after RoPE (what attention uses)",
+                                                      "W_k·x (before RoPE)", "K after RoPE"]
+    assert all(len(t["z"]) == T and len(t["z"][0]) == d_head for t in rot["traces"])
+    assert rot["traces"][0]["z"] != rot["traces"][1]["z"]  # the rotation changed Q
+    assert all("after RoPE" in a for a in plots(page, "anatomy-attention")[0]["annotations"][:2])
+    t = text(page, "anatomy-attention")
+    assert "Q and K are shown after RoPE" in t and f"i + {d_head // 2}" in t and "rotate_half" in t
+
+
+def check_chapters(page):
+    """The chapters on tiny random-weight models: attention variants with KV bytes (formula = the real
+    cache), LayerNorm vs RMSNorm and pre- vs post-norm, the position schemes' d = 4 tables, the MoE router."""
+    rows = wait_for(lambda: (r := table(page, "anatomy-kv-variants")) and len(r) == 5 and r, "attention variants table")
+    col = {h: i for i, h in enumerate(rows[0])}
+    body = {r[col["variant"]]: r for r in rows[1:]}
+    assert list(body) == ["MHA", "GQA", "MQA", "MLA"]
+    assert [body[k][col["formula B/token"]] for k in body] == ["4,096", "1,024", "512", "640"]
+    assert all(r[col["formula B/token"]] == r[col["measured B/token"]] for r in body.values())
+    assert body["MLA"][col["config"]] == "DeepseekV2Config" and "latent 64" in body["MLA"][col["cached per layer and token"]]
+    wait_for(lambda: checks_pass(page, "anatomy-kv-variants", 4), "four KV check lines")
+    bars, pats = plots(page, "anatomy-kv-variants")
+    assert "random weights" in bars["title"] and "random weights" in pats["title"]
+    assert [t["name"] for t in pats["traces"]] == ["MHA", "GQA", "MQA", "MLA"]
+    assert all(row_sums_ok(t["z"]) for t in pats["traces"])
+
+    cmp_, growth = wait_for(lambda: (p := plots(page, "anatomy-norm-chapter")) and len(p) == 2 and p, "norm chapter")
+    assert [t["name"] for t in cmp_["traces"]] == ["x", "LayerNorm: (x − mean) / std", "RMSNorm: x / RMS"]
+    pre, post = growth["traces"][:2]
+    assert pre["y"][-1] > 5 * pre["y"][1] and abs(post["y"][-1] - 128 ** 0.5) < 0.05
+    wait_for(lambda: checks_pass(page, "anatomy-norm-chapter"), "pre-norm wiring check")
+    assert "RMS² =" in text(page, "anatomy-norm-chapter")
+
+    sin = wait_for(lambda: (r := table(page, "anatomy-position-schemes", "Sinusoidal, d = 4, positions 0-3"))
+                   and len(r) == 5 and r, "the sinusoidal d = 4 table")
+    assert [r[1] for r in sin[1:]] == ["0.0000", "0.8415", "0.9093", "0.1411"]  # sin(p), p = 0..3
+    rope = table(page, "anatomy-position-schemes", "RoPE, d = 4, q = (1, 2, 3, 4), positions 0-3")
+    assert rope[2][2] == "-1.9841, 1.9599, 2.4624, 4.0198" and rope[1][2] == "1.0000, 2.0000, 3.0000, 4.0000"
+    alibi = table(page, "anatomy-position-schemes", "ALiBi bias added to head 1's scores, positions 0-3")
+    assert alibi[4][1:] == ["-1.5", "-1", "-0.5", "0"] and "masked" in alibi[1][2]
+    fig = plots(page, "anatomy-position-schemes")[0]
+    assert len(fig["traces"]) == 2 + 8 + 1 and "ALiBi slopes for 8 heads: 0.5, 0.25" in text(page, "anatomy-position-schemes")
+
+    moe = wait_for(lambda: (p := plots(page, "anatomy-moe")) and p[0], "the MoE router")
+    heat = moe["traces"][0]
+    assert len(heat["z"][0]) == 8 and all(abs(sum(r) - 1) < 1e-4 for r in heat["z"])  # probabilities per token
+    assert "random weights" in moe["title"] and "layer 0" in moe["annotations"][0]
+    wait_for(lambda: checks_pass(page, "anatomy-moe", 3), "three MoE check lines")
+    layer = page.locator("#anatomy-moe input[type=number]").first
+    layer.fill("1")
+    layer.press("Enter")
+    wait_for(lambda: "layer 1" in plots(page, "anatomy-moe")[0]["annotations"][0], "the router of MoE layer 1")
+    wait_for(lambda: checks_pass(page, "anatomy-moe", 3), "MoE checks on layer 1")
 
 
 def check_norm(page, d: int, kind: str):
@@ -309,6 +376,8 @@ def test_anatomy_in_the_browser(server):
         assert abs(sinus["z"][0][0]) < 1e-6 and abs(sinus["z"][0][288] - 1) < 1e-6  # sin 0 = 0 | cos 0 = 1
         check_norm(page, 576, "RMSNorm")
         check_mlp(page, 1536, gated=True)
+        check_rope_step(page, T, 64, shown=True)
+        check_chapters(page)
         shoot_panels(page, "anatomy-smollm2")
 
         # panel controls update only their panel: head 4 of layer 2 shares K/V head 1 (GQA, 3 per group)
@@ -319,10 +388,10 @@ def test_anatomy_in_the_browser(server):
         attn_sliders.nth(1).press("Enter")
         check_attention(page, T, 64, "Layer 2, head 4 (K/V head 1)")
         page.locator("#anatomy-attention label", has_text="show without scaling").click()
-        wait_for(lambda: [t["name"] for t in plots(page, "anatomy-attention")[1]["traces"]]
+        wait_for(lambda: [t["name"] for t in plots(page, "anatomy-attention")[-1]["traces"]]
                  == ["the model's softmax", "without the causal mask"], "variants without the no-scaling panel")
         page.locator("#anatomy-attention label", has_text="show without scaling").click()
-        wait_for(lambda: len(plots(page, "anatomy-attention")[1]["traces"]) == 3, "all three variants again")
+        wait_for(lambda: len(plots(page, "anatomy-attention")[-1]["traces"]) == 3, "all three variants again")
         before = plots(page, "anatomy-norm")[0]["traces"][0]["y"]
         page.locator("#anatomy-norm label", has_text="final norm").click()
         wait_for(lambda: plots(page, "anatomy-norm")[0]["traces"][0]["y"] != before, "the final norm's input")
@@ -347,6 +416,7 @@ def test_anatomy_in_the_browser(server):
         Tb = len(prompt.encode())  # one byte per token
         check_tree(page, Tb, 64, 258, layer_list="h")
         check_attention(page, Tb, 16, "head")
+        check_rope_step(page, Tb, 16, shown=False)
         wait_for(lambda: "does not use RoPE" in text(page, "anatomy-rope"), "the no-RoPE note")
         wait_for(lambda: all(p["width"] == 0 for p in plots(page, "anatomy-rope")), "the RoPE plots hidden")
         own, sinus = wait_for(lambda: (p := plots(page, "anatomy-positions"))  # random weights never learned
