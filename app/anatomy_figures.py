@@ -356,6 +356,21 @@ def position_schemes(ps: dict, alibi4) -> go.Figure:
     return fig
 
 
+def rope_scaling_lines(rs: dict) -> go.Figure:
+    """theta_i per dimension pair: plain RoPE, linear interpolation and YaRN for a longer context."""
+    i = list(range(rs["default"].numel()))
+    fig = go.Figure()
+    fig.add_scatter(x=i, y=_np(rs["default"]), mode="lines+markers", name="plain RoPE")
+    fig.add_scatter(x=i, y=_np(rs["linear"]), mode="lines+markers", name=f"linear ×{rs['factor']:g} (all ÷ {rs['factor']:g})")
+    fig.add_scatter(x=i, y=_np(rs["yarn"]), mode="lines+markers",
+                    name=f"YaRN ×{rs['factor']:g} (attention × {rs['yarn_attention_factor']:.3g})")
+    fig.update_layout(title=f"RoPE scaling to {rs['factor']:g}× the context ({rs['original_context']:,} → "
+                            f"{int(rs['original_context'] * rs['factor']):,} positions), d = {rs['d']}",
+                      xaxis_title="dimension pair i", yaxis=dict(title="θᵢ (rad per position)", type="log"),
+                      legend=dict(orientation="h", y=-0.25), **{**SMALL, "height": 360})
+    return fig
+
+
 def moe_router(r: dict, labels: list[str]) -> go.Figure:
     """Router probabilities per token and expert (the chosen top-k marked), and the load."""
     E = r["n_experts"]

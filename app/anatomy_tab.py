@@ -118,6 +118,7 @@ RoPE rotates q and k by $p\\,\\theta_i$; ALiBi (Press et al. 2022) adds nothing 
 bias $-m_h\\,(i - j)$ to each head's score, with slopes $m_h = 2^{-8h/H}$:
 $$PE_{p,2i} = \\sin(p\\,\\theta_i),\\; PE_{p,2i+1} = \\cos(p\\,\\theta_i) \\qquad \\theta_i = 10000^{-2i/d}
 \\qquad \\text{ALiBi: } s_{ij} = q_i \\cdot k_j - m_h (i - j)$$
+Longer contexts stretch RoPE: linear interpolation slows every pair, YaRN mostly the slow ones (last plot).
 The tables are the worked example with $d = 4$ at positions 0-3 ($\\theta_0 = 1$, $\\theta_1 = 0.01$). For two
 all-ones vectors RoPE's score and the sinusoidal vectors' dot product fall with distance along the same curve
 ($\\sum_i \\cos(k\\theta_i)$); the difference is where position enters: added to the input, sinusoidal position mixes
@@ -496,7 +497,14 @@ def schemes_panel(n_heads, max_distance, request: gr.Request = None):
             f"different dimensions, so the rotated vectors differ: a model's weights are stored for one of them. "
             f"ALiBi slopes for {H} heads: " + ", ".join(f"{float(v):.4g}" for v in m[:8])
             + (" …" if H > 8 else "") + f"; the table is head 1 (m = {float(m[0]):.4g}).")
-    return sin_df, rope_df, alibi_df, fig.position_schemes(C.position_scores(D, 64, H), bias), info
+    rs = C.rope_scaling()
+    fast = int((rs["yarn"] == rs["default"]).sum())
+    info += (f"\n\nRoPE scaling (below): to reach {rs['factor']:g}× the context, linear interpolation slows every pair "
+             f"by {rs['factor']:g}; YaRN keeps the {fast} fastest pairs as they were (they turn many times within the "
+             f"original {rs['original_context']:,} positions), slows the slowest by {rs['factor']:g} and scales the "
+             f"attention logits by {rs['yarn_attention_factor']:.4g}. Both from transformers' own RoPE init functions.")
+    return (sin_df, rope_df, alibi_df, fig.position_schemes(C.position_scores(D, 64, H), bias), info,
+            fig.rope_scaling_lines(rs))
 
 
 def _moe_check(r) -> str:
@@ -679,6 +687,7 @@ def build(shared: Shared) -> None:
         rope_df = gr.Dataframe(label="RoPE, d = 4, q = (1, 2, 3, 4), positions 0-3", interactive=False, wrap=True)
         alibi_df = gr.Dataframe(label="ALiBi bias added to head 1's scores, positions 0-3", interactive=False)
         sch_plot = gr.Plot()
+        scaling_plot = gr.Plot()
 
     with gr.Accordion("Mixture of experts: the router (random weights)", open=False, elem_id="anatomy-moe"):
         _md(TEXT["moe"])
@@ -707,7 +716,7 @@ def build(shared: Shared) -> None:
     # the chapters (private events), then the embeddings: still the chain's last step
     variants_io = dict(fn=variants_panel, inputs=[p], outputs=[var_df, var_bars, var_pat, var_info])
     nch_io = dict(fn=norms_chapter_panel, inputs=[m, p, c, n_layer, n_posn], outputs=[nch_plot, growth_plot, nch_info])
-    sch_io = dict(fn=schemes_panel, inputs=[s_heads, s_dist], outputs=[sin_df, rope_df, alibi_df, sch_plot, sch_info])
+    sch_io = dict(fn=schemes_panel, inputs=[s_heads, s_dist], outputs=[sin_df, rope_df, alibi_df, sch_plot, sch_info, scaling_plot])
     moe_io = dict(fn=moe_panel, inputs=[p, moe_layer], outputs=[moe_plot, moe_info])
     for io in (variants_io, nch_io, sch_io, moe_io):
         ev = ev.then(**io)

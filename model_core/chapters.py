@@ -289,6 +289,30 @@ def position_scores(max_distance: int = 128, d: int = 64, n_heads: int = 8, base
             "alibi": -alibi_slopes(n_heads)[:, None] * k[None, :], "d": d, "n_heads": n_heads}
 
 
+def rope_scaling(d: int = 64, base: float = 10000.0, factor: float = 4.0, original_context: int = 2048) -> dict:
+    """theta_i of plain RoPE and of two ways to stretch it to a `factor` times longer context, from
+    transformers' own RoPE init functions (ROPE_INIT_FUNCTIONS, on a LlamaConfig of head_dim d):
+    linear (position interpolation) divides every frequency by the factor; YaRN leaves the fast
+    pairs (many turns within the original context) alone, divides the slow ones by the factor and
+    blends in between, and also scales the attention logits (attention_factor)."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    out = {"default": rope_inv_freq(d, base).float(), "factor": factor, "original_context": original_context, "d": d}
+    for kind in ("linear", "yarn"):
+        params = {"rope_type": kind, "factor": factor, "rope_theta": base}
+        if kind == "yarn":
+            params["original_max_position_embeddings"] = original_context
+        cfg = LlamaConfig(hidden_size=d, num_attention_heads=1, head_dim=d,
+                          max_position_embeddings=int(original_context * factor), rope_parameters=params)
+        inv, attention_factor = ROPE_INIT_FUNCTIONS[kind](cfg, "cpu")
+        out[kind] = inv.float()
+        out[f"{kind}_attention_factor"] = float(attention_factor)
+    # turns each pair makes over the original context: > 1 means the pair "sees" a full period
+    out["turns_in_context"] = out["default"] * original_context / (2 * math.pi)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # (d) Mixture of experts
 

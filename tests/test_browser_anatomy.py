@@ -276,7 +276,9 @@ def check_chapters(page):
     assert rope[2][2] == "-1.9841, 1.9599, 2.4624, 4.0198" and rope[1][2] == "1.0000, 2.0000, 3.0000, 4.0000"
     alibi = table(page, "anatomy-position-schemes", "ALiBi bias added to head 1's scores, positions 0-3")
     assert alibi[4][1:] == ["-1.5", "-1", "-0.5", "0"] and "masked" in alibi[1][2]
-    fig = plots(page, "anatomy-position-schemes")[0]
+    fig, scaling = plots(page, "anatomy-position-schemes")
+    assert [t["name"].split(" ")[0] for t in scaling["traces"]] == ["plain", "linear", "YaRN"]
+    assert "RoPE scaling to 4× the context" in scaling["title"]
     assert len(fig["traces"]) == 2 + 8 + 1 and "ALiBi slopes for 8 heads: 0.5, 0.25" in text(page, "anatomy-position-schemes")
 
     moe = wait_for(lambda: (p := plots(page, "anatomy-moe")) and p[0], "the MoE router")

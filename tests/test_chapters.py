@@ -163,7 +163,7 @@ def test_rope_and_sinusoidal_fall_with_distance_along_one_curve():
 def test_schemes_panel_shows_the_worked_example():
     from app import anatomy_tab as T
 
-    sin_df, rope_df, alibi_df, fig, info = T.schemes_panel(8, 64)
+    sin_df, rope_df, alibi_df, fig, info, _ = T.schemes_panel(8, 64)
     assert list(sin_df["sin(p·θ₀)"]) == ["0.0000", "0.8415", "0.9093", "0.1411"]
     assert rope_df.iloc[1, 2] == "-1.9841, 1.9599, 2.4624, 4.0198"  # (1, 2, 3, 4) at p = 1, rotate_half
     assert list(alibi_df.iloc[3, 1:]) == ["-1.5", "-1", "-0.5", "0"] and "masked" in alibi_df.iloc[0, 2]
@@ -218,3 +218,19 @@ def test_variants_panel_labels_random_weights():
     assert list(table["variant"]) == ["MHA", "GQA", "MQA", "MLA"] and "random weights" in info
     assert "random weights" in bars.layout.title.text and "random weights" in pats.layout.title.text
     assert info.count("✓ check") == 4
+
+
+def test_rope_scaling_linear_and_yarn():
+    """transformers' own RoPE init functions: linear slows every pair by the factor; YaRN keeps the
+    fast pairs, slows the slow ones by the factor, and scales attention by 0.1 ln(s) + 1 (the paper)."""
+    import math
+
+    rs = C.rope_scaling(d=64, base=10000.0, factor=4.0, original_context=2048)
+    torch.testing.assert_close(rs["linear"], rs["default"] / 4)
+    assert float(rs["yarn"][0]) == pytest.approx(float(rs["default"][0]))  # 326 turns in 2,048 positions
+    assert float(rs["yarn"][-1]) == pytest.approx(float(rs["default"][-1]) / 4, rel=1e-5)
+    assert bool((rs["yarn"] <= rs["default"] + 1e-9).all() and (rs["yarn"] >= rs["linear"] - 1e-9).all())
+    assert rs["yarn_attention_factor"] == pytest.approx(0.1 * math.log(4) + 1)
+    _, _, _, _, info, fig = __import__("app.anatomy_tab", fromlist=["x"]).schemes_panel(8, 64)
+    assert "YaRN keeps the 8 fastest pairs" in info and [t.name.split(" ")[0] for t in fig.data] == ["plain", "linear",
+                                                                                                      "YaRN"]
