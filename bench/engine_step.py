@@ -58,14 +58,29 @@ def main() -> int:
                 seen = eng.seen[:B]
                 samp = replay_ms(lambda: sample_rows(logits, st, seen, RECORDED))
                 print(f"{B:>4} {L:>5} {whole:>14.3f} {samp:>20.3f} {B / whole * 1000:>11.0f}", flush=True)
-    if "--compile" in sys.argv:  # the same step compiled by inductor (dynamic shapes), then captured
-        step = torch.compile(eng._step, dynamic=True)
-        for B in (1, 8, 32):
+    if "--compile" in sys.argv:  # the model's forward compiled by inductor, then captured with the rest
+        import traceback
+
+        from model_core.cache_api import cache_kwarg
+        from model_core.slot_cache import step_mask
+
+        fwd = torch.compile(lm.model, dynamic=False)
+        for B in (1, 32):
             t0 = time.perf_counter()
-            with torch.inference_mode():
-                ms = replay_ms(lambda: step(B, 512))
-            print(f"compiled {B:>4} rows: {ms:.3f} ms/step, {B / ms * 1000:.0f} tok/s "
-                  f"(compile + capture {time.perf_counter() - t0:.0f} s)", flush=True)
+            tok, pos = eng.tok_in[:B], eng.pos[:B]
+
+            def forward(B=B, tok=tok, pos=pos):
+                eng._cache.window(B, 512, pos)
+                return fwd(input_ids=tok[:, None], position_ids=pos[:, None], attention_mask=step_mask(pos, 512, lm.dtype),
+                           use_cache=True, logits_to_keep=1, **{cache_kwarg(lm.model): eng._cache}).logits
+            try:
+                with torch.inference_mode():
+                    ms = replay_ms(forward)
+                print(f"compiled forward {B:>4} rows: {ms:.3f} ms/step, {B / ms * 1000:.0f} tok/s "
+                      f"(compile + capture {time.perf_counter() - t0:.0f} s)", flush=True)
+            except Exception:  # noqa: BLE001
+                print("compile failed:", traceback.format_exc()[-3000:], flush=True)
+                break
     with torch.inference_mode(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         logits = torch.randn(1, lm.shape.vocab_size, device="cuda")
         st = eng.row_settings.rows(slice(0, 1))
