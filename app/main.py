@@ -53,9 +53,15 @@ def metrics(settings) -> dict:
         from model_core import registry
 
         from model_core.batching import stats_for
+        from model_core.engine import existing_engine
+
+        def engine_stats(lm):
+            eng = existing_engine(lm)
+            return eng.stats_dict() if eng is not None else None
 
         out["models"] = [{"name": lm.name, "device": str(lm.device), "dtype": str(lm.dtype).replace("torch.", ""),
-                          "source": lm.source, "load_seconds": round(lm.load_seconds, 2), "batching": stats_for(lm)}
+                          "source": lm.source, "load_seconds": round(lm.load_seconds, 2), "batching": stats_for(lm),
+                          "engine": engine_stats(lm)}
                          for lm in list(registry._LOADED.values())]
     except Exception as e:  # noqa: BLE001
         out["models"] = {"error": str(e)}
