@@ -19,8 +19,10 @@ Every setting, its variable, default and meaning:
 | LMSCOPE_UPLOAD_MAX_MB | 20 | Largest upload (corpus file) in MB. |
 | LMSCOPE_QUEUE_CONCURRENCY | 2 | Gradio queue: model requests running at once (the GPU's share). |
 | LMSCOPE_GENERATE_CONCURRENCY | 16 | Generations streaming at once; their decode steps share batched forwards. |
-| LMSCOPE_MAX_BATCH | 32 | Concurrent requests (traces, prefills, decode steps) per shared forward; 1 = no batching. |
+| LMSCOPE_MAX_BATCH | 32 | Rows of one generation step (engine slots) and traces per shared forward; 1 = no batching. |
 | LMSCOPE_QUEUE_MAX | 64 | Gradio queue: requests waiting before new ones are turned away. |
+| LMSCOPE_KV_CACHE_MB | (a quarter of free GPU memory, or 512 on a CPU) | Memory for the engine's preallocated KV slots (fewer slots than LMSCOPE_MAX_BATCH if it runs out). |
+| LMSCOPE_COMPILE | 0 | 1: compile the engine's decode step with torch.compile before capturing it (CUDA; ~30 s per batch bucket at start). |
 
 `Settings.from_env()` validates everything at once and raises `SettingsError` whose message has one
 sentence per bad value.
@@ -61,6 +63,8 @@ class Settings:
     generate_concurrency: int = 16
     max_batch: int = 32
     queue_max: int = 64
+    kv_cache_mb: int | None = None
+    compile: bool = False
 
     @property
     def auth_on(self) -> bool:
@@ -140,7 +144,11 @@ class Settings:
             generate_concurrency=integer("LMSCOPE_GENERATE_CONCURRENCY", 16, 1, 256),
             max_batch=integer("LMSCOPE_MAX_BATCH", 32, 1, 1024),
             queue_max=integer("LMSCOPE_QUEUE_MAX", 64, 1, 100_000),
+            kv_cache_mb=integer("LMSCOPE_KV_CACHE_MB", 512, 1, 10_000_000) if s("LMSCOPE_KV_CACHE_MB") else None,
+            compile=(s("LMSCOPE_COMPILE") or "0") == "1",
         )
+        if (s("LMSCOPE_COMPILE") or "0") not in ("0", "1"):
+            errors.append(f"LMSCOPE_COMPILE must be 0 or 1, not '{s('LMSCOPE_COMPILE')}'.")
         if out.default_model and allowed_t and out.default_model not in allowed_t:
             errors.append(f"LMSCOPE_DEFAULT_MODEL '{out.default_model}' is not in LMSCOPE_ALLOWED_MODELS.")
         if errors:

@@ -259,6 +259,8 @@ class Engine:
         lm.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device), use_cache=True,
                  logits_to_keep=1, **{cache_kwarg(lm.model): probe})
         shapes = [(l.keys.shape[1], l.keys.shape[3]) for l in probe.layers]
+        per_slot = sum(2 * h * d for h, d in shapes) * self.max_len * torch.empty((), dtype=self.dtype).element_size()
+        self.slots = max(1, min(self.slots, kv_budget_bytes(self.device) // per_slot))
         self._cache = SlotCache(shapes, self.slots, self.max_len, self.dtype, self.device)
         self.layer_bytes_per_token = self._cache.layer_bytes_per_token()
         S, dev = self.slots, self.device
@@ -443,8 +445,19 @@ def _close_all() -> None:
 
 
 def slots_from_env(device) -> int:
-    """LMSCOPE_MAX_BATCH (default 32 on a GPU, 8 on a CPU, where a step's cost grows with its rows)."""
-    return _env_int("LMSCOPE_MAX_BATCH", 32 if device.type == "cuda" else 8)
+    """LMSCOPE_MAX_BATCH (default 32): the most rows of one decode step (the memory budget may allow fewer)."""
+    return _env_int("LMSCOPE_MAX_BATCH", 32)
+
+
+def kv_budget_bytes(device) -> int:
+    """Memory for the engine's KV slots: LMSCOPE_KV_CACHE_MB, else a quarter of the GPU's free memory
+    or 512 MB of RAM (8 slots of 1,280 tokens for SmolLM2-135M in float32)."""
+    raw = os.environ.get("LMSCOPE_KV_CACHE_MB", "").strip()
+    if raw:
+        return _env_int("LMSCOPE_KV_CACHE_MB", 512) * 2**20
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] // 4
+    return 512 * 2**20
 
 
 def can_use_engine(lm) -> bool:

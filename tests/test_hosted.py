@@ -94,7 +94,7 @@ def test_compose_file_shape_and_commands():
 
     documented = {ln.split("|")[1].strip() for ln in settings_mod.__doc__.splitlines()
                   if ln.startswith("| ") and "Variable" not in ln}
-    assert len(documented) == 17
+    assert len(documented) == 19
     assert documented - set(sv["web"]["environment"]) == set()
     gpu = yaml.safe_load((ROOT / "docker-compose.gpu.yml").read_text())
     for name in ("web", "worker"):
