@@ -108,16 +108,19 @@ def repetition_penalty_rows(x: torch.Tensor, seen: torch.Tensor, p: torch.Tensor
     return torch.where(seen & (p != 1.0), penalised, x)
 
 
-def top_k_rows(x: torch.Tensor, k: torch.Tensor, sorted_desc: torch.Tensor) -> torch.Tensor:
-    """k [B] int64 (0 = off); sorted_desc: x sorted descending along the vocabulary."""
+def top_k_rows(x: torch.Tensor, k: torch.Tensor, sorted_asc: torch.Tensor) -> torch.Tensor:
+    """k [B] int64 (0 = off); sorted_asc: x sorted ascending along the vocabulary."""
     V = x.shape[-1]
     kk = torch.where(k > 0, k.clamp(max=V), torch.full_like(k, V))
-    kth = sorted_desc.gather(-1, (kk - 1)[:, None])  # [B, 1]
+    kth = sorted_asc.gather(-1, (V - kk)[:, None])  # [B, 1], the k-th largest
     return x.masked_fill((x < kth) & (k > 0)[:, None], FILTER_VALUE)
 
 
-def top_p_rows(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    sorted_x, idx = torch.sort(x, descending=False)
+def top_p_rows(x: torch.Tensor, p: torch.Tensor, sorted_x: torch.Tensor | None = None,
+               idx: torch.Tensor | None = None) -> torch.Tensor:
+    """sorted_x, idx: x sorted ascending, when the caller has it (else sorted here)."""
+    if sorted_x is None:
+        sorted_x, idx = torch.sort(x, descending=False)
     cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
     remove_sorted = cum <= (1 - p)[:, None]
     remove_sorted[..., -1:] = False  # always keep the most likely token
@@ -152,10 +155,17 @@ def sample_rows(logits: torch.Tensor, st: RowSettings, seen: torch.Tensor, k: in
     x = repetition_penalty_rows(raw, seen, st.repetition_penalty)
     sampled = ~st.greedy
     x = torch.where(sampled[:, None], x / st.temperature[:, None], x)
-    sorted_desc = torch.sort(x, descending=True).values
+    # One sort serves top-k and top-p: top-k removes a prefix of x's ascending order (the values
+    # below the k-th largest), so the top-k output sorted ascending is that order with the prefix
+    # set to -inf, which is what transformers' top-p sorts (-inf ties carry no probability).
+    sorted_x, idx = torch.sort(x, descending=False)
+    k_on = torch.where(sampled, st.top_k, torch.zeros_like(st.top_k))
     chain = [x]
-    chain.append(top_k_rows(chain[-1], torch.where(sampled, st.top_k, torch.zeros_like(st.top_k)), sorted_desc))
-    chain.append(top_p_rows(chain[-1], torch.where(sampled, st.top_p, torch.ones_like(st.top_p))))
+    chain.append(top_k_rows(x, k_on, sorted_x))
+    V = x.shape[-1]
+    kth = sorted_x.gather(-1, (V - torch.where(k_on > 0, k_on.clamp(max=V), torch.full_like(k_on, V)))[:, None])
+    sorted_k = sorted_x.masked_fill((sorted_x < kth) & (k_on > 0)[:, None], FILTER_VALUE)
+    chain.append(top_p_rows(chain[-1], torch.where(sampled, st.top_p, torch.ones_like(st.top_p)), sorted_k, idx))
     chain.append(min_p_rows(chain[-1], torch.where(sampled, st.min_p, torch.zeros_like(st.min_p))))
     chain.append(greedy_rows(chain[-1], st.greedy))
     cur = chain[-1]
