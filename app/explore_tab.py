@@ -313,7 +313,7 @@ def _clamp(v, hi) -> int:
 def _view(view) -> tuple[str, str]:
     """(scale, zoom) of the applied view settings (a hand-made request may send anything)."""
     v = view if isinstance(view, dict) else {}
-    scale = v.get("scale") if v.get("scale") in views.SCALES else "linear"
+    scale = v.get("scale") if isinstance(v.get("scale"), str) and v["scale"] in views.SCALES else "linear"
     zoom = v.get("zoom") if isinstance(v.get("zoom"), str) else ""
     return scale, zoom[:200]
 
@@ -495,7 +495,7 @@ def update_lens(state, query, lens_colour, view=None, request: gr.Request = None
 @endpoint(model=True)
 def set_scale(state, layer, head, query, scale, view=None, request: gr.Request = None):
     tr, layer, head, query = _where(state, layer, head, query)
-    scale = scale if scale in views.SCALES else "linear"
+    scale = scale if isinstance(scale, str) and scale in views.SCALES else "linear"
     zoom = _view(view)[1]
     region, notice = _region(tr, zoom)
     grid, big, _ = render_attention(tr, layer, head, query, region, scale)

@@ -28,8 +28,10 @@ BIG_BINS = 96  # cells per axis at most in the chosen head's heatmap (max-pooled
 GRID_EXACT = 48  # the all-heads grid is drawn cell by cell up to this many positions per axis ...
 GRID_BINS = 32  # ... and max-pooled to this many cells per axis beyond
 BAR_BINS = 128  # bars at most in "where the chosen token looks" (sum-pooled beyond)
-LENS_EXACT = 32  # logit-lens positions shown one by one, each cell labelled with its top token
-LENS_COLS = 64  # logit-lens columns at most when the region is wider (one sampled position each)
+# Beyond EXACT positions the lens samples LENS_COLS of them, one per column: each column is a pass of
+# every layer through the unembedding (30 x 49k at 576 wide on SmolLM2), and the first view of a
+# 1,024-token prompt must stay within 1.5x the trace (bench/explore.py). Zoom to see every position.
+LENS_COLS = 32
 SEQ_BINS = 96  # positions at most in the residual-norm and neuron views (max-pooled beyond)
 NEURONS = 24  # neurons in the neuron heatmap
 
@@ -156,7 +158,7 @@ def attention_view(tr: Trace, layer: int, head: int, query: int,
     whole prompt when the query is not one of the region's rows)."""
     T = tr.n_tokens
     q0, q1, k0, k1 = region or whole(T)
-    scale = scale if scale in SCALES else "linear"
+    scale = scale if isinstance(scale, str) and scale in SCALES else "linear"
     names = labels(tr)
     p = tr.attention_pattern(layer)
     sub = p[:, q0: q1 + 1, k0: k1 + 1].float()
@@ -297,10 +299,10 @@ def lens_columns(tr: Trace, positions: list[int]) -> dict:
 
 
 def lens_positions(lo: int, hi: int) -> tuple[list[int], int]:
-    """Positions the lens shows for rows lo..hi: all of them up to LENS_EXACT, else the last
-    position of each of at most LENS_COLS equal bins (the region's last position always in)."""
+    """Positions the lens shows for rows lo..hi: all of them up to EXACT, else the last position
+    of each of at most LENS_COLS equal bins (the region's last position always in)."""
     n = hi - lo + 1
-    if n <= LENS_EXACT:
+    if n <= EXACT:
         return list(range(lo, hi + 1)), 1
     step = math.ceil(n / LENS_COLS)
     return [min(hi, lo + step * j + step - 1) for j in range(math.ceil(n / step))], step

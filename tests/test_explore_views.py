@@ -162,7 +162,7 @@ def test_what_is_sent_is_bounded_whatever_the_length(lm, n):
     H = lm.shape.n_heads
     T = tr.n_tokens
     assert _cells(grid) <= H * views.GRID_EXACT ** 2 and _cells(big) <= views.EXACT ** 2 + views.BIG_BINS ** 2
-    assert len(bars.data[0].y) <= views.BAR_BINS and np.asarray(lens.data[0].z).shape[1] <= views.LENS_COLS
+    assert len(bars.data[0].y) <= views.BAR_BINS and np.asarray(lens.data[0].z).shape[1] <= max(views.LENS_COLS, views.EXACT)
     assert np.asarray(resid.data[0].z).shape[1] <= views.SEQ_BINS
     assert np.asarray(neurons.data[0].z).shape[1] <= views.SEQ_BINS
     # the views reach the end of the prompt whatever the query (5)
