@@ -24,15 +24,15 @@ from model_core.sampling import SamplingSettings, apply_sampling
 from model_core.trace import Trace
 
 EXACT = 64  # a region at most this many positions per axis is drawn cell by cell, with token labels
-BIG_BINS = 96  # cells per axis at most in the chosen head's heatmap (max-pooled beyond)
-GRID_EXACT = 48  # the all-heads grid is drawn cell by cell up to this many positions per axis ...
-GRID_BINS = 32  # ... and max-pooled to this many cells per axis beyond
+BIG_BINS = 80  # cells per axis at most in the chosen head's heatmap (max-pooled beyond)
+GRID_EXACT = 32  # the all-heads grid is drawn cell by cell up to this many positions per axis ...
+GRID_BINS = 28  # ... and max-pooled to this many cells per axis beyond
 BAR_BINS = 128  # bars at most in "where the chosen token looks" (sum-pooled beyond)
 # Beyond EXACT positions the lens samples LENS_COLS of them, one per column: each column is a pass of
 # every layer through the unembedding (30 x 49k at 576 wide on SmolLM2), and the first view of a
 # 1,024-token prompt must stay within 1.5x the trace (bench/explore.py). Zoom to see every position.
 LENS_COLS = 32
-SEQ_BINS = 96  # positions at most in the residual-norm and neuron views (max-pooled beyond)
+SEQ_BINS = 80  # positions at most in the residual-norm and neuron views (max-pooled beyond)
 NEURONS = 24  # neurons in the neuron heatmap
 
 # colour scales of the attention heatmaps: name -> what the caption says
