@@ -466,7 +466,8 @@ def list_models(include_random: bool = True) -> list[dict]:
             arch = json.loads((d / "config.json").read_text()).get("model_type", "?")
             rows.append({"name": d.name, "source": "finetuned", "architecture": arch,
                          "parameters": info.get("parameters"), "ready": True, "installed": True,
-                         "description": f"fine-tuned from {info.get('parent', '?')}", "parent": info.get("parent")})
+                         "description": info.get("description") or f"fine-tuned from {info.get('parent', '?')}",
+                         "parent": info.get("parent")})
     return rows
 
 
