@@ -106,6 +106,54 @@ def _kv_markdown(kv: dict | None) -> str:
             f"{kv['bytes_per_value'] * 8}-bit values.")
 
 
+# Generate's settings and chosen step in the page URL (issue 15 item 5), beside the shared model /
+# prompt / chat keys: a link with ?tab=generate&gen_max=... generates the same text (greedy, or the
+# same seed) and opens the same step.
+GEN_URL_KEYS = ["gen_max", "gen_t", "gen_k", "gen_p", "gen_minp", "gen_rep", "gen_seed", "gen_stop", "gen_step"]
+GEN_URL_JS = """(model, prompt, chat, ...v) => {
+  const keys = %s;
+  const q = new URLSearchParams(location.search);
+  q.set('tab', 'generate');
+  if (model) q.set('model', model);
+  if (prompt !== null && prompt !== undefined) q.set('prompt', prompt);
+  q.set('chat', chat ? 1 : 0);
+  keys.forEach((k, i) => { const x = v[i];
+    if (x !== null && x !== undefined && x !== '') q.set(k, x); else q.delete(k); });
+  history.replaceState(null, '', '?' + q.toString());
+  return [];
+}""" % (GEN_URL_KEYS,)
+# (key, default, lowest, highest) of each number the link may carry; None: no bound
+_GEN_NUMBERS = [("gen_t", 0.0, 0.0, 2.0), ("gen_k", 0, None, None), ("gen_p", 1.0, 0.01, 1.0),
+                ("gen_minp", 0.0, 0.0, 1.0), ("gen_rep", 1.0, 0.5, 2.0), ("gen_seed", 0, None, None)]
+
+
+def settings_from_url(query: dict, cap: int, opened_tab: str | None = None) -> dict | None:
+    """A link's Generate settings, each clamped into its control's range (a bad top-k or seed is
+    kept as written: the run then says so beside that control), or None when the link has none or
+    opens another tab. `opened_tab`: the link's ?tab= as the page read it before its first tab's
+    select rewrote the URL (app/ui.py HEAD_JS); the server may see the rewritten one."""
+    if (opened_tab or query.get("tab")) != "generate" or "gen_max" not in query:
+        return None
+
+    def num(k, default, lo=None, hi=None, cast=float):
+        try:
+            v = cast(float(query[k]))
+        except (KeyError, ValueError, TypeError, OverflowError):
+            return default
+        if v != v:
+            return default
+        return max(lo, min(hi, v)) if lo is not None else v
+    out = {"gen_max": num("gen_max", min(32, cap), 1, cap, int)}
+    for k, default, lo, hi in _GEN_NUMBERS:
+        out[k] = num(k, default, lo, hi, int if k in ("gen_k", "gen_seed") else float)
+    out["gen_stop"] = str(query.get("gen_stop") or "")[:400]
+    out["gen_step"] = num("gen_step", 0, 0, 10**6, int)
+    for k in ("model", "prompt"):
+        out[k] = query.get(k)
+    out["chat"] = query.get("chat") in ("1", "true")
+    return out
+
+
 def _light_state(lm, gen, steps_json) -> dict:
     kv = dict(gen.kv_cache or {})
     kv["measured_series"] = [list(x) for x in gen.kv_series]
@@ -273,7 +321,8 @@ def build(shared: Shared) -> None:
         return (F.distribution_figure(step), F.removed_summary(step), att_fig,
                 F.timeline_figure(st["steps"], colour, i))
 
-    step_sel.release(show_step, [step_sel, state, color_by, show_att], [dist, removed_md, att_plot, timeline])
+    step_sel.release(show_step, [step_sel, state, color_by, show_att],
+                                  [dist, removed_md, att_plot, timeline])
     @endpoint  # show_step holds the model slot
     def open_first_step(fresh, st, colour, with_att, request: gr.Request = None):
         if fresh is not True:  # a refused request: nothing new to open
@@ -338,6 +387,53 @@ def build(shared: Shared) -> None:
     # Stop: cancelling closes the running generator, which ends generation at once (model_core
     # checks nothing more; the iterator is simply not advanced) and frees the model.
     stop_btn.click(None, None, None, cancels=[gen_event, samples_event])
+
+    # --- the link: settings and chosen step mirrored into the URL, and read back on load ----------
+    url_inputs = [shared.model, shared.prompt, shared.chat, max_new, temperature, top_k, top_p, min_p, rep, seed,
+                  stop, step_sel]
+    # written when the status or the chosen step's view changes (a .then after these events may
+    # still read the values from before their outputs landed); status: a generation finished
+    for comp in (status, dist):
+        comp.change(None, url_inputs, None, js=GEN_URL_JS)
+    if shared.page is not None:
+        linked = gr.State(None)
+        opened_tab = gr.Textbox(visible=False, elem_id="gen-opened-tab")
+
+        @endpoint
+        def gen_from_url(tab, request: gr.Request = None):
+            q = dict(request.query_params) if request is not None else {}
+            got = settings_from_url(q, cap, tab if isinstance(tab, str) else None)
+            if got is None:
+                return (*(gr.skip(),) * 8, None)
+            return (got["gen_max"], got["gen_t"], got["gen_k"], got["gen_p"], got["gen_minp"], got["gen_rep"],
+                    got["gen_seed"], got["gen_stop"], got)
+
+        @endpoint(model=True)
+        def gen_autorun(link, n_new, t, k, p, m, r, sd, stop_text, colour, request: gr.Request = None):
+            """A link to a generation runs it on load with the link's own model, prompt and chat (the
+            shared bar is filled by another load event at the same moment)."""
+            if not isinstance(link, dict):
+                yield (gr.skip(),) * len(gen_outputs)
+                return
+            from app.ui import EXAMPLE_PROMPT, model_names
+
+            model_name = link.get("model") if link.get("model") in model_names() else shared.model.value
+            prompt = link.get("prompt") if isinstance(link.get("prompt"), str) else EXAMPLE_PROMPT
+            yield from _run(model_name, prompt, bool(link.get("chat")), n_new, t, k, p, m, r, sd, stop_text, colour)
+
+        @endpoint
+        def gen_open_linked_step(link, fresh, st, colour, with_att, request: gr.Request = None):
+            if not isinstance(link, dict) or fresh is not True or not st:
+                return (gr.skip(),) * 6
+            i = int(max(0, min(int(link.get("gen_step") or 0), len(st["steps"]) - 1)))
+            return (gr.update(value=i), *show_step(i, st, colour, with_att, request), False)
+
+        shared.page.load(gen_from_url, [opened_tab], [max_new, temperature, top_k, top_p, min_p, rep, seed, stop, linked],
+                         js="() => [window.lmscopeOpenTab || '']").then(
+            gen_autorun, [linked, max_new, temperature, top_k, top_p, min_p, rep, seed, stop, color_by], gen_outputs,
+            concurrency_id="generate", concurrency_limit=generate_concurrency()).then(
+            gen_open_linked_step, [linked, opening, state, color_by, show_att],
+            [step_sel, dist, removed_md, att_plot, timeline, opening])
 
     @endpoint(model=True)
     def timing(st, request: gr.Request = None):

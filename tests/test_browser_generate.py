@@ -71,4 +71,21 @@ def test_generate_in_the_browser(server):
         set_number(page, "gen-top-k", 0)
         page.click("#gen-generate")
         wait_until(lambda: not page.locator("#gen-top-k-msg").is_visible(), 60, "the message to go")
+        wait_until(lambda: "finished because" in page.inner_text("#gen-status") and "Step 0" in plot_title(
+            page, "gen-attention"), 120, "the third generation")
+
+        # the link: settings and the chosen step; a teammate opening it sees the same text and step
+        text = out.input_value()
+        page.locator("#gen-tokens .token").nth(3).click()
+        wait_until(lambda: "Step 3" in plot_title(page, "gen-dist"), 90, "step 3 distribution")
+        wait_until(lambda: "gen_step=3" in page.url, 10, "the step in the URL")
+        link = page.url
+        assert "tab=generate" in link and "gen_max=40" in link and "gen_t=1.5" in link and "prompt=Once" in link
+        other = browser.new_page(viewport={"width": 1400, "height": 1000})
+        other.goto(link)
+        wait_until(lambda: "finished because" in other.inner_text("#gen-status"), 180, "the linked generation")
+        wait_until(lambda: "Step 3" in plot_title(other, "gen-dist"), 90, "the linked step")
+        assert other.locator("#gen-output textarea").input_value() == text
+        assert other.locator("#gen-temperature input[type=number]").input_value() == "1.5"
+        screenshot(other, "generate-from-link")
         browser.close()
