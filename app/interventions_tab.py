@@ -352,6 +352,46 @@ def run_compare(model, a, b, request: gr.Request = None):
     return fa, fb, diff
 
 
+# The tab's prompts and choices in the page URL (issue 15 item 5): mirrored as they change, read
+# back when a link opens this tab (as the page read ?tab= before its first tab rewrote the URL).
+IV_URL_KEYS = ["iv_clean", "iv_corrupt", "iv_target", "iv_other", "iv_metric", "iv_heads", "iv_mlps", "iv_neurons",
+               "iv_mode", "iv_patch", "iv_align"]
+IV_URL_JS = """(...v) => {
+  const keys = %s;
+  const q = new URLSearchParams(location.search);
+  keys.forEach((k, i) => { let x = v[i];
+    if (Array.isArray(x)) x = x.join(','); if (typeof x === 'boolean') x = x ? 1 : 0;
+    if (x !== null && x !== undefined && x !== '') q.set(k, x); else q.delete(k); });
+  history.replaceState(null, '', '?' + q.toString());
+  return [];
+}""" % (IV_URL_KEYS,)
+
+
+def choices_from_url(query: dict, opened_tab: str | None, model: str | None = None) -> dict | None:
+    """The link's Interventions values, each one a valid value of its control (heads and MLP layers
+    only those the link's model has), or None when the link opens another tab or carries none."""
+    if (opened_tab or query.get("tab")) != "interventions" or not any(k in query for k in IV_URL_KEYS):
+        return None
+    shape = shape_of(model or default_model()) or shape_of(default_model()) or (0, 0)
+    heads_ok, mlps_ok = set(head_choices(*shape)), {str(l) for l in range(shape[0])}
+
+    def text(k, cap=2000):
+        v = query.get(k)
+        return v[:cap] if isinstance(v, str) else gr.skip()
+
+    def items(k, ok):
+        v = query.get(k)
+        return [x for x in v.split(",") if x in ok][:64] if isinstance(v, str) else gr.skip()
+    return {"iv_clean": text("iv_clean"), "iv_corrupt": text("iv_corrupt"), "iv_target": text("iv_target", 200),
+            "iv_other": text("iv_other", 200),
+            "iv_metric": query.get("iv_metric") if query.get("iv_metric") in ("logit_diff", "logprob") else gr.skip(),
+            "iv_heads": items("iv_heads", heads_ok), "iv_mlps": items("iv_mlps", mlps_ok),
+            "iv_neurons": text("iv_neurons", 400),
+            "iv_mode": query.get("iv_mode") if query.get("iv_mode") in ("zero", "mean") else gr.skip(),
+            "iv_patch": query.get("iv_patch") if query.get("iv_patch") in ("resid", "heads") else gr.skip(),
+            "iv_align": query.get("iv_align") in ("1", "true") if "iv_align" in query else gr.skip()}
+
+
 def build(shared: Shared) -> None:
     s0 = shape_of(default_model()) or (0, 0)
     gr.Markdown(INTRO)
@@ -435,3 +475,23 @@ def build(shared: Shared) -> None:
     cmp_btn.click(run_compare, [m, clean, corrupt], [cmp_a, cmp_b, cmp_diff], concurrency_id="model",
                   api_name="compare_prompts")
     m.change(_choices_update, [m], [heads, mlps])
+
+    # --- the link ------------------------------------------------------------------------------
+    url_inputs = [clean, corrupt, target, other, kind, heads, mlps, neurons, mode, what, align]
+    for comp in url_inputs:
+        comp.change(None, url_inputs, None, js=IV_URL_JS)
+    if shared.page is not None:
+        opened_tab = gr.Textbox(visible=False, elem_id="iv-opened-tab")
+
+        @endpoint
+        def iv_from_url(tab, request: gr.Request = None):
+            from app.ui import model_names
+
+            q = dict(request.query_params) if request is not None else {}
+            model = q.get("model") if q.get("model") in model_names() else None
+            got = choices_from_url(q, tab if isinstance(tab, str) else None, model)
+            if got is None:
+                return (gr.skip(),) * len(url_inputs)
+            return tuple(got[k] for k in IV_URL_KEYS)
+
+        shared.page.load(iv_from_url, [opened_tab], url_inputs, js="() => [window.lmscopeOpenTab || '']")

@@ -6,7 +6,7 @@ import time
 import pytest
 from playwright.sync_api import sync_playwright
 
-from browser import launch_browser, plot_data, screenshot, wait_title
+from browser import launch_browser, plot_data, screenshot, wait_title, wait_until
 
 pytestmark = pytest.mark.browser
 HEADS = ["L0H1", "L3H2"]
@@ -70,4 +70,26 @@ def test_interventions_in_the_browser(server):
         assert not page.locator("#iv-job-box").is_visible()  # small sweep: no job offer
         screenshot(page, "interventions-patching")
         print(f"ablation {t_ablate:.1f} s, patching {t_patch:.1f} s")
+
+        # a target typed without its leading space is named, and the spaced one offered (issue 15 item 10)
+        box = page.locator("#iv-target textarea, #iv-target input").first
+        box.fill("Paris")
+        box.blur()
+        wait_until(lambda: page.locator("#iv-space-note").is_visible(), 60, "the leading-space note")
+        note = page.inner_text("#iv-space-note")
+        assert "'Paris' became token" in note and "“␣Paris”" in note, note
+        screenshot(page, "interventions-target-without-space")
+        page.click("#iv-space-fix")
+        wait_until(lambda: box.input_value() == " Paris", 30, "the spaced target")
+        wait_until(lambda: not page.locator("#iv-space-note").is_visible(), 30, "the note to go")
+
+        # the link carries the tab's prompts and choices: a teammate opening it sees them (issue 15 item 5)
+        wait_until(lambda: "iv_heads=L0H1%2CL3H2" in page.url and "iv_target=+Paris" in page.url, 30, "the URL")
+        other = browser.new_page(viewport={"width": 1400, "height": 1000})
+        other.goto(page.url)
+        other.wait_for_selector("#iv-heads", state="visible", timeout=60_000)
+        wait_until(lambda: all(h in other.inner_text("#iv-heads") for h in HEADS), 60, "the linked heads")
+        assert other.locator("#iv-target textarea, #iv-target input").first.input_value() == " Paris"
+        assert other.locator("#iv-clean textarea").input_value() == "The Eiffel Tower is in the city of"
+        screenshot(other, "interventions-from-link")
         browser.close()

@@ -73,3 +73,17 @@ def test_generate_settings_from_a_link_are_clamped_into_their_controls():
     assert settings_from_url(q, 256, opened_tab="explore") is None
     assert settings_from_url({"tab": "generate"}, 256) is None
     assert settings_from_url({**q, "tab": "explore"}, 256, opened_tab="generate") is not None
+
+
+def test_interventions_choices_from_a_link_are_valid_values():
+    import gradio as gr
+
+    from app.interventions_tab import choices_from_url
+
+    q = {"tab": "interventions", "iv_clean": "A", "iv_target": " Paris", "iv_metric": "logprob",
+         "iv_heads": "L0H1,L99H0,L3H2,../x", "iv_mlps": "2,40", "iv_mode": "evil", "iv_align": "1"}
+    got = choices_from_url(q, None)
+    assert got["iv_heads"] == ["L0H1", "L3H2"] and got["iv_mlps"] == ["2"]  # SmolLM2: 30 layers, 9 heads
+    assert got["iv_metric"] == "logprob" and got["iv_align"] is True and got["iv_target"] == " Paris"
+    assert got["iv_mode"] == gr.skip() and got["iv_corrupt"] == gr.skip()
+    assert choices_from_url(q, "explore") is None and choices_from_url({"tab": "interventions"}, None) is None
