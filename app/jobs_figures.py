@@ -33,6 +33,10 @@ def job_details(rec: dict) -> str:
         return f"{method} · {p.get('model')} · {p.get('dataset')}" + (f" → {out}" if out else "")
     if rec.get("kind") == "patching":
         return f"{p.get('sweep', 'residual')} patching · {p.get('model')} · target {p.get('target')!r}"
+    if rec.get("kind") in ("pretrain", "scaling"):  # training from scratch (app/pretrain_figures.py)
+        from app.pretrain_figures import job_details as pretrain_details
+
+        return pretrain_details(rec)
     return ""
 
 

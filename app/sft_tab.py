@@ -320,6 +320,9 @@ def build(shared: Shared) -> None:
     delta_btn.click(weight_change, [base, tuned], [delta_plot], concurrency_id="model", api_name="weight_change")
     if shared.page is not None:
         shared.page.load(job_from_url, None, [selected, job])
+    from app import pretrain_tab  # training from scratch and the scaling sweep: a self-contained accordion
+
+    pretrain_tab.build(shared)
 
 
 @endpoint

@@ -22,7 +22,8 @@ from tasks import config
 
 QUEUE = "lmscope"
 
-app = Celery("lmscope", include=["tasks.tokenizer_job", "tasks.patching_job", "tasks.sft_job"])
+app = Celery("lmscope", include=["tasks.tokenizer_job", "tasks.patching_job", "tasks.sft_job",
+                              "tasks.pretrain_job"])
 app.conf.update(
     broker_url=config.redis_url(),
     broker_connection_retry_on_startup=True,

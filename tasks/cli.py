@@ -19,7 +19,7 @@ def add_jobs_parser(subparsers, func) -> None:
     js = j.add_subparsers(dest="jobs_command", required=True)
 
     s = js.add_parser("submit", help="queue a job")
-    s.add_argument("kind", choices=["tokenizer", "patching", "sft"])
+    s.add_argument("kind", choices=["tokenizer", "patching", "sft", "pretrain", "scaling"])
     s.add_argument("--algorithm", choices=list(tt.ALGORITHMS), default="byte-level-bpe")
     s.add_argument("--vocab-size", type=int, default=4000,
                    help=f"{tt.VOCAB_MIN}..{tt.VOCAB_MAX} (default 4000)")
@@ -31,6 +31,9 @@ def add_jobs_parser(subparsers, func) -> None:
     from tasks.sft_job import add_sft_arguments  # kind 'sft' (tasks/sft_job.py)
 
     add_sft_arguments(s)
+    from tasks.pretrain_job import add_pretrain_arguments  # kinds 'pretrain' and 'scaling' (tasks/pretrain_job.py)
+
+    add_pretrain_arguments(s)
     s.add_argument("--owner", default="cli")
     s.add_argument("--wait", action="store_true", help="wait for the job to finish and print its record")
     s.add_argument("--timeout", type=float, default=None, help="with --wait: give up after N seconds")
@@ -100,6 +103,11 @@ def _show(r: dict) -> None:
     print("params:", json.dumps(r["params"], ensure_ascii=False))
     for a in r.get("artifacts", []):
         print(f"artifact: {a['path']} ({a['bytes']} bytes)")
+    fit = (r.get("pretrain") or {}).get("fit")
+    if fit:  # a scaling sweep: the fitted exponent
+        print(f"fit: L = {fit['a']:.4g} * N^-{fit['alpha']:.4f}  (alpha {fit['alpha']:.4f}"
+              + (f" +/- {fit['alpha_stderr']:.4f}" if fit.get("alpha_stderr") is not None else "")
+              + f", R^2 {fit['r2']:.3f}, {fit['n_points']} widths)")
     for line in r.get("log", [])[-20:]:
         print("  " + line)
 
@@ -115,6 +123,10 @@ def jobs_command(args) -> int:
             params, files = sft_params_from_args(args)
         elif args.kind == "patching":
             params, files = _patching_params(args), []
+        elif args.kind in ("pretrain", "scaling"):
+            from tasks.pretrain_job import pretrain_params_from_args
+
+            params, files = pretrain_params_from_args(args), []
         else:
             params = {"algorithm": args.algorithm, "vocab_size": args.vocab_size,
                       "min_frequency": args.min_frequency, "special_tokens": args.special_tokens,

@@ -16,7 +16,7 @@ from model_core.errors import LmscopeError
 from tasks import config, corpus, store
 from tasks import tokenizer_train as tt
 
-KINDS = ("tokenizer", "patching", "sft")
+KINDS = ("tokenizer", "patching", "sft", "pretrain", "scaling")
 
 
 class JobError(LmscopeError):
@@ -119,6 +119,10 @@ def submit(kind: str, params: dict, owner: str = "cli", files=None) -> dict:
         from tasks.sft_job import submit_sft
 
         return submit_sft(params, owner, files)
+    if kind in ("pretrain", "scaling"):  # training from scratch, one model or a sweep: tasks/pretrain_job.py
+        from tasks.pretrain_job import submit_pretrain
+
+        return submit_pretrain(kind, params, owner)
     raise JobError(f"Unknown job kind '{kind}'; known: {', '.join(KINDS)}.")
 
 
