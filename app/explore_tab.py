@@ -139,7 +139,8 @@ class ExploreTab:
 
         gr.Markdown("### Tokens")
         _md("The prompt as the model sees it: one chip per token. Colour is how surprised the model was by "
-            "each token given the ones before it; ␣ marks a space, ↵ a newline, <0xNN> a raw byte.")
+            "each token given the ones before it; ␣ marks a space, ↵ a newline, <0xNN> a raw byte. A character "
+            "that several byte tokens spell together (a Burmese letter, an emoji) stands above their chips.")
         self.tokens = gr.HTML(elem_id="tokens")
 
         gr.Markdown("### Attention")

@@ -425,7 +425,9 @@ def build(shared: Shared) -> None:
         def gen_open_linked_step(link, fresh, st, colour, with_att, request: gr.Request = None):
             if not isinstance(link, dict) or fresh is not True or not st:
                 return (gr.skip(),) * 6
-            i = int(max(0, min(int(link.get("gen_step") or 0), len(st["steps"]) - 1)))
+            step = link.get("gen_step")
+            step = step if isinstance(step, int) and not isinstance(step, bool) else 0
+            i = int(max(0, min(step, len(st["steps"]) - 1)))
             return (gr.update(value=i), *show_step(i, st, colour, with_att, request), False)
 
         shared.page.load(gen_from_url, [opened_tab], [max_new, temperature, top_k, top_p, min_p, rep, seed, stop, linked],
