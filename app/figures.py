@@ -66,7 +66,7 @@ def token_strip_html(tokens: list[dict], logprobs: list[float | None], perplexit
             bits = -lp / math.log(2)
             p = math.exp(lp)
             a = min(1.0, bits / 16)
-            bg = f"rgba(220, 60, 40, {0.08 + 0.8 * a:.2f})"
+            bg = f"rgba(220,60,40,{0.08 + 0.8 * a:.2f})"
             title = f"id {t['id']}{byte_ids}{extra} · p = {p:.4f} · surprisal {bits:.2f} bits"
         cls = "tok tok-part" if extra else "tok"
         return (f'<span class="{cls}" data-pos="{i}" title="{html.escape(title)}" style="background:{bg}">'
@@ -83,9 +83,9 @@ def token_strip_html(tokens: list[dict], logprobs: list[float | None], perplexit
             continue
         glyph = t.get("glyph", "")
         parts = "".join(chip(i + k, tokens[i + k], logprobs[i + k], tokens[i + k].get("bytes", ""),
-                             f" · token {k + 1} of {n} making “{glyph}”") for k in range(n))
-        title = f"“{glyph}”: {n} tokens, bytes " + " | ".join(tokens[i + k].get("bytes", "") for k in range(n))
-        chips.append(f'<span class="glyph" title="{html.escape(title)}"><span class="glyph-text">{html.escape(glyph)}'
+                             f" · part {k + 1}/{n} of “{glyph}”") for k in range(n))
+        # (the chips carry the hover texts: a long prompt's strip stays small)
+        chips.append(f'<span class="glyph"><span class="glyph-text">{html.escape(glyph)}'
                      f'</span><span class="glyph-toks">{parts}</span></span>')
         i += n
     ppl = f"perplexity <b>{perplexity:.2f}</b>" if perplexity else "perplexity n/a (one token)"
