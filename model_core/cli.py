@@ -85,11 +85,49 @@ def cmd_trace(args) -> int:
     return 0
 
 
+def _search_settings(args):
+    """--num-beams / --num-beam-groups / --diversity-penalty / --penalty-alpha ask for a search
+    (model_core.decoding) instead of sampling; None when none of them is set."""
+    from model_core.decoding import DecodingSettings
+
+    beams, alpha = args.num_beams, args.penalty_alpha
+    if beams <= 1 and alpha <= 0 and args.num_beam_groups <= 1 and args.diversity_penalty <= 0:
+        return None
+    if alpha > 0 and beams > 1:
+        raise LmscopeError("Pick one search: --num-beams for beam search or --penalty-alpha for contrastive search.")
+    if alpha > 0:
+        return DecodingSettings.from_values("contrastive", penalty_alpha=alpha, top_k=args.top_k or 4,
+                                            length_penalty=args.length_penalty, max_new_tokens=args.max_new_tokens)
+    method = "diverse" if args.num_beam_groups > 1 or args.diversity_penalty > 0 else "beam"
+    return DecodingSettings.from_values(method, num_beams=beams, num_beam_groups=args.num_beam_groups,
+                                        diversity_penalty=args.diversity_penalty, length_penalty=args.length_penalty,
+                                        max_new_tokens=args.max_new_tokens)
+
+
+def cmd_search(args, settings) -> int:
+    from model_core.decoding import decode, decoding_to_json
+    from model_core.registry import load_model
+
+    lm = load_model(args.model, device=args.device)
+    out = decoding_to_json(lm, decode(lm, args.prompt, settings, chat=args.chat))
+    if args.json:
+        _print_json(out)
+    else:
+        print(args.prompt + out["text"])
+        for b in out["beams"]:
+            print(f"  #{b['rank']}  score {b['score']:.4f}  log p {b['logprob']:.3f}  {b['length']} tokens  "
+                  f"repeated 3-grams {b['repetition']:.0%}  {b['text']!r}")
+    return 0
+
+
 def cmd_generate(args) -> int:
     from model_core.generate import generate, generation_to_json
     from model_core.registry import load_model
     from model_core.sampling import SamplingSettings
 
+    search = _search_settings(args)
+    if search is not None:
+        return cmd_search(args, search)
     lm = load_model(args.model, device=args.device)
     settings = SamplingSettings.from_values(args.temperature, args.top_k, args.top_p, args.min_p,
                                             args.repetition_penalty)
@@ -179,6 +217,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--chat", action="store_true")
+    g.add_argument("--num-beams", type=int, default=1, help="beam search with N beams (transformers' generate); "
+                   "--json lists every beam with its scores")
+    g.add_argument("--num-beam-groups", type=int, default=1, help="diverse beam search: split the beams into groups")
+    g.add_argument("--diversity-penalty", type=float, default=0.0, help="diverse beam search: penalty per token "
+                   "an earlier group chose at the same step")
+    g.add_argument("--length-penalty", type=float, default=1.0, help="beam score = sum log p / length ** this")
+    g.add_argument("--penalty-alpha", type=float, default=0.0, help="contrastive search with this alpha and "
+                   "--top-k candidates (4 if unset)")
     g.add_argument("--device", default=None)
     g.add_argument("--json", action="store_true")
     g.set_defaults(func=cmd_generate)
