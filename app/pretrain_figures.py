@@ -14,6 +14,7 @@ from plotly.subplots import make_subplots
 from model_core.pretrain import CHINCHILLA_2022, KAPLAN_2020, chinchilla_loss, kaplan_loss
 
 WIDTH_COLOURS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#a16207", "#db2777"]
+LOSS_TICKS = [0.5, 0.75, 1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10, 12, 15, 20, 25, 30, 40, 50, 70, 100]
 POINT_COLUMNS = ["width", "layers", "N (non-embedding)", "N (all)", "tokens", "held-out loss", "bits/byte",
                  "perplexity", "train s", "model"]
 
@@ -34,9 +35,14 @@ def empty_figure(message: str, height: int = 320) -> go.Figure:
     return _layout(fig, "", height)
 
 
-def _m(n) -> str:
-    n = float(n)
-    return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.0f}k" if n >= 1e3 else f"{n:.0f}"
+def _ticks(values, mantissas) -> list[float]:
+    """Round tick values (mantissa × 10^k) within the values' range, for a log axis."""
+    vals = [v for v in values if v and v > 0]
+    if not vals:
+        return []
+    lo, hi = min(vals) / 1.1, max(vals) * 1.1
+    return [m * 10.0 ** k for k in range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1)
+            for m in mantissas if lo <= m * 10.0 ** k <= hi]
 
 
 def job_details(rec: dict) -> str:
@@ -77,7 +83,9 @@ def curve_figure(history: list[dict] | None) -> go.Figure:
                             name=f"{tag}held-out perplexity", line=dict(color=c, width=2, dash="dot"),
                             marker=dict(size=5), row=2, col=1, showlegend=len(widths) == 1)
     fig.update_yaxes(title="nats per byte", row=1, col=1)
-    fig.update_yaxes(title="perplexity", type="log", row=2, col=1)
+    ppl = [v for t in fig.data if t.yaxis == "y2" for v in (t.y or ()) if v and v > 0]
+    ticks = _ticks(ppl, [1, 2, 5])
+    fig.update_yaxes(title="perplexity", type="log", row=2, col=1, tickvals=ticks, ticktext=[f"{v:g}" for v in ticks])
     fig.update_xaxes(title="training tokens (bytes) seen", row=2, col=1)
     return _layout(fig, "Loss and perplexity (held-out: the corpus's held-out files)", 460)
 
@@ -104,7 +112,8 @@ def scaling_figure(points: list[dict] | None, fit: dict | None = None, tokens: i
                         name=f"ours, least squares: L = {fit['a']:.3g}·N^-{fit['alpha']:.3f} (R² {fit['r2']:.3f})",
                         line=dict(color="#111827", width=2))
         se = f" ± {fit['alpha_stderr']:.3f}" if fit.get("alpha_stderr") is not None else ""
-        title = f"L(N): our α = {fit['alpha']:.3f}{se} (R² {fit['r2']:.3f}, {fit['n_points']} widths)"
+        title = (f"L(N): our α = {fit['alpha']:.3f}{se} (R² {fit['r2']:.3f}, {fit['n_points']} widths)"
+                 if fit["n_points"] > 2 else f"L(N): our α = {fit['alpha']:.3f} (two widths: the line through both)")
     if published:
         fig.add_scatter(x=grid, y=[kaplan_loss(n) for n in grid], mode="lines",
                         name=f"{KAPLAN_2020['name']}'s fit on their data: (8.8e13/N)^0.076, nats/token (WebText2)",
@@ -118,8 +127,13 @@ def scaling_figure(points: list[dict] | None, fit: dict | None = None, tokens: i
         fig.add_scatter(x=grid, y=[mid[1] * (n / mid[0]) ** -KAPLAN_2020["alpha_N"] for n in grid], mode="lines",
                         name="slope α_N = 0.076 (Kaplan) through our middle point: shape only",
                         line=dict(color="#2563eb", dash="dot", width=1))
-    fig.update_xaxes(title="N, non-embedding parameters (each tensor once)", type="log")
-    fig.update_yaxes(title="loss (nats; ours per byte, theirs per token)", type="log")
+    xt = _ticks(grid, [1, 2, 5])
+    fig.update_xaxes(title="N, non-embedding parameters (each tensor once)", type="log", tickvals=xt,
+                     ticktext=[f"{v / 1e6:g}M" if v >= 1e6 else f"{v / 1e3:g}k" if v >= 1e3 else f"{v:g}" for v in xt])
+    ys = [v for t in fig.data for v in (t.y or ()) if v is not None and v > 0]
+    ticks = [v for v in LOSS_TICKS if min(ys) / 1.1 <= v <= max(ys) * 1.1]
+    fig.update_yaxes(title="loss (nats; ours per byte, theirs per token)", type="log", tickvals=ticks,
+                     ticktext=[f"{v:g}" for v in ticks])
     return _layout(fig, title, 480)
 
 

@@ -83,18 +83,21 @@ def refresh(selected, known, request: gr.Request = None):
     same = [list(c) for c in choices] == [list(c) if isinstance(c, (list, tuple)) else c for c in known]
     menu = [gr.skip(), gr.skip()] if same else [choices, gr.update(choices=choices)]
     if not selected:
-        return [pf.status_markdown(None), jf.progress_html(None), gr.skip(), gr.skip(), gr.skip(), *menu]
+        return [pf.status_markdown(None), jf.progress_html(None), gr.skip(), gr.skip(), gr.skip(), *menu,
+                gr.update(visible=False)]
     rec = next((r for r in recs if r["id"] == selected), None)
     if rec is None:
         try:
             rec = _jobs().get_job(selected, job_viewer(request))
         except LmscopeError as e:
-            return [f"⚠️ {e}", jf.progress_html(None), gr.skip(), gr.skip(), gr.skip(), *menu]
+            return [f"⚠️ {e}", jf.progress_html(None), gr.skip(), gr.skip(), gr.skip(), *menu, gr.update(visible=False)]
     pr = rec.get("pretrain") or {}
     return [pf.status_markdown(rec), jf.progress_html(rec), pf.curve_figure(pr.get("history")),
-            pf.scaling_figure(pr.get("points"), pr.get("fit"), rec.get("params", {}).get("tokens"))
+            pf.scaling_figure(pr.get("points"), pr.get("fit"),
+                              ((pr.get("points") or [{}])[0].get("tokens") or rec.get("params", {}).get("tokens")))
             if rec["kind"] == "scaling" else pf.empty_figure("The L(N) plot belongs to a scaling sweep.", 460),
-            pf.points_table(pr.get("points")), *menu]
+            pf.points_table(pr.get("points")), *menu,
+            gr.update(visible=rec["state"] in ("queued", "running"))]  # cancel: only while it can stop
 
 
 @endpoint
@@ -151,14 +154,14 @@ def build(shared: Shared) -> None:
             with gr.Column(scale=2):
                 with gr.Row():
                     job = gr.Dropdown([], label="From-scratch jobs", scale=4, elem_id="pt-job")
-                    cancel_btn = gr.Button("Cancel job", variant="stop", scale=1, elem_id="pt-cancel")
+                    cancel_btn = gr.Button("Cancel job", variant="stop", scale=1, visible=False, elem_id="pt-cancel")
                 progress = gr.HTML(elem_id="pt-progress")
                 info = gr.Markdown(pf.status_markdown(None), elem_id="pt-info")
                 curve = gr.Plot(pf.curve_figure(None), elem_id="pt-curve")
         scaling = gr.Plot(pf.scaling_figure(None), elem_id="pt-scaling")
         table = gr.Dataframe(pf.points_table(None), interactive=False, wrap=True, elem_id="pt-points")
 
-    outs = [info, progress, curve, scaling, table, known, job]
+    outs = [info, progress, curve, scaling, table, known, job, cancel_btn]
     pt_btn.click(submit_pretrain, [width, layers, steps, lr, keep, name], [selected, job, status])
     sc_btn.click(submit_scaling, [widths, sc_layers, tokens, sc_lr], [selected, job, status])
     job.change(pick_job, [job], [selected])

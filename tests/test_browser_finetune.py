@@ -11,7 +11,7 @@ import zipfile
 import pytest
 from playwright.sync_api import sync_playwright
 
-from browser import LiveServer, launch_browser, plot_data, plot_title, screenshot, wait_until
+from browser import LiveServer, launch_browser, plot_data, plot_title, screenshot, set_number, wait_title, wait_until
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration, pytest.mark.real_model]
 
@@ -157,3 +157,38 @@ def test_finetuned_model_opens_without_a_restart(loop):
     ids = ours.tokenizer("Convert 2024-03-15 to DD/MM/YYYY.", return_tensors="pt")["input_ids"]
     with torch.no_grad():
         assert torch.equal(theirs(ids).logits, ours.model(ids).logits)
+
+
+def test_pretrain_form_and_curves(loop):
+    """Training from scratch (the accordion under Fine-tune): a scaling sweep of two tiny widths
+    started from the form draws its loss/perplexity curves and the L(N) plot with the fitted α and
+    the published laws, and its models join the model menu."""
+    svc, server = loop
+    with sync_playwright() as pw:
+        browser = launch_browser(pw)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(server.url + "?tab=fine-tune")
+        page.locator("#pt-accordion").get_by_text("Train from scratch").first.click()
+        page.wait_for_selector("#pt-submit")
+        page.wait_for_selector("#sc-submit")
+        page.locator("#sc-widths textarea, #sc-widths input").first.fill("32,48")
+        set_number(page, "sc-layers", 1)
+        set_number(page, "sc-tokens", 20480)
+        page.click("#sc-submit")
+        wait_until(lambda: "Queued sweep" in page.inner_text("#pt-status"), 30, "the sweep queued")
+        wait_until(lambda: "fitted α" in page.inner_text("#pt-info"), 240, "the sweep's fitted exponent")
+        wait_title(page, "pt-scaling", "our α")
+        assert not page.locator("#pt-cancel").is_visible()  # a finished job has nothing to cancel
+        names = [t.get("type") for t in plot_data(page, "pt-scaling")]
+        assert len(names) == 5  # our points, our fit, Kaplan, Chinchilla, Kaplan's slope through our point
+        curve = plot_data(page, "pt-curve")
+        assert len(curve) == 6 and all(len(t["x"]) >= 2 for t in curve)  # per width: train, held-out, perplexity
+        table = page.inner_text("#pt-points")
+        assert "scaling-" in table and "-d32" in table and "-d48" in table
+        text = page.inner_text("#pt-accordion")
+        assert "Kaplan et al. 2020" in text and "Hoffmann et al. 2022" in text
+        page.locator("#pt-accordion").scroll_into_view_if_needed()
+        screenshot(page, "pretrain-scaling-sweep")
+        name = next(line for line in table.split() if line.startswith("scaling-") and line.endswith("-d48"))
+        wait_until(lambda: name in _menu_options(page, "model"), 30, f"{name} in the header's model menu")
+        browser.close()
