@@ -193,3 +193,81 @@ def samples_figure(samples: list[dict]) -> go.Figure:
     fig.update_layout(title="Chosen-token probability per step, one line per seed", xaxis_title="step",
                       yaxis=dict(title="p", range=[0, 1.05]), margin=_MARGIN, height=300)
     return fig
+
+
+# --- search decoding (model_core.decoding): beams as a tree, contrastive candidates ------------
+
+def beam_tree_figure(beams: list[dict], prompt_tail: str = "prompt") -> go.Figure:
+    """Every returned beam as a path from the prompt, one lane per beam (best on top); a prefix that
+    several beams share is drawn once, so the tree shows where they split. Node colour: the model's
+    log-probability of that token; the end of each path says its rank, score and log p."""
+    if not beams:
+        return _hint(go.Figure(), "Run a search to see its beams.", 260)
+    nodes: dict[tuple, tuple[int, int]] = {}  # prefix -> (step, lane)
+    xs, ys, texts, colours, hovers = [0], [0], [prompt_tail], [0.0], [prompt_tail]
+    edge_x: list = []
+    edge_y: list = []
+    end_notes = []
+    for lane, b in enumerate(beams):
+        prev = (0, 0)
+        run = 0.0
+        for t, (tok, lp) in enumerate(zip(b["tokens"], b["step_logprobs"])):
+            key = tuple(b["token_ids"][: t + 1])
+            run += lp
+            if key not in nodes:
+                nodes[key] = (t + 1, -lane)
+                xs.append(t + 1)
+                ys.append(-lane)
+                texts.append(tok)
+                colours.append(lp)
+                hovers.append(f"beam #{b['rank']}, token {t + 1}: {tok!r}<br>log p(token) = {lp:.3f} "
+                              f"(p = {2.718281828 ** lp:.3f})<br>log p so far = {run:.3f}")
+            node = nodes[key]
+            edge_x += [prev[0], node[0], None]
+            edge_y += [prev[1], node[1], None]
+            prev = node
+        end_notes.append((prev[0], prev[1], f"#{b['rank']} score {b['score']:.3f} · log p {b['logprob']:.2f}"
+                          + (" · EOS" if b.get("eos") else "") + (f" · group {b['group']}" if "group" in b else "")))
+    fig = go.Figure()
+    fig.add_scatter(x=edge_x, y=edge_y, mode="lines", line=dict(color="#b0b7c3", width=1.5), hoverinfo="skip",
+                    showlegend=False)
+    fig.add_scatter(x=xs, y=ys, mode="markers+text", text=texts, textposition="top center",
+                    textfont=dict(size=11), hovertext=hovers, hoverinfo="text", showlegend=False,
+                    marker=dict(size=10, color=colours, colorscale="Viridis", cmin=-6, cmax=0,
+                                colorbar=dict(title="log p", thickness=10, len=0.8)))
+    for x, y, note in end_notes:
+        fig.add_annotation(x=x, y=y, text=note, showarrow=False, xanchor="left", xshift=10, font=dict(size=11))
+    n = max(len(b["tokens"]) for b in beams)
+    fig.update_xaxes(title="generated token", range=[-0.5, n + 4.5], dtick=max(1, n // 16))
+    fig.update_yaxes(visible=False, range=[-len(beams) + 0.5, 0.7])
+    fig.update_layout(margin=dict(l=20, r=20, t=40, b=40), height=120 + 56 * len(beams),
+                      title=dict(text=f"{len(beams)} beams from the prompt (shared prefixes drawn once)", x=0.01))
+    return fig
+
+
+def contrastive_figure(candidates: list[list[dict]], alpha: float) -> go.Figure:
+    """Contrastive search step by step: each column is one step's top-k candidates (most likely on
+    top), coloured by their score (1 - alpha) p - alpha max cos; the chosen one is outlined."""
+    if not candidates:
+        return _hint(go.Figure(), "Contrastive search shows each step's candidates here.", 260)
+    k = max(len(s) for s in candidates)
+    z = [[s[r]["score"] if r < len(s) else None for s in candidates] for r in range(k)]
+    text = [[s[r]["token"] if r < len(s) else "" for s in candidates] for r in range(k)]
+    hover = [[(f"step {t}: {s[r]['token']!r}<br>p = {s[r]['prob']:.3f}<br>max cos with earlier positions = "
+               f"{s[r]['max_cos']:.3f} (position {s[r]['most_similar_position']})<br>score = (1-{alpha:g})·p − "
+               f"{alpha:g}·cos = {s[r]['score']:.3f}" + ("<br><b>chosen</b>" if s[r]["chosen"] else ""))
+              if r < len(s) else "" for t, s in enumerate(candidates)] for r in range(k)]
+    fig = go.Figure(go.Heatmap(z=z, text=text, texttemplate="%{text}", hovertext=hover, hoverinfo="text",
+                               colorscale="RdBu", zmid=0, colorbar=dict(title="score", thickness=10)))
+    cx = [t for t, s in enumerate(candidates) for r, c in enumerate(s) if c["chosen"]]
+    cy = [r for s in candidates for r, c in enumerate(s) if c["chosen"]]
+    fig.add_scatter(x=cx, y=cy, mode="markers", marker=dict(symbol="square-open", size=26, color="#111",
+                                                              line=dict(width=2)),
+                    hoverinfo="skip", name="chosen")
+    fig.update_yaxes(title="candidate (by p)", autorange="reversed", tickvals=list(range(k)),
+                     ticktext=[f"#{r + 1}" for r in range(k)])
+    fig.update_xaxes(title="step")
+    fig.update_layout(margin=_MARGIN, height=140 + 42 * k, showlegend=False,
+                      title=dict(text=f"Contrastive search: top-{k} candidates per step, score = (1−α)·p − α·max cos "
+                                      f"(α = {alpha:g}); outlined = chosen", x=0.01))
+    return fig

@@ -454,6 +454,10 @@ def build(shared: Shared) -> None:
 
     timing_btn.click(timing, [state], [timing_md])
 
+    from app import decoding_panel  # beam / diverse / contrastive search: its own accordion and controls
+
+    decoding_panel.build(shared)
+
 
 def demo() -> gr.Blocks:
     """Standalone page with just this tab (development and browser tests)."""
