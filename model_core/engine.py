@@ -144,6 +144,7 @@ class Engine:
         self._rows: dict[int, _Row] = {}  # slot -> row
         self._stop = False
         self._held = False
+        self._idle = threading.Event()
         self._cache: SlotCache | None = None
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         # Request threads turn records into text while this thread launches steps: with Python's
@@ -180,10 +181,29 @@ class Engine:
         with self._cv:
             return len(self._pending)
 
+    def quiesce(self, timeout: float = 5.0) -> bool:
+        """Cancel every request and wait until the thread waits for work (nothing of torch running),
+        so the process can exit without this thread inside torch."""
+        with self._cv:
+            self._held = True
+            for r in self._pending:
+                r.cancel()
+            for row in self._rows.values():
+                row.req.cancel()
+            self._cv.notify_all()
+        return self._idle.wait(timeout) if self._thread.is_alive() else True
+
     def close(self) -> None:
+        """Stop the thread and wait until it has ended. A thread that ends while the interpreter
+        finalizes (freeing tensors, so releasing the GIL) aborts the process, so the end is waited
+        for here; during finalization itself the thread is left parked instead."""
+        if sys.is_finalizing():
+            return
         with self._cv:
             self._stop = True
             self._cv.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=30)
 
     def stats_dict(self) -> dict:
         return self.stats.as_dict(self)
@@ -206,7 +226,9 @@ class Engine:
         while True:
             with self._cv:
                 while not self._stop and not (self._pending and not self._held) and not self._rows and not pipeline:
+                    self._idle.set()
                     self._cv.wait()
+                self._idle.clear()
                 if self._stop:
                     break
                 new = [] if self._held else self._take_pending()
@@ -436,12 +458,15 @@ _LOCK = threading.Lock()
 _ALL: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 
 
-@atexit.register
-def _close_all() -> None:
-    """Stop the engine threads before the interpreter tears torch down under them."""
+def _stop_all() -> None:
+    """At exit, end every engine thread before the interpreter starts finalizing."""
     for eng in list(_ALL):
+        eng.quiesce()
         eng.close()
-        eng._thread.join(timeout=5)
+
+
+# threading's own exit hook runs before the interpreter starts finalizing (atexit runs too late)
+getattr(threading, "_register_atexit", atexit.register)(_stop_all)
 
 
 def slots_from_env(device) -> int:
@@ -486,7 +511,8 @@ def engine_for(lm) -> Engine:
             eng = Engine(lm, slots_from_env(lm.device), max_len_from_env(lm))
             lm.meta["engine"] = eng
             _ALL.add(eng)
-            weakref.finalize(lm, eng.close)
+            # closed when the model is freed; at exit `_stop_all` closes it first
+            weakref.finalize(lm, eng.close).atexit = False
     eng.ready.wait()
     return eng
 
