@@ -206,6 +206,13 @@ class ExploreTab:
             self.top_p = gr.Slider(0.01, 1, value=1.0, step=0.01, label="Top-p", elem_id="top-p")
             self.min_p = gr.Slider(0, 1, value=0.0, step=0.01, label="Min-p", elem_id="min-p")
             self.rep = gr.Slider(0.5, 2.0, value=1.0, step=0.05, label="Repetition penalty", elem_id="rep")
+        # truncation cutoffs of the explainer only (the generation engine does not apply them): after
+        # min-p, in transformers' order; eta's cutoff is min(eta, sqrt(eta)·e^-H) of what enters it
+        with gr.Row():
+            self.epsilon = gr.Number(value=0, minimum=0, maximum=0.99, step=0.0001, elem_id="epsilon",
+                                     label="Epsilon cutoff: drop p < ε (0 = off; this view only)")
+            self.eta = gr.Number(value=0, minimum=0, maximum=0.99, step=0.0001, elem_id="eta",
+                                 label="Eta cutoff: drop p < min(η, √η·e^−H) (0 = off; this view only)")
         self.sampling_msg = V.field_message("explore-sampling-msg")
         self.next_plot = gr.Plot(label="Next-token distribution", elem_id="next-token")
         # mass kept is measured on each stage's input (after the penalty, temperature and earlier
@@ -274,8 +281,12 @@ class ExploreTab:
         if s.page is not None:
             s.page.load(None, None, None, js=BRIDGE_JS)
         self.metric.input(overview, [self.state, self.metric, self.layer, self.head], [self.overview])
-        for comp in self.sampling_inputs:
-            comp.input(update_next, [self.state, *self.sampling_inputs], [self.next_plot, self.stages, self.sampling_msg])
+        next_io = dict(inputs=[self.state, *self.sampling_inputs, self.epsilon, self.eta],
+                       outputs=[self.next_plot, self.stages, self.sampling_msg])
+        for comp in [*self.sampling_inputs, self.epsilon, self.eta]:
+            comp.input(update_next, **next_io)
+        for e in (ev, ev2):  # a new trace keeps the cutoffs set here (run_trace's own view has none)
+            e.then(cutoffs_after_run, **next_io)
         self.export_btn.click(export, [self.state], [self.export_files])
         return ev, ev2
 
@@ -390,8 +401,8 @@ def render_views(tr, layer: int, head: int, query: int, lens_colour: str, region
     return [grid, big, bars, lens, target, contrib, resid, neurons, nbars]
 
 
-def next_outputs(tr, settings: SamplingSettings):
-    nv = views.next_token_view(tr, settings)
+def next_outputs(tr, settings: SamplingSettings, epsilon: float = 0.0, eta: float = 0.0):
+    nv = views.next_token_view(tr, settings, epsilon=epsilon, eta=eta)
     fig = figures.next_token_bars(nv["tokens"], nv["base"], nv["final"], nv["removed_by"], nv["summary"])
     rows = [[r["stage"], r["removed"], r["mass_kept"]] for r in nv["stages"]]
     return fig, rows
@@ -581,12 +592,27 @@ def on_action(state, action, layer, head, query, lens_colour, view=None, metric=
 
 
 @endpoint
-def update_next(state, temperature, top_k, top_p, min_p, rep):
+def update_next(state, temperature, top_k, top_p, min_p, rep, epsilon=0.0, eta=0.0):
     settings, problems = V.check_settings(temperature, top_k, top_p, min_p, rep)
+    from model_core.sampling import check_cutoff
+
+    for name, v in (("epsilon", epsilon), ("eta", eta)):
+        try:
+            check_cutoff(name, v)
+        except LmscopeError as e:
+            problems[name] = str(e)
     if problems:  # the distribution shown stays; the sentence stands under the settings
         return gr.skip(), gr.skip(), V.show(" ".join(problems.values()))
     tr = _get_trace(state)
-    return (*next_outputs(tr, settings), V.clear())
+    return (*next_outputs(tr, settings, float(epsilon or 0), float(eta or 0)), V.clear())
+
+
+@endpoint
+def cutoffs_after_run(state, temperature, top_k, top_p, min_p, rep, epsilon=0.0, eta=0.0):
+    """After a new trace: redraw the distribution with the epsilon / eta cutoffs when one is on."""
+    if not (isinstance(epsilon, (int, float)) and epsilon) and not (isinstance(eta, (int, float)) and eta):
+        return gr.skip(), gr.skip(), gr.skip()
+    return update_next(state, temperature, top_k, top_p, min_p, rep, epsilon, eta)
 
 
 @endpoint(model=True)

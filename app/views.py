@@ -353,8 +353,9 @@ def _cell(show: dict, tok, i: int, pending: bytes) -> str:
 
 # ---------------------------------------------------------------------- next token, tables
 
-def next_token_view(tr: Trace, settings: SamplingSettings, k: int = 20) -> dict:
-    res = apply_sampling(tr.next_logits, settings, context_ids=tr.token_ids)
+def next_token_view(tr: Trace, settings: SamplingSettings, k: int = 20, epsilon: float = 0.0,
+                    eta: float = 0.0) -> dict:
+    res = apply_sampling(tr.next_logits, settings, context_ids=tr.token_ids, epsilon=epsilon, eta=eta)
     top = torch.topk(res.base_probs, k).indices
     removed_by = []
     for i in top.tolist():
@@ -369,6 +370,8 @@ def next_token_view(tr: Trace, settings: SamplingSettings, k: int = 20) -> dict:
              for st in res.stages[1:] if st.n_removed]
     summary = ("greedy: always the top token" if settings.greedy else
                f"{kept:,} tokens can be drawn" + ("; " + "; ".join(parts) if parts else "; no filter active"))
+    if res.eta_threshold is not None:  # eta's cutoff depends on the entropy of what enters it
+        summary += f"; eta's cutoff p < {res.eta_threshold:.2e}"
     tok = tr._lm.tokenizer
     return {"tokens": [_show(tok, i) for i in top.tolist()], "base": to_np(res.base_probs[top]),
             "final": to_np(res.probs[top]), "removed_by": removed_by, "summary": summary,

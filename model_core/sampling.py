@@ -2,7 +2,8 @@
 removed and how much probability mass survived, then a seeded draw.
 
 Stage order and arithmetic follow transformers' generate(): repetition penalty, temperature,
-top-k, top-p, min-p (tests check each stage against the matching transformers logits processor).
+top-k, top-p, min-p, then (explainer only) epsilon and eta (tests check each stage against the
+matching transformers logits processor).
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ class SamplingResult:
     base_probs: torch.Tensor  # softmax of the raw logits
     stages: list[Stage] = field(default_factory=list)
     probs: torch.Tensor | None = None  # final distribution the token is drawn from
+    eta_threshold: float | None = None  # eta's cutoff probability, when the eta stage ran
 
     @property
     def final_logits(self) -> torch.Tensor:
@@ -147,9 +149,51 @@ def min_p(logits: torch.Tensor, m: float) -> torch.Tensor:
     return logits.masked_fill(remove, FILTER_VALUE)
 
 
-def apply_sampling(logits: torch.Tensor, settings: SamplingSettings, context_ids=None) -> SamplingResult:
-    """logits [V] (one position). context_ids: tokens seen so far (for the repetition penalty)."""
+def epsilon_cut(logits: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """Epsilon sampling (Hewitt et al. 2022): drop tokens whose probability is below epsilon (the most
+    likely token always stays). transformers' EpsilonLogitsWarper."""
+    if epsilon <= 0:
+        return logits
+    remove = torch.softmax(logits, dim=-1) < epsilon
+    remove = remove & (logits < torch.topk(logits, 1)[0][..., -1, None])
+    return logits.masked_fill(remove, FILTER_VALUE)
+
+
+def eta_threshold(logits: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """Eta sampling's cutoff: min(epsilon, sqrt(epsilon) * exp(-H)), H the entropy (nats) of the
+    distribution entering the stage."""
+    entropy = torch.distributions.Categorical(logits=logits).entropy()
+    eps = torch.tensor(float(epsilon), device=logits.device)
+    return torch.min(eps, torch.sqrt(eps) * torch.exp(-entropy))
+
+
+def eta_cut(logits: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """Eta sampling (Hewitt et al. 2022): an entropy-dependent epsilon cut. transformers' EtaLogitsWarper."""
+    if epsilon <= 0:
+        return logits
+    remove = torch.softmax(logits, dim=-1) < eta_threshold(logits, epsilon)[..., None]
+    remove = remove & (logits < torch.topk(logits, 1)[0][..., -1, None])
+    return logits.masked_fill(remove, FILTER_VALUE)
+
+
+def check_cutoff(name: str, v) -> float:
+    """epsilon / eta: 0 (off) or a probability in (0, 1); one sentence otherwise."""
+    try:
+        f = float(0.0 if v is None or v == "" else v)
+    except (TypeError, ValueError):
+        raise SettingsError(f"{name} must be a number, got {v!r}.") from None
+    if isinstance(v, bool) or not math.isfinite(f) or not 0 <= f < 1:
+        raise SettingsError(f"{name} must be 0 (off) or a probability below 1, got {v!r}.")
+    return f
+
+
+def apply_sampling(logits: torch.Tensor, settings: SamplingSettings, context_ids=None, *, epsilon: float = 0.0,
+                   eta: float = 0.0) -> SamplingResult:
+    """logits [V] (one position). context_ids: tokens seen so far (for the repetition penalty).
+    epsilon / eta: the explainer's truncation cutoffs after min-p, in transformers' order (0 = off);
+    they are not generation settings (the generation engine does not apply them)."""
     settings = settings.validated()
+    epsilon, eta = check_cutoff("epsilon", epsilon), check_cutoff("eta", eta)
     logits = logits.detach().float()
     if context_ids is not None and not torch.is_tensor(context_ids):
         context_ids = torch.tensor(list(context_ids), dtype=torch.long)
@@ -178,5 +222,10 @@ def apply_sampling(logits: torch.Tensor, settings: SamplingSettings, context_ids
         step("top_k", top_k(current, settings.top_k))
         step("top_p", top_p(current, settings.top_p))
         step("min_p", min_p(current, settings.min_p))
+        if epsilon > 0:
+            step("epsilon", epsilon_cut(current, epsilon))
+        if eta > 0:
+            res.eta_threshold = float(eta_threshold(current, eta))
+            step("eta", eta_cut(current, eta))
     res.probs = torch.softmax(current, -1)
     return res
