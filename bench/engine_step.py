@@ -58,6 +58,40 @@ def main() -> int:
                 seen = eng.seen[:B]
                 samp = replay_ms(lambda: sample_rows(logits, st, seen, RECORDED))
                 print(f"{B:>4} {L:>5} {whole:>14.3f} {samp:>20.3f} {B / whole * 1000:>11.0f}", flush=True)
+    if "--host" in sys.argv:  # where a served step's wall time goes: host work per step vs the whole
+        from model_core.engine import EngineRequest
+        from model_core.sampling import SamplingSettings
+
+        for B in (1, 32):
+            spent = {"_launch": 0.0, "_hand_out": 0.0, "_drop_cancelled": 0.0}
+            originals = {name: getattr(eng, name) for name in spent}
+
+            def timed(name):
+                def call(*a):
+                    t = time.perf_counter()
+                    try:
+                        return originals[name](*a)
+                    finally:
+                        spent[name] += time.perf_counter() - t
+                return call
+            for name in spent:
+                setattr(eng, name, timed(name))
+            steps0 = eng.stats.steps
+            reqs = [EngineRequest(ids=list(range(10, 34)), n_steps=256, settings=SamplingSettings(temperature=0),
+                                  seed=0, eos=set()) for _ in range(B)]
+            t0 = time.perf_counter()
+            with eng.hold():
+                for r in reqs:
+                    eng.submit(r)
+            for r in reqs:
+                while r.out.get() is not None:
+                    pass
+            wall = time.perf_counter() - t0
+            n = eng.stats.steps - steps0
+            for name in spent:
+                setattr(eng, name, originals[name])
+            print(f"served {B:>3} rows: {1000 * wall / n:.3f} ms/step wall, host " +
+                  ", ".join(f"{k} {1000 * v / n:.3f}" for k, v in spent.items()) + " ms/step", flush=True)
     if "--compile" in sys.argv:  # the model's forward compiled by inductor, then captured with the rest
         import traceback
 
