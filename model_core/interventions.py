@@ -363,12 +363,32 @@ def _run_cells(lm, corrupted_ids: list[int], cells: list, make_edits, metric: Me
     for start in range(0, len(cells), batch_size):
         chunk = cells[start:start + batch_size]
         ids = base.expand(len(chunk), -1)
-        logits = last_logits(lm, ids, make_edits(chunk))
+        edits = make_edits(chunk)
+        if progress is not None:  # one report as each layer of the batch starts, not only per batch
+            edits = layer_ticks(edits, lm.shape.n_layers,
+                                lambda l, s=start, k=len(chunk): progress((s + k * l / lm.shape.n_layers) / len(cells)))
+        logits = last_logits(lm, ids, edits)
         out += metric(logits).tolist()
         n += 1
         if progress is not None:
             progress(min(1.0, (start + len(chunk)) / len(cells)))
     return out, n
+
+
+def layer_ticks(edits: dict, n_layers: int, tick: Callable[[int], None]) -> dict:
+    """`edits` plus a call tick(l) as layer l's input arrives (an identity edit on hook_resid_pre,
+    composed with an edit already there): progress per layer inside one batched forward, and a
+    place to stop (an exception raised by tick ends the forward)."""
+    out = dict(edits)
+    for l in range(n_layers):
+        name = f"blocks.{l}.hook_resid_pre"
+        inner = out.get(name)
+
+        def edit(nm, x, l=l, inner=inner):
+            tick(l)
+            return inner(nm, x) if inner is not None else x
+        out[name] = edit
+    return out
 
 
 def _capture(lm, ids: list[int], z: bool = False) -> tuple[dict, torch.Tensor]:

@@ -6,8 +6,8 @@ target - other, else log p(target)), sweep ('residual' | 'heads'), align ('error
 batch_size (optional; default: model_core's token budget), layers / positions (optional subsets).
 
 Progress: 'loading model' (0-3 %), 'clean and corrupted runs' (3-5 %), 'patching' (5-97 %, one step
-per batch of patched runs), 'saving' (97-100 %). Cancel: the progress callback raises between
-batches when the cancel flag is set (the revoke from jobs.cancel_job also terminates the process).
+per layer of each batch of patched runs), 'saving' (97-100 %). Cancel: the progress callback raises
+between layers when the cancel flag is set (the revoke from jobs.cancel_job also terminates the process).
 The record machinery (claim, heartbeat thread, final-state writes) is the tokenizer job's.
 """
 
@@ -116,14 +116,12 @@ def run_patching(self, job_id: str) -> str:
         lm = _model(params["model"])
         prog.set("clean and corrupted runs", 0.03, f"{params['sweep']} sweep on {lm.shape.n_layers} layers")
         last_push = [0.0]
-        batches = [0]
 
         def on_batch(f: float) -> None:
-            # between batches: stop if cancelled, else report (writes throttled; the heartbeat
-            # thread pushes the latest value anyway)
+            # as each layer of a batch starts: stop if cancelled, else report (writes throttled; the
+            # heartbeat thread pushes the latest value anyway)
             if cancelled():
                 raise Cancelled()
-            batches[0] += 1
             with prog.lock:
                 prog.stage, prog.fraction, prog.est = "patching", 0.05 + 0.92 * f, None
             now = time.time()
@@ -152,7 +150,7 @@ def run_patching(self, job_id: str) -> str:
                     f"max restored {float(n.nan_to_num(nan=-1e9).max()):.2f}")
         return "succeeded"
     except Cancelled:
-        _finish(job_id, attempt, state="cancelled", log="cancelled between batches")
+        _finish(job_id, attempt, state="cancelled", log="cancelled during the sweep")
         return "cancelled"
     except LmscopeError as e:
         _finish(job_id, attempt, state="failed", error=str(e), log=f"failed: {e}")
