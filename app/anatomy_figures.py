@@ -394,3 +394,44 @@ def moe_router(r: dict, labels: list[str]) -> go.Figure:
                       title=f"Mixture of experts (random weights): balance loss over all layers "
                             f"{r['aux_loss']:.4g} (perfect balance: {r['top_k']})")
     return fig
+
+
+# --- entropy, cross-entropy, KL and MFU (model_core.infotheory) ---------------------------------
+
+def surprisal_bars(labels: list[str], surprisal: list[float], mean: float) -> go.Figure:
+    """-log p of each actual next token of the prompt (nats), with their mean: the cross-entropy."""
+    fig = go.Figure(go.Bar(x=list(range(len(surprisal))), y=surprisal, marker_color="#3b75af",
+                           hovertext=[f"{t!r}: -log p = {s:.3f} nats (p = {2.718281828 ** -s:.3g})"
+                                      for t, s in zip(labels, surprisal)], hoverinfo="text"))
+    fig.add_hline(y=mean, line=dict(color="#d62728", dash="dash"),
+                  annotation_text=f"mean = cross-entropy = {mean:.3f} nats", annotation_position="top left")
+    fig.update_xaxes(title="next token", tickvals=list(range(len(labels))), ticktext=labels, tickangle=-50)
+    fig.update_yaxes(title="surprisal −log p (nats)", rangemode="tozero")
+    fig.update_layout(title=dict(text="Surprisal of each actual next token", x=0.01), height=360,
+                      margin=dict(l=50, r=20, t=40, b=90))
+    return fig
+
+
+def kl_bars(labels: list[str], p: list[float], q: list[float], terms: list[float], p_name: str,
+            q_name: str) -> go.Figure:
+    """The tokens that move KL(P||Q) most: p and q side by side, each token's term p (log p − log q)."""
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.6, 0.4], horizontal_spacing=0.1,
+                        subplot_titles=("p and q of these tokens", "term p·(log p − log q), nats"))
+    fig.add_bar(x=labels, y=p, name=f"P: {p_name}", marker_color="#3b75af", row=1, col=1)
+    fig.add_bar(x=labels, y=q, name=f"Q: {q_name}", marker_color="#ff7f0e", row=1, col=1)
+    fig.add_bar(x=labels, y=terms, marker_color=["#15803d" if t >= 0 else "#b91c1c" for t in terms],
+                showlegend=False, row=1, col=2)
+    fig.update_xaxes(tickangle=-50)
+    fig.update_layout(title=dict(text="Where P and Q differ most", x=0.01), height=380, barmode="group",
+                      legend=dict(orientation="h", y=-0.35), margin=dict(l=50, r=20, t=60, b=110))
+    return fig
+
+
+def mfu_bar(achieved: float, peak: float, label: str) -> go.Figure:
+    """Achieved FLOP/s against the peak on a log axis (MFU on a CPU is a tiny fraction)."""
+    fig = go.Figure(go.Bar(x=[achieved, peak], y=["achieved", "peak"], orientation="h",
+                           marker_color=["#3b75af", "#c9d3df"],
+                           text=[f"{achieved:.3g} FLOP/s", f"{peak:.3g} FLOP/s"], textposition="auto"))
+    fig.update_xaxes(type="log", title="FLOP/s (log scale)")
+    fig.update_layout(title=dict(text=label, x=0.01), height=220, margin=dict(l=80, r=20, t=40, b=40))
+    return fig

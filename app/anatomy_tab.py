@@ -695,6 +695,35 @@ def build(shared: Shared) -> None:
         moe_info = _md("")
         moe_plot = gr.Plot()
 
+    # --- entropy, cross-entropy, KL and MFU on this model's numbers (its own button and controls) ---
+    with gr.Accordion("Entropy, cross-entropy, KL and MFU", open=False, elem_id="anatomy-info"):
+        _md(INFO_TEXT)
+        with gr.Row():
+            i_temp = gr.Slider(0.1, 5, value=2.0, step=0.1, label="Q = P at temperature T", elem_id="info-temp")
+            i_other = gr.Dropdown([r["name"] for r in list_models() if r.get("source") == "finetuned"], value=None,
+                                  label="or Q = a fine-tuned model (empty: temperature T)", elem_id="info-other")
+            i_btn = gr.Button("Compute", variant="primary", elem_id="info-go")
+        i_info = _md("")
+        with gr.Row():
+            i_ce = gr.Plot(elem_id="info-ce")
+            i_kl = gr.Plot(elem_id="info-kl")
+        _md(MFU_TEXT)
+        from model_core.infotheory import DEFAULT_PEAK, PEAKS
+
+        with gr.Row():
+            f_src = gr.Dropdown([GEN_SOURCE], value=GEN_SOURCE, label="measured tokens/s from", elem_id="mfu-source")
+            f_measure = gr.Button("Measure", elem_id="mfu-measure")
+            f_mode = gr.Radio(["training", "inference"], value="inference", label="FLOPs per token",
+                              elem_id="mfu-mode")
+        with gr.Row():
+            f_tps = gr.Number(value=None, label="tokens/s", elem_id="mfu-tps")
+            f_n = gr.Number(value=None, label="N (parameters)", elem_id="mfu-n")
+            f_peak = gr.Dropdown(list(PEAKS), value=DEFAULT_PEAK, label="peak", elem_id="mfu-peak")
+            f_custom = gr.Number(value=None, label="or peak in TFLOP/s", elem_id="mfu-custom")
+        f_note = _md("")
+        f_out = _md("")
+        f_plot = gr.Plot(elem_id="mfu-plot")
+
     # --- events ---
     card_io = dict(fn=card_panel, inputs=[m, compare], outputs=[card_df, compare_df, params_plot, kv_plot])
     tree_io = dict(fn=tree_panel, inputs=[m, p, c], outputs=[tree_df, tree_note])
@@ -742,6 +771,18 @@ def build(shared: Shared) -> None:
         ctl.change(**mlp_io)
     o_k.input(**out_io, trigger_mode="always_last")
 
+    i_btn.click(info_panel, [m, p, c, i_temp, i_other], [i_info, i_ce, i_kl])
+    pickers = getattr(shared, "pickers", None)
+    if pickers is not None:
+        pickers.append((i_other, "finetuned"))
+    f_src.focus(mfu_sources, None, [f_src])
+    mfu_io = dict(fn=mfu_panel, inputs=[f_n, f_tps, f_mode, f_peak, f_custom], outputs=[f_out, f_plot])
+    f_measure.click(measure_panel, [m, p, c, f_src], [f_tps, f_n, f_mode, f_note]).success(**mfu_io)
+    for ctl in (f_mode, f_peak):
+        ctl.change(**mfu_io)
+    for ctl in (f_tps, f_n, f_custom):
+        ctl.submit(**mfu_io)
+
 
 def card_table_for(names: list[str]) -> pd.DataFrame:
     """The comparison for a list of names (references, random configs, served models) as a table:
@@ -751,3 +792,124 @@ def card_table_for(names: list[str]) -> pd.DataFrame:
     labels = list(OrderedDict.fromkeys(k for r in rows for k in r))
     data = {c.get("title") or c["name"]: [r.get(k, "—") for k in labels] for c, r in zip(cols, rows)}
     return pd.DataFrame(data, index=pd.Index(labels, name="property")).reset_index()
+
+
+# --- entropy, cross-entropy, KL and MFU on the model's own distributions (model_core.infotheory) ---
+
+INFO_TEXT = """**Entropy, cross-entropy, KL — on this model's real numbers.** For the next token after your prompt the model
+gives a distribution $P$. Its **entropy** $H(P) = -\\sum_x P(x)\\log P(x)$ is how unsure it is (nats; ÷ ln 2 for bits;
+$e^{H}$ = the number of equally likely tokens that would be as unsure). The **cross-entropy** of the prompt's own
+tokens, $\\frac{1}{T-1}\\sum_t -\\log P(x_{t+1}\\mid x_{\\le t})$, is the loss a language model is trained on;
+$e^{\\text{CE}}$ is the perplexity. The **KL divergence** $\\mathrm{KL}(P\\|Q) = \\sum_x P(x)\\,(\\log P(x) - \\log Q(x))$
+measures what it costs to use $Q$ where $P$ is true; it is not symmetric, and $\\mathrm{CE}(P,Q) = H(P) + \\mathrm{KL}(P\\|Q)$.
+Pick $Q$: the same logits at temperature $T$, or a fine-tuned model (same vocabulary) after the same prompt."""
+
+MFU_TEXT = """**Model FLOPs utilisation.** A forward pass costs about $2N$ FLOPs per token ($N$ parameters, one multiply
+and one add each), training about $6N$ (forward $2N$ + backward $4N$). With a measured throughput,
+$$\\text{MFU} = \\frac{k \\cdot N \\cdot \\text{tokens/s}}{\\text{peak FLOP/s}},\\qquad k = 6\\ \\text{(training)},\\ 2\\ \\text{(inference)}.$$
+"Measure" takes the app's own tokens/s: a 32-token greedy generation on the selected model now, or an SFT job's
+recorded training throughput (N as the job counted it). The peak is the accelerator's dense bf16 datasheet figure;
+on a CPU the answer is a tiny fraction, which is the point: the same arithmetic tells you how far from the
+hardware's limit any run is."""
+
+GEN_SOURCE = "a 32-token generation now (inference)"
+
+
+def _jobs_for(request) -> list[dict]:
+    """Jobs with a recorded training throughput the requester may see; none when no job queue answers."""
+    try:
+        from app.context import job_viewer
+        from model_core.infotheory import job_throughputs
+        from tasks.jobs import list_jobs
+
+        return job_throughputs(list_jobs(owner=job_viewer(request), limit=50))
+    except Exception:  # noqa: BLE001 - no broker (a page without job services): generation only
+        return []
+
+
+def _info_check(label: str, mine: float, ref: float, tol: float) -> str:
+    return _check(label, torch.tensor(mine), torch.tensor(ref), tol)
+
+
+@endpoint(model=True)
+def info_panel(model_name, prompt, chat, temperature, other, request: gr.Request = None):
+    from model_core import infotheory as I
+
+    lm, tr = _trace(model_name, prompt, chat)
+    ids = tr.token_ids
+    try:
+        other_lm = get_model(other) if other else None
+        cmp = I.compare_distributions(lm, ids, temperature, other_lm)
+        ce = I.prompt_cross_entropy(lm, ids)
+    except LmscopeError as e:
+        raise gr.Error(str(e)) from None
+    tok = lm.tokenizer
+    show = lambda i: describe_tokens(tok, [int(i)])[0]["display"]  # noqa: E731
+    h = cmp["p_entropy"]
+    top = ", ".join(f"`{show(r['id'])}` p={r['p']:.3f} (−p log p = {r['term']:.3f})" for r in h["top"][:5])
+    labels = [t["display"] for t in describe_tokens(tok, ids)][1:]
+    info = (f"**Entropy** of the next token after your {len(ids)}-token prompt: $H(P)$ = **{h['nats']:.4f} nats** = "
+            f"{h['bits']:.4f} bits (uniform over {h['vocab']:,} tokens would be {h['max_nats']:.2f} nats); "
+            f"$e^H$ = {h['perplexity']:.2f} equally likely tokens. Largest terms: {top}.\n\n"
+            f"**Cross-entropy** of the prompt's {ce['n']} actual next tokens: "
+            f"({' + '.join(f'{s:.2f}' for s in ce['surprisal'][:6])}{' + …' if ce['n'] > 6 else ''}) / {ce['n']} = "
+            f"**{ce['nats']:.4f} nats** = {ce['bits']:.4f} bits per token; perplexity $e^{{CE}}$ = {ce['perplexity']:.3f}.\n\n"
+            f"**KL** with P = {cmp['p_name']}, Q = {cmp['q_name']}: KL(P‖Q) = **{cmp['kl_pq']:.4f} nats**, "
+            f"KL(Q‖P) = **{cmp['kl_qp']:.4f} nats** (not symmetric). H(P) = {cmp['h_p']:.4f}, H(Q) = {cmp['h_q']:.4f}; "
+            f"CE(P, Q) = {cmp['ce_pq']:.4f} = H(P) + KL(P‖Q) = {cmp['h_p'] + cmp['kl_pq']:.4f}.\n\n"
+            + "\n\n".join([
+                _info_check("cross-entropy by hand vs transformers' own loss (labels = input ids)", ce["nats"],
+                            ce["transformers_loss"], 1e-4),
+                _info_check("KL(P‖Q) by hand vs torch.nn.functional.kl_div", cmp["kl_pq"], cmp["torch_kl_pq"], 1e-5),
+                _info_check("KL(Q‖P) by hand vs torch.nn.functional.kl_div", cmp["kl_qp"], cmp["torch_kl_qp"], 1e-5),
+            ]))
+    kl_fig = fig.kl_bars([show(r["id"]) for r in cmp["top"]], [r["p"] for r in cmp["top"]],
+                         [r["q"] for r in cmp["top"]], [r["term"] for r in cmp["top"]], cmp["p_name"], cmp["q_name"])
+    return info, fig.surprisal_bars(labels, ce["surprisal"], ce["nats"]), kl_fig
+
+
+@endpoint
+def mfu_sources(request: gr.Request = None):
+    return gr.update(choices=[GEN_SOURCE] + [j["label"] for j in _jobs_for(request)], value=GEN_SOURCE)
+
+
+@endpoint(model=True)
+def measure_panel(model_name, prompt, chat, source, request: gr.Request = None):
+    """The app's own measured tokens/s: a generation on the engine now, or a job's record."""
+    if source and source != GEN_SOURCE:
+        job = next((j for j in _jobs_for(request) if j["label"] == source), None)
+        if job is None:
+            raise gr.Error("That job is gone or has no recorded throughput; pick another source.")
+        n = job["n_params"] or float(get_model(job["model"]).n_params)
+        return (round(job["tokens_per_s"], 2), n, "training",
+                f"Measured by {source.split(':')[0]}: {job['tokens_per_s']:,.1f} training tokens/s, N = {n:,.0f}.")
+    from model_core.generate import generate
+
+    lm = get_model(model_name)
+    try:
+        g = generate(lm, prompt, max_new_tokens=32, chat=bool(chat), ignore_eos=True, max_prompt_tokens=max_prompt_tokens())
+    except LmscopeError as e:
+        raise gr.Error(str(e)) from None
+    return (round(g.tokens_per_second, 2), float(lm.n_params), "inference",
+            f"Measured now: {len(g.token_ids)} greedy tokens of {lm.name} on {lm.device} in {g.seconds:.2f} s = "
+            f"{g.tokens_per_second:.1f} tokens/s (decode, batch 1); N = {lm.n_params:,} parameters (each tensor once).")
+
+
+@endpoint
+def mfu_panel(n_params, tokens_per_s, mode, peak_name, custom_tflops, request: gr.Request = None):
+    from model_core import infotheory as I
+
+    if not n_params or not tokens_per_s:
+        return "Press **Measure**, or type tokens/s and N.", gr.skip()
+    try:
+        peak = float(custom_tflops) * 1e12 if custom_tflops else I.PEAKS.get(peak_name)
+        if peak is None:
+            raise LmscopeError("Pick a peak from the list or type one in TFLOP/s.")
+        r = I.mfu(float(n_params or 0), float(tokens_per_s or 0), peak, mode or "inference")
+    except (LmscopeError, TypeError, ValueError) as e:
+        raise gr.Error(str(e) if isinstance(e, LmscopeError) else "N and tokens/s must be numbers.") from None
+    text = (
+        f"{r['k']} × N × tokens/s = {r['k']} × {r['n_params']:,.0f} × {r['tokens_per_s']:,.2f} = "
+        f"**{r['achieved_flops']:.4g} FLOP/s**; peak {r['peak_flops']:.4g} FLOP/s → **MFU = {r['mfu']:.3e}** "
+        f"({r['mfu'] * 100:.4g} %).")
+    return text, fig.mfu_bar(r["achieved_flops"], r["peak_flops"], f"{r['mode']}: MFU {r['mfu'] * 100:.3g} %")
