@@ -240,8 +240,8 @@ class Engine:
             try:
                 with torch.inference_mode():
                     self._drop_cancelled()
-                    for r in new:
-                        self._admit(r)
+                    if new:
+                        self._admit_all(new)
                     if self._live_rows():
                         pipeline.append(self._launch())
                     # with lookahead, the records of the step before the one just launched
@@ -301,41 +301,68 @@ class Engine:
             self._length_buckets = [self.max_len]
 
     # --- admission: prefill + the first token ----------------------------------------------------
-    def _admit(self, req: EngineRequest) -> None:
+    def _admit_all(self, reqs: list[EngineRequest]) -> None:
+        """Prefill every admitted request in one right-padded forward (causal attention never sees
+        the padding after a row's last token, so each row's keys, values and last logits are its
+        solo ones up to float rounding), draw each first token, and start the rows. If the batch
+        fails, each request is tried alone and fails only with its own error."""
+        live = []
+        for r in reqs:
+            self.stats.queue_wait_s += time.perf_counter() - r.submitted
+            self.stats.admitted += 1
+            if r.cancelled.is_set():
+                r.out.put(None)
+            elif len(r.ids) + r.n_steps > self.max_len:
+                self._fail(r, ValueError(f"The prompt plus new tokens exceed this server's {self.max_len}-token slots."))
+            else:
+                live.append(r)
+        if len(live) > 1:
+            try:
+                self._prefill(live)
+                return
+            except Exception:  # noqa: BLE001 - retried one by one below
+                for slot in [s for s, row in self._rows.items() if row.req in live]:
+                    self._free(self._rows[slot])
+        for r in live:
+            try:
+                self._prefill([r])
+            except BaseException as e:  # noqa: BLE001 - this request fails alone
+                self._fail(r, e)
+
+    def _prefill(self, reqs: list[EngineRequest]) -> None:
         lm = self._lm()
-        self.stats.queue_wait_s += time.perf_counter() - req.submitted
-        self.stats.admitted += 1
-        if req.cancelled.is_set():
-            req.out.put(None)
-            return
-        slot = min(set(range(self.slots)) - set(self._rows))
         t0 = time.perf_counter()
-        try:
-            if len(req.ids) + req.n_steps > self.max_len:
-                raise ValueError(f"The prompt plus new tokens exceed this server's {self.max_len}-token cache slots.")
-            ids = torch.tensor([req.ids], dtype=torch.long, device=self.device)
-            pre = new_cache(lm)
-            logits = lm.model(input_ids=ids, use_cache=True, logits_to_keep=1,
-                              **{cache_kwarg(lm.model): pre}).logits[:, -1].float()
-            n = self._cache.load(slot, pre)
-            del pre
-            self.row_settings.set_row(slot, req.settings, req.seed)
+        free = sorted(set(range(self.slots)) - set(self._rows))
+        slots = free[: len(reqs)]
+        lens = [len(r.ids) for r in reqs]
+        ids = torch.zeros(len(reqs), max(lens), dtype=torch.long, device=self.device)
+        for i, r in enumerate(reqs):
+            ids[i, : lens[i]] = torch.as_tensor(r.ids, dtype=torch.long)
+        pre = new_cache(lm)
+        keep = sorted({n - 1 for n in lens})
+        out = lm.model(input_ids=ids, use_cache=True, logits_to_keep=keep, **{cache_kwarg(lm.model): pre}).logits
+        logits = torch.stack([out[i, keep.index(n - 1)] for i, n in enumerate(lens)]).float()  # [N, V]
+        for i, (slot, n) in enumerate(zip(slots, lens)):
+            self._cache.load(slot, pre, row=i, tokens=n)
+            self.row_settings.set_row(slot, reqs[i].settings, reqs[i].seed)
             self.seen[slot].zero_()
-            self.seen[slot, ids[0]] = True
-            one = slice(slot, slot + 1)
-            chosen, packed, final = sample_rows(logits, self.row_settings.rows(one), self.seen[one], RECORDED)
-            self.tok_in[slot] = chosen[0]
-            self.pos[slot] = n
-            self.row_settings.step[slot] = 1
-        except BaseException as e:  # noqa: BLE001 - this request fails alone
-            self._fail(req, e)
-            return
-        row = _Row(req=req, slot=slot, tokens=n, t_last=t0)
-        self._rows[slot] = row
-        req.first_token_at = time.perf_counter()
-        self._emit(row, packed[0].tolist(), logits[0], final[0])
-        if not row.done:
-            self.active[slot] = True
+            self.seen[slot, ids[i, :n]] = True
+        del pre
+        idx = torch.tensor(slots, device=self.device)
+        st = RowSettings(*(getattr(self.row_settings, f)[idx] for f in RowSettings.__dataclass_fields__))
+        chosen, packed, final = sample_rows(logits, st, self.seen[idx], RECORDED)
+        self.tok_in[idx] = chosen
+        self.pos[idx] = torch.tensor(lens, device=self.device)
+        self.row_settings.step[idx] = 1
+        host = packed.tolist()
+        now = time.perf_counter()
+        for i, (r, slot, n) in enumerate(zip(reqs, slots, lens)):
+            row = _Row(req=r, slot=slot, tokens=n, t_last=t0)
+            self._rows[slot] = row
+            r.first_token_at = now
+            self._emit(row, host[i], logits[i], final[i])
+            if not row.done:
+                self.active[slot] = True
 
     # --- one decode step for every running row ---------------------------------------------------
     def _step(self, B: int, L: int) -> None:

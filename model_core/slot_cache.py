@@ -49,14 +49,15 @@ class SlotCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions are always passed explicitly
 
-    def load(self, slot: int, prefill_cache) -> int:
-        """Copy a prefill's DynamicCache (batch 1) into a slot; returns its number of tokens."""
+    def load(self, slot: int, prefill_cache, row: int = 0, tokens: int | None = None) -> int:
+        """Copy row `row`'s first `tokens` positions of a prefill's DynamicCache into a slot;
+        returns the number of tokens."""
         n = 0
         for l, layer in enumerate(prefill_cache.layers):
-            k, v = layer.keys, layer.values  # [1, kv_heads, T, head_dim]
-            n = k.shape[2]
-            self.keys[l][slot, :, :n].copy_(k[0])
-            self.values[l][slot, :, :n].copy_(v[0])
+            k, v = layer.keys, layer.values  # [rows, kv_heads, T, head_dim]
+            n = k.shape[2] if tokens is None else tokens
+            self.keys[l][slot, :, :n].copy_(k[row, :, :n])
+            self.values[l][slot, :, :n].copy_(v[row, :, :n])
         return n
 
 
