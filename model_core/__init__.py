@@ -4,10 +4,11 @@ logit lens, sampling. Pure PyTorch + transformers; never imports gradio or celer
 from model_core.errors import LmscopeError, ModelLoadError, SettingsError, PromptError
 from model_core.registry import LoadedModel, list_models, load_model, resolve_device
 from model_core.trace import Trace, trace
+from model_core.trace_io import load_trace, save_trace
 from model_core.sampling import SamplingSettings, apply_sampling
 
 __all__ = [
     "LmscopeError", "ModelLoadError", "SettingsError", "PromptError",
     "LoadedModel", "list_models", "load_model", "resolve_device",
-    "Trace", "trace", "SamplingSettings", "apply_sampling",
+    "Trace", "trace", "load_trace", "save_trace", "SamplingSettings", "apply_sampling",
 ]
