@@ -135,7 +135,11 @@ class ExploreTab:
             self.truncate = gr.Checkbox(label=f"Truncate prompts over {max_prompt_tokens()} tokens (keep the end)",
                                         value=False, scale=2)
             self.export_btn = gr.Button("Export trace data (JSON + CSV)", size="sm", scale=1)
+            self.export_tensors_btn = gr.Button("Export tensors (safetensors)", size="sm", scale=1,
+                                                elem_id="export-tensors")
         self.export_files = gr.File(label="Exported data", file_count="multiple", visible=False)
+        self.export_tensors_file = gr.File(label="Trace tensors: load with model_core.load_trace(path)",
+                                           visible=False, elem_id="export-tensors-file")
 
         gr.Markdown("### Tokens")
         _md("The prompt as the model sees it: one chip per token. Colour is how surprised the model was by "
@@ -288,6 +292,9 @@ class ExploreTab:
         for e in (ev, ev2):  # a new trace keeps the cutoffs set here (run_trace's own view has none)
             e.then(cutoffs_after_run, **next_io)
         self.export_btn.click(export, [self.state], [self.export_files])
+        self.export_tensors_btn.click(export_tensors, [self.state, self.layer, self.head, self.query, self.view,
+                                                       self.lens_colour, *self.sampling_inputs],
+                                      [self.export_tensors_file], concurrency_id="model")
         return ev, ev2
 
 
@@ -639,3 +646,24 @@ def export(state):
             for i, l in enumerate(lv["layers"]) for j, p in enumerate(lv["positions"])]
     pd.DataFrame(rows).to_csv(d / "logit_lens.csv", index=False)
     return gr.update(value=[str(d / "trace.json"), str(d / "tokens.csv"), str(d / "logit_lens.csv")], visible=True)
+
+
+@endpoint(model=True)
+def export_tensors(state, layer, head, query, view, lens_colour, temperature, top_k, top_p, min_p, rep,
+                   request: gr.Request = None):
+    """The trace itself as safetensors (app/exports.trace_file; over model_core.trace_io's size cap:
+    one sentence), with the view settings and the model id in its metadata."""
+    from app.exports import trace_file
+
+    tr, layer, head, query = _where(state, layer, head, query)
+    scale, zoom = _view(view)
+
+    def num(v):
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    st = state if isinstance(state, dict) else {}
+    settings = {"model": tr.model_name, "prompt": st.get("prompt"), "chat": bool(st.get("chat")),
+                "truncate": bool(st.get("truncate")), "layer": layer, "head": head, "query": query, "scale": scale,
+                "zoom": zoom, "lens_colour": lens_colour if lens_colour in LENS_COLOURS else "probability",
+                "temperature": num(temperature), "top_k": num(top_k), "top_p": num(top_p), "min_p": num(min_p),
+                "repetition_penalty": num(rep)}
+    return gr.update(value=str(trace_file(tr, scratch_dir("tensors"), settings)), visible=True)
