@@ -161,7 +161,10 @@ def _light_state(lm, gen, steps_json) -> dict:
     # back through the model, so the cache has one token fewer than the text (39 of 40)
     cached = kv.get("tokens") or (gen.kv_series[-1][0] if gen.kv_series else len(gen.all_ids))
     return {"model": lm.name, "ids": gen.all_ids, "prompt_len": len(gen.prompt_ids), "steps": steps_json,
-            "kv": kv, "growth": kv_cache_growth(lm, max(1, int(cached)))}
+            "kv": kv, "growth": kv_cache_growth(lm, max(1, int(cached))),
+            # for the steps download (app/exports.write_generation)
+            "prompt": gen.prompt, "chat": gen.chat, "settings": gen.settings.to_dict(), "seed": gen.seed,
+            "text": gen.text}
 
 
 def build(shared: Shared) -> None:
@@ -199,6 +202,11 @@ def build(shared: Shared) -> None:
             gr.Markdown("The timeline: one bar per step. Low bars (probability) or high bars (entropy) are where "
                         "the model was unsure and the sampling settings matter most.")
             timeline = gr.Plot(F.timeline_figure([]), label="timeline", elem_id="gen-timeline")
+            with gr.Row():
+                steps_btn = gr.Button("Download the steps (CSV + JSON)", size="sm", scale=0,
+                                      elem_id="gen-steps-export")
+                steps_files = gr.File(label="Steps", file_count="multiple", visible=False,
+                                      elem_id="gen-steps-files")
 
     gr.Markdown("#### One step\nLeft: the model's top candidates before any filter (coloured by the filter that "
                 "removed them). Right: the distribution the token was actually drawn from.")
@@ -346,6 +354,17 @@ def build(shared: Shared) -> None:
         return F.timeline_figure(st["steps"] if st else [], colour, int(i or 0))
 
     color_by.change(recolour, [state, color_by, step_sel], [timeline])
+
+    @endpoint
+    def export_steps(st):
+        from app.context import scratch_dir
+        from app.exports import write_generation
+
+        if not isinstance(st, dict) or not st.get("steps"):
+            raise gr.Error("Generate some text first; then its steps can be downloaded.")
+        return gr.update(value=[str(p) for p in write_generation(st, scratch_dir("steps"))], visible=True)
+
+    steps_btn.click(export_steps, [state], [steps_files])
 
     @endpoint(model=True)
     def samples(model_name, prompt, chat, n_new, t, k, p, m, r, sd, stop_text, n, request: gr.Request = None):
