@@ -147,7 +147,14 @@ def run_ablation(model, clean, target, other, kind, heads, mlps, neurons, mode, 
     summary = (f"**{ab.describe()}** on the clean prompt ({T} tokens). {m.describe(lm)}: "
                f"clean **{res.clean_metric:.3f}** → ablated **{res.ablated_metric:.3f}** "
                f"(Δ {res.ablated_metric - res.clean_metric:+.3f}).")
-    return summary, bars, lens
+    data = {"ablation": ab.describe(), "metric": m.describe(lm), "clean_metric": res.clean_metric,
+            "ablated_metric": res.ablated_metric, "tokens": [_tok(lm, i) for i in top["ids"]],
+            "token_ids": list(top["ids"]), "clean": list(top["clean"]), "ablated": list(top["ablated"]),
+            "follow": lm.tokenizer.decode([follow]), "layers": [int(l) for l in lc.layers],
+            "lens_clean": lc.target_probs[:, 0].tolist(), "lens_ablated": la.target_probs[:, 0].tolist(),
+            "top_clean": [_tok(lm, i) for i in lc.top_ids[:, 0, 0].tolist()],
+            "top_ablated": [_tok(lm, i) for i in la.top_ids[:, 0, 0].tolist()]}
+    return summary, bars, lens, data  # data: the results download (app/exports.py), a State
 
 
 def _patch_summary(d: dict, cols: list[str], metric_desc: str) -> str:
@@ -206,11 +213,12 @@ def run_patching(model, clean, corrupt, target, other, kind, what, align, reques
             return (f"That sweep is {L} layers × {n_tokens} positions = **{L * n_tokens} patched runs**, more "
                     f"than the {MAX_SWEEP_CELLS} this page runs while you wait. Run it as a background job "
                     f"below (it keeps running if you close the page), or shorten the prompts.",
-                    gr.skip(), gr.update(visible=True))
+                    gr.skip(), gr.update(visible=True), gr.skip())
         res = patch_residual(lm, clean, corrupt, m, align=align_mode, progress=report)
         cols = [_pos_labels(lm, res.corrupted_ids)[p] for p in res.cols]
     heat = fig.patching_heatmap(res.normalized, res.rows, cols, _patch_title(what, m.describe(lm)), kind=res.kind)
-    return _patch_summary(res.to_dict(), cols, m.describe(lm)), heat, gr.update(visible=False)
+    d = {**res.to_dict(), "col_labels": cols, "metric_description": m.describe(lm)}
+    return _patch_summary(d, cols, m.describe(lm)), heat, gr.update(visible=False), d
 
 
 # --- the same sweep as a background job (tasks/patching_job.py) ------------------------------
@@ -247,25 +255,27 @@ def poll_patch_job(job_id, request: gr.Request = None):
     from tasks.patching_job import read_result
 
     if not job_id:
-        return gr.skip(), gr.skip(), gr.skip(), gr.Timer(active=False)
+        return gr.skip(), gr.skip(), gr.skip(), gr.Timer(active=False), gr.skip()
     try:
         rec = _jobs().get_job(job_id, job_viewer(request))
     except LmscopeError as e:
-        return f"⚠️ {e}", gr.skip(), gr.skip(), gr.Timer(active=False)
+        return f"⚠️ {e}", gr.skip(), gr.skip(), gr.Timer(active=False), gr.skip()
     bar = jf.progress_html(rec)
     if rec["state"] in ("queued", "running"):
-        return bar, gr.skip(), gr.skip(), gr.skip()
+        return bar, gr.skip(), gr.skip(), gr.skip(), gr.skip()
     if rec["state"] != "succeeded":
         why = rec.get("error") or rec["state"]
-        return bar, f"Background job **{job_id}** {rec['state']}: {why}", gr.skip(), gr.Timer(active=False)
+        return (bar, f"Background job **{job_id}** {rec['state']}: {why}", gr.skip(), gr.Timer(active=False),
+                gr.skip())
     d = read_result(rec)
     if d is None:
-        return bar, f"Job **{job_id}** finished but its result file is missing.", gr.skip(), gr.Timer(active=False)
+        return (bar, f"Job **{job_id}** finished but its result file is missing.", gr.skip(), gr.Timer(active=False),
+                gr.skip())
     what = "heads" if d["kind"] == "heads" else "resid"
     heat = fig.patching_heatmap(d["normalized"], d["rows"], d["col_labels"],
                                 _patch_title(what, d["metric_description"]), kind=d["kind"])
     summary = f"Background job **{job_id}**: " + _patch_summary(d, d["col_labels"], d["metric_description"])
-    return bar, summary, heat, gr.Timer(active=False)
+    return bar, summary, heat, gr.Timer(active=False), d
 
 
 def _space_problems(lm, target, other, kind) -> list[tuple[str, dict]]:
@@ -338,7 +348,9 @@ def run_attribution(model, clean, target, other, kind, request: gr.Request = Non
                f"(embedding {a.embed:+.2f}, attention {float(a.attn.sum()):+.2f}, MLPs {float(a.mlp.sum()):+.2f}, "
                f"final bias {a.final_bias:+.2f}; final-norm scale frozen at "
                f"{a.final_scale:.3f}). Largest heads: {tops}.")
-    return summary, heads, bars
+    data = {"toward": what, "logit": a.logit, "total": a.total, "embed": a.embed, "final_bias": a.final_bias,
+            "final_scale": a.final_scale, "attn": a.attn.tolist(), "mlp": a.mlp.tolist(), "heads": a.heads.tolist()}
+    return summary, heads, bars, data
 
 
 @endpoint(model=True)
@@ -350,6 +362,18 @@ def run_compare(model, a, b, request: gr.Request = None):
                           color=fig.OTHER)
     diff = fig.resid_difference(c.resid_diff_norm.tolist(), c.resid_rel_diff.tolist())
     return fa, fb, diff
+
+
+@endpoint
+def export_results(ablation, patching, attribution):
+    """The ablation, patching and attribution results last shown, as CSV files and one JSON."""
+    from app.context import scratch_dir
+    from app.exports import write_interventions
+
+    got = [d if isinstance(d, dict) else None for d in (ablation, patching, attribution)]
+    if not any(got):
+        raise gr.Error("Run an ablation, a patching sweep or an attribution first; then its results can be downloaded.")
+    return gr.update(value=[str(p) for p in write_interventions(*got, scratch_dir("interventions"))], visible=True)
 
 
 # The tab's prompts and choices in the page URL (issue 15 item 5): mirrored as they change, read
@@ -455,14 +479,21 @@ def build(shared: Shared) -> None:
             cmp_b = gr.Plot(label="Corrupted", elem_id="iv-cmp-b")
         cmp_diff = gr.Plot(label="Residual difference", elem_id="iv-cmp-diff")
 
+    # the results on screen as files: ablation.csv, patching.csv, attribution.csv, results.json
+    ablate_data, patch_data, attr_data = gr.State(None), gr.State(None), gr.State(None)
+    with gr.Row():
+        results_btn = gr.Button("Download the results (CSV + JSON)", size="sm", scale=0, elem_id="iv-export")
+        results_files = gr.File(label="Results", file_count="multiple", visible=False, elem_id="iv-export-files")
+
     m = shared.model
     ablate_btn.click(run_ablation, [m, clean, target, other, kind, heads, mlps, neurons, mode],
-                     [ablate_md, ablate_bars, ablate_lens], concurrency_id="model", api_name="ablate")
+                     [ablate_md, ablate_bars, ablate_lens, ablate_data], concurrency_id="model", api_name="ablate")
     patch_btn.click(run_patching, [m, clean, corrupt, target, other, kind, what, align],
-                    [patch_md, patch_plot, job_box], concurrency_id="model", api_name="patch")
+                    [patch_md, patch_plot, job_box, patch_data], concurrency_id="model", api_name="patch")
     job_btn.click(submit_patch_job, [m, clean, corrupt, target, other, kind, what, align],
                   [job_id, job_bar, job_timer, patch_md], api_name="jobs_submit_patching")
-    job_timer.tick(poll_patch_job, [job_id], [job_bar, patch_md, patch_plot, job_timer], show_progress="hidden")
+    job_timer.tick(poll_patch_job, [job_id], [job_bar, patch_md, patch_plot, job_timer, patch_data],
+                   show_progress="hidden")
     # a finished job has nothing to cancel: the button goes with it
     job_bar.change(_job_cancel_button, [job_bar], [job_cancel], show_progress="hidden", queue=False)
     for ev in (target.blur, other.blur, target.submit, other.submit, kind.change, m.change, ablate_btn.click,
@@ -470,8 +501,9 @@ def build(shared: Shared) -> None:
         ev(space_note, [m, target, other, kind], [space_md, space_fix], show_progress="hidden")
     space_fix.click(use_spaced, [m, target, other, kind], [target, other, space_md, space_fix])
     job_cancel.click(cancel_patch_job, [job_id], [job_bar])
-    attr_btn.click(run_attribution, [m, clean, target, other, kind], [attr_md, attr_heads, attr_layers],
+    attr_btn.click(run_attribution, [m, clean, target, other, kind], [attr_md, attr_heads, attr_layers, attr_data],
                    concurrency_id="model", api_name="attribute")
+    results_btn.click(export_results, [ablate_data, patch_data, attr_data], [results_files])
     cmp_btn.click(run_compare, [m, clean, corrupt], [cmp_a, cmp_b, cmp_diff], concurrency_id="model",
                   api_name="compare_prompts")
     m.change(_choices_update, [m], [heads, mlps])

@@ -178,13 +178,13 @@ def test_cli_submit_patching_wait_json(svc):
     assert len(res["values"]) == 3 and len(res["values"][0]) == 4
 
 
-def test_interventions_tab_offers_and_runs_the_job(svc, jobs, monkeypatch):
+def test_interventions_tab_offers_and_runs_the_job(svc, jobs, monkeypatch, tmp_path):
     """The tab's callbacks end to end: over the interactive cap -> job offer -> submit -> poll until
     the heatmap is drawn from the job's patching.json."""
     from app import interventions_tab as tab
 
     monkeypatch.setattr(tab, "MAX_SWEEP_CELLS", 50)  # 3 layers x 34 positions is over it
-    summary, plot, offer = tab.run_patching(MODEL, CLEAN, CORRUPT, "P", "R", "logit_diff", "resid", False,
+    summary, plot, offer, _ = tab.run_patching(MODEL, CLEAN, CORRUPT, "P", "R", "logit_diff", "resid", False,
                                             progress=lambda *a, **k: None)
     assert "background job" in summary and "102 patched runs" in summary and offer["visible"] is True
     job_id, bar, timer, msg = tab.submit_patch_job(MODEL, CLEAN, CORRUPT, "P", "R", "logit_diff", "resid", False)
@@ -192,7 +192,7 @@ def test_interventions_tab_offers_and_runs_the_job(svc, jobs, monkeypatch):
     assert jobs.get_job(job_id)["owner"] == "local"  # from the request (none here), never from the browser
     t0 = time.time()
     while True:
-        bar, summary, heat, timer = tab.poll_patch_job(job_id)
+        bar, summary, heat, timer, data = tab.poll_patch_job(job_id)
         if not isinstance(heat, dict):  # gr.skip() while it runs
             break
         assert time.time() - t0 < 120, svc.worker_log()
@@ -204,6 +204,13 @@ def test_interventions_tab_offers_and_runs_the_job(svc, jobs, monkeypatch):
     want = read_result(jobs.get_job(job_id))["normalized"]
     assert len(z) == 3 and len(z[0]) == 34
     assert all(_same(a, b) for ra, rb in zip(z, want) for a, b in zip(ra, rb))
+    # the job's grid is what the tab's results download writes (issue 15 item 6)
+    from app.exports import write_interventions
+
+    csv_path, json_path = write_interventions(None, data, None, tmp_path)
+    lines = csv_path.read_text().splitlines()
+    assert csv_path.name == "patching.csv" and lines[0] == "layer,position,label,value,delta,normalized"
+    assert len(lines) == 1 + 3 * 34 and lines[1].startswith("0,0,0:")
     # a bad target fails in the page, before anything is queued
     n = len(jobs.list_jobs(limit=1000))
     with pytest.raises(Exception, match="6 tokens"):
