@@ -36,7 +36,7 @@ import torch
 
 from model_core import hooks
 from model_core.cache_api import cache_kwarg, new_cache
-from model_core.row_sampling import RowSettings, packed_width, sample_rows
+from model_core.row_sampling import ALL_STAGES, RowSettings, packed_width, sample_rows, stages_in_use
 from model_core.slot_cache import SlotCache, step_mask
 
 RECORDED = 10  # candidates recorded per step (generate.TOP_K_RECORDED)
@@ -350,7 +350,8 @@ class Engine:
         del pre
         idx = torch.tensor(slots, device=self.device)
         st = RowSettings(*(getattr(self.row_settings, f)[idx] for f in RowSettings.__dataclass_fields__))
-        chosen, packed, final = sample_rows(logits, st, self.seen[idx], RECORDED)
+        chosen, packed, final = sample_rows(logits, st, self.seen[idx], RECORDED,
+                                            stages_in_use(r.settings for r in reqs))
         self.tok_in[idx] = chosen
         self.pos[idx] = torch.tensor(lens, device=self.device)
         self.row_settings.step[idx] = 1
@@ -376,7 +377,9 @@ class Engine:
         logits = self._forward(input_ids=tok[:, None], position_ids=pos[:, None], attention_mask=step_mask(pos, L, self.dtype),
                           use_cache=True, logits_to_keep=1, **{cache_kwarg(lm.model): self._cache}).logits[:, -1].float()
         st = self.row_settings.rows(slice(0, B))
-        chosen, packed, final = sample_rows(logits, st, seen, RECORDED)
+        # eager: only the stages some running row uses; a captured graph must serve any row
+        stages = ALL_STAGES if self.use_graphs else stages_in_use(r.req.settings for r in self._live_rows())
+        chosen, packed, final = sample_rows(logits, st, seen, RECORDED, stages)
         self.out_packed[:B].copy_(packed)
         self.out_logits[:B].copy_(logits)
         self.out_final[:B].copy_(final)

@@ -144,36 +144,65 @@ def greedy_rows(x: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # one step for every row: draw + record
 
-def sample_rows(logits: torch.Tensor, st: RowSettings, seen: torch.Tensor, k: int):
+ALL_STAGES = frozenset({"repetition_penalty", "sampled", "top_k", "top_p", "min_p"})
+
+
+def stages_in_use(settings_list) -> frozenset:
+    """The stages some row needs, from the rows' SamplingSettings (eager callers skip the rest:
+    a stage that is off for every row is the identity; a captured graph runs them all)."""
+    out = set()
+    for s in settings_list:
+        if s.repetition_penalty != 1.0:
+            out.add("repetition_penalty")
+        if not s.greedy:
+            out.add("sampled")
+            out.update(name for name, on in (("top_k", s.top_k > 0), ("top_p", s.top_p < 1.0),
+                                             ("min_p", s.min_p > 0)) if on)
+    return frozenset(out)
+
+
+def sample_rows(logits: torch.Tensor, st: RowSettings, seen: torch.Tensor, k: int,
+                stages: frozenset = ALL_STAGES):
     """logits [B, V] float32 -> (chosen [B] int64, packed [B, packed_width(k)] float32, final [B, V]).
 
     The packed record per row is the layout `model_core.generate._unpack` reads: chosen id, its
     rank among the raw logits, its raw and filtered probability, both entropies, the number of
     candidates left, tokens removed and mass kept per filter (top-k, top-p, min-p, greedy), then
-    the top-k candidates before the filters with the stage that removed each, and after them."""
+    the top-k candidates before the filters with the stage that removed each, and after them.
+    `stages`: the stages any row uses (`stages_in_use`); the others are skipped as identities."""
     raw = logits
-    x = repetition_penalty_rows(raw, seen, st.repetition_penalty)
+    x = repetition_penalty_rows(raw, seen, st.repetition_penalty) if "repetition_penalty" in stages else raw
     sampled = ~st.greedy
-    x = torch.where(sampled[:, None], x / st.temperature[:, None], x)
-    # One sort serves top-k and top-p: top-k removes a prefix of x's ascending order (the values
-    # below the k-th largest), so the top-k output sorted ascending is that order with the prefix
-    # set to -inf, which is what transformers' top-p sorts (-inf ties carry no probability).
-    sorted_x, idx = torch.sort(x, descending=False)
-    k_on = torch.where(sampled, st.top_k, torch.zeros_like(st.top_k))
+    if "sampled" in stages:
+        x = torch.where(sampled[:, None], x / st.temperature[:, None], x)
     chain = [x]
-    chain.append(top_k_rows(x, k_on, sorted_x))
-    V = x.shape[-1]
-    kth = sorted_x.gather(-1, (V - torch.where(k_on > 0, k_on.clamp(max=V), torch.full_like(k_on, V)))[:, None])
-    sorted_k = sorted_x.masked_fill((sorted_x < kth) & (k_on > 0)[:, None], FILTER_VALUE)
-    chain.append(top_p_rows(chain[-1], torch.where(sampled, st.top_p, torch.ones_like(st.top_p)), sorted_k, idx))
-    chain.append(min_p_rows(chain[-1], torch.where(sampled, st.min_p, torch.zeros_like(st.min_p))))
+    if "top_k" in stages or "top_p" in stages:
+        # One sort serves top-k and top-p: top-k removes a prefix of x's ascending order (the values
+        # below the k-th largest), so the top-k output sorted ascending is that order with the prefix
+        # set to -inf, which is what transformers' top-p sorts (-inf ties carry no probability).
+        sorted_x, idx = torch.sort(x, descending=False)
+        k_on = torch.where(sampled, st.top_k, torch.zeros_like(st.top_k))
+        chain.append(top_k_rows(x, k_on, sorted_x))
+        V = x.shape[-1]
+        kth = sorted_x.gather(-1, (V - torch.where(k_on > 0, k_on.clamp(max=V), torch.full_like(k_on, V)))[:, None])
+        sorted_k = sorted_x.masked_fill((sorted_x < kth) & (k_on > 0)[:, None], FILTER_VALUE)
+        chain.append(top_p_rows(chain[-1], torch.where(sampled, st.top_p, torch.ones_like(st.top_p)), sorted_k, idx))
+    else:
+        chain += [x, x]
+    if "min_p" in stages:
+        chain.append(min_p_rows(chain[-1], torch.where(sampled, st.min_p, torch.zeros_like(st.min_p))))
+    else:
+        chain.append(chain[-1])
     chain.append(greedy_rows(chain[-1], st.greedy))
     cur = chain[-1]
     probs = torch.softmax(cur, -1)
 
-    gumbel = -torch.log(-torch.log(counter_uniform(st.seed, st.step, cur.shape[-1])))
-    drawn = torch.argmax(cur + gumbel, -1)
-    chosen = torch.where(st.greedy, torch.argmax(cur, -1), drawn)  # [B]
+    if "sampled" in stages:
+        gumbel = -torch.log(-torch.log(counter_uniform(st.seed, st.step, cur.shape[-1])))
+        drawn = torch.argmax(cur + gumbel, -1)
+        chosen = torch.where(st.greedy, torch.argmax(cur, -1), drawn)  # [B]
+    else:
+        chosen = torch.argmax(cur, -1)
 
     base = torch.softmax(raw, -1)
     k = min(k, raw.shape[-1])
@@ -184,8 +213,12 @@ def sample_rows(logits: torch.Tensor, st: RowSettings, seen: torch.Tensor, k: in
         before, after = chain[code - 1], chain[code]
         gone = torch.isneginf(after.gather(-1, top_i)) & ~torch.isneginf(before.gather(-1, top_i))
         removed_by = torch.where(gone, torch.full_like(removed_by, float(code)), removed_by)
-    finite = [(t > FILTER_VALUE).sum(-1).float() for t in chain]
-    lses = [torch.logsumexp(t, -1) for t in chain]
+    memo: dict[int, tuple] = {}  # skipped stages repeat a tensor: reduce it once
+    for t in chain:
+        if id(t) not in memo:
+            memo[id(t)] = ((t > FILTER_VALUE).sum(-1).float(), torch.logsumexp(t, -1))
+    finite = [memo[id(t)][0] for t in chain]
+    lses = [memo[id(t)][1] for t in chain]
     n_removed = [finite[j] - finite[j + 1] for j in range(4)]
     kept = [torch.exp(lses[j + 1] - lses[j]) for j in range(4)]
     c = chosen[:, None]

@@ -23,7 +23,7 @@ from transformers import (LogitsProcessorList, MinPLogitsWarper, RepetitionPenal
 from model_core import load_model
 from model_core.engine import EngineRequest, engine_for
 from model_core.generate import generate, iter_generate, sample_step
-from model_core.row_sampling import RowSettings, sample_rows
+from model_core.row_sampling import ALL_STAGES, RowSettings, sample_rows, stages_in_use
 from model_core.sampling import SamplingSettings
 
 from conftest import DEFAULT
@@ -84,6 +84,23 @@ def test_every_row_of_a_batched_step_equals_transformers_processors_on_that_row(
         assert int(chosen[i]) == int(one_chosen[0])
         torch.testing.assert_close(packed[i], one_packed, atol=1e-6, rtol=1e-6)
         assert final[i][chosen[i]] > float("-inf")  # drawn from the filtered distribution
+
+
+@pytest.mark.parametrize("rows", [[0, 5], [0], [2, 4], [1, 3]])
+def test_skipping_the_stages_no_row_uses_changes_nothing(rows):
+    """The eager engine skips stages every row has off; the result must be the full pipeline's."""
+    g = torch.Generator().manual_seed(1)
+    settings = [ROW_SETTINGS[i] for i in rows]
+    logits = torch.randn(len(rows), 3000, generator=g) * 4
+    seen = torch.rand(len(rows), 3000, generator=g) < 0.01
+    st = RowSettings.empty(len(rows), "cpu")
+    for i, s in enumerate(settings):
+        st.set_row(i, s, seed=i)
+    full = sample_rows(logits, st, seen, k=10)
+    some = sample_rows(logits, st, seen, k=10, stages=stages_in_use(settings))
+    assert stages_in_use(settings) != ALL_STAGES
+    for a, b in zip(full, some):
+        assert torch.equal(a, b)
 
 
 def test_seeded_draws_follow_the_distribution():
