@@ -86,7 +86,7 @@ def test_every_row_of_a_batched_step_equals_transformers_processors_on_that_row(
         assert final[i][chosen[i]] > float("-inf")  # drawn from the filtered distribution
 
 
-@pytest.mark.parametrize("rows", [[0, 5], [0], [2, 4], [1, 3]])
+@pytest.mark.parametrize("rows", [[0, 5], [0], [2, 4], [3]])
 def test_skipping_the_stages_no_row_uses_changes_nothing(rows):
     """The eager engine skips stages every row has off; the result must be the full pipeline's."""
     g = torch.Generator().manual_seed(1)
