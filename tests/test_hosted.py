@@ -190,7 +190,8 @@ def test_concurrent_users_generations_share_forwards(server):
         code, body = _get(server.url + "metrics", {"Authorization": "Bearer operator-token-123"})
         assert code == 200, body
         ms = [m for m in json.loads(body)["models"] if m["name"] == "smollm2-135m-instruct"]
-        return (ms[0].get("batching") or {}).get("batched_requests", 0) if ms else 0
+        engine = (ms[0].get("engine") or {}) if ms else {}
+        return sum(n for rows, n in engine.get("batch_sizes", {}).items() if int(rows) > 1)  # steps of 2+ rows
 
     before = metrics_batched()
     clients = [Client(server.url, auth=(u, f"{u}-password"), verbose=False) for u in ("alice", "alice", "bob", "bob")]
