@@ -42,8 +42,9 @@ def main() -> int:
     gb = generate(split, token_ids=ids[:64], max_new_tokens=32, ignore_eos=True)
     print(f"trace: max |dlogits| {dl:.2e}, max |dpattern| {dp:.2e}, max |dresid| {dr:.2e}, logit lens top-5 equal: {same_lens}")
     print(f"greedy generation (32 tokens) equal: {ga.token_ids == gb.token_ids}")
-    # Concurrent users on the split model: their traces and decode steps share forwards
-    # (model_core.batching); each must still equal the one-GPU model run alone.
+    # Concurrent users on the split model: their traces share forwards (model_core.batching; a split
+    # model's generations run one request at a time, not on the engine); each must still equal the
+    # one-GPU model run alone.
     import threading
 
     from model_core.batching import batcher_for
