@@ -240,8 +240,9 @@ def beam_tree_figure(beams: list[dict], prompt_tail: str = "prompt") -> go.Figur
     n = max(len(b["tokens"]) for b in beams)
     fig.update_xaxes(title="generated token", range=[-0.5, n + 4.5], dtick=max(1, n // 16))
     fig.update_yaxes(visible=False, range=[-len(beams) + 0.5, 0.7])
-    fig.update_layout(margin=dict(l=20, r=20, t=40, b=40), height=120 + 56 * len(beams),
-                      title=dict(text=f"{len(beams)} beams from the prompt (shared prefixes drawn once)", x=0.01))
+    fig.update_layout(margin=dict(l=20, r=20, t=40, b=40), height=max(280, 120 + 56 * len(beams)),
+                      title=dict(text=(f"{len(beams)} beams from the prompt (shared prefixes drawn once)" if len(beams) > 1
+                                      else "The text from the prompt, token by token"), x=0.01))
     return fig
 
 

@@ -89,3 +89,55 @@ def test_generate_in_the_browser(server):
         assert other.locator("#gen-temperature input[type=number]").input_value() == "1.5"
         screenshot(other, "generate-from-link")
         browser.close()
+
+
+def test_beam_search_panel_in_the_browser(server):
+    """The 'Beam search and contrastive search' accordion: beams drawn as a tree with their scores, the
+    table with greedy beside, both check lines green; contrastive search shows each step's candidates."""
+    from browser import ARTIFACTS
+
+    with sync_playwright() as pw:
+        browser = launch_browser(pw)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(server.url)
+        wait_until(lambda: "parameters" in page.inner_text("#model-info"), 60, "the page to load")
+        page.locator("#prompt textarea").fill("The best thing about living in the city is")
+        page.get_by_role("tab", name="Generate").click()
+        page.locator("#gen-beams > button.label-wrap").click()
+        set_number(page, "gen-search-max", 12)
+        page.click("#gen-search-btn")
+        info = page.locator("#gen-search-info")
+        wait_until(lambda: "transformers' own sequences_scores" in info.inner_text(), 180, "the beam search")
+        text = info.inner_text()
+        assert text.count("✓") == 2 and "✗" not in text and "Repeated 3-grams" in text, text
+        tree = plot_data(page, "gen-search-tree")
+        assert "4 beams from the prompt" in plot_title(page, "gen-search-tree")
+        nodes = tree[1]
+        # the prompt, then every beam's 12 tokens with shared prefixes drawn once: more than one beam's
+        # worth, fewer than four
+        assert 1 + 12 < len(nodes["x"]) < 1 + 4 * 12 and nodes["text"][0] == "prompt"
+        rows = page.locator("#gen-search-table [role=grid] .virtual-row[role=row]")
+        wait_until(lambda: rows.count() == 5, 30, "four beams and greedy in the table")
+        assert "greedy" in rows.nth(4).inner_text()
+        page.locator("#gen-beams").screenshot(path=str(ARTIFACTS / "generate-beams.png"))
+
+        # diverse beam search: two groups of two; the groups start differently, the table says which is which
+        page.locator("#gen-search-method label", has_text="diverse beam search").click()
+        page.click("#gen-search-btn")
+        wait_until(lambda: "diverse" in info.inner_text() and "processing" not in info.inner_text(), 180,
+                   "the diverse beam search")
+        wait_until(lambda: rows.count() == 5, 30, "four beams and greedy")
+        groups = [rows.nth(i).locator("[role=gridcell]").nth(1).inner_text().strip() for i in range(4)]
+        assert sorted(groups) == ["0", "0", "1", "1"], groups
+        assert "✓" in info.inner_text() and "✗" not in info.inner_text()
+
+        # contrastive search: one text, each step's top-k candidates, the chosen one outlined
+        page.locator("#gen-search-method label", has_text="contrastive search").click()
+        page.click("#gen-search-btn")
+        wait_until(lambda: "contrastive" in info.inner_text() and "Contrastive search" in plot_title(
+            page, "gen-search-cands"), 180, "the contrastive search")
+        heat, chosen = plot_data(page, "gen-search-cands")
+        assert len(heat["z"]) == 4 and len(heat["z"][0]) == 12 and len(chosen["x"]) == 12
+        assert "✓" in info.inner_text() and "✗" not in info.inner_text()
+        page.locator("#gen-beams").screenshot(path=str(ARTIFACTS / "generate-contrastive.png"))
+        browser.close()
