@@ -78,7 +78,7 @@ def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> dict:
     h_p = float(-(p * lp).nan_to_num(0.0).sum())
     ce_pq = float(-(p * lq).nan_to_num(0.0).sum())
     terms = (p * (lp - lq)).nan_to_num(0.0)
-    top = torch.topk(terms.abs(), 10).indices
+    top = torch.topk(terms.abs() + 1e-12 * p, 10).indices  # P = Q: every term is 0, show P's likeliest tokens
     return {"kl_pq": kl_pq, "kl_qp": kl_qp, "h_p": h_p, "h_q": float(-(q * lq).nan_to_num(0.0).sum()),
             "ce_pq": ce_pq,
             "torch_kl_pq": float(F.kl_div(lq, lp, log_target=True, reduction="sum")),

@@ -335,6 +335,37 @@ def check_embedding(page, token: str, k: int = 10):
 
 # --- the walk ---------------------------------------------------------------------------------------
 
+def check_info_panel(page, T: int):
+    """Entropy / cross-entropy / KL on the model's numbers (checks against transformers' loss and torch's
+    kl_div), then MFU from a generation measured now."""
+    open_panel(page, "anatomy-info")
+    page.click("#info-go")
+    wait_for(lambda: checks_pass(page, "anatomy-info", 3), "three information-theory check lines")
+    t = text(page, "anatomy-info")
+    assert "transformers' own loss" in t and "kl_div" in t and "KL(P‖Q) = " in t and "not symmetric" in t
+    ce, kl = wait_for(lambda: (p := plots(page, "anatomy-info")) and len(p) >= 2 and p[1]["traces"] and p[:2],
+                      "the surprisal and KL plots")
+    assert len(ce["traces"][0]["y"]) == T - 1 and "mean = cross-entropy" in ce["annotations"][0]
+    assert len(kl["traces"]) == 3 and len(kl["traces"][0]["x"]) == 10
+    # Q = P at temperature 1: nothing to pay
+    temp = page.locator("#info-temp input[type=number]").first
+    temp.fill("1")
+    temp.press("Enter")
+    page.click("#info-go")
+    wait_for(lambda: "KL(P‖Q) = 0.0000 nats" in text(page, "anatomy-info"), "KL 0 at temperature 1")
+    # MFU from the app's own measured tokens/s: a generation now, N counted once per tensor
+    page.click("#mfu-measure")
+    wait_for(lambda: "MFU =" in text(page, "anatomy-info"), "the MFU from a measured generation", 180)
+    assert page.locator("#mfu-n input").input_value() == "134515008"
+    assert float(page.locator("#mfu-tps input").input_value()) > 0
+    assert "2 × 134,515,008 ×" in text(page, "anatomy-info") and "peak 9.89e+14" in text(page, "anatomy-info")
+    custom = page.locator("#mfu-custom input")
+    custom.fill("1")
+    custom.press("Enter")
+    wait_for(lambda: "peak 1e+12 FLOP/s" in text(page, "anatomy-info"), "MFU against a 1 TFLOP/s peak")
+    page.locator("#anatomy-info").screenshot(path=str(ARTIFACTS / "anatomy-smollm2-info.png"))
+
+
 def test_anatomy_in_the_browser(server):
     t0 = time.time()
     with sync_playwright() as pw:
@@ -380,6 +411,7 @@ def test_anatomy_in_the_browser(server):
         check_mlp(page, 1536, gated=True)
         check_rope_step(page, T, 64, shown=True)
         check_chapters(page)
+        check_info_panel(page, T)
         shoot_panels(page, "anatomy-smollm2")
 
         # panel controls update only their panel: head 4 of layer 2 shares K/V head 1 (GQA, 3 per group)
