@@ -173,3 +173,21 @@ def test_json_of_contrastive_has_candidates(default_lm):
     j = decoding_to_json(default_lm, d)
     assert len(j["candidates"]) == len(j["token_ids"]) and all(len(s) == 3 for s in j["candidates"])
     assert j["beams"][0]["teacher_forced_logprob"] == pytest.approx(j["beams"][0]["logprob"], abs=2e-3)
+
+
+def test_panel_checks_turn_red_when_corrupted(default_lm):
+    """The panel's two check lines compare with the model's own forward and transformers' scores; a beam
+    whose log p or score is off shows ✗."""
+    import copy
+
+    from app.decoding_panel import summary
+
+    d = decode(default_lm, "Hello", DecodingSettings(method="beam", num_beams=2, max_new_tokens=3), with_greedy=False)
+    j = decoding_to_json(default_lm, d)
+    good = summary(j)
+    assert good.count("✓") == 2 and "✗" not in good
+    bad = copy.deepcopy(j)
+    bad["beams"][1]["logprob"] += 0.5  # the search's bookkeeping off by half a nat
+    bad["beams"][0]["score"] *= 1.01  # a score that is not transformers' own
+    out = summary(bad)
+    assert out.count("✗") == 2 and "✓" not in out

@@ -73,3 +73,28 @@ def test_mfu_arithmetic_and_jobs():
            "sft": {"metrics": {"tokens_per_s": 812.5, "tokens_seen": 1000, "training_flops": 6 * 134_515_008 * 1000}}}
     (j,) = I.job_throughputs([rec, {"id": "x", "kind": "tokenizer"}])
     assert j["tokens_per_s"] == 812.5 and j["n_params"] == pytest.approx(134_515_008)
+
+
+def test_panel_checks_turn_red_when_corrupted(default_lm, monkeypatch):
+    """The Anatomy panel's check lines: hand cross-entropy vs transformers' loss, hand KL vs kl_div; a
+    corrupted hand computation (targets shifted by one; KL terms with a wrong sign) shows MISMATCH."""
+    from app import anatomy_tab
+
+    ok, _, _ = anatomy_tab.info_panel("smollm2-135m-instruct", PROMPT, False, 2.0, None)
+    assert ok.count("✓ check") == 3 and "MISMATCH" not in ok
+    real_ce, real_kl = I.prompt_cross_entropy, I.kl_divergence
+
+    def shifted(lm, ids):
+        out = real_ce(lm, ids)
+        out["nats"] = real_ce(lm, ids[1:] + ids[:1])["nats"]  # the wrong targets
+        return out
+
+    def flipped(p, q):
+        out = real_kl(p, q)
+        out["kl_pq"] = -out["kl_pq"]
+        return out
+
+    monkeypatch.setattr(I, "prompt_cross_entropy", shifted)
+    monkeypatch.setattr(I, "kl_divergence", flipped)
+    bad, _, _ = anatomy_tab.info_panel("smollm2-135m-instruct", PROMPT, False, 2.0, None)
+    assert bad.count("MISMATCH") == 2 and bad.count("✓ check") == 1
