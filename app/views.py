@@ -273,29 +273,33 @@ def _next_ids(tr: Trace) -> list[int]:
     return c["next_ids"]
 
 
-def lens_columns(tr: Trace, positions: list[int]) -> dict:
-    """Logit-lens numbers [L, P] at these positions: top-1 id and probability, entropy, and the
-    next token's probability and rank. Columns are computed once per trace and kept, so zooming
-    back and forth and moving the query cost nothing new."""
+def lens_columns(tr: Trace, positions: list[int], targets: bool = False) -> dict:
+    """Logit-lens numbers [L, P] at these positions: top-1 id and probability and entropy, and with
+    targets=True also the next token's probability and rank (that doubles the cost of a column:
+    only the query's column needs it, for "the next token across layers"). Columns are computed
+    once per trace and kept, so zooming back and forth and moving the query cost nothing new."""
     c = _vcache(tr)
     T, L = tr.n_tokens, len(tr.captured_layers)
     with c["lock"]:
         st = c.get("lens")
         if st is None:
-            st = c["lens"] = {"done": np.zeros(T, bool), "top": np.zeros((L, T), np.int64),
-                              "p": np.zeros((L, T), np.float32), "ent": np.zeros((L, T), np.float32),
-                              "tp": np.zeros((L, T), np.float32), "rank": np.zeros((L, T), np.int64)}
-        missing = sorted({p for p in positions if not st["done"][p]})
+            st = c["lens"] = {"done": np.zeros(T, bool), "done_t": np.zeros(T, bool),
+                              "top": np.zeros((L, T), np.int64), "p": np.zeros((L, T), np.float32),
+                              "ent": np.zeros((L, T), np.float32), "tp": np.zeros((L, T), np.float32),
+                              "rank": np.zeros((L, T), np.int64)}
+        missing = sorted({p for p in positions if not st["done_t" if targets else "done"][p]})
         if missing:
             nxt = _next_ids(tr)
-            res = logit_lens(tr, positions=missing, k=1, targets=[nxt[p] for p in missing])
+            res = logit_lens(tr, positions=missing, k=1, targets=[nxt[p] for p in missing] if targets else None)
             st["top"][:, missing] = res.top_ids[:, :, 0].numpy()
             st["p"][:, missing] = res.top_probs[:, :, 0].float().numpy()
             st["ent"][:, missing] = res.entropy.float().numpy()
-            st["tp"][:, missing] = res.target_probs.float().numpy()
-            st["rank"][:, missing] = res.target_ranks.numpy()
             st["done"][missing] = True
-        return {k: st[k][:, positions] for k in ("top", "p", "ent", "tp", "rank")}
+            if targets:
+                st["tp"][:, missing] = res.target_probs.float().numpy()
+                st["rank"][:, missing] = res.target_ranks.numpy()
+                st["done_t"][missing] = True
+        return {k: st[k][:, positions] for k in (("top", "p", "ent", "tp", "rank") if targets else ("top", "p", "ent"))}
 
 
 def lens_positions(lo: int, hi: int) -> tuple[list[int], int]:
@@ -314,7 +318,7 @@ def lens_view(tr: Trace, query: int, colour: str = "probability", rows: tuple[in
     pos, step = lens_positions(lo, hi)
     tok = tr._lm.tokenizer
     cols = lens_columns(tr, pos)
-    at_q = lens_columns(tr, [query])
+    at_q = lens_columns(tr, [query], targets=True)
     show = _vcache(tr).setdefault("shown", {})
     pend = [_pending(tr, p) for p in pos]  # a character the prompt left open at that position
     top = [[_cell(show, tok, i, pend[j]) for j, i in enumerate(row)] for row in cols["top"].tolist()]

@@ -134,15 +134,23 @@ def test_lens_over_all_positions_matches_the_models_own_unembedding(lm, long_tr)
     assert zoomed["positions"] == list(range(640, 661)) and zoomed["step"] == 1
 
 
-def test_lens_columns_are_computed_once(long_tr, monkeypatch):
+def test_lens_columns_are_computed_once(lm, monkeypatch):
+    tr = trace(lm, _prompt(200))
     calls = []
     real = views.logit_lens
-    monkeypatch.setattr(views, "logit_lens", lambda *a, **k: calls.append(k["positions"]) or real(*a, **k))
-    views.lens_columns(long_tr, [100, 101, 102])
-    views.lens_columns(long_tr, [101, 102, 103])
-    views.lens_columns(long_tr, [100, 103])
-    assert calls in ([[100, 101, 102], [103]], [[103]], [])  # earlier tests may have filled some
-    assert all(len(set(c)) == len(c) for c in calls)
+    monkeypatch.setattr(views, "logit_lens",
+                        lambda *a, **k: calls.append((k["positions"], k["targets"] is not None)) or real(*a, **k))
+    views.lens_columns(tr, [100, 101, 102])
+    views.lens_columns(tr, [101, 102, 103])
+    views.lens_columns(tr, [100, 103])
+    # the next token's probability and rank (twice the cost) only where asked: the query's column
+    views.lens_columns(tr, [102], targets=True)
+    got = views.lens_columns(tr, [102, 100], targets=True)
+    assert calls == [([100, 101, 102], False), ([103], False), ([102], True), ([100], True)]
+    assert got["tp"].shape == (len(tr.captured_layers), 2) and (got["tp"] > 0).all()
+    lv = views.lens_view(tr, query=150)  # sampled columns without targets, the query's with them
+    assert calls[-1] == ([150], True) and not any(t for _, t in calls[4:-1])
+    assert len(lv["target_probs"]) == len(tr.captured_layers)
 
 
 def _cells(fig: go.Figure) -> int:
