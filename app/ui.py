@@ -11,6 +11,7 @@ import gradio as gr
 from app.api import harden
 from app.context import Shared, allowed_models, default_model, endpoint, get_model
 from app.explore_tab import ExploreTab
+from app.narrow import NARROW_JS
 from app.views import SCALES
 from model_core.registry import list_models
 
@@ -206,6 +207,7 @@ def build_demo() -> gr.Blocks:
         # ?tab=<id> opens that tab, as a click on it would (only a link that names a tab switches, so a
         # user who clicked another tab while the page loaded stays there)
         demo.load(None, None, None, js=OPEN_TAB_JS)
+        demo.load(None, None, None, js=NARROW_JS)  # plots on a narrow screen (app/narrow.py)
         load.then(model_info, [model], [info]).then(
             _autorun, [autorun, model, prompt, chat, explore.truncate, explore.layer, explore.head,
                        explore.lens_colour, *explore.sampling_inputs],

@@ -1,0 +1,81 @@
+"""The page on a narrow screen (issue 15 item 7): what CSS alone cannot do for Plotly figures.
+
+static/lmscope.css stacks side-by-side plots below 900 px; there a plot is about 340 px wide at a
+400 px window, and Plotly neither wraps a long title nor makes room for long tick labels. NARROW_JS
+(a js-only load event, installed by app/ui.py) checks the drawn plots every 400 ms while the window
+is narrower than 900 px and, once per figure Gradio draws:
+- wraps a title that runs past the plot's width onto more lines (each line that is one styled span,
+  such as a <sub> caption, keeps its style) and grows the top margin to hold them;
+- turns on automargin for every axis, so tick labels such as "12:␣capital" are not cut;
+- shortens subplot titles that overlap (the head grid's "▶ head 3 · kv 1" becomes "▶ h3").
+"""
+
+NARROW_JS = """() => {
+  if (window.lmscopeNarrow) return [];
+  window.lmscopeNarrow = true;
+  const plain = (s) => s.replace(/<[^>]*>/g, '');
+  const wrapWords = (text, n) => {
+    const out = []; let line = '';
+    for (const w of text.split(' ')) {
+      if (line && (line + ' ' + w).length > n) { out.push(line); line = w; } else line = line ? line + ' ' + w : w;
+    }
+    if (line) out.push(line);
+    return out;
+  };
+  const wrapTitle = (text, n) => {
+    const lines = [];
+    for (const line of text.split(/<br\\s*\\/?>/i)) {
+      const m = line.match(/^<(\\w+)([^>]*)>([^<]*)<\\/\\1>$/);
+      if (m) { const k = /^su[bp]$/i.test(m[1]) ? 1.4 : 1;
+               for (const part of wrapWords(m[3], Math.floor(n * k))) lines.push('<' + m[1] + m[2] + '>' + part + '</' + m[1] + '>'); }
+      else if (!line.includes('<')) lines.push(...wrapWords(line, n));
+      else lines.push(line);
+    }
+    return lines;
+  };
+  const fit = (gd) => {
+    const fl = gd._fullLayout;
+    if (!fl || !window.Plotly || !gd.offsetWidth) return;
+    const W = fl.width, upd = {};
+    const title = gd.layout && gd.layout.title;
+    const text = title && (typeof title === 'string' ? title : title.text);
+    const t = gd.querySelector('.gtitle');
+    if (text && t && gd.lmscopeTitle !== text) {
+      const r = t.getBoundingClientRect(), g = gd.getBoundingClientRect();
+      if (r.right > g.left + W - 2) {
+        const size = (fl.title && fl.title.font && fl.title.font.size) || 14;
+        const lines = wrapTitle(text, Math.max(16, Math.floor((W - 20) / (size * 0.56))));
+        const wrapped = lines.join('<br>');
+        const added = lines.length - text.split(/<br\\s*\\/?>/i).length;
+        upd['title.text'] = wrapped;
+        if (added > 0) upd['margin.t'] = fl.margin.t + Math.ceil(added * size * 1.3);
+        gd.lmscopeTitle = wrapped;
+      } else gd.lmscopeTitle = text;
+    }
+    for (const k of Object.keys(fl)) {
+      if (/^[xy]axis\\d*$/.test(k) && fl[k] && fl[k].visible !== false && !fl[k].automargin) upd[k + '.automargin'] = true;
+    }
+    const notes = [...gd.querySelectorAll('.annotation')];
+    const texts = (fl.annotations || []).map(a => a.text).join('|');
+    if (notes.length > 1 && gd.lmscopeNotes !== texts) {
+      const boxes = notes.map(n => n.getBoundingClientRect());
+      let overlap = false;
+      for (let i = 0; i < boxes.length && !overlap; i++) for (let j = i + 1; j < boxes.length; j++) {
+        const a = boxes[i], b = boxes[j];
+        if (a.left < b.right && b.left < a.right && a.top < b.bottom && b.top < a.bottom) { overlap = true; break; }
+      }
+      if (overlap) (fl.annotations || []).forEach((a, i) => {
+        if (!a.text) return;
+        upd['annotations[' + i + '].text'] = plain(a.text).split(' · ')[0].replace(/head (\\d+)/, 'h$1');
+        upd['annotations[' + i + '].font.size'] = 10;
+      });
+      gd.lmscopeNotes = overlap ? (fl.annotations || []).map((a, i) => upd['annotations[' + i + '].text'] || a.text).join('|') : texts;
+    }
+    if (Object.keys(upd).length) window.Plotly.relayout(gd, upd);
+  };
+  setInterval(() => {
+    if (window.innerWidth >= 900) return;
+    for (const gd of document.querySelectorAll('.js-plotly-plot')) { try { fit(gd); } catch (e) {} }
+  }, 400);
+  return [];
+}"""
