@@ -531,11 +531,16 @@ def moe_panel(prompt, layer, request: gr.Request = None):
 
 
 @endpoint(model=True)
-def model_changed(model_name, layer, head, request: gr.Request = None):
+def model_changed(model_name, layer, head, norm_layer=None, mlp_layer=None, rope_layer=None,
+                  request: gr.Request = None):
+    """The layer/head sliders' ranges for the model, each keeping its own value (clamped): a link's
+    MLP layer survives "Show anatomy" (app/anatomy_link.py)."""
     lm = get_model(model_name)
     L, H = lm.shape.n_layers, lm.shape.n_heads
     sl = lambda mx, v: gr.Slider(minimum=0, maximum=mx, step=1, value=min(int(v or 0), mx))  # noqa: E731
-    return sl(L - 1, layer), sl(H - 1, head), sl(L - 1, layer), sl(L - 1, layer), sl(L - 1, layer)
+    own = lambda v: layer if v is None else v  # noqa: E731
+    return (sl(L - 1, layer), sl(H - 1, head), sl(L - 1, own(norm_layer)), sl(L - 1, own(mlp_layer)),
+            sl(L - 1, own(rope_layer)))
 
 
 def _initial_shape(name: str) -> tuple[int, int]:
@@ -736,7 +741,8 @@ def build(shared: Shared) -> None:
     mlp_io = dict(fn=mlp_panel, inputs=[m, p, c, m_layer, m_pos], outputs=[mlp_plot, mlp_scatter, mlp_info])
     out_io = dict(fn=output_panel, inputs=[m, p, c, o_k], outputs=[out_plot, out_hist, out_info])
 
-    ev = go_btn.click(fn=model_changed, inputs=[m, a_layer, a_head], outputs=[a_layer, a_head, n_layer, m_layer, r_layer])
+    ev = go_btn.click(fn=model_changed, inputs=[m, a_layer, a_head, n_layer, m_layer, r_layer],
+                      outputs=[a_layer, a_head, n_layer, m_layer, r_layer])
     # The chain after "Show anatomy" carries the public names (/anatomy_card, ...); the same panels
     # fired by their own controls below are private wiring.
     for name, io in (("card", card_io), ("tree", tree_io), ("attention", attn_io), ("rope", rope_io),
@@ -756,7 +762,8 @@ def build(shared: Shared) -> None:
     s_dist.input(**sch_io, trigger_mode="always_last")
     moe_layer.change(**moe_io)
 
-    m.change(fn=model_changed, inputs=[m, a_layer, a_head], outputs=[a_layer, a_head, n_layer, m_layer, r_layer])
+    m.change(fn=model_changed, inputs=[m, a_layer, a_head, n_layer, m_layer, r_layer],
+             outputs=[a_layer, a_head, n_layer, m_layer, r_layer])
     compare.change(**card_io)
     for ctl in (a_layer, a_head, no_scale, no_mask):
         ctl.change(**attn_io)
@@ -782,6 +789,17 @@ def build(shared: Shared) -> None:
         ctl.change(**mfu_io)
     for ctl in (f_tps, f_n, f_custom):
         ctl.submit(**mfu_io)
+
+    # the tab in the link: panels open, every control, "Show anatomy" (issue 15 item 5)
+    from app import anatomy_link
+
+    anatomy_link.wire(shared, go_btn, {
+        "an_cmp": compare, "an_layer": a_layer, "an_head": a_head, "an_noscale": no_scale, "an_nomask": no_mask,
+        "an_rope_layer": r_layer, "an_rope_dist": r_dist, "an_positions": n_pos, "an_tok": e_tok, "an_a": e_a,
+        "an_b": e_b, "an_c": e_c, "an_near": e_k, "an_norm_layer": n_layer, "an_norm_pos": n_posn, "an_norm": n_which,
+        "an_mlp_layer": m_layer, "an_mlp_pos": m_pos, "an_top_k": o_k, "an_alibi_heads": s_heads,
+        "an_scheme_dist": s_dist, "an_moe_layer": moe_layer,
+    }, _initial_shape, C.MOE["num_hidden_layers"], lambda: [v for _, v in compare_choices()])
 
 
 def card_table_for(names: list[str]) -> pd.DataFrame:
