@@ -213,9 +213,9 @@ class ExploreTab:
         # truncation cutoffs of the explainer only (the generation engine does not apply them): after
         # min-p, in transformers' order; eta's cutoff is min(eta, sqrt(eta)·e^-H) of what enters it
         with gr.Row():
-            self.epsilon = gr.Number(value=0, minimum=0, maximum=0.99, step=0.0001, elem_id="epsilon",
+            self.epsilon = gr.Number(value=0, step=0.0001, elem_id="epsilon",
                                      label="Epsilon cutoff: drop p < ε (0 = off; this view only)")
-            self.eta = gr.Number(value=0, minimum=0, maximum=0.99, step=0.0001, elem_id="eta",
+            self.eta = gr.Number(value=0, step=0.0001, elem_id="eta",
                                  label="Eta cutoff: drop p < min(η, √η·e^−H) (0 = off; this view only)")
         self.sampling_msg = V.field_message("explore-sampling-msg")
         self.next_plot = gr.Plot(label="Next-token distribution", elem_id="next-token")
