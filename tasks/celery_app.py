@@ -23,7 +23,7 @@ from tasks import config
 QUEUE = "lmscope"
 
 app = Celery("lmscope", include=["tasks.tokenizer_job", "tasks.patching_job", "tasks.sft_job",
-                              "tasks.pretrain_job"])
+                              "tasks.pretrain_job", "tasks.neuron_job"])
 app.conf.update(
     broker_url=config.redis_url(),
     broker_connection_retry_on_startup=True,

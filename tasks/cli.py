@@ -19,7 +19,7 @@ def add_jobs_parser(subparsers, func) -> None:
     js = j.add_subparsers(dest="jobs_command", required=True)
 
     s = js.add_parser("submit", help="queue a job")
-    s.add_argument("kind", choices=["tokenizer", "patching", "sft", "pretrain", "scaling"])
+    s.add_argument("kind", choices=["tokenizer", "patching", "sft", "pretrain", "scaling", "neurons"])
     s.add_argument("--algorithm", choices=list(tt.ALGORITHMS), default="byte-level-bpe")
     s.add_argument("--vocab-size", type=int, default=4000,
                    help=f"{tt.VOCAB_MIN}..{tt.VOCAB_MAX} (default 4000)")
@@ -127,6 +127,11 @@ def jobs_command(args) -> int:
             from tasks.pretrain_job import pretrain_params_from_args
 
             params, files = pretrain_params_from_args(args), []
+        elif args.kind == "neurons":  # top contexts over the built-in corpus: --model, --tokens, --context
+            from model_core.registry import DEFAULT_MODEL
+
+            params = {"model": args.model or DEFAULT_MODEL, "tokens": args.tokens, "window": args.context}
+            files = []
         else:
             params = {"algorithm": args.algorithm, "vocab_size": args.vocab_size,
                       "min_frequency": args.min_frequency, "special_tokens": args.special_tokens,

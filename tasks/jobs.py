@@ -16,7 +16,7 @@ from model_core.errors import LmscopeError
 from tasks import config, corpus, store
 from tasks import tokenizer_train as tt
 
-KINDS = ("tokenizer", "patching", "sft", "pretrain", "scaling")
+KINDS = ("tokenizer", "patching", "sft", "pretrain", "scaling", "neurons")
 
 
 class JobError(LmscopeError):
@@ -123,6 +123,10 @@ def submit(kind: str, params: dict, owner: str = "cli", files=None) -> dict:
         from tasks.pretrain_job import submit_pretrain
 
         return submit_pretrain(kind, params, owner)
+    if kind == "neurons":  # top-activating contexts of every neuron and head: tasks/neuron_job.py
+        from tasks.neuron_job import submit_neurons
+
+        return submit_neurons(params, owner)
     raise JobError(f"Unknown job kind '{kind}'; known: {', '.join(KINDS)}.")
 
 
