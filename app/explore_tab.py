@@ -8,6 +8,7 @@ next-token logits.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import gradio as gr
@@ -199,6 +200,9 @@ class ExploreTab:
         with gr.Row():
             self.neurons = gr.Plot(label="Top neurons", elem_id="neurons", scale=3)
             self.neuron_bars = gr.Plot(label="Top neurons at the chosen token", elem_id="neuron-bars", scale=2)
+        from app.unit_page import UnitPage  # a neuron or head on its own page (click a neuron above)
+
+        self.unit_page = UnitPage(self)
 
         gr.Markdown("### Next token")
         _md("The model's distribution for the token after the prompt, and what your sampling settings do to "
@@ -250,7 +254,7 @@ class ExploreTab:
     @property
     def zoom_outputs(self):
         return [self.zoom, self.view, self.attn_note, self.head_grid, self.head_big, self.head_bars, self.contrib,
-                self.resid, self.neurons, self.neuron_bars]
+                self.resid, self.neurons, self.neuron_bars, self.tokens]
 
     def wire(self, run_button: gr.Button):
         s = self.shared
@@ -458,7 +462,7 @@ def run_trace(model, prompt, chat, truncate, layer, head, query, lens_colour, te
     zoom = views.region_text(region, T)
     sampling = (V.show(" ".join(problems.values()) + " The distribution below leaves it at its default.")
                 if problems else V.clear())
-    return [state, status, figures.token_strip_html(tr.tokens, lp, ppl),
+    return [state, status, strip_html(tr, region, lp, ppl),
             gr.update(maximum=max(L - 1, 1), value=layer), gr.update(maximum=max(H - 1, 1), value=head),
             gr.update(maximum=max(T - 1, 1), value=query), *figs, nfig, rows,
             zoom, {"scale": scale, "zoom": zoom}, region_note(tr, region, notice, scale), V.clear(), sampling]
@@ -521,14 +525,38 @@ def set_scale(state, layer, head, query, scale, view=None, request: gr.Request =
     return [{"scale": scale, "zoom": zoom}, grid, big, region_note(tr, region, notice, scale)]
 
 
-def _zoomed(tr, layer, head, query, scale, region, notice=""):
-    """Outputs of ExploreTab.zoom_outputs for a region (the lens follows in update_lens)."""
+def _zoomed(tr, layer, head, query, scale, region, notice="", strip: bool = True):
+    """Outputs of ExploreTab.zoom_outputs for a region (the lens follows in update_lens). The token
+    strip is sent again only when the prompt is longer than one strip holds and the zoom moved."""
     zoom = views.region_text(region, tr.n_tokens)
     grid, big, bars = render_attention(tr, layer, head, query, region, scale)
     contrib, resid = render_residual(tr, query, region)
     neurons, nbars = render_neurons(tr, layer, query, region)
+    tokens = strip_html(tr, region) if strip and tr.n_tokens > STRIP_MAX else gr.skip()
     return [zoom, {"scale": scale, "zoom": zoom}, region_note(tr, region, notice, scale), grid, big, bars, contrib, resid,
-            neurons, nbars]
+            neurons, nbars, tokens]
+
+
+STRIP_MAX = 1024  # token chips sent at most: past that the strip shows a window of the prompt
+
+
+def strip_html(tr, region=None, lp=None, ppl=None) -> str:
+    """The token strip; for a prompt longer than STRIP_MAX tokens, the STRIP_MAX tokens around the
+    zoomed rows (the end of the prompt when not zoomed), so the page stays bounded at any length."""
+    T = tr.n_tokens
+    if lp is None:
+        lp = [None if i == 0 else float(v) for i, v in enumerate(tr.token_logprobs.tolist())]
+    ppl = tr.perplexity() if ppl is None else ppl
+    if T <= STRIP_MAX:
+        return figures.token_strip_html(tr.tokens, lp, ppl)
+    q0, q1 = (region or views.whole(T))[:2]
+    n = q1 - q0 + 1
+    a = q0 - (STRIP_MAX - n) // 2 if n <= STRIP_MAX else q1 + 1 - STRIP_MAX
+    a = max(0, min(T - STRIP_MAX, a))
+    body = figures.token_strip_html(tr.tokens[a: a + STRIP_MAX], lp[a: a + STRIP_MAX], ppl)
+    body = re.sub(r'data-pos="(\d+)"', lambda m: f'data-pos="{int(m.group(1)) + a}"', body)  # positions in the prompt
+    return (f'<div class="token-legend">Tokens {a}–{a + STRIP_MAX - 1} of {T:,} (one strip holds {STRIP_MAX:,}; '
+            f'zoom elsewhere to see others). Perplexity is over the whole prompt.</div>' + body)
 
 
 @endpoint(model=True)
@@ -566,7 +594,7 @@ def on_action(state, action, layer, head, query, lens_colour, view=None, metric=
     {"kind": "lens", "layer", "pos"}, {"kind": "zoom", "rows": [a, b], "cols"?: [c, d]} or
     {"kind": "zoom"} for the whole prompt. Returns the sliders, the zoom outputs and the overview;
     the lens follows in update_lens. Anything else changes nothing."""
-    n_out = 3 + 10 + 1
+    n_out = 3 + 11 + 1
     try:
         msg = json.loads(action) if isinstance(action, str) and len(action) < 2000 else None
     except ValueError:
@@ -594,7 +622,7 @@ def on_action(state, action, layer, head, query, lens_colour, view=None, metric=
             region, notice = views.parse_region(text, T) if min(rows + cols) >= 0 else (views.whole(T), "")
     elif kind not in ("query", "lens", "head"):
         return [gr.skip()] * n_out
-    out = _zoomed(tr, layer, head, query, scale, region, notice)
+    out = _zoomed(tr, layer, head, query, scale, region, notice, strip=kind == "zoom")
     return [layer, head, query, *out, _overview_fig(tr, metric, layer, head)]
 
 

@@ -223,3 +223,29 @@ def test_clicks_from_the_page_move_the_settings(lm):
                 json.dumps({"kind": "query", "pos": 1e308}), "x" * 5000]:
         o = act(state, bad, 0, 0, 5, "probability", view, None)
         assert all(isinstance(v, type(gr.skip())) for v in o) or o[:3] == [0, 0, 5], bad
+
+
+def test_a_prompt_longer_than_one_strip_shows_a_window_of_it(lm, monkeypatch):
+    """Past STRIP_MAX tokens the strip is a window (the end of the prompt, or around the zoom), with
+    chips that keep their positions in the prompt, so the page stays bounded at any length."""
+    import re as _re
+
+    monkeypatch.setattr(explore_tab, "STRIP_MAX", 100)
+    out = explore_tab.run_trace(MODEL, _prompt(300), False, False, 0, 0, -1, "probability", 1.0, 0, 1.0, 0.0, 1.0)
+    strip = out[explore_tab.RUN_OUTPUT_NAMES.index("tokens")]
+    pos = [int(p) for p in _re.findall(r'data-pos="(\d+)"', strip)]
+    assert pos == list(range(200, 300)) and "Tokens 200–299 of 300" in strip
+    state, view = out[0], out[explore_tab.RUN_OUTPUT_NAMES.index("view")]
+    z = explore_tab.set_zoom(state, 0, 0, 299, "40-60", view)
+    pos = [int(p) for p in _re.findall(r'data-pos="(\d+)"', z[-1])]
+    assert pos == list(range(1, 101))  # rows 40-60 in the middle
+    z = explore_tab.set_zoom(state, 0, 0, 299, "150-170", view)
+    assert [int(p) for p in _re.findall(r'data-pos="(\d+)"', z[-1])] == list(range(111, 211))
+    z = explore_tab.set_zoom(state, 0, 0, 299, "280-299", view)  # near the end: the last 100
+    assert [int(p) for p in _re.findall(r'data-pos="(\d+)"', z[-1])] == list(range(200, 300))
+    # a click that does not zoom leaves the strip as it is
+    o = explore_tab.on_action(state, json.dumps({"kind": "query", "pos": 160}), 0, 0, 299, "probability", z[1], None)
+    assert isinstance(o[-2], type(explore_tab.gr.skip()))
+    monkeypatch.setattr(explore_tab, "STRIP_MAX", 1024)  # short prompts: the whole strip, never resent on zoom
+    z = explore_tab.set_zoom(state, 0, 0, 299, "10-20", view)
+    assert isinstance(z[-1], type(explore_tab.gr.skip()))
