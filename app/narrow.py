@@ -7,7 +7,8 @@ is narrower than 900 px and, once per figure Gradio draws:
 - wraps a title that runs past the plot's width onto more lines (each line that is one styled span,
   such as a <sub> caption, keeps its style) and grows the top margin to hold them;
 - turns on automargin for every axis, so tick labels such as "12:␣capital" are not cut;
-- shortens subplot titles that overlap (the head grid's "▶ head 3 · kv 1" becomes "▶ h3").
+- shortens subplot titles that overlap (the head grid's "▶ head 3 · kv 1" becomes "▶ h3"), and wraps a
+  lone message (an empty chart's hint) that is wider than the plot.
 """
 
 NARROW_JS = """() => {
@@ -57,6 +58,14 @@ NARROW_JS = """() => {
     }
     const notes = [...gd.querySelectorAll('.annotation')];
     const texts = (fl.annotations || []).map(a => a.text).join('|');
+    if (notes.length === 1 && gd.lmscopeNotes !== texts) {  // a message wider than the plot: more lines
+      const a = fl.annotations[0], r = notes[0].getBoundingClientRect();
+      if (a && a.text && !a.text.includes('<') && r.width > W - 16) {
+        const size = (a.font && a.font.size) || 12;
+        upd['annotations[0].text'] = wrapWords(a.text, Math.max(12, Math.floor((W - 24) / (size * 0.56)))).join('<br>');
+        gd.lmscopeNotes = upd['annotations[0].text'];
+      } else gd.lmscopeNotes = texts;
+    }
     if (notes.length > 1 && gd.lmscopeNotes !== texts) {
       const boxes = notes.map(n => n.getBoundingClientRect());
       let overlap = false;
