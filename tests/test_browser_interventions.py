@@ -52,11 +52,17 @@ def test_interventions_in_the_browser(server):
         assert "clean" in summary and "ablated" in summary
         screenshot(page, "interventions-ablation")
 
-        # patching: the starter pair, residual stream, layers x positions
+        # patching: the starter pair, residual stream, layers x positions; the page samples the
+        # progress text as it runs (issue 15 item 10: per layer of each batch, not "0.0%" until the end)
+        page.evaluate("""() => { window.ivSeen = new Set(); window.ivTimer = setInterval(() => {
+            for (const el of document.querySelectorAll('#iv-patch-plot [data-testid=status-tracker]')) {
+              const m = el.textContent.match(/([\\d.]+)%/); if (m) window.ivSeen.add(+m[1]); } }, 20); }""")
         t0 = time.time()
         page.click("#iv-patch")
         wait_title(page, "iv-patch-plot", "residual stream", timeout=240)
         t_patch = time.time() - t0
+        seen = sorted(page.evaluate("() => { clearInterval(window.ivTimer); return [...window.ivSeen]; }"))
+        assert len([p for p in seen if 0 < p < 100]) >= 8, seen  # a batch is 113 patched runs: 3 batches here
         heat = plot_data(page, "iv-patch-plot")[0]
         z = heat["z"]
         assert len(z) == 30 and len(z[0]) >= 8
@@ -69,7 +75,19 @@ def test_interventions_in_the_browser(server):
         assert "Strongest cell" in summary, summary
         assert not page.locator("#iv-job-box").is_visible()  # small sweep: no job offer
         screenshot(page, "interventions-patching")
-        print(f"ablation {t_ablate:.1f} s, patching {t_patch:.1f} s")
+        print(f"ablation {t_ablate:.1f} s, patching {t_patch:.1f} s, {len(seen)} progress values")
+
+        # the results shown, as files (issue 15 item 6): the ablation and the patching grid
+        page.click("#iv-export")
+        sel = '#iv-export-files a[data-testid="download-link"]'
+        wait_until(lambda: len(page.locator(sel).all()) == 3, 60, "ablation.csv, patching.csv and results.json")
+        files = {a.get_attribute("href").rsplit("/", 1)[1]: page.request.get(a.get_attribute("href")).text()
+                 for a in page.locator(sel).all()}
+        patch_rows = files["patching.csv"].splitlines()
+        assert patch_rows[0] == "layer,position,label,value,delta,normalized" and len(patch_rows) == 1 + 30 * len(z[0])
+        assert abs(float(patch_rows[-1].rsplit(",", 1)[1]) - last) < 1e-6  # the heatmap's last cell
+        assert files["ablation.csv"].splitlines()[0].startswith("table,token,clean_prob,ablated_prob")
+        assert '"patching"' in files["results.json"] and '"ablation"' in files["results.json"]
 
         # a target typed without its leading space is named, and the spaced one offered (issue 15 item 10)
         box = page.locator("#iv-target textarea, #iv-target input").first
