@@ -145,13 +145,20 @@ def _xy(page, elem_id: str, x: float, y: float, axis: str = "") -> tuple[float, 
 
 def _click_cell(page, elem_id: str, x: float, y: float, axis: str = "") -> None:
     """Point at a cell like a user (Plotly reports the cell under the pointer), then click it."""
-    px, py = _xy(page, elem_id, x, y, axis)
-    page.mouse.move(px - 4, py)
-    page.mouse.move(px, py)
-    wait_until(lambda: page.evaluate(
-        "(id) => (document.querySelector('#' + id + ' .js-plotly-plot')._hoverdata || []).length > 0", elem_id),
-        10, f"the pointer over a cell of {elem_id}")
-    page.mouse.click(px, py)
+    where = {}
+
+    def pointing() -> bool:  # the plot may be redrawn meanwhile on a busy machine: aim again each time
+        try:
+            where["xy"] = px, py = _xy(page, elem_id, x, y, axis)
+        except Exception:  # noqa: BLE001 - mid-redraw: no plot to aim at yet
+            return False
+        page.mouse.move(px - 4, py)
+        page.mouse.move(px, py)
+        return page.evaluate(
+            "(id) => (document.querySelector('#' + id + ' .js-plotly-plot')._hoverdata || []).length > 0", elem_id)
+
+    wait_until(pointing, 60, f"the pointer over a cell of {elem_id}")
+    page.mouse.click(*where["xy"])
 
 
 def _value(page, elem_id: str) -> str:
@@ -248,7 +255,7 @@ def test_long_prompt_whole_and_linked(server):
         # the log scale; the link carries scale and zoom
         page.get_by_label("log").check()
         wait_title(page, "head-big", "log scale")
-        wait_until(lambda: "scale=log" in page.url and "zoom=" in page.url, 10, "the URL to carry scale and zoom")
+        wait_until(lambda: "scale=log" in page.url and "zoom=" in page.url, 60, "the URL to carry scale and zoom")
         screenshot(page, "explore-600-zoomed-log")
         other = browser.new_page(viewport={"width": 1400, "height": 1000})
         other.goto(page.url)
