@@ -40,6 +40,14 @@ def _layout(fig: go.Figure, title: str, height: int = 420, **kw) -> go.Figure:
     return fig
 
 
+def _figure(data, title: str, height: int = 420, **layout) -> go.Figure:
+    """A figure built in one go: every layout setting in the constructor, so plotly validates the
+    layout once (each later update_* call validates again; a view of six figures paid ~20 ms)."""
+    margin = layout.pop("margin", dict(l=60, r=20, t=75 if "<br>" in title else 50, b=50))  # a caption line
+    return go.Figure(data=data, layout=dict(title=dict(text=title, x=0.01, font=dict(size=14)), height=height,
+                                            margin=margin, font=FONT, template=TEMPLATE, **layout))
+
+
 def _label(labels: list[str], idx: list[int] | range) -> list[str]:
     # Plotly merges identical category labels; prefix each with its position to keep them apart.
     return [f"{i}:{labels[i]}" for i in idx]
@@ -167,11 +175,11 @@ def head_grid(patterns: np.ndarray, rows: dict, cols: dict, layer: int, kv_group
                            font=dict(size=11, color="#e4572e" if h == selected_head else None)))
     colour = _attn_colour(scale, log_floor)
     coloraxis = dict(colorscale=ATTN_SCALE, cmin=colour["zmin"], cmax=colour["zmax"], colorbar=colour["colorbar"])
-    fig = _fig(data=traces, layout=dict(layout, annotations=titles, meta=_meta("grid", cols, rows)))
     where = (f"queries {_span(rows)} × keys {_span(cols)}" + (f" · {pooling_note(rows, cols)}" if pooled else "")
              + f" · {SCALE_WORDS.get(scale, scale)} · click a head to open it")
-    return _layout(fig, f"Layer {layer}: every head (rows = query token, columns = key token it attends to)"
-                        f"<br><sub>{where}</sub>", height=190 * n_rows + 90, coloraxis=coloraxis)
+    return _figure(traces, f"Layer {layer}: every head (rows = query token, columns = key token it attends to)"
+                           f"<br><sub>{where}</sub>", height=190 * n_rows + 90, coloraxis=coloraxis,
+                   annotations=titles, meta=_meta("grid", cols, rows), **layout)
 
 
 def attention_heatmap(pattern: np.ndarray, rows: dict, cols: dict, layer: int, head: int, query_pos: int,
@@ -179,17 +187,18 @@ def attention_heatmap(pattern: np.ndarray, rows: dict, cols: dict, layer: int, h
     """One head over a region: cells with token labels when each is one position, else max-pooled
     blocks on position axes. Dragging a box zooms (the page asks the server for that region)."""
     pooled = rows["bin"] > 1 or cols["bin"] > 1
-    fig = _fig(go.Heatmap(z=pattern, x=_coords(cols), y=_coords(rows), colorscale=ATTN_SCALE,
-                               hovertemplate=_attn_hover(scale, pooled), **_attn_colour(scale, log_floor)))
-    if rows["lo"] <= query_pos <= rows["hi"]:
+    trace = go.Heatmap(z=pattern, x=_coords(cols), y=_coords(rows), colorscale=ATTN_SCALE,
+                       hovertemplate=_attn_hover(scale, pooled), **_attn_colour(scale, log_floor))
+    shapes = []
+    if rows["lo"] <= query_pos <= rows["hi"]:  # the query's row
         yq = query_pos - rows["lo"] if rows["labels"] is not None else query_pos
-        fig.add_hline(y=yq, line=dict(color="#e4572e", width=1, dash="dot"))
-    fig.update_yaxes(autorange="reversed", title="query token (attending)")
-    fig.update_xaxes(title="key token (attended to)", tickangle=-60)
+        shapes.append(dict(type="line", xref="x domain", x0=0, x1=1, yref="y", y0=yq, y1=yq,
+                           line=dict(color="#e4572e", width=1, dash="dot")))
     caption = (f"queries {_span(rows)} × keys {_span(cols)} · {pooling_note(rows, cols)} · "
                f"{SCALE_WORDS.get(scale, scale)} · drag to zoom, double-click: whole")
-    fig.update_layout(meta=_meta("head", cols, rows))
-    return _layout(fig, f"Layer {layer}, head {head}<br><sub>{caption}</sub>", height=580)
+    return _figure([trace], f"Layer {layer}, head {head}<br><sub>{caption}</sub>", height=580, shapes=shapes,
+                   yaxis=dict(autorange="reversed", title="query token (attending)"),
+                   xaxis=dict(title="key token (attended to)", tickangle=-60), meta=_meta("head", cols, rows))
 
 
 def attention_bars(weights: np.ndarray, bars: dict, query_label: str, layer: int, head: int,
@@ -197,33 +206,29 @@ def attention_bars(weights: np.ndarray, bars: dict, query_label: str, layer: int
     """The query's attention over the region's keys; beyond app.views.BAR_BINS keys each bar sums a block."""
     pooled = bars["bin"] > 1
     hover = ("keys ≈ %{x:.0f}<br>mass %{y:.3f}" if pooled else "%{x}<br>weight %{y:.3f}") + "<extra></extra>"
-    fig = _fig(go.Bar(x=_coords(bars), y=weights, marker_color="#3b75af", hovertemplate=hover))
-    fig.update_xaxes(tickangle=-60)
-    fig.update_yaxes(title="attention mass" if pooled else "attention weight", range=[0, 1])
+    trace = go.Bar(x=_coords(bars), y=weights, marker_color="#3b75af", hovertemplate=hover)
     note = [f"keys {_span(bars)}"]
     if pooled:
         note.append(f"each bar sums {bars['bin']} keys")
     if outside_mass > 0.005:
         note.append(f"+{outside_mass:.0%} on keys not shown")
-    return _layout(fig, f"Where “{query_label}” looks (layer {layer}, head {head})<br><sub>{' · '.join(note)}</sub>",
-                   height=350)
+    return _figure([trace], f"Where “{query_label}” looks (layer {layer}, head {head})<br><sub>{' · '.join(note)}</sub>",
+                   height=350, xaxis=dict(tickangle=-60),
+                   yaxis=dict(title="attention mass" if pooled else "attention weight", range=[0, 1]))
 
 
 def head_overview(values: np.ndarray, metric: str, selected: tuple[int, int] | None = None) -> go.Figure:
     """values [L, H]; the selected head is outlined; a click on a cell opens that head."""
     L, H = values.shape
-    fig = _fig(go.Heatmap(z=values, x=[f"h{h}" for h in range(H)], y=[f"L{l}" for l in range(L)],
-                               colorscale="Viridis", colorbar=dict(title=metric.split(" ")[0]),
-                               hovertemplate="layer %{y} head %{x}<br>" + metric + " %{z:.3f}<br>click to open"
-                                             "<extra></extra>"))
-    if selected:
-        fig.add_shape(type="rect", x0=selected[1] - 0.5, x1=selected[1] + 0.5, y0=selected[0] - 0.5,
-                      y1=selected[0] + 0.5, line=dict(color="#e4572e", width=3))
-    fig.update_yaxes(autorange="reversed")
-    fig.update_layout(meta={"lmscope": {"kind": "overview"}})
+    trace = go.Heatmap(z=np.asarray(values, dtype=np.float32), x=[f"h{h}" for h in range(H)],
+                       y=[f"L{l}" for l in range(L)], colorscale="Viridis", colorbar=dict(title=metric.split(" ")[0]),
+                       hovertemplate="layer %{y} head %{x}<br>" + metric + " %{z:.3f}<br>click to open<extra></extra>")
+    shapes = [dict(type="rect", x0=selected[1] - 0.5, x1=selected[1] + 0.5, y0=selected[0] - 0.5,
+                   y1=selected[0] + 0.5, line=dict(color="#e4572e", width=3))] if selected else []
     sel = f" · outlined: layer {selected[0]}, head {selected[1]}" if selected else ""
-    return _layout(fig, f"Every layer × head: {metric}<br><sub>click a cell to open that head{sel}</sub>",
-                   height=max(380, 16 * L + 140))
+    return _figure([trace], f"Every layer × head: {metric}<br><sub>click a cell to open that head{sel}</sub>",
+                   height=max(380, 16 * L + 140), shapes=shapes, yaxis=dict(autorange="reversed"),
+                   meta={"lmscope": {"kind": "overview"}})
 
 
 def residual_norms(norms: np.ndarray, ax: dict) -> go.Figure:
@@ -235,17 +240,15 @@ def residual_norms(norms: np.ndarray, ax: dict) -> go.Figure:
     ticks = [v for v in (0.1, 0.3, 1, 3, 10, 30, 100, 300, 1000, 3000, 10000, 30000, 100000)
              if logn.min() - 0.1 <= math.log10(v) <= logn.max() + 0.1]
     pooled = ax["bin"] > 1
-    fig = _fig(go.Heatmap(z=logn, x=_coords(ax), y=rows, colorscale="Magma",
-                               colorbar=dict(title="‖x‖ (log)", tickvals=[math.log10(v) for v in ticks],
-                                             ticktext=[f"{v:g}" for v in ticks]),
-                               hovertemplate=("%{y}<br>positions ≈ %{x:.0f}<br>largest norm 10^%{z:.2f}" if pooled
-                                              else "%{y}<br>%{x}<br>norm 10^%{z:.2f}") + "<extra></extra>"))
-    fig.update_yaxes(autorange="reversed")
-    fig.update_xaxes(tickangle=-60)
-    fig.update_layout(meta=_meta("resid", ax))
+    trace = go.Heatmap(z=logn, x=_coords(ax), y=rows, colorscale="Magma",
+                       colorbar=dict(title="‖x‖ (log)", tickvals=[math.log10(v) for v in ticks],
+                                     ticktext=[f"{v:g}" for v in ticks]),
+                       hovertemplate=("%{y}<br>positions ≈ %{x:.0f}<br>largest norm 10^%{z:.2f}" if pooled
+                                      else "%{y}<br>%{x}<br>norm 10^%{z:.2f}") + "<extra></extra>")
     note = f"positions {_span(ax)}" + (f" · each column = the largest norm of {ax['bin']} positions" if pooled else "")
-    return _layout(fig, f"Residual stream norm, layer by layer and token by token<br><sub>{note}</sub>",
-                   height=max(400, 14 * norms.shape[0] + 160))
+    return _figure([trace], f"Residual stream norm, layer by layer and token by token<br><sub>{note}</sub>",
+                   height=max(400, 14 * norms.shape[0] + 160), yaxis=dict(autorange="reversed"),
+                   xaxis=dict(tickangle=-60), meta=_meta("resid", ax))
 
 
 def block_contributions(attn: np.ndarray, mlp: np.ndarray, position_label: str) -> go.Figure:
@@ -270,27 +273,27 @@ def logit_lens_grid(top_tokens: list[list[str]], probs: np.ndarray, colour: np.n
     scale = "YlGnBu" if colour_name == "probability" else "YlOrRd"
     shown = dict(texttemplate="%{text}", textfont=dict(size=9)) if not sampled and len(positions) <= 32 else {}
     where = "position %{x}" if sampled else "%{x}"
-    fig = _fig(go.Heatmap(
+    trace = go.Heatmap(
         z=np.asarray(colour, dtype=np.float32), x=x, y=[f"L{l}" for l in layers], text=text,
         customdata=None if same else np.asarray(probs, dtype=np.float32), colorscale=scale,
         colorbar=dict(title=colour_name.split(" ")[0]), **shown,
         hovertemplate="%{y} at " + where + "<br>top token %{text}<br>p = "
                       + ("%{z:.3f}" if same else "%{customdata:.3f}<br>" + colour_name + " %{z:.3f}")
-                      + "<extra></extra>"))
-    if query_pos is not None and positions and positions[0] <= query_pos <= positions[-1]:
+                      + "<extra></extra>")
+    shapes = []
+    if query_pos is not None and positions and positions[0] <= query_pos <= positions[-1]:  # the query's column
         xq = query_pos if sampled else (positions.index(query_pos) if query_pos in positions else None)
         if xq is not None:
-            fig.add_vline(x=xq, line=dict(color="#e4572e", width=1, dash="dot"))
-    fig.update_yaxes(autorange="reversed")
-    fig.update_xaxes(tickangle=-60, title="position (the lens predicts the NEXT token)")
+            shapes.append(dict(type="line", xref="x", x0=xq, x1=xq, yref="y domain", y0=0, y1=1,
+                               line=dict(color="#e4572e", width=1, dash="dot")))
     ax = {"lo": positions[0], "hi": positions[-1], "labels": None if sampled else x}
-    fig.update_layout(meta=_meta("lens", ax))
     span = f"positions {positions[0]}-{positions[-1]}" if len(positions) > 1 else f"position {positions[0]}"
     note = (f"{span}, one column per {step} positions (the last of each; zoom in to see every one)"
             if sampled else f"{span}, every position") + " · click a cell to select its layer and position"
-    return _layout(fig, f"Logit lens: each layer's best guess for the next token (colour = {colour_name})"
-                        f"<br><sub>{note}</sub>",
-                   height=max(440, 17 * len(layers) + 180))
+    return _figure([trace], f"Logit lens: each layer's best guess for the next token (colour = {colour_name})"
+                            f"<br><sub>{note}</sub>", height=max(440, 17 * len(layers) + 180), shapes=shapes,
+                   yaxis=dict(autorange="reversed"),
+                   xaxis=dict(tickangle=-60, title="position (the lens predicts the NEXT token)"), meta=_meta("lens", ax))
 
 
 def target_across_layers(probs: np.ndarray, ranks: np.ndarray, target: str, position_label: str) -> go.Figure:
@@ -312,23 +315,21 @@ def neuron_heatmap(acts: np.ndarray, neuron_ids: list[int], ax: dict, layer: int
     lim = float(np.abs(acts).max()) if acts.size else 1.0
     lim = lim or 1.0
     pooled = ax["bin"] > 1
-    fig = _fig(go.Heatmap(z=np.asarray(acts, dtype=np.float32).T, x=_coords(ax), y=[f"n{n}" for n in neuron_ids],
-                               colorscale="RdBu_r", zmid=0, zmin=-lim, zmax=lim, colorbar=dict(title="activation"),
-                               hovertemplate="neuron %{y}<br>" + ("positions ≈ %{x:.0f}" if pooled else "%{x}")
-                                             + "<br>%{z:.3f}<extra></extra>"))
-    fig.update_xaxes(tickangle=-60)
-    fig.update_layout(meta=_meta("neurons", ax))
+    trace = go.Heatmap(z=np.asarray(acts, dtype=np.float32).T, x=_coords(ax), y=[f"n{n}" for n in neuron_ids],
+                       colorscale="RdBu_r", zmid=0, zmin=-lim, zmax=lim, colorbar=dict(title="activation"),
+                       hovertemplate="neuron %{y}<br>" + ("positions ≈ %{x:.0f}" if pooled else "%{x}")
+                                     + "<br>%{z:.3f}<extra></extra>")
     note = f"positions {_span(ax)}" + (f" · each column = the strongest of {ax['bin']} positions" if pooled else "")
-    return _layout(fig, f"Layer {layer} MLP: the most active neurons (rows) across the prompt<br><sub>{note}</sub>",
-                   height=540)
+    return _figure([trace], f"Layer {layer} MLP: the most active neurons (rows) across the prompt<br><sub>{note}</sub>",
+                   height=540, xaxis=dict(tickangle=-60), meta=_meta("neurons", ax))
 
 
 def top_neurons_bars(values: np.ndarray, neuron_ids: list[int], token_label: str, layer: int) -> go.Figure:
     colours = ["#e4572e" if v > 0 else "#3b75af" for v in values]
-    fig = _fig(go.Bar(x=[f"n{n}" for n in neuron_ids], y=values, marker_color=colours,
-                           hovertemplate="neuron %{x}<br>activation %{y:.3f}<extra></extra>"))
-    fig.update_yaxes(title="activation")
-    return _layout(fig, f"Layer {layer}: strongest neurons at “{token_label}”", height=330)
+    trace = go.Bar(x=[f"n{n}" for n in neuron_ids], y=values, marker_color=colours,
+                   hovertemplate="neuron %{x}<br>activation %{y:.3f}<extra></extra>")
+    return _figure([trace], f"Layer {layer}: strongest neurons at “{token_label}”", height=330,
+                   yaxis=dict(title="activation"))
 
 
 def next_token_bars(tokens: list[str], base: np.ndarray, final: np.ndarray, removed_by: list[str],

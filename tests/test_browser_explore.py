@@ -157,8 +157,21 @@ def _click_cell(page, elem_id: str, x: float, y: float, axis: str = "") -> None:
         return page.evaluate(
             "(id) => (document.querySelector('#' + id + ' .js-plotly-plot')._hoverdata || []).length > 0", elem_id)
 
-    wait_until(pointing, 60, f"the pointer over a cell of {elem_id}")
-    page.mouse.click(*where["xy"])
+    before = _sent(page)
+    for attempt in range(3):  # a view arriving late redraws the plot under the pointer: the click is lost
+        wait_until(pointing, 60, f"the pointer over a cell of {elem_id}")
+        page.mouse.click(*where["xy"])
+        try:
+            wait_until(lambda: _sent(page) != before, 5, f"the click on {elem_id} to reach the server")
+            return
+        except AssertionError:
+            if attempt == 2:
+                raise
+
+
+def _sent(page) -> str:
+    """The last message the page's bridge sent for a click or a dragged box."""
+    return page.evaluate("() => (document.querySelector('#explore-action textarea') || {}).value || ''")
 
 
 def _value(page, elem_id: str) -> str:
