@@ -1,6 +1,7 @@
 """Server-side cost of the Explore view against the bare trace, measured in the same run.
 
   python bench/explore.py [--lengths 16 128 512 1024] [--repeats 5]
+  LMSCOPE_MAX_PROMPT_TOKENS=2048 python bench/explore.py --lengths 2048   # a server that allows more
 
 first view = the Run callback: trace + every view of the page over the whole prompt (pooled past
 64 positions), serialised as Gradio sends it. Switches re-slice the stored trace (no forward pass):
@@ -70,7 +71,7 @@ def main() -> None:
         box = {}
 
         def bare():
-            trace(lm, prompt)
+            trace(lm, prompt, max_tokens=None)  # LMSCOPE_MAX_PROMPT_TOKENS still bounds it, as in the page
 
         def first_view():
             out = explore_tab.run_trace(lm.name, prompt, False, False, 0, 0, -1, "probability", *sampling)
