@@ -286,8 +286,9 @@ def logit_lens_grid(top_tokens: list[list[str]], probs: np.ndarray, colour: np.n
         if xq is not None:
             shapes.append(dict(type="line", xref="x", x0=xq, x1=xq, yref="y domain", y0=0, y1=1,
                                line=dict(color="#e4572e", width=1, dash="dot")))
-    ax = {"lo": positions[0], "hi": positions[-1], "labels": None if sampled else x}
-    span = f"positions {positions[0]}-{positions[-1]}" if len(positions) > 1 else f"position {positions[0]}"
+    first = max(0, positions[0] - step + 1)  # a sampled column stands for the `step` positions up to it
+    ax = {"lo": first, "hi": positions[-1], "labels": None if sampled else x}
+    span = f"positions {first}-{positions[-1]}" if positions[-1] > first else f"position {first}"
     note = (f"{span}, one column per {step} positions (the last of each; zoom in to see every one)"
             if sampled else f"{span}, every position") + " · click a cell to select its layer and position"
     return _figure([trace], f"Logit lens: each layer's best guess for the next token (colour = {colour_name})"

@@ -176,6 +176,7 @@ def test_what_is_sent_is_bounded_whatever_the_length(lm, n):
     # the views reach the end of the prompt whatever the query (5)
     for fig in (big, lens, resid, neurons):
         assert fig.layout.meta["lmscope"]["x" if fig is not big else "y"]["hi"] == T - 1
+        assert fig.layout.meta["lmscope"]["x" if fig is not big else "y"]["lo"] == 0  # and its start
     size = sum(len(f.to_json()) for f in figs)
     if n == 1000:
         assert size < 200_000, size
