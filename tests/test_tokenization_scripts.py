@@ -29,16 +29,9 @@ SCRIPTS = {
 
 
 @pytest.fixture(scope="module")
-def smol_tok():
-    from transformers import AutoTokenizer
-
-    from model_core.registry import converted_dir, is_ready
-
-    from conftest import DEFAULT
-
-    if not is_ready(DEFAULT):
-        pytest.skip("the default model is not converted on this machine (make setup)")
-    return AutoTokenizer.from_pretrained(str(converted_dir(DEFAULT)))
+def smol_tok(default_lm):
+    """The real default model's tokenizer (loading it converts the model if needed; never skipped)."""
+    return default_lm.tokenizer
 
 
 def _check_rows(tok, text, ids, rows):
