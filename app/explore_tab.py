@@ -484,7 +484,7 @@ def _asked(v):
 def _where(state, layer, head, query):
     """The stored trace and the layer, head and query clamped to it."""
     tr = _get_trace(state)
-    s = tr._lm.shape
+    s = tr.lm.shape
     return tr, _clamp(layer, s.n_layers - 1), _clamp(head, s.n_heads - 1), _clamp(query, tr.n_tokens - 1)
 
 
@@ -602,7 +602,7 @@ def on_action(state, action, layer, head, query, lens_colour, view=None, metric=
     if not isinstance(msg, dict) or not state or not isinstance(state, dict) or not state.get("key"):
         return [gr.skip()] * n_out
     tr, layer, head, query = _where(state, layer, head, query)
-    s, T = tr._lm.shape, tr.n_tokens
+    s, T = tr.lm.shape, tr.n_tokens
     scale, zoom = _view(view)
     region, notice = _region(tr, zoom)
     kind = msg.get("kind")
@@ -666,7 +666,7 @@ def export(state):
     table.to_csv(d / "tokens.csv", index=False)
     from model_core.cli import trace_summary
 
-    (d / "trace.json").write_text(json.dumps(trace_summary(tr._lm, tr), ensure_ascii=False, indent=2))
+    (d / "trace.json").write_text(json.dumps(trace_summary(tr.lm, tr), ensure_ascii=False, indent=2))
     lv = views.lens_view(tr, tr.n_tokens - 1)
     import pandas as pd
 

@@ -113,7 +113,7 @@ def render(state: dict, text, layer_default) -> tuple:
     from model_core import neurons as N
 
     tr = _get_trace(state)
-    lm = tr._lm
+    lm = tr.lm
     kind, layer, unit = parse_unit(text, layer_default)
     name = _label(kind, layer, unit)
     labels = [f"{i}:{t['display']}" for i, t in enumerate(tr.tokens)]
@@ -249,5 +249,5 @@ def poll_scan(job_id, state, text, layer, request: gr.Request = None):
         kind, lay, unit = parse_unit(text, int(layer or 0))
     except (gr.Error, TypeError, ValueError):  # no unit open yet: the contexts appear when one is
         return bar, gr.skip(), gr.update(visible=False), gr.Timer(active=False)
-    contexts, compute = contexts_for(_get_trace(state)._lm, kind, lay, unit)
+    contexts, compute = contexts_for(_get_trace(state).lm, kind, lay, unit)
     return bar, contexts, compute, gr.Timer(active=False)

@@ -50,7 +50,7 @@ def labels(tr: Trace) -> list[str]:
 
 
 def kv_groups(tr: Trace) -> list[int]:
-    s = tr._lm.shape
+    s = tr.lm.shape
     group = s.n_heads // s.n_kv_heads
     return [h // group for h in range(s.n_heads)]
 
@@ -316,7 +316,7 @@ def lens_view(tr: Trace, query: int, colour: str = "probability", rows: tuple[in
     T = tr.n_tokens
     lo, hi = rows or (0, T - 1)
     pos, step = lens_positions(lo, hi)
-    tok = tr._lm.tokenizer
+    tok = tr.lm.tokenizer
     cols = lens_columns(tr, pos)
     at_q = lens_columns(tr, [query], targets=True)
     show = _vcache(tr).setdefault("shown", {})
@@ -376,7 +376,7 @@ def next_token_view(tr: Trace, settings: SamplingSettings, k: int = 20, epsilon:
                f"{kept:,} tokens can be drawn" + ("; " + "; ".join(parts) if parts else "; no filter active"))
     if res.eta_threshold is not None:  # eta's cutoff depends on the entropy of what enters it
         summary += f"; eta's cutoff p < {res.eta_threshold:.2e}"
-    tok = tr._lm.tokenizer
+    tok = tr.lm.tokenizer
     return {"tokens": [_show(tok, i) for i in top.tolist()], "base": to_np(res.base_probs[top]),
             "final": to_np(res.probs[top]), "removed_by": removed_by, "summary": summary,
             "stages": [{"stage": st.name, "removed": st.n_removed, "mass_kept": round(st.kept_mass, 6)}

@@ -416,12 +416,12 @@ def attention_step(tr, layer: int, head: int) -> dict:
       no_scale [T, T] = softmax(masked raw scores), no_mask [T, T] = softmax(scaled, no mask),
       kv_head (which K/V head this query head shares), window (the sliding window W of this
       layer, or None: then the mask is causal only; with W, key j is seen by query i iff i-W < j <= i)."""
-    ad = tr._lm.adapter
+    ad = tr.lm.adapter
     steps = tr.attention_steps(layer)
     H = steps["q"].shape[0]
     if not 0 <= head < H:
         raise PromptError(f"Head must be between 0 and {H - 1}.")
-    n_kv = tr._lm.shape.n_kv_heads
+    n_kv = tr.lm.shape.n_kv_heads
     scale = float(ad.attention_scale(layer))
     f = lambda t: t.detach().float().cpu()  # noqa: E731
     raw = f(steps["raw_scores"][head])
@@ -440,7 +440,7 @@ def attention_step(tr, layer: int, head: int) -> dict:
             q0, k0, _ = ad.qkv(layer, steps["x_normed"], (torch.ones_like(cos), torch.zeros_like(sin)))
         q_pre, k_pre = f(q0[head]), f(k0[kv_head])
         rope = {"q_pre": q_pre, "k_pre": k_pre, "cos": f(cos[0]), "sin": f(sin[0]),
-                "inv_freq": rope_inv_freq(tr._lm, layer),
+                "inv_freq": rope_inv_freq(tr.lm, layer),
                 "max_change_q": float((f(steps["q"][head]) - q_pre).abs().max()),
                 "max_change_k": float((f(steps["k"][head]) - k_pre).abs().max())}
     return {"layer": layer, "head": head, "kv_head": kv_head, "scale": scale, "rope": rope,
@@ -457,7 +457,7 @@ def head_outputs(tr, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     output bias (GPT-2) or None. sum over heads + bias = the output projection's result; that is
     attn_out for Llama and GPT-2. Gemma 3 applies post_attention_layernorm to that sum before it
     joins the residual (see attn_out_from_heads)."""
-    ad = tr._lm.adapter
+    ad = tr.lm.adapter
     steps = tr.attention_steps(layer)
     z = steps["z"]  # [H, T, dh]
     H, T, dh = z.shape
@@ -472,7 +472,7 @@ def head_outputs(tr, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
 def attn_out_from_heads(tr, layer: int) -> torch.Tensor:
     """Sum of head_outputs (+ bias), passed through the post-attention norm where the model has
     one (Gemma 3): equals what attention adds to the residual stream, trace.attn_out[layer]."""
-    ad = tr._lm.adapter
+    ad = tr.lm.adapter
     per_head, bias = head_outputs(tr, layer)
     with torch.inference_mode():
         out = per_head.sum(0)
@@ -520,7 +520,7 @@ def mlp_out_from_hidden(lm, layer: int, hidden: torch.Tensor) -> torch.Tensor:
 
 def check_mlp(tr, layer: int, position: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """W_down · h of the panel's hidden activation h vs the captured hook_mlp_out at that token."""
-    return mlp_out_from_hidden(tr._lm, layer, hidden), tr.mlp_out[layer][position]
+    return mlp_out_from_hidden(tr.lm, layer, hidden), tr.mlp_out[layer][position]
 
 
 def _hand_norm(x: torch.Tensor, kind: dict, g: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -540,7 +540,7 @@ def check_norm(tr, layer: int, position: int, which: str, out: torch.Tensor) -> 
     mlp    -> the layer's MLP (and Gemma's post-MLP norm) applied to out vs the captured hook_mlp_out;
     attn   -> the layer's attention fed with the hand formula on every token up to this one (this
               token's row is `out`) vs the captured hook_attn_out at this token."""
-    lm = tr._lm
+    lm = tr.lm
     ad = lm.adapter
     T = tr.n_tokens
     pos = position % T
@@ -763,7 +763,7 @@ def norm_step(tr, layer: int, position: int, which: str = "attn") -> dict:
     LayerNorm: y = (x - mean) / sqrt(var + eps) * g + b
     which: 'attn' (before attention, input = resid_pre), 'mlp' (input = resid_mid) or 'final'
     (input = the last layer's resid_post)."""
-    lm = tr._lm
+    lm = tr.lm
     T = tr.n_tokens
     if not -T <= position < T:
         raise PromptError(f"Position must be between 0 and {T - 1}.")
@@ -814,7 +814,7 @@ def mlp_step(tr, layer: int, position: int, top_k: int = 20) -> dict:
     Gated (SwiGLU/GeGLU): gate_pre = W_gate x, gate = act(gate_pre), up = W_up x, product = gate * up.
     GELU MLP: pre = W_in x + b, post = act(pre).
     `product` / `post` is what enters the down projection (= trace.mlp_post)."""
-    lm = tr._lm
+    lm = tr.lm
     ad = lm.adapter
     T = tr.n_tokens
     if not -T <= position < T:
@@ -859,7 +859,7 @@ def mlp_step(tr, layer: int, position: int, top_k: int = 20) -> dict:
 def output_step(tr, top_k: int = 10, position: int = -1) -> dict:
     """Final hidden state (after the final norm) -> logits = W_U h (softcapped where the model
     does so) -> softmax, at one position (default: the last)."""
-    lm = tr._lm
+    lm = tr.lm
     h = tr.ln_final[position]
     logits = tr.logits(positions=[position])[0].detach().float().cpu()
     probs = torch.softmax(logits, dim=-1)

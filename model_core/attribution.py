@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from model_core.hook_names import act_name
 from model_core.interventions import Metric, _ids, trace_with_edits
 
 
@@ -124,7 +125,7 @@ def direct_logit_attribution(lm, prompt, target: int | Metric, other: int | None
         for l in range(L) if can_split else ():
             layer = ad.layers[l]
             proj = ad.attn_z_module(layer)
-            z = zs[f"blocks.{l}.attn.hook_z"][pos]  # [H*dh]
+            z = zs[act_name("z", l)][pos]  # [H*dh]
             blocks = torch.zeros(H, H * dh, dtype=z.dtype, device=z.device)
             for h in range(H):
                 blocks[h, h * dh:(h + 1) * dh] = z[h * dh:(h + 1) * dh]

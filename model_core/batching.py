@@ -19,12 +19,13 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from model_core import hooks
+from model_core.hook_names import layer_of
 
 MAX_BATCH = 32
 TOKEN_BUDGET = 4096  # padded tokens (rows x longest) per batched trace
@@ -169,17 +170,13 @@ class ForwardBatcher:
         for i, (r, n) in enumerate(zip(batch, lens)):
             own = r.payload[1]
             store = {name: t[i: i + 1, :n].clone() for name, t in rec.store.items()
-                     if _layer_of(name) is None or _layer_of(name) in own}
+                     if layer_of(name) is None or layer_of(name) in own}
             rope = {l: tuple(x[:1, :n].clone() for x in pe) for l, pe in rec.rope.items() if l in own}
             results.append((store, rope, out.logits[i, :n]))
         return results
 
 
-def _layer_of(name: str) -> int | None:
-    return int(name.split(".")[1]) if name.startswith("blocks.") else None
-
-
-_BATCHERS: "weakref.WeakKeyDictionary[torch.nn.Module, ForwardBatcher]" = weakref.WeakKeyDictionary()
+_BATCHERS: weakref.WeakKeyDictionary[torch.nn.Module, ForwardBatcher] = weakref.WeakKeyDictionary()
 _BATCHERS_LOCK = threading.Lock()
 
 

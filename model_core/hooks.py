@@ -8,14 +8,15 @@ requests, and a model with no active recorder runs at full speed (one ContextVar
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable
 
 import torch
 
 from model_core.adapters import Adapter
+from model_core.hook_names import act_name
 
 # An edit receives (hook_name, tensor [B, T, ...]) and returns a tensor of the same shape.
 Edit = Callable[[str, torch.Tensor], torch.Tensor]
@@ -65,24 +66,25 @@ class Instrumentation:
         self.adapter = adapter
         self.handles = []
         for i, layer in enumerate(adapter.layers):
-            self.handles.append(layer.register_forward_pre_hook(partial(self._resid_pre, i), with_kwargs=True))
+            self.handles.append(layer.register_forward_pre_hook(
+                partial(self._resid_pre, i, act_name("resid_pre", i)), with_kwargs=True))
             self.handles.append(adapter.attn_out_module(layer).register_forward_hook(
-                partial(self._out, i, f"blocks.{i}.hook_attn_out")))
+                partial(self._out, i, act_name("attn_out", i))))
             self.handles.append(adapter.mlp_out_module(layer).register_forward_hook(
-                partial(self._out, i, f"blocks.{i}.hook_mlp_out")))
+                partial(self._out, i, act_name("mlp_out", i))))
             if hasattr(adapter, "attn_z_module"):
                 self.handles.append(adapter.attn_z_module(layer).register_forward_pre_hook(
-                    partial(self._z, i)))
+                    partial(self._input_edit, act_name("z", i))))
             if hasattr(adapter, "mlp_post_module"):
                 self.handles.append(adapter.mlp_post_module(layer).register_forward_pre_hook(
-                    partial(self._input_edit, f"blocks.{i}.mlp.hook_post")))
-        self.handles.append(adapter.final_norm.register_forward_hook(self._final))
+                    partial(self._input_edit, act_name("post", i))))
+        self.handles.append(adapter.final_norm.register_forward_hook(
+            partial(self._final, act_name("ln_final"))))
 
-    def _resid_pre(self, i, module, args, kwargs):
+    def _resid_pre(self, i, name, module, args, kwargs):
         rec = _ACTIVE.get()
         if rec is None:
             return None
-        name = f"blocks.{i}.hook_resid_pre"
         in_args = bool(args)
         x = args[0] if in_args else kwargs["hidden_states"]
         if name in rec.edits:
@@ -109,26 +111,18 @@ class Instrumentation:
             rec.store[name] = out
         return _replace_first(output, out) if name in rec.edits else None
 
-    def _z(self, i, module, args):
-        """Input of the attention output projection: per-head results [B, T, H*dh] (edits only)."""
-        rec = _ACTIVE.get()
-        name = f"blocks.{i}.attn.hook_z"
-        if rec is None or name not in rec.edits:
-            return None
-        return (rec.edits[name](name, args[0]), *args[1:])
-
     def _input_edit(self, name, module, args):
-        """Edit-only hook on a module's first input (e.g. the MLP down projection's input)."""
+        """Edit-only hook on a module's first input: the attention output projection's (hook_z,
+        per-head results [B, T, H*dh]) or the MLP down projection's (mlp.hook_post)."""
         rec = _ACTIVE.get()
         if rec is None or name not in rec.edits:
             return None
         return (rec.edits[name](name, args[0]), *args[1:])
 
-    def _final(self, module, inputs, output):
+    def _final(self, name, module, inputs, output):
         rec = _ACTIVE.get()
         if rec is None:
             return None
-        name = "ln_final.hook_normalized"
         out = output
         if name in rec.edits:
             out = rec.edits[name](name, out)

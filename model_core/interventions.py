@@ -4,7 +4,7 @@ Every intervention is a set of edits in a `Recorder` that lives in a ContextVar 
 of one forward pass (see hooks.py), so an ablation or a patch never leaks into another request
 that uses the same model object, even from another thread.
 
-Hook points used (all edits REPLACE the value the model computed):
+Hook points used (names from model_core.hook_names; all edits REPLACE the value the model computed):
   blocks.{l}.attn.hook_z       [B, T, H*d_head] input of the attention output projection: head h is
                                the slice h*d_head:(h+1)*d_head -> head ablation and head patching;
   blocks.{l}.hook_mlp_out      [B, T, d] what the MLP adds to the residual -> MLP-layer ablation;
@@ -34,14 +34,16 @@ import inspect
 import math
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 
 from model_core.errors import PromptError, SettingsError
+from model_core.hook_names import act_name
 from model_core.hooks import Recorder, instrument, recording
-from model_core.trace import Trace, encode_prompt, trace
+from model_core.prompts import encode_prompt
+from model_core.trace import Trace, trace
 
 Progress = Callable[[float], None]
 PromptLike = "str | Sequence[int]"
@@ -147,7 +149,7 @@ def z_capture_edits(n_layers: int, store: dict) -> dict:
     def keep(name, x):
         store[name] = x
         return x
-    return {f"blocks.{l}.attn.hook_z": keep for l in range(n_layers)}
+    return {act_name("z", l): keep for l in range(n_layers)}
 
 
 def trace_with_edits(lm, token_ids: Sequence[int], edits: dict | None = None, *, capture_z: bool = False,
@@ -236,9 +238,9 @@ def ablation_edits(lm, ablation: Ablation) -> dict:
         by_layer.setdefault(int(l), []).append(int(h))
     for l, heads in by_layer.items():
         cols = torch.cat([torch.arange(h * dh, (h + 1) * dh) for h in sorted(set(heads))])
-        edits[f"blocks.{l}.attn.hook_z"] = (lambda c: (lambda n, x: _replace(x, c.to(x.device), mode)))(cols)
+        edits[act_name("z", l)] = (lambda c: (lambda n, x: _replace(x, c.to(x.device), mode)))(cols)
     for l in set(ablation.mlps):
-        edits[f"blocks.{int(l)}.hook_mlp_out"] = (
+        edits[act_name("mlp_out", int(l))] = (
             (lambda n, x: torch.zeros_like(x)) if mode == "zero"
             else (lambda n, x: x.mean(dim=1, keepdim=True).expand_as(x).clone()))
     neurons: dict[int, list[int]] = {}
@@ -246,7 +248,7 @@ def ablation_edits(lm, ablation: Ablation) -> dict:
         neurons.setdefault(int(l), []).append(int(n))
     for l, ns in neurons.items():
         idx = torch.tensor(sorted(set(ns)))
-        edits[f"blocks.{l}.mlp.hook_post"] = (lambda i: (lambda n, x: _replace(x, i.to(x.device), mode)))(idx)
+        edits[act_name("post", l)] = (lambda i: (lambda n, x: _replace(x, i.to(x.device), mode)))(idx)
     return edits
 
 
@@ -381,7 +383,7 @@ def layer_ticks(edits: dict, n_layers: int, tick: Callable[[int], None]) -> dict
     place to stop (an exception raised by tick ends the forward)."""
     out = dict(edits)
     for l in range(n_layers):
-        name = f"blocks.{l}.hook_resid_pre"
+        name = act_name("resid_pre", l)
         inner = out.get(name)
 
         def edit(nm, x, l=l, inner=inner):
@@ -396,7 +398,7 @@ def _capture(lm, ids: list[int], z: bool = False) -> tuple[dict, torch.Tensor]:
     store: dict = {}
     tr = trace_with_edits(lm, ids, {}, capture_z=z, store=store)
     for l in range(lm.shape.n_layers):
-        store[f"blocks.{l}.hook_resid_pre"] = tr.resid_pre[l]
+        store[act_name("resid_pre", l)] = tr.resid_pre[l]
     return store, tr.next_logits
 
 
@@ -425,13 +427,13 @@ def patch_residual(lm, clean, corrupted, metric: Metric, *, layers: Sequence[int
             rows.append(r), ps.append(p), cps.append(pos_map[p])
         edits = {}
         for l, (rows, ps, cps) in per_layer.items():
-            src = clean_store[f"blocks.{l}.hook_resid_pre"][cps]  # [n, d]
+            src = clean_store[act_name("resid_pre", l)][cps]  # [n, d]
 
             def edit(name, x, rows=rows, ps=ps, src=src):
                 x = x.clone()
                 x[rows, ps] = src.to(x.dtype)
                 return x
-            edits[f"blocks.{l}.hook_resid_pre"] = edit
+            edits[act_name("resid_pre", l)] = edit
         return edits
 
     bs = batch_size or default_batch_size(lm, T)
@@ -445,6 +447,24 @@ def patch_residual(lm, clean, corrupted, metric: Metric, *, layers: Sequence[int
         corrupted_value=float(metric(corrupted_logits)), metric=metric, clean_ids=c_ids, corrupted_ids=k_ids,
         n_forward=n + 2, batch_size=bs, seconds=time.perf_counter() - t0,
         aligned="same length" if len(c_ids) == len(k_ids) else "aligned at the last token")
+
+
+def _head_cell_edits(chunk: list[tuple[int, int]], d_head: int, write) -> dict:
+    """hook_z edits for a batch whose row r carries the head cell chunk[r] = (layer, head):
+    write(layer, x, r, columns) changes that head's columns of row r in x, a copy of the layer's
+    hook_z [B, T, H*d_head]."""
+    per_layer: dict[int, list[tuple[int, int]]] = {}
+    for r, (l, h) in enumerate(chunk):
+        per_layer.setdefault(l, []).append((r, h))
+
+    def layer_edit(l, rows_heads):
+        def edit(name, x):
+            x = x.clone()
+            for r, h in rows_heads:
+                write(l, x, r, slice(h * d_head, (h + 1) * d_head))
+            return x
+        return edit
+    return {act_name("z", l): layer_edit(l, rh) for l, rh in per_layer.items()}
 
 
 def patch_heads(lm, clean, corrupted, metric: Metric, *, layers: Sequence[int] | None = None,
@@ -465,28 +485,15 @@ def patch_heads(lm, clean, corrupted, metric: Metric, *, layers: Sequence[int] |
         raise SettingsError(f"Layers must be between 0 and {s.n_layers - 1}.")
     clean_store, clean_logits = _capture(lm, c_ids, z=True)
     corrupted_logits = last_logits(lm, torch.tensor([k_ids], device=lm.device))[0]
-    dh = s.d_head
     cells = [(l, h) for l in layers for h in range(s.n_heads)]
 
-    def make_edits(chunk):
-        per_layer: dict[int, list[tuple[int, int]]] = {}
-        for r, (l, h) in enumerate(chunk):
-            per_layer.setdefault(l, []).append((r, h))
-        edits = {}
-        for l, rh in per_layer.items():
-            z = clean_store[f"blocks.{l}.attn.hook_z"]  # [T_clean, H*dh]
-
-            def edit(name, x, rh=rh, z=z):
-                x = x.clone()
-                for r, h in rh:
-                    sl = slice(h * dh, (h + 1) * dh)
-                    x[r, kp.to(x.device), sl] = z[cp.to(z.device), sl].to(x.dtype)
-                return x
-            edits[f"blocks.{l}.attn.hook_z"] = edit
-        return edits
+    def patch(l, x, r, sl):  # row r's head columns sl <- the clean run's, at aligned positions
+        z = clean_store[act_name("z", l)]  # [T_clean, H*dh]
+        x[r, kp.to(x.device), sl] = z[cp.to(z.device), sl].to(x.dtype)
 
     bs = batch_size or default_batch_size(lm, len(k_ids))
-    vals, n = _run_cells(lm, k_ids, cells, make_edits, metric, bs, progress)
+    vals, n = _run_cells(lm, k_ids, cells, lambda chunk: _head_cell_edits(chunk, s.d_head, patch), metric, bs,
+                         progress)
     grid = torch.tensor(vals, dtype=torch.float32).view(len(layers), s.n_heads)
     return PatchingResult(
         kind="heads", rows=layers, cols=list(range(s.n_heads)), values=grid,
@@ -503,27 +510,14 @@ def head_ablation_sweep(lm, prompt, metric: Metric, *, mode: str = "zero", batch
     s = lm.shape
     base = float(metric(last_logits(lm, torch.tensor([ids], device=lm.device))[0]))
     cells = [(l, h) for l in range(s.n_layers) for h in range(s.n_heads)]
-    dh = s.d_head
 
-    def make_edits(chunk):
-        per_layer: dict[int, list[tuple[int, int]]] = {}
-        for r, (l, h) in enumerate(chunk):
-            per_layer.setdefault(l, []).append((r, h))
-        edits = {}
-        for l, rh in per_layer.items():
-            def edit(name, x, rh=rh):
-                x = x.clone()
-                for r, h in rh:
-                    sl = slice(h * dh, (h + 1) * dh)
-                    x[r, :, sl] = 0 if mode == "zero" else x[r, :, sl].mean(dim=0, keepdim=True)
-                return x
-            edits[f"blocks.{l}.attn.hook_z"] = edit
-        return edits
+    def ablate_head(l, x, r, sl):
+        x[r, :, sl] = 0 if mode == "zero" else x[r, :, sl].mean(dim=0, keepdim=True)
 
     if mode not in ("zero", "mean"):
         raise SettingsError(f"Unknown ablation mode '{mode}'; use 'zero' or 'mean'.")
-    vals, _ = _run_cells(lm, ids, cells, make_edits, metric, batch_size or default_batch_size(lm, len(ids)),
-                         progress)
+    vals, _ = _run_cells(lm, ids, cells, lambda chunk: _head_cell_edits(chunk, s.d_head, ablate_head), metric,
+                         batch_size or default_batch_size(lm, len(ids)), progress)
     return torch.tensor(vals).view(s.n_layers, s.n_heads) - base
 
 

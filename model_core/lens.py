@@ -122,7 +122,7 @@ def logit_lens(trace: Trace, positions=None, layers=None, k: int = 5, targets=No
     T = trace.n_tokens
     positions = list(range(T)) if positions is None else [p % T for p in positions]
     layers = trace.captured_layers if layers is None else list(layers)
-    adapter = trace._lm.adapter
+    adapter = trace.lm.adapter
     norm_dev = adapter.final_norm.weight.device  # split models: the final norm's GPU
     tgt = None if targets is None else torch.tensor(targets, device=adapter.unembed.weight.device)
     P = len(positions)

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from model_core.errors import SettingsError
+from model_core.hook_names import act_name, layer_of
 
 TOP_K = 12  # contexts kept per neuron and per head
 DEFAULT_WINDOW = 64
@@ -160,7 +161,7 @@ def top_tokens(lm, logits: torch.Tensor, k: int = 10) -> dict:
 
 def neuron_activation(tr, layer: int, neuron: int) -> torch.Tensor:
     """[T]: the neuron's activation (mlp.hook_post) at every position of a Trace."""
-    _check(tr._lm, layer, neuron, tr._lm.shape.d_mlp, "Neuron")
+    _check(tr.lm, layer, neuron, tr.lm.shape.d_mlp, "Neuron")
     return tr.mlp_post(layer)[:, neuron].float()
 
 
@@ -178,7 +179,7 @@ def _o_gram(lm, layer: int) -> torch.Tensor:
 def head_activity(tr, layer: int, head: int) -> dict:
     """On a Trace: the head's output norm ||z_h W_O^h|| at each position [T], and for each query
     position the key it attends most ([T] positions) with that weight."""
-    lm = tr._lm
+    lm = tr.lm
     _check(lm, layer, head, lm.shape.n_heads, "Head")
     with torch.inference_mode():
         st = tr.attention_steps(layer)
@@ -242,7 +243,7 @@ class ContextIndex:
         return path
 
     @classmethod
-    def load(cls, path) -> "ContextIndex":
+    def load(cls, path) -> ContextIndex:
         from safetensors import safe_open
 
         with safe_open(str(path), framework="pt") as f:
@@ -313,11 +314,11 @@ def scan(lm, windows: torch.Tensor, k: int = TOP_K, batch_size: int = 8, progres
             offset = b0 * W
 
             def on_post(name, x, offset=offset):
-                keep(nv, ni, int(name.split(".")[1]), x, offset)
+                keep(nv, ni, layer_of(name), x, offset)
                 return x
 
             def on_z(name, x, offset=offset):
-                l = int(name.split(".")[1])
+                l = layer_of(name)
                 z = x.float().view(x.shape[0], W, H, dh)
                 norms = torch.sqrt(torch.clamp(torch.einsum("bthe,hef,bthf->bth", z, grams[l], z), min=0))
                 keep(hv, hi, l, norms, offset)
@@ -325,8 +326,8 @@ def scan(lm, windows: torch.Tensor, k: int = TOP_K, batch_size: int = 8, progres
 
             edits = {}
             for l in range(L):
-                edits[f"blocks.{l}.mlp.hook_post"] = on_post
-                edits[f"blocks.{l}.attn.hook_z"] = on_z
+                edits[act_name("post", l)] = on_post
+                edits[act_name("z", l)] = on_z
             last_logits(lm, ids, edits)
             if progress is not None:
                 progress(min(1.0, (b0 + len(ids)) / N))

@@ -9,9 +9,6 @@ layer's own norm and projections; tests check them equal to transformers' eager 
 
 from __future__ import annotations
 
-import os
-
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -19,13 +16,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model_core.errors import PromptError
 from model_core import hooks
+from model_core.batching import batcher_for
+from model_core.errors import PromptError
+from model_core.hook_names import act_name, parse, trace_names
 from model_core.hooks import Recorder, instrument, recording
+from model_core.prompts import DEFAULT_MAX_TOKENS, encode_prompt, server_token_cap  # noqa: F401 (re-exported)
 from model_core.tokenization import describe_tokens
-
-DEFAULT_MAX_TOKENS = 1024
-_HOOK = re.compile(r"^blocks\.(\d+)\.(hook_resid_pre|hook_resid_mid|hook_resid_post|hook_attn_out|hook_mlp_out|attn\.hook_pattern|mlp\.hook_post)$")
 
 
 @dataclass
@@ -43,8 +40,8 @@ class Trace:
     token_logprobs: torch.Tensor  # [T], log p(token_t | tokens_<t); NaN at t = 0
     rope: dict[int, tuple]
     seconds: float
-    _lm: object = field(repr=False, default=None)
-    _cache: "OrderedDict[tuple, torch.Tensor]" = field(default_factory=OrderedDict, repr=False)
+    lm: object = field(repr=False, default=None)  # the LoadedModel this trace ran (adapter, shape, tokenizer)
+    _cache: OrderedDict[tuple, torch.Tensor] = field(default_factory=OrderedDict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     cache_size: int = 12
 
@@ -90,18 +87,18 @@ class Trace:
     def attention_pattern(self, layer: int) -> torch.Tensor:
         """[heads, T, T]: row i is where query token i attends."""
         self._need(layer)
-        ad = self._lm.adapter
+        ad = self.lm.adapter
         return self._cached(("pattern", layer),
                             lambda: ad.attention_pattern(layer, self.resid_pre[layer], self.rope.get(layer)))
 
     def attention_steps(self, layer: int) -> dict[str, torch.Tensor]:
         self._need(layer)
         with torch.inference_mode():
-            return self._lm.adapter.attention_scores(layer, self.resid_pre[layer], self.rope.get(layer))
+            return self.lm.adapter.attention_scores(layer, self.resid_pre[layer], self.rope.get(layer))
 
     def mlp_post(self, layer: int) -> torch.Tensor:
         """[T, d_mlp]: the activation entering the MLP's down projection."""
-        ad = self._lm.adapter
+        ad = self.lm.adapter
 
         def compute():
             x = ad.mlp_norm(ad.layers[layer])(self.resid_mid(layer))
@@ -112,35 +109,26 @@ class Trace:
         """[T, V] (or the chosen positions) through the model's own unembedding."""
         x = self.ln_final if positions is None else self.ln_final[positions]
         with torch.inference_mode():
-            return self._lm.adapter.logits_from_normed(x)
+            return self.lm.adapter.logits_from_normed(x)
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        """TransformerLens-style names, e.g. trace['blocks.3.attn.hook_pattern']."""
-        if name == "hook_embed":
-            return self.embed
-        if name == "ln_final.hook_normalized":
-            return self.ln_final
-        if name == "logits":
-            return self.logits()
-        m = _HOOK.match(name)
-        if not m:
-            raise KeyError(f"unknown hook name '{name}'")
-        layer, what = int(m.group(1)), m.group(2)
+        """TransformerLens-style names (model_core.hook_names), e.g. trace['blocks.3.attn.hook_pattern']."""
+        kind, layer = parse(name)
+        if layer is None:
+            return {"embed": lambda: self.embed, "ln_final": lambda: self.ln_final, "logits": self.logits}[kind]()
         getter = {
-            "hook_resid_pre": lambda: self.resid_pre[layer], "hook_resid_mid": lambda: self.resid_mid(layer),
-            "hook_resid_post": lambda: self.resid_post(layer), "hook_attn_out": lambda: self.attn_out[layer],
-            "hook_mlp_out": lambda: self.mlp_out[layer], "attn.hook_pattern": lambda: self.attention_pattern(layer),
-            "mlp.hook_post": lambda: self.mlp_post(layer),
-        }[what]
+            "resid_pre": lambda: self.resid_pre[layer], "resid_mid": lambda: self.resid_mid(layer),
+            "resid_post": lambda: self.resid_post(layer), "attn_out": lambda: self.attn_out[layer],
+            "mlp_out": lambda: self.mlp_out[layer], "pattern": lambda: self.attention_pattern(layer),
+            "post": lambda: self.mlp_post(layer),
+        }.get(kind)
+        if getter is None:
+            raise KeyError(f"'{name}' is an edit point of the forward pass; a Trace does not keep it")
         self._need(layer)
         return getter()
 
     def hook_names(self) -> list[str]:
-        names = ["hook_embed"]
-        for l in self.captured_layers:
-            names += [f"blocks.{l}.{h}" for h in ("hook_resid_pre", "attn.hook_pattern", "hook_attn_out",
-                                                   "hook_resid_mid", "mlp.hook_post", "hook_mlp_out", "hook_resid_post")]
-        return names + ["ln_final.hook_normalized", "logits"]
+        return trace_names(self.captured_layers)
 
     def captured_bytes(self) -> int:
         seen, total = set(), 0
@@ -156,45 +144,6 @@ class Trace:
         if lp.numel() == 0:
             return None
         return float(torch.exp(-lp.float().mean()))
-
-
-def server_token_cap() -> int:
-    """LMSCOPE_MAX_PROMPT_TOKENS, where an operator set one: it bounds every entry point that
-    encodes a prompt (traces, generation, interventions, anatomy, compare), not only the ones
-    that pass max_tokens."""
-    try:
-        return max(1, int(os.environ.get("LMSCOPE_MAX_PROMPT_TOKENS") or 10**9))
-    except ValueError:
-        return 10**9
-
-
-def encode_prompt(lm, prompt: str, chat: bool = False, max_tokens: int | None = DEFAULT_MAX_TOKENS,
-                  truncate: bool = False) -> list[int]:
-    """Prompt text -> token ids, with the checks every entry point needs."""
-    if not isinstance(prompt, str):
-        raise PromptError("The prompt must be text.")
-    if not prompt.strip():
-        raise PromptError("The prompt is empty: type some text to look at.")
-    tok = lm.tokenizer
-    if chat:
-        if not getattr(tok, "chat_template", None):
-            raise PromptError(f"Model '{lm.name}' has no chat template; turn off the chat wrap.")
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                      tokenize=True, return_dict=False)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-    else:
-        ids = tok(prompt, add_special_tokens=True)["input_ids"]
-    ids = [int(i) for i in ids]
-    limit = min(max_tokens or 10**9, server_token_cap(), lm.shape.context_length)
-    if len(ids) > limit:
-        if not truncate:
-            raise PromptError(
-                f"The prompt is {len(ids)} tokens; the limit is {limit}. Shorten it, or turn on truncation "
-                f"to keep its last {limit} tokens."
-            )
-        ids = ids[-limit:]
-    return ids
 
 
 def _forward_traced(lm, token_ids: list[int], layers: frozenset[int], edits: dict | None):
@@ -229,8 +178,6 @@ def trace(lm, prompt: str | None = None, token_ids=None, *, layers=None, chat: b
     instrument(lm.adapter)
     t0 = time.perf_counter()
     if not edits and hooks.active_recorder() is None:  # may share one forward with concurrent traces
-        from model_core.batching import batcher_for
-
         s, rope, logits = batcher_for(lm).trace(token_ids, frozenset(wanted),
                                                 lambda ids, lay: _forward_traced(lm, ids, lay, None))
     else:
@@ -243,15 +190,15 @@ def trace(lm, prompt: str | None = None, token_ids=None, *, layers=None, chat: b
             logprobs[1:] = lsm.gather(-1, ids[0, 1:, None].to(lsm.device))[:, 0]
     # A model split over GPUs hands each block its input before accelerate moves it: keep every
     # layer's tensors on that layer's device (a no-op on one device).
-    where = {l: s[f"blocks.{l}.hook_attn_out"].device for l in wanted}
+    where = {l: s[act_name("attn_out", l)].device for l in wanted}
     tr = Trace(
         model_name=lm.name, token_ids=token_ids, tokens=describe_tokens(lm.tokenizer, token_ids),
         n_layers=n_layers, captured_layers=wanted,
-        resid_pre={l: s[f"blocks.{l}.hook_resid_pre"][0].to(where[l]) for l in wanted},
-        attn_out={l: s[f"blocks.{l}.hook_attn_out"][0] for l in wanted},
-        mlp_out={l: s[f"blocks.{l}.hook_mlp_out"][0] for l in wanted},
-        ln_final=s["ln_final.hook_normalized"][0], next_logits=logits[-1].clone(), token_logprobs=logprobs,
+        resid_pre={l: s[act_name("resid_pre", l)][0].to(where[l]) for l in wanted},
+        attn_out={l: s[act_name("attn_out", l)][0] for l in wanted},
+        mlp_out={l: s[act_name("mlp_out", l)][0] for l in wanted},
+        ln_final=s[act_name("ln_final")][0], next_logits=logits[-1].clone(), token_logprobs=logprobs,
         rope={l: tuple(t[:1].to(where[l]) for t in pe) for l, pe in rope.items()},
-        seconds=time.perf_counter() - t0, _lm=lm,
+        seconds=time.perf_counter() - t0, lm=lm,
     )
     return tr

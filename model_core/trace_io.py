@@ -1,17 +1,15 @@
 """A Trace as one safetensors file, and back (issue 15 item 6).
 
 `save_trace(tr, path, settings)` writes every tensor the Trace captured under its
-TransformerLens-style name, in the dtype the model computed it in (bit for bit):
+TransformerLens-style name (model_core.hook_names, where each kind's shape is documented), in the
+dtype the model computed it in (bit for bit):
 
-    blocks.{l}.hook_resid_pre    [T, d_model]   each captured layer's input (blocks.0: the embedding)
-    blocks.{l}.hook_attn_out     [T, d_model]   what attention adds to the residual stream
-    blocks.{l}.hook_mlp_out      [T, d_model]   what the MLP adds
-    ln_final.hook_normalized     [T, d_model]   the final norm's output (the unembedding's input)
+    blocks.{l}.hook_resid_pre, blocks.{l}.hook_attn_out, blocks.{l}.hook_mlp_out   each captured layer
+    ln_final.hook_normalized
+    blocks.{L}.attn.hook_pattern, blocks.{L}.mlp.hook_post   only the layer the view showed (settings["layer"])
     next_logits                  [V]            the model's logits at the last position
     token_logprobs               [T]            log p(token_t | tokens before it); NaN at t = 0
     token_ids                    [T] int64
-    blocks.{L}.attn.hook_pattern [heads, T, T]  only the layer the view showed (settings["layer"])
-    blocks.{L}.mlp.hook_post     [T, d_mlp]     the same layer's MLP activation
 
 The safetensors metadata (strings) holds `format` ("lmscope-trace"), `version`, `model`,
 `n_layers`, `captured_layers`, `tokens` (each token's id, text, display, bytes, glyph span, as
@@ -27,19 +25,17 @@ trace the prompt again. Torch + safetensors only; no model is loaded.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from model_core.errors import LmscopeError
+from model_core.hook_names import KINDS, TRACE_LAYER_KINDS, act_name, layer_names, parse
 
 FORMAT = "lmscope-trace"
 VERSION = "1"
 MAX_EXPORT_MB = 256  # a larger trace is refused (a 1,024-token SmolLM2 trace in fp32 is about 215 MB)
-_LAYER = re.compile(r"^blocks\.(\d+)\.(hook_resid_pre|hook_attn_out|hook_mlp_out|attn\.hook_pattern|mlp\.hook_post)$")
-_DERIVED = re.compile(r"^blocks\.(\d+)\.(hook_resid_mid|hook_resid_post)$")
 
 
 class TraceFileError(LmscopeError):
@@ -51,16 +47,16 @@ def trace_tensors(tr, layer: int | None = None) -> dict[str, torch.Tensor]:
     the attention pattern and MLP activation of `layer` when it is a captured layer."""
     out: dict[str, torch.Tensor] = {}
     for l in tr.captured_layers:
-        out[f"blocks.{l}.hook_resid_pre"] = tr.resid_pre[l]
-        out[f"blocks.{l}.hook_attn_out"] = tr.attn_out[l]
-        out[f"blocks.{l}.hook_mlp_out"] = tr.mlp_out[l]
-    out["ln_final.hook_normalized"] = tr.ln_final
+        out[act_name("resid_pre", l)] = tr.resid_pre[l]
+        out[act_name("attn_out", l)] = tr.attn_out[l]
+        out[act_name("mlp_out", l)] = tr.mlp_out[l]
+    out[act_name("ln_final")] = tr.ln_final
     out["next_logits"] = tr.next_logits
     out["token_logprobs"] = tr.token_logprobs
     out["token_ids"] = torch.tensor(tr.token_ids, dtype=torch.int64)
     if layer is not None and layer in tr.resid_pre:
-        out[f"blocks.{layer}.attn.hook_pattern"] = tr.attention_pattern(layer)
-        out[f"blocks.{layer}.mlp.hook_post"] = tr.mlp_post(layer)
+        out[act_name("pattern", layer)] = tr.attention_pattern(layer)
+        out[act_name("post", layer)] = tr.mlp_post(layer)
     return out
 
 
@@ -77,7 +73,7 @@ def check_size(tr, layer: int | None = None, max_mb: float = MAX_EXPORT_MB) -> i
     """Bytes of tensor data the export would write, before computing anything; one sentence when
     it is over max_mb."""
     n = export_bytes(trace_tensors(tr, None))
-    lm = getattr(tr, "_lm", None)
+    lm = getattr(tr, "lm", None)
     if layer is not None and layer in tr.resid_pre and lm is not None:  # the view's pattern and MLP activation
         T, s = tr.n_tokens, lm.shape
         n += (s.n_heads * T * T + T * s.d_mlp) * tr.ln_final.element_size()
@@ -136,24 +132,24 @@ class SavedTrace:
     def n_tokens(self) -> int:
         return len(self.token_ids)
 
-    def _layer_dict(self, what: str) -> dict[int, torch.Tensor]:
-        return {l: self.tensors[f"blocks.{l}.{what}"] for l in self.captured_layers}
+    def _layer_dict(self, kind: str) -> dict[int, torch.Tensor]:
+        return {l: self.tensors[act_name(kind, l)] for l in self.captured_layers}
 
     @property
     def resid_pre(self) -> dict[int, torch.Tensor]:
-        return self._layer_dict("hook_resid_pre")
+        return self._layer_dict("resid_pre")
 
     @property
     def attn_out(self) -> dict[int, torch.Tensor]:
-        return self._layer_dict("hook_attn_out")
+        return self._layer_dict("attn_out")
 
     @property
     def mlp_out(self) -> dict[int, torch.Tensor]:
-        return self._layer_dict("hook_mlp_out")
+        return self._layer_dict("mlp_out")
 
     @property
     def ln_final(self) -> torch.Tensor:
-        return self.tensors["ln_final.hook_normalized"]
+        return self.tensors[act_name("ln_final")]
 
     @property
     def next_logits(self) -> torch.Tensor:
@@ -164,24 +160,25 @@ class SavedTrace:
         return self.tensors["token_logprobs"]
 
     def resid_mid(self, layer: int) -> torch.Tensor:  # the additions Trace performs, in its order
-        return self.tensors[f"blocks.{layer}.hook_resid_pre"] + self.tensors[f"blocks.{layer}.hook_attn_out"]
+        return self.tensors[act_name("resid_pre", layer)] + self.tensors[act_name("attn_out", layer)]
 
     def resid_post(self, layer: int) -> torch.Tensor:
-        return self.resid_mid(layer) + self.tensors[f"blocks.{layer}.hook_mlp_out"]
+        return self.resid_mid(layer) + self.tensors[act_name("mlp_out", layer)]
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        if name == "hook_embed":
-            name = f"blocks.{self.captured_layers[0] if self.captured_layers else 0}.hook_resid_pre"
         if name in self.tensors:
             return self.tensors[name]
-        m = _DERIVED.match(name)
-        if m and int(m.group(1)) in self.captured_layers:
-            l = int(m.group(1))
-            return self.resid_mid(l) if m.group(2) == "hook_resid_mid" else self.resid_post(l)
-        if _LAYER.match(name):
-            raise KeyError(f"'{name}' is not in this file (patterns and MLP activations are saved for the viewed "
-                           f"layer only; captured layers: {self.captured_layers})")
-        raise KeyError(f"unknown hook name '{name}'")
+        kind, layer = parse(name)  # an unknown name raises here (a KeyError)
+        if kind == "embed":
+            return self[act_name("resid_pre", 0)]
+        if layer in self.captured_layers and kind in ("resid_mid", "resid_post"):
+            return self.resid_mid(layer) if kind == "resid_mid" else self.resid_post(layer)
+        if not KINDS[kind].in_trace:
+            raise KeyError(f"'{name}' is an edit point of the forward pass; no trace keeps it")
+        if kind == "logits":
+            raise KeyError("'logits' is not in this file (it keeps next_logits, the last position's)")
+        raise KeyError(f"'{name}' is not in this file (patterns and MLP activations are saved for the viewed "
+                       f"layer only; captured layers: {self.captured_layers})")
 
     def __contains__(self, name: str) -> bool:
         try:
@@ -191,11 +188,9 @@ class SavedTrace:
         return True
 
     def hook_names(self) -> list[str]:
-        names = ["hook_embed"] if 0 in self.captured_layers else []
-        for l in self.captured_layers:
-            names += [f"blocks.{l}.{h}" for h in ("hook_resid_pre", "attn.hook_pattern", "hook_attn_out",
-                                                   "hook_resid_mid", "mlp.hook_post", "hook_mlp_out", "hook_resid_post")]
-        return [n for n in names if n in self] + ["ln_final.hook_normalized", "next_logits", "token_logprobs"]
+        names = [act_name("embed")] if 0 in self.captured_layers else []
+        names += layer_names(TRACE_LAYER_KINDS, self.captured_layers)
+        return [n for n in names if n in self] + [act_name("ln_final"), "next_logits", "token_logprobs"]
 
 
 def load_trace(path, device: str | torch.device = "cpu") -> SavedTrace:
