@@ -65,15 +65,9 @@ def _queued_together(b, kind, fns):
     return out
 
 
-def _hf_greedy(lm, prompt, n):
-    ids = lm.tokenizer(prompt)["input_ids"]
-    with torch.inference_mode():
-        out = lm.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                do_sample=False, max_new_tokens=n, pad_token_id=lm.tokenizer.pad_token_id)
-    return out[0, len(ids):].tolist()
-
-
 def test_sliding_window_models_generate_alone_and_still_correct():
+    from test_engine import _hf_greedy  # transformers' own greedy generate, one prompt alone
+
     from model_core.engine import can_use_engine
 
     lm = load_model("random-gemma3-tiny")
