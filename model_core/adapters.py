@@ -10,7 +10,8 @@ resid_mid and resid_post are re-derived with the exact additions the model perfo
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from operator import attrgetter
 
 import torch
 from torch import nn
@@ -40,6 +41,50 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos) + (_rotate_half(x) * sin)
 
 
+def kv_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, n_tokens: int = 1,
+                   bytes_per_value: int = 2) -> int:
+    """The KV-cache formula: 2 (K and V) x layers x kv_heads x head_dim x tokens x bytes per value."""
+    return 2 * n_layers * n_kv_heads * head_dim * n_tokens * bytes_per_value
+
+
+@dataclass(frozen=True)
+class Attention:
+    """One layer's attention (Adapter.attend): q [H, Q, dh] of the query rows; k [H, T, dh] repeated
+    per query head; v [H_kv, T, dh] as projected; raw and scaled scores [H, Q, T]; mask [Q, T]
+    (True = may attend); probs [H, Q, T], the softmax in float32."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    raw_scores: torch.Tensor
+    scaled_scores: torch.Tensor
+    mask: torch.Tensor
+    probs: torch.Tensor
+
+    @property
+    def pattern(self) -> torch.Tensor:
+        """The softmax in the model's dtype (what the model's own attention multiplies v by)."""
+        return self.probs.to(self.q.dtype)
+
+
+@dataclass(frozen=True)
+class ModulePaths:
+    """Where a family keeps its modules, as dotted attribute paths: `layers`, `final_norm` and
+    `embed` from the model, the rest from one decoder layer."""
+    layers: str
+    final_norm: str
+    embed: str
+    attn_out: str  # its output (first element) is exactly what attention adds to the residual
+    mlp_out: str
+    attn_norm: str
+    mlp_norm: str
+    attn_z: str  # the output projection; its input holds every head's result side by side
+    mlp_post: str  # the MLP's down projection; its input is the neuron activation (mlp.hook_post)
+
+
+def _module(root: nn.Module, path: str) -> nn.Module:
+    return attrgetter(path)(root)
+
+
 class Adapter:
     """Base: subclasses name the modules; shared math lives here."""
 
@@ -50,27 +95,37 @@ class Adapter:
         self.model = model
         self.config = model.config
 
-    # --- where things are -------------------------------------------------
+    # --- where things are (each family's ModulePaths) -----------------------
+    paths: ModulePaths
+
     @property
     def layers(self) -> list[nn.Module]:
-        raise NotImplementedError
+        return list(_module(self.model, self.paths.layers))
 
     def attn_out_module(self, layer: nn.Module) -> nn.Module:
         """Module whose output (first element) is exactly what attention adds to the residual."""
-        raise NotImplementedError
+        return _module(layer, self.paths.attn_out)
 
     def mlp_out_module(self, layer: nn.Module) -> nn.Module:
-        raise NotImplementedError
+        return _module(layer, self.paths.mlp_out)
 
     def attn_norm(self, layer: nn.Module) -> nn.Module:
-        raise NotImplementedError
+        return _module(layer, self.paths.attn_norm)
 
     def mlp_norm(self, layer: nn.Module) -> nn.Module:
-        raise NotImplementedError
+        return _module(layer, self.paths.mlp_norm)
+
+    def attn_z_module(self, layer: nn.Module) -> nn.Module:
+        """The output projection; its input holds every head's result side by side (attn.hook_z)."""
+        return _module(layer, self.paths.attn_z)
+
+    def mlp_post_module(self, layer: nn.Module) -> nn.Module:
+        """The MLP's down projection; its input is the neuron activation (edit hook mlp.hook_post)."""
+        return _module(layer, self.paths.mlp_post)
 
     @property
     def final_norm(self) -> nn.Module:
-        raise NotImplementedError
+        return _module(self.model, self.paths.final_norm)
 
     @property
     def unembed(self) -> nn.Module:
@@ -78,7 +133,7 @@ class Adapter:
 
     @property
     def embed_tokens(self) -> nn.Module:
-        raise NotImplementedError
+        return _module(self.model, self.paths.embed)
 
     def shape(self) -> ModelShape:
         raise NotImplementedError
@@ -139,81 +194,56 @@ class Adapter:
             allowed = allowed & (j > i - window)
         return allowed
 
+    def attend(self, layer_idx: int, x: torch.Tensor, rope, queries: torch.Tensor | None = None) -> Attention:
+        """The one computation of a layer's attention, from its normalised input x [T, d]: q, k and v
+        by the model's own projections, the scores of the query rows (every position, or the
+        positions in `queries`) over every key, scaled and soft-capped as the model does, the causal
+        (and sliding-window) mask, and the softmax in float32. The pattern, the Anatomy steps and
+        Generate's attention rows are all read from this."""
+        q, k, v = self.qkv(layer_idx, x, rope)
+        k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)
+        mask = self.causal_mask(layer_idx, x.shape[0], x.device)
+        if queries is not None:
+            q, mask = q[:, queries], mask[queries]
+        raw = torch.matmul(q, k.transpose(-1, -2))
+        scaled = raw * self.attention_scale(layer_idx)
+        cap = self.attn_logit_softcap()
+        if cap:
+            scaled = torch.tanh(scaled / cap) * cap
+        probs = torch.softmax(scaled.masked_fill(~mask, float("-inf")).float(), dim=-1)
+        return Attention(q=q, k=k, v=v, raw_scores=raw, scaled_scores=scaled, mask=mask, probs=probs)
+
+    def attention(self, layer_idx: int, resid_pre: torch.Tensor, rope, queries: torch.Tensor | None = None
+                  ) -> Attention:
+        """attend() from the layer's residual input [T, d] (through the layer's own attention norm)."""
+        return self.attend(layer_idx, self.attn_norm(self.layers[layer_idx])(resid_pre), rope, queries)
+
+    def attention_pattern(self, layer_idx: int, resid_pre: torch.Tensor, rope) -> torch.Tensor:
+        """[heads, T, T] in the model's dtype: row i is where query i attends."""
+        return self.attention(layer_idx, resid_pre, rope).pattern
+
     def attention_scores(self, layer_idx: int, resid_pre: torch.Tensor, rope) -> dict[str, torch.Tensor]:
-        """Every step of one layer's attention for one sequence (used by the pattern and the
-        anatomy view). resid_pre: [T, d]."""
+        """Every step of one layer's attention for one sequence (the anatomy view). resid_pre: [T, d]."""
         layer = self.layers[layer_idx]
         return self.attention_from_normed(layer_idx, self.attn_norm(layer)(resid_pre), rope)
 
     def attention_from_normed(self, layer_idx: int, x: torch.Tensor, rope) -> dict[str, torch.Tensor]:
         """attention_scores from the already normalised input x [T, d] (the Anatomy norm check
         feeds its hand-normalised vectors through the rest of the layer's attention)."""
-        q, k, v = self.qkv(layer_idx, x, rope)
-        groups = q.shape[0] // k.shape[0]
-        k_rep = k.repeat_interleave(groups, dim=0)
-        v_rep = v.repeat_interleave(groups, dim=0)
-        raw = torch.matmul(q, k_rep.transpose(-1, -2))
-        scaled = raw * self.attention_scale(layer_idx)
-        cap = self.attn_logit_softcap()
-        if cap:
-            scaled = torch.tanh(scaled / cap) * cap
-        mask = self.causal_mask(layer_idx, x.shape[0], x.device)
-        masked = scaled.masked_fill(~mask, float("-inf"))
-        pattern = torch.softmax(masked.float(), dim=-1).to(q.dtype)
-        return {"x_normed": x, "q": q, "k": k_rep, "v": v_rep, "raw_scores": raw,
-                "scaled_scores": scaled, "mask": mask, "pattern": pattern,
-                "z": torch.matmul(pattern, v_rep)}
-
-    def attention_pattern(self, layer_idx: int, resid_pre: torch.Tensor, rope) -> torch.Tensor:
-        layer = self.layers[layer_idx]
-        x = self.attn_norm(layer)(resid_pre)
-        q, k, _ = self.qkv(layer_idx, x, rope)
-        k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)
-        scores = torch.matmul(q, k.transpose(-1, -2)) * self.attention_scale(layer_idx)
-        cap = self.attn_logit_softcap()
-        if cap:
-            scores = torch.tanh(scores / cap) * cap
-        mask = self.causal_mask(layer_idx, x.shape[0], x.device)
-        scores = scores.masked_fill(~mask, float("-inf"))
-        return torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        a = self.attend(layer_idx, x, rope)
+        pattern = a.pattern
+        v = a.v.repeat_interleave(a.q.shape[0] // a.v.shape[0], dim=0)
+        return {"x_normed": x, "q": a.q, "k": a.k, "v": v, "raw_scores": a.raw_scores,
+                "scaled_scores": a.scaled_scores, "mask": a.mask, "pattern": pattern, "z": torch.matmul(pattern, v)}
 
 
 class LlamaAdapter(Adapter):
     """Llama family: SmolLM2, Llama 2/3, Mistral, Qwen2, Qwen3 (RMSNorm, RoPE, GQA, SwiGLU)."""
 
     family = "llama"
-
-    @property
-    def layers(self):
-        return list(self.model.model.layers)
-
-    def attn_out_module(self, layer):
-        return layer.self_attn
-
-    def mlp_out_module(self, layer):
-        return layer.mlp
-
-    def attn_norm(self, layer):
-        return layer.input_layernorm
-
-    def attn_z_module(self, layer):
-        """The output projection; its input holds every head's result side by side."""
-        return layer.self_attn.o_proj
-
-    def mlp_norm(self, layer):
-        return layer.post_attention_layernorm
-
-    def mlp_post_module(self, layer):
-        """The MLP's down projection; its input is the neuron activation (edit hook mlp.hook_post)."""
-        return layer.mlp.down_proj
-
-    @property
-    def final_norm(self):
-        return self.model.model.norm
-
-    @property
-    def embed_tokens(self):
-        return self.model.model.embed_tokens
+    paths = ModulePaths(layers="model.layers", final_norm="model.norm", embed="model.embed_tokens",
+                        attn_out="self_attn", mlp_out="mlp", attn_norm="input_layernorm",
+                        mlp_norm="post_attention_layernorm", attn_z="self_attn.o_proj", mlp_post="mlp.down_proj")
 
     def shape(self):
         c = self.config
@@ -249,15 +279,8 @@ class Gemma3Adapter(LlamaAdapter):
     residual), QK-norm, scaled embeddings, sliding-window layers with their own RoPE base."""
 
     family = "gemma3"
-
-    def attn_out_module(self, layer):
-        return layer.post_attention_layernorm
-
-    def mlp_out_module(self, layer):
-        return layer.post_feedforward_layernorm
-
-    def mlp_norm(self, layer):
-        return layer.pre_feedforward_layernorm
+    paths = replace(LlamaAdapter.paths, attn_out="post_attention_layernorm", mlp_out="post_feedforward_layernorm",
+                    mlp_norm="pre_feedforward_layernorm")
 
     def attn_logit_softcap(self):
         return getattr(self.config, "attn_logit_softcapping", None)
@@ -277,36 +300,9 @@ class GPT2Adapter(Adapter):
 
     family = "gpt2"
     uses_rope = False
-
-    @property
-    def layers(self):
-        return list(self.model.transformer.h)
-
-    def attn_out_module(self, layer):
-        return layer.attn
-
-    def mlp_out_module(self, layer):
-        return layer.mlp
-
-    def attn_norm(self, layer):
-        return layer.ln_1
-
-    def attn_z_module(self, layer):
-        return layer.attn.c_proj
-
-    def mlp_norm(self, layer):
-        return layer.ln_2
-
-    def mlp_post_module(self, layer):
-        return layer.mlp.c_proj
-
-    @property
-    def final_norm(self):
-        return self.model.transformer.ln_f
-
-    @property
-    def embed_tokens(self):
-        return self.model.transformer.wte
+    paths = ModulePaths(layers="transformer.h", final_norm="transformer.ln_f", embed="transformer.wte",
+                        attn_out="attn", mlp_out="mlp", attn_norm="ln_1", mlp_norm="ln_2", attn_z="attn.c_proj",
+                        mlp_post="mlp.c_proj")
 
     def shape(self):
         c = self.config

@@ -12,7 +12,7 @@ token with its rank and probability, and the entropy before and after. All of it
 on the device and copied to the host once per step (one small tensor), so recording is cheap.
 
 Entry points:
-  generate(lm, prompt, ...)          -> Generation (all steps)
+  generate(lm, prompt, ...)          -> Generation (all steps); settings: GenerateRequest's fields
   iter_generate(lm, prompt, ...)     -> yields (Step, Generation) as each token is produced
   generation_to_json(lm, gen)        -> dict for the CLI / API
   step_attention(lm, token_ids, pos) -> the attention of one query over its context, per layer
@@ -27,12 +27,15 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import closing
+from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 
 from model_core import sampling as S
+from model_core.adapters import kv_cache_bytes
 from model_core.cache_api import cache_kwarg, new_cache
 from model_core.errors import PromptError, SettingsError
 from model_core.row_sampling import counter_uniform
@@ -301,162 +304,185 @@ def _unpack(packed, k: int, settings: SamplingSettings) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# Generation
+# Generation: a request, two backends (the engine, or the request's own forwards) and one loop
 
-def _prepare(lm, prompt, token_ids, chat, max_new_tokens, settings, seed, stop, max_prompt_tokens, truncate):
+@dataclass(frozen=True)
+class GenerateRequest:
+    """What iter_generate / generate are asked for, besides the model: what to continue, how to
+    draw, when to stop and what to record. Every field is checked when the generation starts."""
+    prompt: str | None = None
+    token_ids: Sequence[int] | torch.Tensor | None = None  # instead of a prompt: these ids as they are
+    chat: bool = False  # wrap the prompt in the model's chat template
+    max_prompt_tokens: int | None = 1024
+    truncate: bool = False  # a longer prompt keeps its end instead of being refused
+    max_new_tokens: int = 32
+    settings: SamplingSettings | None = None  # None: greedy (temperature <= 0 is greedy too)
+    seed: int | None = 0  # the seeded draw's seed: same seed, same sample
+    stop: Sequence[str] | str | None = None  # strings that end generation once they appear (cut from text)
+    eos_token_id: int | Sequence[int] | None = None  # default: the generation config's and tokenizer's EOS
+    ignore_eos: bool = False  # never stop early (benchmarks)
+    should_stop: ShouldStop = None  # threading.Event or callable, checked before every step
+    attention: bool = False  # at the end, each step's attention over its context ([layers, context])
+    keep_logits: bool = False  # each Step keeps its raw logits [V]
+    keep_probs: bool = False  # and the distribution it was drawn from [V]
+    top_k_recorded: int = TOP_K_RECORDED
+
+
+def _request(prompt: str | None, request: GenerateRequest | None, options: dict) -> GenerateRequest:
+    """The request from iter_generate's / generate's arguments: `request` (or the defaults) with the
+    prompt and any GenerateRequest field given as a keyword put in (TypeError for an unknown one)."""
+    if prompt is not None:
+        options["prompt"] = prompt
+    return replace(request or GenerateRequest(), **options)
+
+
+@dataclass
+class _Run:
+    """A checked request under way: the Generation it fills and what ends it."""
+    req: GenerateRequest
+    gen: Generation
+    n_steps: int  # max_new_tokens, within the room the context leaves
+    eos: set[int]
+    k: int  # candidates recorded per step
+    stopped: Callable[[], bool]
+    started: float = field(default_factory=time.perf_counter)
+
+
+def _start(lm, req: GenerateRequest) -> _Run:
+    """Check every setting (one sentence for a bad one), encode the prompt, make the Generation."""
     from model_core.trace import encode_prompt
 
-    max_new_tokens = check_max_new_tokens(max_new_tokens)
-    if settings is None:
-        settings = SamplingSettings(temperature=0.0)
+    max_new = check_max_new_tokens(req.max_new_tokens)
+    settings = SamplingSettings(temperature=0.0) if req.settings is None else req.settings
     if not isinstance(settings, SamplingSettings):
         raise SettingsError("settings must be a SamplingSettings.")
     settings = settings.validated()
-    seed = check_seed(seed)
-    stop = check_stop(stop)
-    if token_ids is not None:
-        ids = [int(t) for t in (token_ids.tolist() if torch.is_tensor(token_ids) else token_ids)]
+    seed, stop, stopped = check_seed(req.seed), check_stop(req.stop), _stopper(req.should_stop)
+    if req.token_ids is not None:
+        t = req.token_ids
+        ids = [int(i) for i in (t.tolist() if torch.is_tensor(t) else t)]
         if not ids:
             raise PromptError("The prompt has no tokens.")
         vocab = lm.shape.vocab_size
         if any(i < 0 or i >= vocab for i in ids):
             raise PromptError(f"Token ids must be between 0 and {vocab - 1}.")
     else:
-        ids = encode_prompt(lm, prompt, chat=chat, max_tokens=max_prompt_tokens, truncate=truncate)
+        ids = encode_prompt(lm, req.prompt, chat=req.chat, max_tokens=req.max_prompt_tokens, truncate=req.truncate)
     if len(ids) >= lm.shape.context_length:
         raise PromptError(f"The prompt fills the model's whole context ({lm.shape.context_length} tokens).")
-    return ids, max_new_tokens, settings, seed, stop
+    e = req.eos_token_id
+    eos = set(eos_ids(lm)) if e is None else {int(x) for x in (e if isinstance(e, (list, tuple, set)) else [e])}
+    gen = Generation(model_name=lm.name, prompt=req.prompt, chat=req.chat, settings=settings, seed=seed,
+                     max_new_tokens=max_new, stop=stop, prompt_ids=list(ids))
+    return _Run(req=req, gen=gen, n_steps=min(max_new, lm.shape.context_length - len(ids)),
+                eos=set() if req.ignore_eos else eos, k=max(1, min(int(req.top_k_recorded), lm.shape.vocab_size)),
+                stopped=stopped)
 
 
-def iter_generate(lm, prompt: str | None = None, *, max_new_tokens: int = 32,
-                  settings: SamplingSettings | None = None, seed: int | None = 0, chat: bool = False,
-                  stop: list[str] | None = None, should_stop: ShouldStop = None, token_ids=None,
-                  attention: bool = False, keep_logits: bool = False, keep_probs: bool = False,
-                  ignore_eos: bool = False, top_k_recorded: int = TOP_K_RECORDED,
-                  max_prompt_tokens: int | None = 1024, truncate: bool = False, eos_token_id=None,
-                  ) -> Iterator[tuple[Step, Generation]]:
+def iter_generate(lm, prompt: str | None = None, *, request: GenerateRequest | None = None,
+                  **options) -> Iterator[tuple[Step, Generation]]:
     """Stream a generation: yields (step, generation) right after each token is produced;
     `generation` is the same object every time, filled in as it goes (text, steps, and at the
     end finish_reason and the KV-cache report). Closing the iterator (a client that went away)
     stops generation at once and frees everything.
 
-    settings: SamplingSettings (temperature <= 0 means greedy; default greedy).
-    seed: the torch.Generator seed for sampled draws (same seed -> same sample).
-    stop: strings that end generation once they appear in the continuation (cut from `text`).
-    eos_token_id: id or ids that end generation (default: the model's generation config and
-      tokenizer EOS); ignore_eos=True never stops early (benchmarks).
-    should_stop: threading.Event or callable; checked before every step (cancellation).
-    attention: after the last step, attach to every step the attention of the query that
-      produced it over its context ([layers, context], averaged over heads).
-    """
-    ids, max_new, settings, seed, stop = _prepare(lm, prompt, token_ids, chat, max_new_tokens, settings,
-                                                  seed, stop, max_prompt_tokens, truncate)
-    stopped = _stopper(should_stop)
-    gen = Generation(model_name=lm.name, prompt=prompt, chat=chat, settings=settings, seed=seed,
-                     max_new_tokens=max_new, stop=stop, prompt_ids=list(ids))
-    room = lm.shape.context_length - len(ids)
-    n_steps = min(max_new, room)
-    dev = lm.device
-    if eos_token_id is not None:
-        eos = {int(e) for e in (eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id])}
-    else:
-        eos = set(eos_ids(lm))
-    if ignore_eos:
-        eos = set()
-    tok = lm.tokenizer
-    k = max(1, min(int(top_k_recorded), lm.shape.vocab_size))
-    all_ids = torch.empty(len(ids) + n_steps, dtype=torch.long, device=dev)
-    all_ids[: len(ids)] = torch.tensor(ids, dtype=torch.long)
-    eng = _engine_for_request(lm, len(ids), n_steps, k)
-    if eng is not None:
-        yield from _iter_engine(lm, eng, gen, ids, n_steps, eos, stop, stopped, k, keep_logits, keep_probs, attention)
-        return
-    use_rp = settings.repetition_penalty != 1.0
-    t_start = time.perf_counter()
-    cache = new_cache(lm)
+    The settings are GenerateRequest's fields, as keywords (max_new_tokens=8, settings=...,
+    seed=..., stop=[...], ...) or as `request=` (keywords then change that request's fields)."""
+    yield from _steps(lm, _start(lm, _request(prompt, request, options)))
+
+
+def generate(lm, prompt: str | None = None, *, on_step: Callable[[Step, Generation], None] | None = None,
+             request: GenerateRequest | None = None, **options) -> Generation:
+    """Generate up to max_new_tokens tokens and return the Generation with every step recorded.
+    Arguments as in iter_generate; on_step(step, gen) is called after each step."""
+    run = _start(lm, _request(prompt, request, options))
+    with closing(_steps(lm, run)) as steps:
+        for step, gen in steps:
+            if on_step is not None:
+                on_step(step, gen)
+    return run.gen
+
+
+def sample_many(lm, prompt: str | None = None, *, seeds=(0, 1, 2, 3, 4), **kwargs) -> list[Generation]:
+    """The same prompt and settings drawn with several seeds (to see how settings change diversity)."""
+    seeds = list(seeds)
+    if not 1 <= len(seeds) <= 16:
+        raise SettingsError("Draw between 1 and 16 samples at a time.")
+    return [generate(lm, prompt, seed=s, **kwargs) for s in seeds]
+
+
+@dataclass
+class _Raw:
+    """One step as a backend produced it: sample_step's packed record and what the cache holds."""
+    index: int
+    packed: torch.Tensor | list[float]
+    seconds: float
+    kv_point: tuple[int, int]  # (tokens cached, bytes) when this step's token was drawn
+    kv_report: Callable[[], dict]  # kv_cache_report of the cache as it is now
+    prefill_seconds: float | None = None  # the first step brings the prompt's forward time
+    logits: torch.Tensor | None = None
+    probs: torch.Tensor | None = None
+    ended: bool = False  # the backend ended the request (the engine, after a cancel)
+
+
+def _steps(lm, run: _Run) -> Iterator[tuple[Step, Generation]]:
+    """The loop both backends share: each raw step becomes a Step, the first reason to end is
+    taken, and the generation is finished exactly once (_finish), before the last yield or, when
+    the consumer stopped or went away, on the way out."""
+    gen, backend, raw = run.gen, None, None
     try:
-        # Inference mode is thread-local and a generator may be resumed on another thread (Gradio
-        # streams through a thread pool), so it is entered per step and never held across a yield.
-        if stopped():
-            gen.finish_reason = "cancelled"
+        if run.stopped():
             return
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            logits = _forward(lm, all_ids[None, : len(ids)], cache)
-        gen.prefill_seconds = time.perf_counter() - t0
-        cur_len = len(ids)
-        overlap = dev.type == "cuda"  # launch the next forward before the record's copy
-        for i in range(n_steps):
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                chosen, packed, final_logits = sample_step(
-                    logits, settings, all_ids[:cur_len] if use_rp else None, (seed, i), k)
-                all_ids[cur_len: cur_len + 1] = chosen
-                cur_len += 1
-                last = i == n_steps - 1
-                step_logits = logits
-                if overlap and not last:
-                    logits = _forward(lm, all_ids[None, cur_len - 1: cur_len], cache)
-                rec = _unpack(packed.cpu(), k, settings)  # the one device->host copy of the step
-                tid = rec["chosen_id"]
-                gen.token_ids.append(tid)
-                is_eos = tid in eos
-                text = tok.decode(gen.token_ids, skip_special_tokens=True)
-                hit = None
-                if stop:
-                    found = [(text.find(s), s) for s in stop if s in text]
-                    if found:
-                        pos, hit = min(found)
-                        text = text[:pos]
-                gen.text = text
-                step = Step(index=i, position=cur_len - 1, seconds=0.0, text_so_far=text, **rec)
-                if keep_logits:
-                    step.logits = step_logits.detach().cpu()
-                if keep_probs:
-                    step.probs = torch.softmax(final_logits, -1).cpu()
-                if is_eos:
-                    gen.finish_reason = "eos"
-                elif hit is not None:
-                    gen.finish_reason, gen.stop_string = "stop_string", hit
-                elif last:
-                    gen.finish_reason = "length" if n_steps == max_new else "context_full"
-                if gen.finish_reason is None and not overlap:
-                    logits = _forward(lm, all_ids[None, cur_len - 1: cur_len], cache)
-                step.seconds = time.perf_counter() - t0
-                gen.steps.append(step)
-                gen.kv_series.append(_cache_size(cache))
-                if gen.finish_reason is None and stopped():
-                    gen.finish_reason = "cancelled"
-                if gen.finish_reason is not None:
-                    gen.kv_cache = kv_cache_report(lm, cache)
-                    gen.seconds = time.perf_counter() - t_start
-                    if attention and gen.steps:
-                        _attach_attention(lm, gen)
+        eng = _engine_for_request(lm, len(gen.prompt_ids), run.n_steps, run.k)
+        backend = _local_steps(lm, run) if eng is None else _engine_steps(eng, lm, run)
+        for raw in backend:
+            step, reason = _record(lm.tokenizer, run, raw)
+            if reason is not None:
+                _finish(lm, run, backend, raw, reason, attach=run.req.attention)
             yield step, gen
-            if gen.finish_reason is not None:
-                return
-            if stopped():  # checked again after the consumer ran (it may have set the flag)
-                gen.finish_reason = "cancelled"
-                gen.kv_cache = kv_cache_report(lm, cache)
-                gen.seconds = time.perf_counter() - t_start
+            if gen.finished or run.stopped():  # checked again after the consumer ran (it may set the flag)
                 return
     finally:
-        if gen.finish_reason is None:
-            gen.finish_reason = "cancelled"
-        gen.seconds = gen.seconds or (time.perf_counter() - t_start)
-        del cache
+        if not gen.finished:
+            _finish(lm, run, backend, raw, "cancelled", attach=False)
 
 
-def _engine_for_request(lm, n_prompt: int, n_steps: int, k: int):
-    """The model's engine if this request can run there (see model_core.engine), else None."""
-    from model_core import engine
+def _record(tok, run: _Run, raw: _Raw) -> tuple[Step, str | None]:
+    """Add one raw step to the Generation: the Step, the text so far, and why generation ends here
+    (None: it goes on)."""
+    gen = run.gen
+    info = _unpack(raw.packed, run.k, gen.settings)
+    gen.token_ids.append(info["chosen_id"])
+    gen.text, hit = _finish_text(tok, gen.token_ids, gen.stop)
+    if raw.prefill_seconds is not None:
+        gen.prefill_seconds = raw.prefill_seconds
+    step = Step(index=raw.index, position=len(gen.prompt_ids) + raw.index, seconds=raw.seconds,
+                text_so_far=gen.text, logits=raw.logits, probs=raw.probs, **info)
+    gen.steps.append(step)
+    gen.kv_series.append(raw.kv_point)
+    if info["chosen_id"] in run.eos:
+        return step, "eos"
+    if hit is not None:
+        gen.stop_string = hit
+        return step, "stop_string"
+    if raw.index == run.n_steps - 1:
+        return step, "length" if run.n_steps == gen.max_new_tokens else "context_full"
+    if raw.ended or run.stopped():
+        return step, "cancelled"
+    return step, None
 
-    if k != engine.RECORDED or not engine.can_use_engine(lm):
-        return None
-    eng = engine.engine_for(lm)
-    if eng.start_error is not None or n_prompt + n_steps > eng.max_len:
-        return None
-    return eng
+
+def _finish(lm, run: _Run, backend, raw: _Raw | None, reason: str, attach: bool) -> None:
+    """End the generation: release the backend (the engine frees the slot), say why, and record the
+    KV-cache report, the wall time and, when asked, each step's attention."""
+    if backend is not None:
+        backend.close()
+    gen = run.gen
+    gen.finish_reason = reason
+    gen.kv_cache = raw.kv_report() if raw is not None else None
+    gen.seconds = time.perf_counter() - run.started
+    if attach and gen.steps:
+        _attach_attention(lm, gen)
 
 
 def _finish_text(tok, token_ids: list[int], stop: list[str]) -> tuple[str, str | None]:
@@ -471,103 +497,83 @@ def _finish_text(tok, token_ids: list[int], stop: list[str]) -> tuple[str, str |
     return text, hit
 
 
-def _iter_engine(lm, eng, gen: Generation, ids, n_steps, eos, stop, stopped, k, keep_logits, keep_probs,
-                 attention) -> Iterator[tuple[Step, Generation]]:
-    """iter_generate on the model's engine: submit, then turn each record into a Step."""
+def _local_steps(lm, run: _Run) -> Iterator[_Raw]:
+    """The request's own forwards with a DynamicCache: the prompt, then per step the newest token's
+    forward, sample_step on the device and one copy of its record to the host. On CUDA the next
+    forward is launched before that copy (the host reads while the device works)."""
+    gen, settings = run.gen, run.gen.settings
+    n_prompt, dev = len(gen.prompt_ids), lm.device
+    ids = torch.empty(n_prompt + run.n_steps, dtype=torch.long, device=dev)
+    ids[:n_prompt] = torch.tensor(gen.prompt_ids, dtype=torch.long)
+    use_rp = settings.repetition_penalty != 1.0
+    overlap = dev.type == "cuda"
+    cache = new_cache(lm)
+    report = partial(kv_cache_report, lm, cache)
+    # Inference mode is thread-local and a generator may be resumed on another thread (Gradio
+    # streams through a thread pool), so it is entered per step and never held across a yield.
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        logits = _forward(lm, ids[None, :n_prompt], cache)
+    prefill = time.perf_counter() - t0
+    for i in range(run.n_steps):
+        t0 = time.perf_counter()
+        n = n_prompt + i  # tokens before this step's
+        with torch.inference_mode():
+            if i and not overlap:  # the previous token, fed only once the consumer asked for more
+                logits = _forward(lm, ids[None, n - 1: n], cache)
+            chosen, packed, final = sample_step(logits, settings, ids[:n] if use_rp else None, (gen.seed, i), run.k)
+            ids[n: n + 1] = chosen
+            kv_point = _cache_size(cache)
+            step_logits = logits
+            if overlap and i < run.n_steps - 1:
+                logits = _forward(lm, ids[None, n: n + 1], cache)
+            raw = _Raw(index=i, packed=packed.cpu(),  # the one device->host copy of the step
+                       seconds=0.0, kv_point=kv_point, kv_report=report, prefill_seconds=prefill if i == 0 else None,
+                       logits=step_logits.detach().cpu() if run.req.keep_logits else None,
+                       probs=torch.softmax(final, -1).cpu() if run.req.keep_probs else None)
+        raw.seconds = time.perf_counter() - t0
+        yield raw
+
+
+def _engine_for_request(lm, n_prompt: int, n_steps: int, k: int):
+    """The model's engine if this request can run there (see model_core.engine), else None."""
+    from model_core import engine
+
+    if k != engine.RECORDED or not engine.can_use_engine(lm):
+        return None
+    eng = engine.engine_for(lm)
+    if eng.start_error is not None or n_prompt + n_steps > eng.max_len:
+        return None
+    return eng
+
+
+def _engine_steps(eng, lm, run: _Run) -> Iterator[_Raw]:
+    """The model's engine: submit, then one record per step from its queue (closing this cancels)."""
     from model_core.engine import EngineRequest
 
-    t_start = time.perf_counter()
-    if stopped():
-        gen.finish_reason = "cancelled"
-        return
-    req = eng.submit(EngineRequest(ids=list(ids), n_steps=n_steps, settings=gen.settings, seed=gen.seed, eos=eos,
-                                   keep_logits=keep_logits, keep_probs=keep_probs))
-    tok = lm.tokenizer
+    gen = run.gen
+    er = eng.submit(EngineRequest(ids=list(gen.prompt_ids), n_steps=run.n_steps, settings=gen.settings, seed=gen.seed,
+                                  eos=run.eos, keep_logits=run.req.keep_logits, keep_probs=run.req.keep_probs))
+    per_token = eng.layer_bytes_per_token
     try:
         while True:
             try:
-                rec = req.out.get(timeout=0.1)
+                rec = er.out.get(timeout=0.1)
             except queue.Empty:
-                if stopped():
-                    req.cancel()
+                if run.stopped():
+                    er.cancel()
                 continue
-            if rec is None:
-                if req.error is not None:
-                    raise req.error
-                gen.finish_reason = gen.finish_reason or "cancelled"
+            if rec is None:  # ended without a record: an error, or a cancel
+                if er.error is not None:
+                    raise er.error
                 return
-            if rec.index == 0:
-                gen.prefill_seconds = (req.first_token_at or time.perf_counter()) - req.submitted
-            info = _unpack(rec.packed, k, gen.settings)
-            gen.token_ids.append(info["chosen_id"])
-            gen.text, hit = _finish_text(tok, gen.token_ids, stop)
-            step = Step(index=rec.index, position=len(ids) + rec.index, seconds=rec.seconds, text_so_far=gen.text,
-                        **info)
-            step.logits, step.probs = rec.logits, rec.probs
-            gen.steps.append(step)
-            # the cache after this step holds the prompt and every token fed back so far
-            gen.kv_series.append((rec.tokens_cached, rec.tokens_cached * sum(eng.layer_bytes_per_token)))
-            if info["chosen_id"] in eos:
-                gen.finish_reason = "eos"
-            elif hit is not None:
-                gen.finish_reason, gen.stop_string = "stop_string", hit
-            elif rec.index == n_steps - 1:
-                gen.finish_reason = "length" if n_steps == gen.max_new_tokens else "context_full"
-            elif rec.last:  # the engine ended it: the consumer cancelled
-                gen.finish_reason = "cancelled"
-            if gen.finish_reason is not None:
-                req.cancel()
-                gen.kv_cache = _kv_report(lm, rec.tokens_cached, eng.layer_bytes_per_token)
-                gen.seconds = time.perf_counter() - t_start
-                if attention and gen.steps:
-                    _attach_attention(lm, gen)
-            yield step, gen
-            if gen.finish_reason is not None:
-                return
-            if stopped():
-                req.cancel()
-                gen.finish_reason = "cancelled"
-                gen.kv_cache = _kv_report(lm, rec.tokens_cached, eng.layer_bytes_per_token)
-                gen.seconds = time.perf_counter() - t_start
-                return
+            n = rec.tokens_cached  # the prompt and every token fed back so far
+            first = (er.first_token_at or time.perf_counter()) - er.submitted if rec.index == 0 else None
+            yield _Raw(index=rec.index, packed=rec.packed, seconds=rec.seconds, kv_point=(n, n * sum(per_token)),
+                       kv_report=partial(_kv_report, lm, n, per_token), prefill_seconds=first,
+                       logits=rec.logits, probs=rec.probs, ended=rec.last)
     finally:
-        req.cancel()
-        if gen.finish_reason is None:
-            gen.finish_reason = "cancelled"
-        gen.seconds = gen.seconds or (time.perf_counter() - t_start)
-
-
-def generate(lm, prompt: str | None = None, *, max_new_tokens: int = 32, settings: SamplingSettings | None = None,
-             seed: int | None = 0, chat: bool = False, stop: list[str] | None = None,
-             should_stop: ShouldStop = None, token_ids=None, attention: bool = False, keep_logits: bool = False,
-             keep_probs: bool = False, ignore_eos: bool = False, top_k_recorded: int = TOP_K_RECORDED,
-             on_step: Callable[[Step, Generation], None] | None = None,
-             max_prompt_tokens: int | None = 1024, truncate: bool = False, eos_token_id=None) -> Generation:
-    """Generate up to max_new_tokens tokens and return the Generation with every step recorded.
-    Arguments as in iter_generate; on_step(step, gen) is called after each step."""
-    gen = None
-    it = iter_generate(lm, prompt, max_new_tokens=max_new_tokens, settings=settings, seed=seed, chat=chat,
-                       stop=stop, should_stop=should_stop, token_ids=token_ids, attention=attention,
-                       keep_logits=keep_logits, keep_probs=keep_probs, ignore_eos=ignore_eos,
-                       top_k_recorded=top_k_recorded, max_prompt_tokens=max_prompt_tokens, truncate=truncate,
-                       eos_token_id=eos_token_id)
-    for step, gen in it:
-        if on_step is not None:
-            on_step(step, gen)
-    if gen is None:  # cancelled before the first step
-        ids, max_new, s, sd, st = _prepare(lm, prompt, token_ids, chat, max_new_tokens, settings, seed, stop,
-                                           max_prompt_tokens, truncate)
-        gen = Generation(model_name=lm.name, prompt=prompt, chat=chat, settings=s, seed=sd, max_new_tokens=max_new,
-                         stop=st, prompt_ids=ids, finish_reason="cancelled")
-    return gen
-
-
-def sample_many(lm, prompt: str | None = None, *, seeds=(0, 1, 2, 3, 4), **kwargs) -> list[Generation]:
-    """The same prompt and settings drawn with several seeds (to see how settings change diversity)."""
-    seeds = list(seeds)
-    if not 1 <= len(seeds) <= 16:
-        raise SettingsError("Draw between 1 and 16 samples at a time.")
-    return [generate(lm, prompt, seed=s, **kwargs) for s in seeds]
+        er.cancel()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -591,20 +597,10 @@ def attention_rows(lm, token_ids, query_positions, layers=None) -> torch.Tensor:
         raise PromptError("Query positions must lie inside the sequence.")
     tr = trace(lm, token_ids=ids, layers=layers, max_tokens=None)
     ad = lm.adapter
-    rows = []
     with torch.inference_mode():
         qp_d = qp.to(tr.device)
-        for l in layers:
-            x = ad.attn_norm(ad.layers[l])(tr.resid_pre[l])
-            q, kk, _ = ad.qkv(l, x, tr.rope.get(l))
-            kk = kk.repeat_interleave(q.shape[0] // kk.shape[0], dim=0)
-            scores = torch.matmul(q[:, qp_d], kk.transpose(-1, -2)) * ad.attention_scale(l)  # [H, Q, T]
-            cap = ad.attn_logit_softcap()
-            if cap:
-                scores = torch.tanh(scores / cap) * cap
-            mask = ad.causal_mask(l, len(ids), tr.device)[qp_d]  # [Q, T]
-            scores = scores.masked_fill(~mask[None], float("-inf"))
-            rows.append(torch.softmax(scores.float(), -1).permute(1, 0, 2))  # [Q, H, T]
+        rows = [ad.attention(l, tr.resid_pre[l], tr.rope.get(l), qp_d).probs.permute(1, 0, 2)  # [Q, H, T]
+                for l in layers]
     return torch.stack(rows, 1).cpu()  # [Q, L, H, T]
 
 
@@ -627,11 +623,6 @@ def _attach_attention(lm, gen: Generation) -> None:
 # ---------------------------------------------------------------------------------------------
 # KV cache accounting
 
-def kv_bytes_formula(n_layers: int, kv_heads: int, head_dim: int, tokens: int, bytes_per_value: int) -> int:
-    """2 (keys and values) x layers x kv_heads x head_dim x tokens x bytes per value."""
-    return 2 * n_layers * kv_heads * head_dim * tokens * bytes_per_value
-
-
 def _layer_windows(lm) -> list[int | None]:
     ad = lm.adapter
     return [ad.sliding_window(l) for l in range(lm.shape.n_layers)]
@@ -645,9 +636,9 @@ def kv_cache_formula(lm, tokens: int, dtype: torch.dtype | None = None) -> dict:
     per_layer = []
     for w in _layer_windows(lm):
         t = tokens if w is None else min(tokens, w - 1)
-        per_layer.append(kv_bytes_formula(1, s.n_kv_heads, s.d_head, t, b))
+        per_layer.append(kv_cache_bytes(1, s.n_kv_heads, s.d_head, t, b))
     return {"tokens": tokens, "bytes_per_value": b, "per_layer": per_layer, "total": sum(per_layer),
-            "bytes_per_token": kv_bytes_formula(s.n_layers, s.n_kv_heads, s.d_head, 1, b),
+            "bytes_per_token": kv_cache_bytes(s.n_layers, s.n_kv_heads, s.d_head, 1, b),
             "expression": f"2 x {s.n_layers} layers x {s.n_kv_heads} kv_heads x {s.d_head} head_dim x "
                           f"{tokens} tokens x {b} B"}
 
@@ -672,29 +663,25 @@ def kv_cache_report(lm, cache) -> dict:
     """Formula next to the measured bytes of the cache's real key/value tensors, per layer."""
     measured, tokens_per_layer = [], []
     for k, v in cache_tensors(cache):
-        if k is None or not torch.is_tensor(k) or k.numel() == 0:
-            measured.append(0)
-            tokens_per_layer.append(0)
-            continue
-        measured.append(k.numel() * k.element_size() + v.numel() * v.element_size())
-        tokens_per_layer.append(int(k.shape[-2]))
+        empty = k is None or not torch.is_tensor(k) or k.numel() == 0
+        measured.append(0 if empty else k.numel() * k.element_size() + v.numel() * v.element_size())
+        tokens_per_layer.append(0 if empty else int(k.shape[-2]))
     tokens = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else max(tokens_per_layer or [0])
     tokens = max([tokens] + [t for t, w in zip(tokens_per_layer, _layer_windows(lm)) if w is None])
+    return _report(lm, tokens, measured, tokens_per_layer)
+
+
+def _kv_report(lm, tokens: int, layer_bytes_per_token: list[int]) -> dict:
+    """kv_cache_report for an engine slot: the bytes `tokens` tokens occupy in the engine's
+    preallocated cache tensors (their shapes and dtype, per layer)."""
+    return _report(lm, tokens, [tokens * b for b in layer_bytes_per_token], [tokens] * len(layer_bytes_per_token))
+
+
+def _report(lm, tokens: int, measured: list[int], tokens_per_layer: list[int]) -> dict:
     f = kv_cache_formula(lm, tokens)
     return {"tokens": tokens, "bytes_per_value": f["bytes_per_value"], "bytes_per_token": f["bytes_per_token"],
             "expression": f["expression"], "formula_per_layer": f["per_layer"], "formula_total": f["total"],
             "measured_per_layer": measured, "measured_total": sum(measured), "tokens_per_layer": tokens_per_layer}
-
-
-def _kv_report(lm, tokens: int, layer_bytes_per_token: list[int]) -> dict:
-    """kv_cache_report for an engine slot: the formula next to the bytes `tokens` tokens occupy in
-    the engine's preallocated cache tensors (their shapes and dtype, per layer)."""
-    f = kv_cache_formula(lm, tokens)
-    measured = [tokens * b for b in layer_bytes_per_token]
-    return {"tokens": tokens, "bytes_per_value": f["bytes_per_value"], "bytes_per_token": f["bytes_per_token"],
-            "expression": f["expression"], "formula_per_layer": f["per_layer"], "formula_total": f["total"],
-            "measured_per_layer": list(measured), "measured_total": sum(measured),
-            "tokens_per_layer": [tokens] * len(measured)}
 
 
 def kv_cache_growth(lm, total_tokens: int, points: int = 32) -> dict:
