@@ -1,0 +1,123 @@
+"""Steering vectors on the real default model (SmolLM2-135M-Instruct, CPU, fp32).
+
+References: the direction against transformers' own `output_hidden_states` (hidden_states[L] is the
+input of block L), the alpha = 0 and layer-isolation checks against the unsteered forward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from model_core.hook_names import act_name
+from model_core.steering import (
+    SteeringError,
+    SteeringPair,
+    alpha_sweep,
+    builtin_pairs,
+    parse_pairs,
+    steering_edits,
+    steering_vector,
+)
+from model_core.trace import trace
+
+LAYER = 6
+
+
+@pytest.fixture(scope="module")
+def love(default_lm):
+    return steering_vector(default_lm, builtin_pairs("love-hate"), LAYER)
+
+
+def test_direction_is_the_mean_difference_of_transformers_hidden_states(default_lm, love):
+    lm = default_lm
+    diffs = []
+    for pair in builtin_pairs("love-hate"):
+        last = []
+        for text in (pair.positive, pair.negative):
+            ids = lm.tokenizer(text, return_tensors="pt").input_ids
+            with torch.no_grad():
+                hs = lm.model(input_ids=ids, output_hidden_states=True).hidden_states
+            last.append(hs[LAYER][0, -1].float())  # the input of block LAYER, last token
+        diffs.append(last[0] - last[1])
+    by_hand = torch.stack(diffs).mean(0)
+    assert love.vector.shape == (lm.shape.d_model,)
+    torch.testing.assert_close(love.vector, by_hand, rtol=1e-5, atol=1e-5)
+    assert love.norm > 1.0  # a real direction, not a zero vector
+
+
+def test_alpha_zero_is_the_unsteered_run_bit_for_bit(default_lm, love):
+    plain = trace(default_lm, "I think that you are")
+    steered = trace(default_lm, "I think that you are", edits=steering_edits(default_lm, love, 0.0))
+    assert torch.equal(plain.next_logits, steered.next_logits)
+
+
+def test_layers_before_the_vector_are_untouched_and_the_layer_moves_by_alpha_v(default_lm, love):
+    alpha = 4.0
+    plain = trace(default_lm, "I think that you are")
+    steered = trace(default_lm, "I think that you are", edits=steering_edits(default_lm, love, alpha))
+    for l in range(LAYER):
+        assert torch.equal(plain.resid_pre[l], steered.resid_pre[l]), l
+        assert torch.equal(plain.attn_out[l], steered.attn_out[l]), l
+        assert torch.equal(plain.mlp_out[l], steered.mlp_out[l]), l
+    moved = steered.resid_pre[LAYER] - plain.resid_pre[LAYER]  # [T, d_model]
+    torch.testing.assert_close(moved, (alpha * love.vector).expand_as(moved), rtol=1e-5, atol=1e-4)
+    assert not torch.equal(plain.next_logits, steered.next_logits)
+
+
+def test_from_position_leaves_earlier_positions_alone(default_lm, love):
+    plain = trace(default_lm, "I think that you are")
+    steered = trace(default_lm, "I think that you are", edits=steering_edits(default_lm, love, 8.0, from_position=3))
+    assert torch.equal(plain.resid_pre[LAYER][:3], steered.resid_pre[LAYER][:3])
+    assert not torch.equal(plain.resid_pre[LAYER][3:], steered.resid_pre[LAYER][3:])
+    assert set(steering_edits(default_lm, love, 1.0)) == {act_name("resid_pre", LAYER)}
+
+
+def test_sweep_kl_grows_with_alpha_and_the_love_direction_shifts_sentiment(default_lm, love):
+    tok = default_lm.tokenizer
+
+    def first_ids(words):
+        return [tok(w, add_special_tokens=False).input_ids[0] for w in words]
+
+    prompt = "Honestly, my neighbours are"
+    kind = first_ids([" wonderful", " great", " lovely"])
+    unkind = first_ids([" terrible", " horrible", " awful"])
+    up = alpha_sweep(default_lm, prompt, love, [0, 2, 4], targets=kind)
+    down = alpha_sweep(default_lm, prompt, love, [0, 4], targets=unkind)
+    assert up[0].kl_from_unsteered == 0.0
+    assert up[0].kl_from_unsteered < up[1].kl_from_unsteered < up[2].kl_from_unsteered
+    # on-target shift, measured (about +1.5 and -2.3 nats at alpha 4 on this model)
+    assert up[2].target_logprob > up[0].target_logprob + 0.5
+    assert down[1].target_logprob < down[0].target_logprob - 0.5
+    assert all(0 < p <= 1 for _, p in up[2].top_tokens)
+
+
+@pytest.mark.parametrize("alpha", [math.nan, math.inf, -1e9, "x", None])
+def test_absurd_alpha_is_one_sentence(default_lm, love, alpha):
+    with pytest.raises(SteeringError, match="alpha must be"):
+        steering_edits(default_lm, love, alpha)
+
+
+def test_bad_layer_one_token_prompt_and_foreign_width_are_refused(default_lm, love):
+    with pytest.raises(SteeringError, match="is one token"):
+        steering_vector(default_lm, [SteeringPair("Love", "Hate")], LAYER)
+    with pytest.raises(SteeringError, match="from 0 to 29"):
+        steering_vector(default_lm, [SteeringPair("a", "b")], 30)
+    from dataclasses import replace
+
+    alien = replace(love, vector=torch.zeros(640))
+    with pytest.raises(SteeringError, match="width 640"):
+        steering_edits(default_lm, alien, 1.0)
+
+
+def test_malformed_pairs_file_is_reported_by_line_number():
+    text = '{"positive": "good", "negative": "bad"}\nnot json\n\n{"positive": "x"}\n[1, 2]\n'
+    with pytest.raises(SteeringError) as e:
+        parse_pairs(text)
+    msg = str(e.value)
+    assert "line 2 is not JSON" in msg and "line 4 needs" in msg and "line 5 is not an object" in msg
+    assert parse_pairs('{"positive": "good", "negative": "bad"}\n') == [SteeringPair("good", "bad")]
+    with pytest.raises(SteeringError, match="no pairs"):
+        parse_pairs("\n\n")
