@@ -90,18 +90,23 @@ def split_docs(text: str) -> list[str]:
     return [d.strip("\n") for d in text.split("\n\n") if d.strip()]
 
 
+def first_bytes(docs: list[str], max_bytes: int | None) -> list[str]:
+    """The leading documents up to max_bytes of UTF-8 in all (at least one; all when None)."""
+    if not max_bytes:
+        return docs
+    out, n = [], 0
+    for d in docs:
+        n += len(d.encode())
+        if n > max_bytes and out:
+            break
+        out.append(d)
+    return out
+
+
 def builtin_docs(split: str = "train", max_bytes: int | None = None) -> list[str]:
     path = build_builtin() / f"{split}.jsonl"
     docs = [json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines() if line]
-    if max_bytes:
-        out, n = [], 0
-        for d in docs:
-            n += len(d.encode())
-            if n > max_bytes and out:
-                break
-            out.append(d)
-        docs = out
-    return docs
+    return first_bytes(docs, max_bytes)
 
 
 def check_upload(path: str | os.PathLike) -> str:
