@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_core.adapters import Adapter, adapter_for, apply_rope
+from model_core.adapters import adapter_for, apply_rope, kv_cache_bytes
 from model_core.errors import PromptError
 from model_core.tokenization import describe_tokens
 
@@ -88,48 +88,44 @@ def _activation_label(act: str) -> str:
 # Architecture card
 
 
-def kv_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, n_tokens: int = 1,
-                   bytes_per_value: int = 2) -> int:
-    """2 (K and V) x layers x kv_heads x head_dim x tokens x bytes per value."""
-    return 2 * n_layers * n_kv_heads * head_dim * n_tokens * bytes_per_value
-
-
-def param_counts(lm_or_model) -> "OrderedDict[str, int]":
-    """Parameters by part, from the real tensors (tied weights counted once, like
-    model.parameters()). Parts: embedding (token + learned positions), attention (Q, K, V, O
-    and their biases), mlp, norms (every norm incl. QK-norm and the final norm), unembedding
-    (only when untied), other (should be 0). Sums to the model's parameter count."""
-    model, ad = _unwrap(lm_or_model)
-    parts = OrderedDict((k, 0) for k in ("embedding", "attention", "mlp", "norms", "unembedding", "other"))
+def count_by_part(model: nn.Module, unembed: nn.Module, groups: dict[str, set[int]],
+                  parts: tuple[str, ...]) -> "OrderedDict[str, int]":
+    """Parameters by part, each tensor once (tied weights counted once, like model.parameters()):
+    embeddings, norms (every norm, wherever it sits), the unembedding (only when untied), then the
+    first of `groups` (part -> ids of its parameters, in order) that holds the tensor, else other.
+    `parts` lists every part in the order the result keeps; "total" is added."""
+    out = OrderedDict((k, 0) for k in parts)
     seen: set[int] = set()
-    unembed = ad.unembed
-    attn_ids, mlp_ids = set(), set()
-    for layer in ad.layers:
-        attn = getattr(layer, "self_attn", None) or getattr(layer, "attn", None)
-        for m in attn.modules():
-            attn_ids.add(id(m))
-        for m in layer.mlp.modules():
-            mlp_ids.add(id(m))
-    for _name, module in model.named_modules():
+    for module in model.modules():
         for p in module.parameters(recurse=False):
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            n = p.numel()
             if isinstance(module, nn.Embedding):
-                parts["embedding"] += n
+                part = "embedding"
             elif _is_norm(module):
-                parts["norms"] += n
+                part = "norms"
             elif module is unembed:
-                parts["unembedding"] += n
-            elif id(module) in attn_ids:
-                parts["attention"] += n
-            elif id(module) in mlp_ids:
-                parts["mlp"] += n
+                part = "unembedding"
             else:
-                parts["other"] += n
-    parts["total"] = sum(parts.values())
-    return parts
+                part = next((name for name, ids in groups.items() if id(p) in ids), "other")
+            out[part] += p.numel()
+    out["total"] = sum(out.values())
+    return out
+
+
+def param_counts(lm_or_model) -> "OrderedDict[str, int]":
+    """Parameters by part, from the real tensors (count_by_part): embedding (token + learned
+    positions), attention (Q, K, V, O and their biases), mlp, norms (every norm incl. QK-norm and the
+    final norm), unembedding (only when untied), other (should be 0). Sums to the model's count."""
+    model, ad = _unwrap(lm_or_model)
+    attn_ids, mlp_ids = set(), set()
+    for layer in ad.layers:
+        attn = getattr(layer, "self_attn", None) or getattr(layer, "attn", None)
+        attn_ids |= {id(p) for p in attn.parameters()}
+        mlp_ids |= {id(p) for p in layer.mlp.parameters()}
+    return count_by_part(model, ad.unembed, {"attention": attn_ids, "mlp": mlp_ids},
+                         ("embedding", "attention", "mlp", "norms", "unembedding", "other"))
 
 
 def rope_thetas(config) -> dict[str, float]:

@@ -12,13 +12,15 @@ and compared with what was computed, each difference with its reason.
 
 The decoder guide's comparison table (the text lmscope is built from) is not on disk; its claims
 are encoded as issue 21 quotes them (the table errors it names) and labelled "table (as quoted in
-issue 21)". Published numbers come with their source (paper, model card, config.json).
+issue 21)". Published numbers come with their source (paper, model card, config.json). The
+references themselves (configs, claims, caveats) are data: reference_cards.json beside this file.
 
 Pure PyTorch + transformers; no gradio.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
@@ -30,11 +32,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from model_core.anatomy import _act_name, _activation_label, _is_norm, _linear_out_features, norm_kind, rope_thetas
+from model_core.anatomy import (
+    _act_name,
+    _activation_label,
+    _is_norm,
+    _linear_out_features,
+    count_by_part,
+    norm_kind,
+    rope_thetas,
+)
 from model_core.errors import ModelLoadError
 
 FP16 = 2  # bytes per cached value in the cards' KV numbers
-TABLE = "table (as quoted in issue 21)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -63,130 +72,18 @@ class Reference:
     notes: tuple = ()  # caveats about the configuration itself (values not confirmed by a source)
 
 
-_GPT2_PRENORM = ("GPT-2 moved LayerNorm to the input of each sub-block and added a final LayerNorm after the "
-                 "last block (Radford et al. 2019, §2.3): ln_1 reads the block's input before attention, ln_2 "
-                 "before the MLP, and the residual stream itself is never normalised.")
+def _load_references(path: Path) -> "OrderedDict[str, Reference]":
+    """The references as published: reference_cards.json (each one's config.json values or a paper's
+    numbers, its sources' claims and caveats), one Reference per entry, in the file's order."""
+    refs = OrderedDict()
+    for r in json.loads(path.read_text(encoding="utf-8"))["references"]:
+        refs[r["name"]] = Reference(name=r["name"], title=r["title"], config_class=r["config_class"],
+                                    config=r["config"], source=r["source"],
+                                    claims=tuple(Claim(**c) for c in r["claims"]), notes=tuple(r.get("notes", ())))
+    return refs
 
-REFERENCES: "OrderedDict[str, Reference]" = OrderedDict((r.name, r) for r in [
-    Reference(
-        name="llama-3.2-1b", title="Llama 3.2-1B", config_class="LlamaConfig",
-        source="meta-llama/Llama-3.2-1B config.json (Hugging Face); Llama 3.2 model card",
-        config=dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                    num_attention_heads=32, num_key_value_heads=8, head_dim=64, hidden_act="silu",
-                    max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True,
-                    attention_bias=False, mlp_bias=False, rope_theta=500000.0,
-                    rope_scaling={"rope_type": "llama3", "factor": 32.0, "high_freq_factor": 4.0,
-                                  "low_freq_factor": 1.0, "original_max_position_embeddings": 8192},
-                    bos_token_id=128000, eos_token_id=128001),
-        claims=(
-            Claim("params", "1B", TABLE),
-            Claim("params", "1.23B", "model card"),
-            Claim("max_context", "128K", "model card"),
-        )),
-    Reference(
-        name="gpt2", title="GPT-2 (124M)", config_class="GPT2Config",
-        source="openai-community/gpt2 config.json (Hugging Face); Radford et al. 2019",
-        config=dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
-                    activation_function="gelu_new", layer_norm_epsilon=1e-5, bos_token_id=50256,
-                    eos_token_id=50256),
-        claims=(
-            Claim("params", "124M", TABLE),
-            Claim("norm_position", "post-norm", TABLE, _GPT2_PRENORM),
-            Claim("params", "117M", "paper (Radford et al. 2019, Table 2)",
-                  "The paper's Table 2 says 117M for the smallest model; the released weights hold "
-                  "124,439,808 and OpenAI's gpt-2 repository later renamed the model from 117M to 124M."),
-            Claim("norm_position", "pre-norm", "paper (Radford et al. 2019, §2.3)"),
-            Claim("vocab", 50257, "paper (Radford et al. 2019, §2.2)"),
-            Claim("max_context", 1024, "paper (Radford et al. 2019, §2.3)"),
-        )),
-    Reference(
-        name="gpt3-175b", title="GPT-3 175B", config_class="GPT2Config",
-        source="Brown et al. 2020 (Table 2.1: 96 layers, d_model 12,288, 96 heads of 128; n_ctx 2,048; "
-               "d_ff = 4·d_model; GPT-2's architecture and tokenizer), built as a GPT-2 configuration",
-        config=dict(vocab_size=50257, n_positions=2048, n_embd=12288, n_layer=96, n_head=96,
-                    n_inner=4 * 12288, activation_function="gelu_new", layer_norm_epsilon=1e-5,
-                    bos_token_id=50256, eos_token_id=50256),
-        claims=(
-            Claim("params", "175B", TABLE),
-            Claim("vocab", "100K", TABLE,
-                  "GPT-3 uses GPT-2's byte-level BPE vocabulary of 50,257 tokens (Brown et al. 2020, §2.1: "
-                  "the same model and architecture as GPT-2, including its reversible tokenization); "
-                  "about 100K is the size of the later cl100k_base encoding (GPT-3.5/GPT-4)."),
-            Claim("max_context", None, TABLE,
-                  "GPT-3's context window is n_ctx = 2,048 tokens for every model size (Brown et al. 2020, §2.1)."),
-            Claim("params", "175B", "paper (Brown et al. 2020, abstract)"),
-            Claim("norm_position", "pre-norm", "paper (Brown et al. 2020, §2.1: GPT-2's pre-normalization)"),
-            Claim("max_context", 2048, "paper (Brown et al. 2020, §2.1)"),
-            Claim("attention", "dense and locally banded sparse, alternating", "paper (Brown et al. 2020, §2.1)",
-                  "GPT-2's configuration has no banded sparse layers (the band width is not published), so "
-                  "every layer is computed dense here; the parameter count and KV bytes per token do not "
-                  "change, but banded layers would only need to cache the band."),
-        )),
-    Reference(
-        name="mistral-7b", title="Mistral 7B", config_class="MistralConfig",
-        source="mistralai/Mistral-7B-v0.1 config.json (Hugging Face); Jiang et al. 2023, Table 1",
-        config=dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_act="silu",
-                    max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=10000.0,
-                    sliding_window=4096, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
-        claims=(
-            Claim("params", "7B", TABLE),
-            Claim("sliding_window", 4096, "paper (Jiang et al. 2023, Table 1)"),
-            Claim("kv_heads", 8, "paper (Jiang et al. 2023, Table 1)"),
-            Claim("max_context", 8192, "paper (Jiang et al. 2023, Table 1: context_len)",
-                  "The paper trains with an 8,192-token context; the released config.json allows 32,768 "
-                  "positions (max_position_embeddings), and the 4,096-token window means each layer "
-                  "attends to at most 4,096 of them."),
-        )),
-    Reference(
-        name="deepseek-v2", title="DeepSeek-V2", config_class="DeepseekV2Config",
-        source="deepseek-ai/DeepSeek-V2 config.json (Hugging Face); DeepSeek-AI 2024 (arXiv 2405.04434)",
-        config=dict(vocab_size=102400, hidden_size=5120, intermediate_size=12288, moe_intermediate_size=1536,
-                    num_hidden_layers=60, num_attention_heads=128, num_key_value_heads=128,
-                    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-                    v_head_dim=128, n_routed_experts=160, n_shared_experts=2, num_experts_per_tok=6,
-                    first_k_dense_replace=1, n_group=8, topk_group=3, topk_method="group_limited_greedy",
-                    routed_scaling_factor=16.0, norm_topk_prob=False, hidden_act="silu",
-                    max_position_embeddings=163840, rms_norm_eps=1e-6, rope_theta=10000,
-                    rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-                                  "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
-                    attention_bias=False, tie_word_embeddings=False, bos_token_id=100000, eos_token_id=100001),
-        claims=(
-            Claim("params", "236B", TABLE),
-            Claim("params", "236B", "paper (DeepSeek-AI 2024, abstract)"),
-            Claim("active_params", "21B", "paper (DeepSeek-AI 2024, abstract)"),
-            Claim("attention", "MLA", "paper (DeepSeek-AI 2024, §2.1)"),
-            Claim("kv_bytes_per_token", (512 + 64) * 60 * FP16,
-                  "paper (DeepSeek-AI 2024, §2.1.4: (d_c + d_h^R)·l elements per token, d_c = 512, "
-                  "d_h^R = 64, 60 layers)"),
-            Claim("max_context", "128K", "paper (DeepSeek-AI 2024, abstract)",
-                  "config.json allows 163,840 positions: YaRN scaling by 40 × the 4,096 pre-training "
-                  "positions; the paper extends and evaluates the context to 128K."),
-        )),
-    Reference(
-        name="granite-3b", title="Granite 3B (4.1)", config_class="GraniteConfig",
-        source="ibm-granite/granite-4.1-3b-base: IBM's model disclosure (GraniteForCausalLM, 40 layers, 40 heads "
-               "of 64, 8 KV heads, RoPE, 3,402,836,480 parameters) and the Granite 4.1 blog (d_model 2,560, "
-               "SwiGLU MLP 8,192, RMSNorm, shared input/output embeddings)",
-        config=dict(vocab_size=100352, hidden_size=2560, intermediate_size=8192, num_hidden_layers=40,
-                    num_attention_heads=40, num_key_value_heads=8, hidden_act="silu",
-                    max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True,
-                    attention_bias=False, mlp_bias=False),
-        claims=(
-            Claim("params", "3B", TABLE),
-            Claim("params", 3402836480, "IBM disclosure (granite_4.1_3b_base_disclosure.json)"),
-            Claim("layers", 40, "IBM disclosure"),
-            Claim("q_heads", 40, "IBM disclosure"),
-            Claim("kv_heads", 8, "IBM disclosure"),
-            Claim("tied", True, "Granite 4.1 blog (shared input/output embeddings)"),
-        ),
-        notes=("vocab_size 100,352 is not stated in the sources at hand: it is the one value that, with the "
-               "published shapes, gives IBM's published parameter count exactly.",
-               "max_position_embeddings 131,072 and RoPE θ (GraniteConfig's default) are not confirmed "
-               "against the model's config.json; IBM says long-context training reached 512K tokens.",
-               "Granite's scaling multipliers (embedding, attention, residual, logits) change no shape and "
-               "are left at 1.")),
-])
+
+REFERENCES: "OrderedDict[str, Reference]" = _load_references(Path(__file__).with_name("reference_cards.json"))
 
 ALIASES = {"gpt2-small (config only)": "gpt2", "gpt-2": "gpt2", "gpt3": "gpt3-175b", "mistral": "mistral-7b",
            "llama-3.2-1B": "llama-3.2-1b", "deepseek-v2-236b": "deepseek-v2", "granite": "granite-3b"}
@@ -289,8 +186,6 @@ def param_parts(model: nn.Module) -> "OrderedDict[str, int]":
     (token + learned positions), attention, mlp (dense MLPs and MoE shared experts), experts (MoE
     routed experts + router), norms (every norm, incl. those inside attention), unembedding (only
     when untied), other. Sums to the model's parameter count."""
-    parts = OrderedDict((k, 0) for k in PARTS)
-    unembed = model.get_output_embeddings()
     attn_ids, mlp_ids, expert_ids = set(), set(), set()
     for layer in find_layers(model):
         _, attn = _child(layer, ATTN_NAMES)
@@ -302,29 +197,8 @@ def param_parts(model: nn.Module) -> "OrderedDict[str, int]":
             ex = _experts(mlp)
             if ex is not None:
                 expert_ids |= {id(p) for p in ex.parameters()} | _router_ids(mlp)
-    seen: set[int] = set()
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            n = p.numel()
-            if isinstance(module, nn.Embedding):
-                parts["embedding"] += n
-            elif _is_norm(module):
-                parts["norms"] += n
-            elif module is unembed:
-                parts["unembedding"] += n
-            elif id(p) in expert_ids:
-                parts["experts"] += n
-            elif id(p) in attn_ids:
-                parts["attention"] += n
-            elif id(p) in mlp_ids:
-                parts["mlp"] += n
-            else:
-                parts["other"] += n
-    parts["total"] = sum(parts.values())
-    return parts
+    return count_by_part(model, model.get_output_embeddings(),
+                         {"experts": expert_ids, "attention": attn_ids, "mlp": mlp_ids}, PARTS)
 
 
 # ---------------------------------------------------------------------------------------------
