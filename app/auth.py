@@ -17,17 +17,8 @@ LMSCOPE_LOGIN_MAX_FAILURES failures for one user name, or LMSCOPE_LOGIN_MAX_FAIL
 one client address, each less than LMSCOPE_LOGIN_WINDOW_S after the previous one, further attempts
 are refused without checking the password (HTTP 429 and a sentence saying how long to wait) for
 LMSCOPE_LOGIN_LOCK_S, then twice that after the next failure, and so on up to LMSCOPE_LOGIN_MAX_LOCK_S.
-A successful sign-in clears its user name's count (not its address's). These are read from the
-environment when the server starts (module constants, not part of app.settings):
-
-| Variable | Default | Meaning |
-|---|---|---|
-| LMSCOPE_LOGIN_MAX_FAILURES | 5 | Failures per user name before it is locked. |
-| LMSCOPE_LOGIN_MAX_FAILURES_PER_ADDRESS | 20 | Failures per client address before it is locked. |
-| LMSCOPE_LOGIN_WINDOW_S | 900 | A count is forgotten this long after its last failure. |
-| LMSCOPE_LOGIN_LOCK_S | 1 | First lock; each further failure doubles it. |
-| LMSCOPE_LOGIN_MAX_LOCK_S | 300 | Longest lock. |
-| LMSCOPE_LOGIN_MAX_KEYS | 10000 | User names + addresses remembered at most (oldest forgotten first). |
+A successful sign-in clears its user name's count (not its address's). These six settings are
+part of model_core.settings.Settings (`login_*`), read and checked with every other one at start.
 """
 
 from __future__ import annotations
@@ -172,17 +163,6 @@ def async_authenticator(settings):
 
 # ----------------------------------------------------------------------------- throttle
 
-def _env_num(environ, name: str, default: float, cast=float) -> float:
-    raw = (environ.get(name) or "").strip()
-    if not raw:
-        return default
-    try:
-        v = cast(raw)
-    except ValueError:
-        return default
-    return v if v > 0 else default
-
-
 def _wait_text(seconds: float) -> str:
     s = max(1, math.ceil(seconds))
     return f"{s} s" if s < 120 else f"{math.ceil(s / 60)} min"
@@ -217,14 +197,19 @@ class LoginThrottle:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_env(cls, environ=None, **kw) -> LoginThrottle:
-        env = os.environ if environ is None else environ
-        return cls(max_failures=_env_num(env, "LMSCOPE_LOGIN_MAX_FAILURES", 5, int),
-                   max_failures_per_address=_env_num(env, "LMSCOPE_LOGIN_MAX_FAILURES_PER_ADDRESS", 20, int),
-                   window_s=_env_num(env, "LMSCOPE_LOGIN_WINDOW_S", 900.0),
-                   lock_s=_env_num(env, "LMSCOPE_LOGIN_LOCK_S", 1.0),
-                   max_lock_s=_env_num(env, "LMSCOPE_LOGIN_MAX_LOCK_S", 300.0),
-                   max_keys=_env_num(env, "LMSCOPE_LOGIN_MAX_KEYS", 10_000, int), **kw)
+    def from_settings(cls, settings, **kw) -> LoginThrottle:
+        """From a model_core.settings.Settings' login_* values (LMSCOPE_LOGIN_*)."""
+        return cls(max_failures=settings.login_max_failures,
+                   max_failures_per_address=settings.login_max_failures_per_address,
+                   window_s=settings.login_window_s, lock_s=settings.login_lock_s,
+                   max_lock_s=settings.login_max_lock_s, max_keys=settings.login_max_keys, **kw)
+
+    @classmethod
+    def from_env(cls, environ, **kw) -> LoginThrottle:
+        """From LMSCOPE_LOGIN_* in the mapping `environ`; SettingsError for a bad value."""
+        from model_core.settings import Settings
+
+        return cls.from_settings(Settings.from_env(environ, check_files=False), **kw)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -317,12 +302,17 @@ _shared: LoginThrottle | None = None
 _shared_lock = threading.Lock()
 
 
-def shared_throttle() -> LoginThrottle:
-    """The process's throttle (settings from the environment), shared by /login and /metrics."""
+def shared_throttle(settings=None) -> LoginThrottle:
+    """The process's throttle, shared by /login and /metrics: made on first use from `settings`
+    (None: model_core.settings.current())."""
     global _shared
     with _shared_lock:
         if _shared is None:
-            _shared = LoginThrottle.from_env()
+            if settings is None:
+                from model_core.settings import current
+
+                settings = current()
+            _shared = LoginThrottle.from_settings(settings)
         return _shared
 
 
@@ -429,7 +419,8 @@ class LoginThrottleMiddleware:
 def install_login_throttle(api, settings, throttle: LoginThrottle | None = None) -> None:
     """Throttle failed sign-ins on POST /login of this FastAPI app (nothing when sign-in is off)."""
     if settings.auth_on:
-        api.add_middleware(LoginThrottleMiddleware, throttle=throttle)
+        api.add_middleware(LoginThrottleMiddleware, throttle=throttle if throttle is not None
+                           else shared_throttle(settings))
 
 
 def bearer_ok(settings, header: str | None, client: str | None = None, throttle: LoginThrottle | None = None) -> bool:
@@ -467,9 +458,17 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("add-user", help="add or replace a user; the password is read from stdin")
     a.add_argument("name")
-    a.add_argument("--file", default=os.environ.get("LMSCOPE_USERS_FILE") or "users.txt")
+    a.add_argument("--file", default=None, help="the users file (default: LMSCOPE_USERS_FILE, else users.txt)")
     a.add_argument("--iterations", type=int, default=ITERATIONS)
     args = ap.parse_args(argv)
+    if args.file is None:
+        from model_core.settings import Settings, SettingsError
+
+        try:
+            args.file = str(Settings.from_env(check_files=False).users_file or "users.txt")
+        except SettingsError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     password = sys.stdin.readline().rstrip("\r\n")
     try:
         write_user(args.file, args.name, password, args.iterations)

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 
 import gradio as gr
 
+from model_core.settings import Settings, current as current_settings
 from model_core.errors import LmscopeError
-from model_core.registry import DEFAULT_MODEL, LoadedModel, load_model
+from model_core.registry import LoadedModel, load_model
 
 
 @dataclass
@@ -27,15 +28,21 @@ class Shared:
     pickers: list = field(default_factory=list)
 
 
+def settings() -> Settings:
+    """This server's settings (model_core.settings.current(): read once, again only when the
+    environment changed)."""
+    return current_settings()
+
+
 def allowed_models() -> list[str] | None:
     """LMSCOPE_ALLOWED_MODELS (comma-separated) restricts what the server loads; None = registry,
     fine-tuned models and local paths given on the server's command line."""
-    raw = os.environ.get("LMSCOPE_ALLOWED_MODELS", "").strip()
-    return [m.strip() for m in raw.split(",") if m.strip()] or None
+    allowed = settings().allowed_models
+    return list(allowed) if allowed else None
 
 
 def default_model() -> str:
-    return os.environ.get("LMSCOPE_DEFAULT_MODEL", DEFAULT_MODEL)
+    return settings().default_model
 
 
 MAX_MODEL_NAME = 200
@@ -52,8 +59,9 @@ def get_model(name: str) -> LoadedModel:
     allowed = allowed_models()
     if allowed is not None and name not in allowed:
         raise gr.Error(f"Model '{echo(name)}' is not enabled on this server.")
+    s = settings()
     try:
-        return load_model(name, allow_paths=False, allow_hub=False)
+        return load_model(name, device=s.device, dtype=s.dtype, allow_paths=False, allow_hub=False)
     except LmscopeError as e:
         raise gr.Error(one_sentence(e)) from None
 
@@ -80,15 +88,8 @@ MAX_LIST_ITEMS = 4096  # multiselect values, uploaded files, ...
 ECHO_CHARS = 60  # a value quoted back in an error message is cut to this
 
 
-def _env_int(name: str, default: int) -> int:
-    try:
-        return max(1, int(os.environ.get(name, "") or default))
-    except ValueError:
-        return default
-
-
 def max_prompt_tokens() -> int:
-    return _env_int("LMSCOPE_MAX_PROMPT_TOKENS", 1024)
+    return settings().max_prompt_tokens
 
 
 def max_text_chars() -> int:
@@ -97,11 +98,11 @@ def max_text_chars() -> int:
 
 def generate_concurrency() -> int:
     """Generations streaming at once (their decode steps are batched together, so many are cheap)."""
-    return _env_int("LMSCOPE_GENERATE_CONCURRENCY", 16)
+    return settings().generate_concurrency
 
 
 def auth_on() -> bool:
-    return (os.environ.get("LMSCOPE_AUTH") or "off").strip().lower() not in ("", "off")
+    return settings().auth_on
 
 
 def signed_in_user(request: gr.Request | None) -> str | None:
@@ -109,36 +110,34 @@ def signed_in_user(request: gr.Request | None) -> str | None:
     return getattr(request, "username", None) or None if request is not None else None
 
 
-def job_owner(request: gr.Request | None) -> str:
-    """Whose name a new job is recorded under."""
-    if request is None:
-        return LOCAL
+def who(request: gr.Request | None) -> str | None:
+    """Who is asking, the one answer every other question here builds on: the signed-in user's
+    name; None when there is no identity (sign-in off, or no request: a direct Python call). With
+    sign-in on a request without a user cannot come through Gradio's sign-in: refused, not guessed."""
     user = signed_in_user(request)
-    if user:
-        return user
-    if auth_on():  # cannot happen through Gradio's sign-in; refuse rather than guess
+    if user is None and request is not None and auth_on():
         raise gr.Error("Sign in first.")
-    return ANONYMOUS
+    return user
+
+
+def job_owner(request: gr.Request | None) -> str:
+    """Whose name a new job is recorded under: the user; `local` for a direct Python call,
+    `anonymous` for every browser with sign-in off."""
+    return who(request) or (LOCAL if request is None else ANONYMOUS)
 
 
 def job_viewer(request: gr.Request | None) -> str | None:
     """The owner every job read, cancel and download is checked against: the signed-in user; None
     (everyone's jobs) with sign-in off, where there is no identity to check."""
-    if request is None:
-        return None
-    user = signed_in_user(request)
-    if user:
-        return user
-    if auth_on():
-        raise gr.Error("Sign in first.")
-    return None
+    return who(request)
 
 
 def user_key(request: gr.Request | None) -> str:
-    """Whose request slots a request uses: the signed-in name, else the browser session."""
+    """Whose request slots a request uses: the signed-in name, else the browser session (sign-in
+    off: a per-tab guess, the best there is)."""
     if request is None:
         return LOCAL
-    return signed_in_user(request) or getattr(request, "session_hash", None) or ANONYMOUS
+    return who(request) or getattr(request, "session_hash", None) or ANONYMOUS
 
 
 def echo(value, limit: int = ECHO_CHARS) -> str:
@@ -159,7 +158,7 @@ def user_slot(request: gr.Request | None, wait_s: float | None = None):
     """Hold one of the user's LMSCOPE_MAX_CONCURRENT_PER_USER model slots (released on return, on
     error, and when a streaming client goes away). A request that finds them all taken waits up to
     `wait_s` for one, then gets one sentence."""
-    key, limit = user_key(request), _env_int("LMSCOPE_MAX_CONCURRENT_PER_USER", 2)
+    key, limit = user_key(request), settings().max_concurrent_per_user
     wait_s = SLOT_WAIT_S if wait_s is None else wait_s
     with _RUNNING_LOCK:
         if not _RUNNING_LOCK.wait_for(lambda: _RUNNING.get(key, 0) < limit, timeout=wait_s):

@@ -7,7 +7,8 @@ then the Gradio app mounted on a FastAPI app that also answers the operator's en
                    trace cache size. With sign-in on it needs `Authorization: Bearer <token>`
                    (LMSCOPE_AUTH_TOKEN, or `user:password` of a users-file user).
 
-Configuration: app.settings.Settings (environment variables; see that module's table).
+Configuration: model_core.settings.Settings (environment variables; see that module's table), read
+once by app/cli.py and passed to serve().
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ from pathlib import Path
 
 from fastapi import Request  # module level: FastAPI resolves the route's annotation by name
 
-from model_core.registry import DEFAULT_MODEL
-
 STATIC = Path(__file__).resolve().parent.parent / "static"
 STARTED = time.time()
 
@@ -30,23 +29,13 @@ def metrics(settings) -> dict:
     """What an operator needs to see at a glance; every part degrades to an 'error' field."""
     out: dict = {"uptime_s": round(time.time() - STARTED, 1), "auth": settings.auth}
     try:
-        import redis
+        from tasks import celery_app, store
 
-        from tasks import celery_app, config, store
-
-        r = redis.Redis.from_url(config.redis_url(), socket_timeout=1, socket_connect_timeout=1)
-        queue = getattr(celery_app, "QUEUE", "lmscope")
-        by_state: dict[str, int] = {}
-        for jid in r.zrange(config.KEY_PREFIX + "jobs", -1000, -1):
-            raw = r.get(config.KEY_PREFIX + "job:" + (jid.decode() if isinstance(jid, bytes) else jid))
-            if raw:
-                import json
-
-                st = json.loads(raw).get("state", "unknown")
-                by_state[st] = by_state.get(st, 0) + 1
-        out["jobs"] = {"redis": "ok", "queue_length": int(r.llen(queue)), "by_state": by_state,
-                       "active": int(r.scard(config.KEY_PREFIX + "jobs:active")),
-                       "live_workers": store.live_workers(r)}
+        r = store.probe_client(timeout=1.0)
+        try:
+            out["jobs"] = {"redis": "ok", **store.overview(r, queue=celery_app.QUEUE)}
+        finally:
+            r.close()
     except Exception as e:  # noqa: BLE001 - the operator wants to see that Redis is down, not a 500
         out["jobs"] = {"redis": "unreachable", "error": str(e).splitlines()[0] if str(e) else type(e).__name__}
     try:
@@ -62,7 +51,7 @@ def metrics(settings) -> dict:
         out["models"] = [{"name": lm.name, "device": str(lm.device), "dtype": str(lm.dtype).replace("torch.", ""),
                           "source": lm.source, "load_seconds": round(lm.load_seconds, 2), "batching": stats_for(lm),
                           "engine": engine_stats(lm)}
-                         for lm in list(registry._LOADED.values())]
+                         for lm in registry.loaded_models()]
     except Exception as e:  # noqa: BLE001
         out["models"] = {"error": str(e)}
     try:
@@ -97,8 +86,8 @@ def build_app(settings=None):
 
     from app import auth
     from app.api import limit_queue_share
-    from app.settings import Settings
     from app.ui import HEAD_JS, build_demo
+    from model_core.settings import Settings
 
     settings = settings or Settings.from_env()
     api = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
@@ -112,17 +101,12 @@ def build_app(settings=None):
         is live; else {"status": "degraded", "down": {part: one sentence}}. Still HTTP 200 either
         way: this web app itself is up and serving, which is what a load balancer asks. Fast: 0.5 s
         timeouts, no retries. The sentences name no URL, password or path."""
-        import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-
         from tasks import config, store
 
         url = config.redis_url()
         r = health_clients.get(url)
         if r is None:
-            r = health_clients[url] = redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5,
-                                                           retry=Retry(NoBackoff(), 0))
+            r = health_clients[url] = store.probe_client(url, timeout=0.5)
         down = {}
         try:
             r.ping()
@@ -242,7 +226,7 @@ def model_zip(name: str) -> str | None:
     return tmp
 
 
-def _preload(name: str) -> None:
+def _preload(name: str, device: str | None = None, dtype: str | None = None) -> None:
     """Load the default model in the background while the server starts, so the first visitor does
     not pay the ~2 s of importing transformers' model code and reading the weights."""
     import threading
@@ -252,32 +236,33 @@ def _preload(name: str) -> None:
         from model_core.errors import LmscopeError
 
         try:
-            load_model(name, allow_paths=False, allow_hub=False)
+            load_model(name, device=device, dtype=dtype, allow_paths=False, allow_hub=False)
         except LmscopeError as e:  # the page will show the same sentence when it asks
             print(f"lmscope: default model not preloaded: {e}", file=sys.stderr, flush=True)
 
     threading.Thread(target=load, name="lmscope-preload", daemon=True).start()
 
 
-def serve(host: str = "127.0.0.1", port: int = 7860, embedded_services: bool = True) -> None:
-    from app.settings import Settings, SettingsError
-    from model_core import paths
+def serve(settings=None, host: str = "127.0.0.1", port: int = 7860, embedded_services: bool = True) -> None:
+    """settings: the model_core.settings.Settings app/cli.py read at start (None: read them here)."""
+    from model_core.settings import Settings, SettingsError
 
-    try:
-        settings = Settings.from_env()
-    except SettingsError as e:
-        print(f"lmscope: bad configuration: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+    if settings is None:
+        try:
+            settings = Settings.from_env()
+        except SettingsError as e:
+            print(f"lmscope: bad configuration: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
     services = None
     if embedded_services and importlib.util.find_spec("tasks.services") is not None:
         from tasks.services import ensure_services
 
-        services = ensure_services(paths.data_dir())
+        services = ensure_services(settings.data_dir, settings=settings)
     try:
         import uvicorn
 
         app, _ = build_app(settings)
-        _preload(settings.default_model or DEFAULT_MODEL)
+        _preload(settings.default_model, settings.device, settings.dtype)
         print(f"lmscope: serving on http://{host}:{port} (sign-in: {settings.auth})", flush=True)
         uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
     finally:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import os
 import queue
 import sys
 import threading
@@ -34,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model_core import hooks
+from model_core import hooks, settings
 from model_core.cache_api import cache_kwarg, new_cache
 from model_core.row_sampling import ALL_STAGES, RowSettings, packed_width, sample_rows, stages_in_use
 from model_core.slot_cache import SlotCache, step_mask
@@ -109,13 +108,6 @@ class EngineStats:
                 "uptime_s": round(up, 1)}
 
 
-def _env_int(name: str, default: int) -> int:
-    try:
-        return max(1, int(os.environ.get(name, "") or default))
-    except ValueError:
-        return default
-
-
 def _buckets(limit: int) -> list[int]:
     out, b = [], 1
     while b < limit:
@@ -127,15 +119,17 @@ def _buckets(limit: int) -> list[int]:
 class Engine:
     """Owns a model's generation work on one thread. Create through `engine_for(lm)`."""
 
-    def __init__(self, lm, slots: int, max_len: int, use_graphs: bool | None = None):
+    def __init__(self, lm, slots: int, max_len: int, use_graphs: bool | None = None, compile: bool = False,
+                 kv_cache_mb: int | None = None):
         self._lm = weakref.ref(lm)
         self.device, self.dtype = lm.device, lm.dtype
         self.slots, self.max_len = slots, max_len
         self.vocab = lm.shape.vocab_size
         self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
-        # LMSCOPE_COMPILE=1 (CUDA): the forward compiled by inductor before it is captured, one shape
-        # per batch bucket at full slot length (about 30 s each at start; a step ~1.9x faster)
-        self.compiled = self.use_graphs and os.environ.get("LMSCOPE_COMPILE", "0").strip() == "1"
+        # compile (LMSCOPE_COMPILE=1, CUDA): the forward compiled by inductor before it is captured, one
+        # shape per batch bucket at full slot length (about 30 s each at start; a step ~1.9x faster)
+        self.compiled = self.use_graphs and bool(compile)
+        self._kv_cache_mb = kv_cache_mb  # None: LMSCOPE_KV_CACHE_MB (kv_budget_bytes)
         self._forward = torch.compile(lm.model, dynamic=False) if self.compiled else lm.model
         self.lookahead = self.use_graphs  # process step n's records while step n+1 runs
         self.stats = EngineStats()
@@ -282,7 +276,7 @@ class Engine:
                  logits_to_keep=1, **{cache_kwarg(lm.model): probe})
         shapes = [(l.keys.shape[1], l.keys.shape[3]) for l in probe.layers]
         per_slot = sum(2 * h * d for h, d in shapes) * self.max_len * torch.empty((), dtype=self.dtype).element_size()
-        self.slots = max(1, min(self.slots, kv_budget_bytes(self.device) // per_slot))
+        self.slots = max(1, min(self.slots, kv_budget_bytes(self.device, self._kv_cache_mb) // per_slot))
         self._cache = SlotCache(shapes, self.slots, self.max_len, self.dtype, self.device)
         self.layer_bytes_per_token = self._cache.layer_bytes_per_token()
         S, dev = self.slots, self.device
@@ -501,22 +495,23 @@ getattr(threading, "_register_atexit", atexit.register)(_stop_all)
 
 def slots_from_env(device) -> int:
     """LMSCOPE_MAX_BATCH (default 32): the most rows of one decode step (the memory budget may allow fewer)."""
-    return _env_int("LMSCOPE_MAX_BATCH", 32)
+    return settings.current().max_batch
 
 
-def kv_budget_bytes(device) -> int:
-    """Memory for the engine's KV slots: LMSCOPE_KV_CACHE_MB, else a quarter of the GPU's free memory
-    or 512 MB of RAM (8 slots of 1,280 tokens for SmolLM2-135M in float32)."""
-    raw = os.environ.get("LMSCOPE_KV_CACHE_MB", "").strip()
-    if raw:
-        return _env_int("LMSCOPE_KV_CACHE_MB", 512) * 2**20
+def kv_budget_bytes(device, kv_cache_mb: int | None = None) -> int:
+    """Memory for the engine's KV slots: kv_cache_mb (None: LMSCOPE_KV_CACHE_MB), else a quarter of
+    the GPU's free memory or 512 MB of RAM (8 slots of 1,280 tokens for SmolLM2-135M in float32)."""
+    mb = kv_cache_mb if kv_cache_mb is not None else settings.current().kv_cache_mb
+    if mb:
+        return int(mb) * 2**20
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0] // 4
     return 512 * 2**20
 
 
-def can_use_engine(lm) -> bool:
-    if os.environ.get("LMSCOPE_ENGINE", "1").strip() == "0":
+def can_use_engine(lm, enabled: bool | None = None) -> bool:
+    """Whether generation may run on the model's engine (enabled None: LMSCOPE_ENGINE)."""
+    if not (settings.current().engine if enabled is None else enabled):
         return False
     if getattr(lm.model, "hf_device_map", None) and len(set(lm.model.hf_device_map.values())) > 1:
         return False
@@ -529,16 +524,20 @@ def can_use_engine(lm) -> bool:
 def max_len_from_env(lm) -> int:
     """Tokens per slot: the longest prompt plus the most new tokens this server allows, within the
     model's context (LMSCOPE_MAX_PROMPT_TOKENS + LMSCOPE_MAX_NEW_TOKENS; longer requests run alone)."""
-    want = _env_int("LMSCOPE_MAX_PROMPT_TOKENS", 1024) + _env_int("LMSCOPE_MAX_NEW_TOKENS", 256)
-    return min(want, int(lm.shape.context_length))
+    s = settings.current()
+    return min(s.max_prompt_tokens + s.max_new_tokens, int(lm.shape.context_length))
 
 
 def engine_for(lm) -> Engine:
-    """The model's engine, created on first use (kept in `lm.meta`; closed when the model is freed)."""
+    """The model's engine, created on first use (kept in `lm.meta`; closed when the model is freed)
+    with the settings of that moment: LMSCOPE_MAX_BATCH slots of max_len_from_env tokens,
+    LMSCOPE_COMPILE."""
     with _LOCK:
         eng = lm.meta.get("engine")
         if eng is None:
-            eng = Engine(lm, slots_from_env(lm.device), max_len_from_env(lm))
+            s = settings.current()
+            eng = Engine(lm, slots_from_env(lm.device), max_len_from_env(lm), compile=s.compile,
+                         kv_cache_mb=s.kv_cache_mb)
             lm.meta["engine"] = eng
             _ALL.add(eng)
             # closed when the model is freed; at exit `_stop_all` closes it first

@@ -1,4 +1,4 @@
-"""Where lmscope keeps things on disk.
+"""Where lmscope keeps things on disk (both folders come from model_core.settings).
 
 - cache dir (LMSCOPE_CACHE_DIR, default ~/.cache/lmscope): converted models, shared by every
   clone on the machine so a fresh clone does not pay the GGUF conversion again.
@@ -7,21 +7,19 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from model_core import settings
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("LMSCOPE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "lmscope"
-    )
-    p = Path(base)
+    p = Path(settings.current().cache_dir)
     p.mkdir(parents=True, exist_ok=True)
     return p
 
 
 def data_dir() -> Path:
-    p = Path(os.environ.get("LMSCOPE_DATA_DIR") or "data").resolve()
+    p = Path(settings.current().data_dir).resolve()
     p.mkdir(parents=True, exist_ok=True)
     return p
 

@@ -24,10 +24,10 @@ import torch
 import transformers
 
 from model_core import paths
+from model_core.settings import current as current_settings
 from model_core.adapters import Adapter, ModelShape, adapter_for, ADAPTERS
 from model_core.errors import ModelLoadError
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
+from model_core.settings import DEFAULT_MODEL  # noqa: F401  (re-exported: registry.DEFAULT_MODEL)
 
 # Progress bars from every load would drown the CLI's and the server's own output.
 transformers.utils.logging.disable_progress_bar()
@@ -133,18 +133,18 @@ class LoadedModel:
 
 
 def wants_split(device: str | None = None) -> bool:
-    """device "auto" (or LMSCOPE_DEVICE=auto) spreads a model over every visible GPU."""
-    return (device or os.environ.get("LMSCOPE_DEVICE") or "") == "auto" and torch.cuda.device_count() > 1
+    """device "auto" spreads a model over every visible GPU (None: the settings' LMSCOPE_DEVICE)."""
+    return (device or current_settings().device or "") == "auto" and torch.cuda.device_count() > 1
 
 
 def resolve_device(device: str | None = None, dtype: str | None = None) -> tuple[torch.device, torch.dtype]:
-    """CUDA (bf16) when present, else CPU (fp32); LMSCOPE_DEVICE / LMSCOPE_DTYPE override.
-    "auto" means every GPU (see wants_split); its inputs go to the first one."""
-    device = device or os.environ.get("LMSCOPE_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+    """CUDA (bf16) when present, else CPU (fp32). None takes the settings' LMSCOPE_DEVICE /
+    LMSCOPE_DTYPE. "auto" means every GPU (see wants_split); its inputs go to the first one."""
+    device = device or current_settings().device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "auto":
         device = "cuda:0" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
-    dtype = dtype or os.environ.get("LMSCOPE_DTYPE")
+    dtype = dtype or current_settings().dtype
     if dtype:
         dt = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
               "float16": torch.float16, "fp16": torch.float16}.get(dtype)
@@ -196,7 +196,7 @@ def is_ready(name: str) -> bool:
     """True when loading needs no conversion or download."""
     entry = REGISTRY.get(name)
     if entry is None:
-        return _finetuned_path(name) is not None or Path(name).is_dir()
+        return finetuned_path(name) is not None or Path(name).is_dir()
     if entry.source == "random":
         return True
     return (converted_dir(name) / "lmscope-converted.json").exists()
@@ -279,11 +279,16 @@ def _weights_info(entry: RegistryEntry, d: Path) -> dict | None:
         return None
 
 
-def _finetuned_path(name: str) -> Path | None:
+def finetuned_path(name: str) -> Path | None:
+    """The folder of the fine-tuned model `name` under <data dir>/models, or None (never a path
+    outside it: names with a slash or a leading dot are no fine-tuned model)."""
     if "/" in name or "\\" in name or name.startswith("."):
         return None
     p = paths.finetuned_dir() / name
     return p if (p / "config.json").exists() else None
+
+
+_finetuned_path = finetuned_path  # old private name: model_core/reference_cards.py, tasks/sft_job.py until they move
 
 
 def _check_local_dir(p: Path) -> None:
@@ -348,12 +353,20 @@ def looks_like_hub_id(name: str) -> bool:
 
 _LOADED: "OrderedDict[tuple, LoadedModel]" = OrderedDict()
 _LOCK = threading.Lock()
-MAX_LOADED = int(os.environ.get("LMSCOPE_MAX_LOADED_MODELS", "3"))
+
+
+def loaded_models() -> list[LoadedModel]:
+    """The models this process holds now, least recently used first."""
+    with _LOCK:
+        return list(_LOADED.values())
 
 
 def load_model(name: str = DEFAULT_MODEL, device: str | None = None, dtype: str | None = None,
-               attn_implementation: str = "sdpa", allow_paths: bool = True, allow_hub: bool = True) -> LoadedModel:
-    """Load (or return the already-loaded) model `name`. Raises ModelLoadError with one sentence."""
+               attn_implementation: str = "sdpa", allow_paths: bool = True, allow_hub: bool = True,
+               max_loaded: int | None = None) -> LoadedModel:
+    """Load (or return the already-loaded) model `name`. Raises ModelLoadError with one sentence.
+    device / dtype: None takes LMSCOPE_DEVICE / LMSCOPE_DTYPE (resolve_device); max_loaded: models
+    kept loaded at most (None: LMSCOPE_MAX_LOADED_MODELS)."""
     name = (name or "").strip()
     if not name:
         raise ModelLoadError("No model name given.")
@@ -364,16 +377,20 @@ def load_model(name: str = DEFAULT_MODEL, device: str | None = None, dtype: str 
         if key in _LOADED:
             _LOADED.move_to_end(key)
             return _LOADED[key]
-        lm = _load_uncached(name, dev, dt, attn_implementation, allow_paths, allow_hub, split)
+        lm = load_uncached(name, dev, dt, attn_implementation, allow_paths, allow_hub, split)
         lm.model.eval()
         lm.model.requires_grad_(False)
         _LOADED[key] = lm
-        while len(_LOADED) > MAX_LOADED:
+        limit = max_loaded if max_loaded is not None else current_settings().max_loaded_models
+        while len(_LOADED) > max(1, limit):
             _LOADED.popitem(last=False)
         return lm
 
 
-def _load_uncached(name, dev, dt, attn_implementation, allow_paths, allow_hub, split=False) -> LoadedModel:
+def load_uncached(name: str, dev: torch.device, dt: torch.dtype, attn_implementation: str = "sdpa",
+                  allow_paths: bool = True, allow_hub: bool = False, split: bool = False) -> LoadedModel:
+    """A fresh copy of model `name` on `dev` in `dt`, outside the loaded-model cache (for training,
+    which changes the weights). Raises ModelLoadError with one sentence."""
     t0 = time.perf_counter()
     meta: dict = {}
     entry = REGISTRY.get(name)
@@ -389,7 +406,7 @@ def _load_uncached(name, dev, dt, attn_implementation, allow_paths, allow_hub, s
             info = _weights_info(entry, d)
             if info:
                 meta["weights"] = weights_sentence(info, entry.package, dt)
-        elif (ft := _finetuned_path(name)) is not None:
+        elif (ft := finetuned_path(name)) is not None:
             _check_local_dir(ft)
             model, tok = _load_dir(ft, dev, dt, attn_implementation, split)
             source = "finetuned"
@@ -425,6 +442,9 @@ def _load_uncached(name, dev, dt, attn_implementation, allow_paths, allow_hub, s
         tok.pad_token = tok.eos_token
     return LoadedModel(name=name, model=model, tokenizer=tok, adapter=adapter, device=dev, dtype=dt,
                        source=source, load_seconds=time.perf_counter() - t0, meta=meta)
+
+
+_load_uncached = load_uncached  # old private name: model_core/sft.py until it moves
 
 
 def _load_hub(name, dev, dt, attn_implementation):

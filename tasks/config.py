@@ -1,4 +1,5 @@
-"""Where the job queue lives, and the knobs for jobs, all from the environment.
+"""Where the job queue lives, and the knobs for jobs, all from model_core.settings (this process's
+Settings; the worker never imports app).
 
 Broker URL: REDIS_URL if set, else the URL the embedded server wrote to <data dir>/redis.url
 (`lmscope serve` / `make run` start it), else the embedded server's default address.
@@ -6,17 +7,17 @@ Broker URL: REDIS_URL if set, else the URL the embedded server wrote to <data di
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-from model_core import paths
+from model_core import paths, settings
 
-DEFAULT_EMBEDDED_PORT = 6390
+DEFAULT_EMBEDDED_PORT = settings.Settings.redis_port  # the dataclass field's default
 KEY_PREFIX = "lmscope:"
 
 
 def embedded_port() -> int:
-    return int(os.environ.get("LMSCOPE_REDIS_PORT") or DEFAULT_EMBEDDED_PORT)
+    """LMSCOPE_REDIS_PORT (default 6390)."""
+    return settings.current().redis_port
 
 
 def url_file(data_dir: Path | None = None) -> Path:
@@ -29,7 +30,7 @@ def password_file(data_dir: Path | None = None) -> Path:
 
 
 def redis_url() -> str:
-    url = os.environ.get("REDIS_URL", "").strip()
+    url = settings.current().redis_url
     if url:
         return url
     f = url_file()
@@ -52,7 +53,7 @@ def job_dir(job_id: str) -> Path:
 
 def stale_after_s() -> float:
     """A running job whose heartbeat is older than this is declared lost (worker killed)."""
-    return float(os.environ.get("LMSCOPE_JOB_STALE_SECONDS") or 30)
+    return settings.current().job_stale_seconds
 
 
 def heartbeat_every_s() -> float:
@@ -60,7 +61,7 @@ def heartbeat_every_s() -> float:
 
 
 def upload_max_bytes() -> int:
-    return int(float(os.environ.get("LMSCOPE_UPLOAD_MAX_MB") or 20) * 1024 * 1024)
+    return settings.current().upload_max_bytes
 
 
 # Every Celery worker process (its main process) sets lmscope:worker:<node name> this often, with a
@@ -71,4 +72,5 @@ WORKER_BEAT_TTL_S = 6
 
 # Longer than any job may run: an unacked message (acks_late) is only redelivered after this
 # long. Lost workers are detected much sooner by the heartbeat reaper, not by redelivery.
-VISIBILITY_TIMEOUT_S = int(os.environ.get("LMSCOPE_VISIBILITY_TIMEOUT") or 6 * 3600)
+# (LMSCOPE_VISIBILITY_TIMEOUT, read when the Celery app is configured)
+VISIBILITY_TIMEOUT_S = settings.current().visibility_timeout_s

@@ -10,6 +10,7 @@ ensure_services(data_dir):
     workers find it.
   - REDIS_URL set: nothing of that; the server is yours.
   - a Celery worker subprocess, unless REDIS_URL is set and LMSCOPE_START_WORKER is not 1.
+All three come from model_core.settings (passed in, or this process's current Settings).
 Returns a ServicesHandle(.redis_url, .stop()). stop() ends only what this call started.
 
 Supervision: the handle runs a thread that notices a child (the Valkey it started, the worker) that
@@ -398,31 +399,36 @@ def _forget_worker(url: str, name: str) -> None:
 
 
 def ensure_services(data_dir: str | os.PathLike | None = None, start_worker_proc: bool | None = None,
-                    concurrency: int = 1) -> ServicesHandle:
+                    concurrency: int = 1, settings=None) -> ServicesHandle:
+    """settings: a model_core.settings.Settings (None: this process's current one) for REDIS_URL,
+    LMSCOPE_REDIS_PORT and LMSCOPE_START_WORKER."""
     from model_core import paths
+    from model_core import settings as settings_mod
     from tasks import config
 
+    settings = settings or settings_mod.current()
     data_dir = Path(data_dir or paths.data_dir()).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
-    url = os.environ.get("REDIS_URL", "").strip()
+    url = settings.redis_url or ""
     redis_proc = None
     notes = []
     children: list[_Child] = []
     handle = ServicesHandle(redis_url="", data_dir=data_dir, notes=notes)
     if not url:
-        port = int(os.environ.get("LMSCOPE_REDIS_PORT") or 6390)
+        port = settings.redis_port
         redis_proc = start_redis(data_dir, port)
         url = embedded_url(port, redis_password(data_dir))
         notes.append(("started" if redis_proc else "reusing") + f" embedded Redis at {redact(url)}")
         _write_private(config.url_file(data_dir), url + "\n")
-        os.environ.setdefault("REDIS_URL", url)  # this process (the web app) talks to it too
+        # this process (the web app) talks to it too: settings.current() reads it from now on
+        os.environ.setdefault("REDIS_URL", url)
         if start_worker_proc is None:
             start_worker_proc = True
         if redis_proc is not None:
             children.append(_Child("embedded Redis server", "redis_proc", on_death=_kill_group,
                                    start=lambda: start_redis(data_dir, port, abort=handle._stopping)))
     elif start_worker_proc is None:
-        start_worker_proc = os.environ.get("LMSCOPE_START_WORKER") == "1"
+        start_worker_proc = settings.start_worker
     handle.redis_url, handle.redis_proc = url, redis_proc
     _exit_on_sigterm()
     if start_worker_proc:

@@ -48,6 +48,16 @@ def client(url: str | None = None) -> redis.Redis:
     return c
 
 
+def probe_client(url: str | None = None, timeout: float = 0.5) -> redis.Redis:
+    """A client for health checks and metrics: short timeouts, no retries (a dead server answers
+    within `timeout`), str replies."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    return redis.Redis.from_url(url or config.redis_url(), decode_responses=True, socket_timeout=timeout,
+                                socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0))
+
+
 def _k(*parts: str) -> str:
     return P + ":".join(parts)
 
@@ -269,3 +279,24 @@ def worker_beats(r: redis.Redis) -> list[dict]:
 def live_workers(r: redis.Redis) -> int:
     """How many Celery workers sent a heartbeat within their time-to-live."""
     return sum(1 for _ in r.scan_iter(match=_k("worker", "*"), count=1000))
+
+
+# ---- what an operator sees (/metrics) --------------------------------------------------------
+
+def overview(r: redis.Redis | None = None, queue: str | None = None, recent: int = 1000) -> dict:
+    """The newest `recent` jobs counted by state, how many are queued or running, the live workers
+    and, given the Celery queue's name, the messages waiting in it (any client: str or bytes)."""
+    r = r or client()
+    ids = [i.decode() if isinstance(i, bytes) else i for i in r.zrange(_k("jobs"), -recent, -1)]
+    by_state: dict[str, int] = {}
+    for raw in (r.mget([_k("job", i) for i in ids]) if ids else []):
+        if raw:
+            try:
+                st = json.loads(raw).get("state", "unknown")
+            except ValueError:
+                st = "unknown"
+            by_state[st] = by_state.get(st, 0) + 1
+    out = {"by_state": by_state, "active": int(r.scard(_k("jobs", "active"))), "live_workers": live_workers(r)}
+    if queue:
+        out["queue_length"] = int(r.llen(queue))
+    return out

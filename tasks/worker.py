@@ -1,4 +1,7 @@
-"""`lmscope worker`: a Celery worker in the foreground (run one per machine to add capacity)."""
+"""`lmscope worker`: a Celery worker in the foreground (run one per machine to add capacity).
+
+The worker is its own process and never imports app: its settings are model_core.settings'
+(checked here at start; jobs read the same Settings through settings.current())."""
 
 from __future__ import annotations
 
@@ -12,7 +15,13 @@ def worker_argv(concurrency: int = 1, loglevel: str = "INFO") -> list[str]:
             "--without-gossip", "--without-mingle"]
 
 
-def run_worker(concurrency: int = 1) -> None:
+def run_worker(concurrency: int = 1, settings=None) -> None:
+    """settings: the Settings app/cli.py read and checked; None: check this process's now (a bad
+    value raises SettingsError, one sentence each, before the worker takes any job)."""
+    from model_core import settings as settings_mod
+
+    if settings is None:
+        settings_mod.current()
     from tasks.celery_app import app
 
     app.worker_main(worker_argv(concurrency))

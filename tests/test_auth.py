@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from app import auth
-from app.settings import Settings
+from model_core.settings import Settings, SettingsError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -156,8 +156,14 @@ def test_settings_from_environment():
                                      "LMSCOPE_LOGIN_MAX_LOCK_S": "30", "LMSCOPE_LOGIN_MAX_KEYS": "50"})
     assert (t.max_failures, t.max_failures_per_address, t.window_s, t.lock_s, t.max_lock_s, t.max_keys) == \
         (3, 7, 60, 2, 30, 50)
-    d = auth.LoginThrottle.from_env({"LMSCOPE_LOGIN_MAX_FAILURES": "lots", "LMSCOPE_LOGIN_LOCK_S": "-1"})
-    assert (d.max_failures, d.lock_s) == (5, 1)
+    d = auth.LoginThrottle.from_env({})
+    assert (d.max_failures, d.max_failures_per_address, d.window_s, d.lock_s, d.max_lock_s, d.max_keys) == \
+        (5, 20, 900, 1, 300, 10_000)
+    # a bad value is refused at start with one sentence each (model_core.settings), never silently replaced
+    with pytest.raises(SettingsError) as e:
+        auth.LoginThrottle.from_env({"LMSCOPE_LOGIN_MAX_FAILURES": "lots", "LMSCOPE_LOGIN_LOCK_S": "-1"})
+    assert "LMSCOPE_LOGIN_MAX_FAILURES must be a whole number" in str(e.value)
+    assert "LMSCOPE_LOGIN_LOCK_S must be more than 0" in str(e.value)
 
 
 # ----------------------------------------------------------------------------- control characters
