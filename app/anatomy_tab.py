@@ -6,7 +6,7 @@ compares the panel's hand computation with the model's own forward.
 
 from __future__ import annotations
 
-import threading
+import contextlib
 from collections import OrderedDict
 
 import gradio as gr
@@ -16,6 +16,7 @@ import torch
 from app import anatomy_figures as fig
 from app import cards_figures as cfig
 from app.context import Shared, default_model, endpoint, get_model, max_prompt_tokens
+from app.trace_store import STORE
 from model_core import anatomy as A
 from model_core import chapters as C
 from model_core import reference_cards as R
@@ -138,24 +139,25 @@ def _md(text):
 
 
 
-# --- traces: a small LRU so panel controls do not re-run the model ---------------------------
-_TRACES: "OrderedDict[tuple, object]" = OrderedDict()
-_LOCK = threading.Lock()
+# --- traces: kept in the web app's one trace cache (app/trace_store.py) so panel controls do not
+# re-run the model; looked up by what they are: (model, prompt, chat wrap)
+
+
+def trace_key(model_name: str, prompt: str, chat) -> tuple:
+    return (model_name, prompt, bool(chat))
 
 
 def _trace(model_name, prompt, chat):
     lm = get_model(model_name)
-    key = (lm.name, prompt, bool(chat))
-    with _LOCK:
-        if key in _TRACES:
-            _TRACES.move_to_end(key)
-            return lm, _TRACES[key]
-    tr = run_trace(lm, prompt, chat=bool(chat), max_tokens=max_prompt_tokens())
-    with _LOCK:
-        _TRACES[key] = tr
-        while len(_TRACES) > 4:
-            _TRACES.popitem(last=False)
+    tr = STORE.cached(trace_key(lm.name, prompt, chat),
+                      lambda: run_trace(lm, prompt, chat=bool(chat), max_tokens=max_prompt_tokens()))
     return lm, tr
+
+
+# tests/test_anatomy.py still plants traces with `with T._LOCK: T._TRACES[key] = tr`; until it uses
+# `T.STORE.put(tr, T.trace_key(...))` these two names point at the one cache.
+_TRACES = STORE
+_LOCK = contextlib.nullcontext()
 
 
 def _layer(lm, layer):
