@@ -664,7 +664,7 @@ def export(state):
     d = scratch_dir("export")
     table = views.token_table(tr)
     table.to_csv(d / "tokens.csv", index=False)
-    from model_core.cli import trace_summary
+    from model_core.summary import trace_summary
 
     (d / "trace.json").write_text(json.dumps(trace_summary(tr.lm, tr), ensure_ascii=False, indent=2))
     lv = views.lens_view(tr, tr.n_tokens - 1)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from app import auth
-from app.settings import Settings, SettingsError
+from model_core.settings import Settings, SettingsError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,19 +89,31 @@ def test_compose_file_shape_and_commands():
         assert {"lmscope-data", "lmscope-models"} <= vols
         assert sv[name]["depends_on"]["redis"]["condition"] == "service_healthy"
     assert {"redis-data", "lmscope-data", "lmscope-models"} <= set(doc["volumes"])
-    # every documented setting is passed through
-    import app.settings as settings_mod
+    # every setting is read by model_core.settings and documented there and in the README's table
+    import model_core.settings as settings_mod
 
     documented = {ln.split("|")[1].strip() for ln in settings_mod.__doc__.splitlines()
                   if ln.startswith("| ") and "Variable" not in ln}
-    assert len(documented) == 19
-    assert documented - set(sv["web"]["environment"]) == set()
+    assert len(documented) == 35 and documented == set(settings_mod.VARIABLES)
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("| Variable | Default | Meaning |"):].split("\n\n")[0]
+    in_readme = {ln.split("|")[1].strip().strip("`") for ln in table.splitlines()[2:]}
+    assert in_readme == documented
+    # the deployment's settings are passed through to both containers
+    deployment = {"REDIS_URL", "LMSCOPE_DATA_DIR", "LMSCOPE_CACHE_DIR", "LMSCOPE_DEFAULT_MODEL",
+                  "LMSCOPE_ALLOWED_MODELS", "LMSCOPE_AUTH", "LMSCOPE_AUTH_TOKEN", "LMSCOPE_USERS_FILE",
+                  "LMSCOPE_MAX_PROMPT_TOKENS", "LMSCOPE_MAX_NEW_TOKENS", "LMSCOPE_MAX_CONCURRENT_PER_USER",
+                  "LMSCOPE_JOBS_PER_HOUR", "LMSCOPE_UPLOAD_MAX_MB", "LMSCOPE_QUEUE_CONCURRENCY",
+                  "LMSCOPE_GENERATE_CONCURRENCY", "LMSCOPE_MAX_BATCH", "LMSCOPE_QUEUE_MAX", "LMSCOPE_KV_CACHE_MB",
+                  "LMSCOPE_COMPILE"}
+    assert deployment <= documented and deployment - set(sv["web"]["environment"]) == set()
+    assert {k for k in sv["web"]["environment"] if k.startswith("LMSCOPE_")} <= documented
     gpu = yaml.safe_load((ROOT / "docker-compose.gpu.yml").read_text())
     for name in ("web", "worker"):
         dev = gpu["services"][name]["deploy"]["resources"]["reservations"]["devices"][0]
         assert dev["driver"] == "nvidia" and "gpu" in dev["capabilities"]
     # the worker's health check and CLI names exist
-    from model_core.cli import main as _  # noqa: F401
+    from app.cli import main as _  # noqa: F401
     from tasks.celery_app import app  # noqa: F401
     docker = (ROOT / "Dockerfile").read_text()
     assert "torch==${TORCH_VERSION}" in docker and "ARG TORCH_VERSION=2.13.0" in docker
@@ -271,7 +283,8 @@ def test_jobs_belong_to_their_owner(tmp_path, monkeypatch):
                 self.username, self.session_hash = username, "s-" + username
 
         # the Jobs tab with sign-in: bob sees nothing of alice's
-        monkeypatch.setenv("LMSCOPE_AUTH", "users")
+        monkeypatch.setenv("LMSCOPE_AUTH", "users")  # a users file is named, as sign-in needs; never read here
+        monkeypatch.setenv("LMSCOPE_USERS_FILE", str(tmp_path / "users.txt"))
         table, _, prog, log = jobs_tab.refresh(a["id"], Req("bob"))
         assert a["id"] not in table.to_string() and log == ""
         import gradio as gr

@@ -13,7 +13,7 @@ from model_core.tokenization import display_bytes
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "model_core.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "app.cli", *args], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "LMSCOPE_DEVICE": "cpu"})
 
 

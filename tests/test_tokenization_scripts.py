@@ -222,7 +222,7 @@ def test_lens_cells_after_an_open_character_show_the_character_they_finish(defau
 def test_exports_carry_bytes_and_characters(default_lm):
     """tokens.csv and trace.json: each token's bytes, the character it helps spell and which part."""
     from app import views
-    from model_core.cli import trace_summary
+    from model_core.summary import trace_summary
     from model_core.trace import trace
 
     text = "🍕 " + SCRIPTS["burmese"][:6]

@@ -1,5 +1,7 @@
-"""The `lmscope` command line. Subcommands that need the UI or the job queue import those
-packages lazily, so model_core itself never depends on gradio or celery."""
+"""The `lmscope` command line: the one module that wires the model core, the job queue and the web
+app together (the top layer; docs/ARCHITECTURE.md). Settings are read once here
+(model_core.settings) and passed down. Subcommands import what they need when they run, so
+`lmscope models` or `lmscope trace` never import gradio or celery."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import json
 import sys
 
 from model_core.errors import LmscopeError
+from model_core.settings import Settings
 
 
 def _print_json(obj) -> None:
@@ -41,35 +44,12 @@ def cmd_prepare(args) -> int:
     return 0
 
 
-def trace_summary(lm, tr, k: int = 10) -> dict:
-    import torch
-
-    from model_core.lens import logit_lens
-
-    probs = torch.softmax(tr.next_logits.float(), -1)
-    p, i = probs.topk(k)
-    lens = logit_lens(tr, positions=[-1], k=1)
-    tok = lm.tokenizer
-    return {
-        "model": lm.name,
-        "tokens": [{"id": t["id"], "text": t["text"], "display": t["display"], "bytes": t.get("bytes", ""),
-                    "glyph": t.get("glyph_text", t["text"])} for t in tr.tokens],
-        "next_tokens": [{"id": int(a), "token": tok.decode([int(a)]), "prob": float(b)} for a, b in zip(i, p)],
-        "logit_lens": [
-            {"layer": int(l), "token": tok.decode([int(lens.top_ids[j, 0, 0])]), "id": int(lens.top_ids[j, 0, 0]),
-             "prob": float(lens.top_probs[j, 0, 0])}
-            for j, l in enumerate(lens.layers)
-        ],
-        "perplexity": tr.perplexity(),
-        "seconds": round(tr.seconds, 4),
-    }
-
-
 def cmd_trace(args) -> int:
     from model_core.registry import load_model
+    from model_core.summary import trace_summary
     from model_core.trace import trace
 
-    lm = load_model(args.model, device=args.device)
+    lm = load_model(args.model, device=args.device or args.settings.device, dtype=args.settings.dtype)
     tr = trace(lm, args.prompt, chat=args.chat, max_tokens=args.max_tokens, truncate=args.truncate)
     out = trace_summary(lm, tr, k=args.top_k)
     if args.json:
@@ -108,7 +88,7 @@ def cmd_search(args, settings) -> int:
     from model_core.decoding import decode, decoding_to_json
     from model_core.registry import load_model
 
-    lm = load_model(args.model, device=args.device)
+    lm = load_model(args.model, device=args.device or args.settings.device, dtype=args.settings.dtype)
     out = decoding_to_json(lm, decode(lm, args.prompt, settings, chat=args.chat))
     if args.json:
         _print_json(out)
@@ -128,7 +108,7 @@ def cmd_generate(args) -> int:
     search = _search_settings(args)
     if search is not None:
         return cmd_search(args, search)
-    lm = load_model(args.model, device=args.device)
+    lm = load_model(args.model, device=args.device or args.settings.device, dtype=args.settings.dtype)
     settings = SamplingSettings.from_values(args.temperature, args.top_k, args.top_p, args.min_p,
                                             args.repetition_penalty)
     res = generate(lm, args.prompt, max_new_tokens=args.max_new_tokens, settings=settings, seed=args.seed,
@@ -163,14 +143,14 @@ def cmd_card(args) -> int:
 def cmd_serve(args) -> int:
     from app.main import serve
 
-    serve(host=args.host, port=args.port, embedded_services=not args.no_services)
+    serve(args.settings, host=args.host, port=args.port, embedded_services=not args.no_services)
     return 0
 
 
 def cmd_worker(args) -> int:
     from tasks.worker import run_worker
 
-    run_worker(concurrency=args.concurrency)
+    run_worker(concurrency=args.concurrency, settings=args.settings)
     return 0
 
 
@@ -181,7 +161,7 @@ def cmd_jobs(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from model_core.registry import DEFAULT_MODEL
+    from model_core.settings import DEFAULT_MODEL
 
     p = argparse.ArgumentParser(prog="lmscope", description="See inside decoder-only language models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -246,17 +226,20 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--concurrency", type=int, default=1)
     w.set_defaults(func=cmd_worker)
 
-    try:
-        from tasks.cli import add_jobs_parser
-    except ImportError:  # tasks not installed in a model_core-only environment
-        pass
-    else:
-        add_jobs_parser(sub, cmd_jobs)
+    from tasks.cli import add_jobs_parser
+
+    add_jobs_parser(sub, cmd_jobs)
     return p
 
 
-def main(argv=None) -> int:
+def main(argv=None, environ=None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        # read and checked once, here; `serve` also checks that the users file exists
+        args.settings = Settings.from_env(environ, check_files=args.func is cmd_serve)
+    except LmscopeError as e:
+        print(f"error: bad configuration: {e}", file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except LmscopeError as e:
