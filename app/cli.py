@@ -1,7 +1,7 @@
 """The `lmscope` command line: the one module that wires the model core, the job queue and the web
 app together (the top layer; docs/ARCHITECTURE.md). Settings are read once here
 (model_core.settings) and passed down. Subcommands import what they need when they run, so
-`lmscope models` or `lmscope trace` never import gradio or celery."""
+`lmscope models` or `lmscope trace` never import gradio."""
 
 from __future__ import annotations
 
