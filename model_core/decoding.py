@@ -29,6 +29,7 @@ import torch
 
 from model_core.cache_api import cache_kwarg, new_cache
 from model_core.errors import SettingsError
+from model_core.sampling import parse_number
 
 METHODS = ("beam", "diverse", "contrastive")
 MAX_BEAMS = 8
@@ -84,19 +85,7 @@ class DecodingSettings:
                     penalty_alpha=0.6, top_k=4, max_new_tokens=20) -> "DecodingSettings":
         """Loosely typed input (UI, CLI, JSON) -> validated settings, or one sentence."""
         def num(name, v, default, kind=float):
-            if v is None or v == "":
-                return default
-            try:
-                f = float(v)
-            except (TypeError, ValueError):
-                raise SettingsError(f"{name.replace('_', ' ')} must be a number, got {v!r}.") from None
-            if not math.isfinite(f):
-                raise SettingsError(f"{name.replace('_', ' ')} must be a finite number, got {v!r}.")
-            if kind is int:
-                if f != int(f):
-                    raise SettingsError(f"{name.replace('_', ' ')} must be a whole number, got {v!r}.")
-                return int(f)
-            return f
+            return parse_number(v, name.replace("_", " "), default, kind)
         d = cls()
         return cls(method=str(method or "beam"), num_beams=num("num_beams", num_beams, d.num_beams, int),
                    num_beam_groups=num("num_beam_groups", num_beam_groups, d.num_beam_groups, int),

@@ -57,6 +57,7 @@ import torch
 
 from model_core import paths
 from model_core.errors import LmscopeError, SettingsError
+from model_core.sft import setting_number
 
 ProgressFn = Callable[[dict], None]
 
@@ -141,24 +142,6 @@ class PretrainSettings:
         return self.eval_every or max(1, self.steps() // 10)
 
 
-def _int(d: dict, key: str, lo: int, hi: int, allow_none: bool = False):
-    v = d.get(key)
-    if v is None or v == "":
-        if allow_none:
-            return None
-        raise SettingsError(f"Setting '{key}' is missing.")
-    try:
-        f = float(v)
-        if not math.isfinite(f) or f != int(f):
-            raise ValueError
-        v = int(f)
-    except (TypeError, ValueError):
-        raise SettingsError(f"Setting '{key}' must be a whole number, got {d.get(key)!r}.") from None
-    if not lo <= v <= hi:
-        raise SettingsError(f"Setting '{key}' must be between {lo:,} and {hi:,}, got {v:,}.")
-    return v
-
-
 def validate_settings(raw: dict | PretrainSettings) -> PretrainSettings:
     """Settings with every value checked; SettingsError (one sentence) otherwise."""
     from model_core.sft import _NAME_RE
@@ -171,22 +154,22 @@ def validate_settings(raw: dict | PretrainSettings) -> PretrainSettings:
     if bad:
         raise SettingsError(f"Unknown pretraining setting '{bad[0]}'.")
     s = PretrainSettings()
-    s.width = _int({**asdict(s), **d}, "width", 16, MAX_WIDTH)
+    s.width = setting_number({**asdict(s), **d}, "width", int, 16, MAX_WIDTH)
     if s.width % 16:
         raise SettingsError(f"Setting 'width' must be a multiple of 16, got {s.width}.")
-    s.layers = _int({**asdict(s), **d}, "layers", 1, MAX_LAYERS)
-    s.context = _int({**asdict(s), **d}, "context", 8, MAX_CONTEXT)
-    s.batch_size = _int({**asdict(s), **d}, "batch_size", 1, 512)
-    s.max_steps = _int(d, "max_steps", 1, MAX_STEPS, allow_none=True)
-    s.tokens = _int(d, "tokens", 1, MAX_STEPS * 512 * MAX_CONTEXT, allow_none=True)
+    s.layers = setting_number({**asdict(s), **d}, "layers", int, 1, MAX_LAYERS)
+    s.context = setting_number({**asdict(s), **d}, "context", int, 8, MAX_CONTEXT)
+    s.batch_size = setting_number({**asdict(s), **d}, "batch_size", int, 1, 512)
+    s.max_steps = setting_number(d, "max_steps", int, 1, MAX_STEPS, allow_none=True)
+    s.tokens = setting_number(d, "tokens", int, 1, MAX_STEPS * 512 * MAX_CONTEXT, allow_none=True)
     if s.steps() > MAX_STEPS:
         raise SettingsError(f"{s.tokens:,} tokens at batch {s.batch_size} x context {s.context} is "
                             f"{s.steps():,} steps, over the limit of {MAX_STEPS:,}.")
-    s.warmup_steps = _int(d, "warmup_steps", 0, MAX_STEPS, allow_none=True)
-    s.eval_every = _int(d, "eval_every", 1, MAX_STEPS, allow_none=True)
-    s.eval_tokens = _int({**asdict(s), **d}, "eval_tokens", s.context, 1_000_000)
-    s.seed = _int({**asdict(s), **d}, "seed", 0, 2**31 - 1)
-    s.keep_checkpoints = _int({**asdict(s), **d}, "keep_checkpoints", 0, MAX_KEEP_CHECKPOINTS)
+    s.warmup_steps = setting_number(d, "warmup_steps", int, 0, MAX_STEPS, allow_none=True)
+    s.eval_every = setting_number(d, "eval_every", int, 1, MAX_STEPS, allow_none=True)
+    s.eval_tokens = setting_number({**asdict(s), **d}, "eval_tokens", int, s.context, 1_000_000)
+    s.seed = setting_number({**asdict(s), **d}, "seed", int, 0, 2**31 - 1)
+    s.keep_checkpoints = setting_number({**asdict(s), **d}, "keep_checkpoints", int, 0, MAX_KEEP_CHECKPOINTS)
     for key in ("learning_rate", "weight_decay"):
         v = d.get(key, getattr(s, key))
         try:
@@ -216,7 +199,7 @@ def parse_widths(value) -> list[int]:
     else:
         raise SettingsError("Give the widths as a list like 64,128,256.")
     try:
-        ws = sorted({_int({"widths": p}, "widths", 16, MAX_WIDTH) for p in parts})
+        ws = sorted({setting_number({"widths": p}, "widths", int, 16, MAX_WIDTH) for p in parts})
     except SettingsError:
         raise SettingsError(f"Widths must be whole numbers from 16 to {MAX_WIDTH}, like 64,128,256.") from None
     if len(ws) < 2:

@@ -18,6 +18,25 @@ from model_core.errors import SettingsError
 FILTER_VALUE = float("-inf")
 
 
+def parse_number(v, name: str, default, kind: type = float):
+    """A loosely typed setting (UI, CLI, JSON: 3, "0.7", None) -> a float, or an int for kind=int;
+    None or "" gives `default`. Anything else: one sentence naming the setting (a number, a finite
+    number, a whole number)."""
+    if v is None or v == "":
+        return default
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        raise SettingsError(f"{name} must be a number, got {v!r}.") from None
+    if not math.isfinite(f):
+        raise SettingsError(f"{name} must be a finite number, got {v!r}.")
+    if kind is int:
+        if f != int(f):
+            raise SettingsError(f"{name} must be a whole number, got {v!r}.")
+        return int(f)
+    return f
+
+
 @dataclass(frozen=True)
 class SamplingSettings:
     temperature: float = 1.0  # <= 0 means greedy
@@ -54,19 +73,7 @@ class SamplingSettings:
     def from_values(cls, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0):
         """Coerce loosely-typed input (UI, JSON, CLI) and validate."""
         def num(name, v, kind=float):
-            if v is None or v == "":
-                return getattr(cls, name)
-            try:
-                f = float(v)
-            except (TypeError, ValueError):
-                raise SettingsError(f"{name} must be a number, got {v!r}.") from None
-            if not math.isfinite(f):
-                raise SettingsError(f"{name} must be a finite number, got {v!r}.")
-            if kind is int:
-                if f != int(f):
-                    raise SettingsError(f"{name} must be a whole number, got {v!r}.")
-                return int(f)
-            return f
+            return parse_number(v, name, getattr(cls, name), kind)
         return cls(temperature=num("temperature", temperature), top_k=num("top_k", top_k, int),
                    top_p=num("top_p", top_p), min_p=num("min_p", min_p),
                    repetition_penalty=num("repetition_penalty", repetition_penalty)).validated()

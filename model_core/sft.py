@@ -128,7 +128,9 @@ class SFTSettings:
         return d
 
 
-def _num(d: dict, key: str, cast, lo=None, hi=None, allow_none=False):
+def setting_number(d: dict, key: str, cast, lo=None, hi=None, allow_none=False):
+    """d[key] as a number (cast int or float) within [lo, hi], for the training settings (fine-tuning
+    and pretraining); one sentence naming the setting otherwise. None or "": None with allow_none."""
     v = d.get(key)
     if v is None or v == "":
         if allow_none:
@@ -137,15 +139,16 @@ def _num(d: dict, key: str, cast, lo=None, hi=None, allow_none=False):
     try:
         if isinstance(v, bool):
             raise ValueError
-        x = cast(v)
-        if cast is int and float(v) != x:
+        f = float(v)
+        x = int(f) if cast is int else cast(v)
+        if cast is int and f != x:
             raise ValueError
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise SettingsError(f"Setting '{key}' must be a number, got {v!r}.") from None
     if isinstance(x, float) and not math.isfinite(x):
         raise SettingsError(f"Setting '{key}' must be finite.")
     if (lo is not None and x < lo) or (hi is not None and x > hi):
-        raise SettingsError(f"Setting '{key}' must be between {lo} and {hi}, got {v}.")
+        raise SettingsError(f"Setting '{key}' must be between {lo:,} and {hi:,}, got {x:,}.")
     return x
 
 
@@ -168,24 +171,24 @@ def validate_settings(raw: dict | SFTSettings) -> SFTSettings:
         model=str(d["model"]).strip(), dataset=str(d["dataset"]).strip() or BUILTIN,
         output_name=(str(d["output_name"]).strip() or None) if d.get("output_name") else None,
         method=method,
-        lora_rank=_num(d, "lora_rank", int, 1, 1024),
-        lora_alpha=_num(d, "lora_alpha", float, 1e-6, 1e6, allow_none=True),
-        learning_rate=_num(d, "learning_rate", float, 1e-8, 1.0, allow_none=True),
-        max_steps=_num(d, "max_steps", int, 1, 10**7, allow_none=True),
-        epochs=_num(d, "epochs", float, 0.01, 1000),
-        batch_size=_num(d, "batch_size", int, 1, 4096),
-        max_length=_num(d, "max_length", int, 8, 1 << 17),
-        eval_fraction=_num(d, "eval_fraction", float, 0.0, 0.5),
-        eval_every=_num(d, "eval_every", int, 1, 10**7, allow_none=True),
-        warmup_steps=_num(d, "warmup_steps", int, 0, 10**6),
-        seed=_num(d, "seed", int, 0, 2**31 - 1),
-        builtin_train_size=_num(d, "builtin_train_size", int, 8, 100_000),
-        accuracy_examples=_num(d, "accuracy_examples", int, 0, 10_000),
+        lora_rank=setting_number(d, "lora_rank", int, 1, 1024),
+        lora_alpha=setting_number(d, "lora_alpha", float, 1e-6, 1e6, allow_none=True),
+        learning_rate=setting_number(d, "learning_rate", float, 1e-8, 1.0, allow_none=True),
+        max_steps=setting_number(d, "max_steps", int, 1, 10**7, allow_none=True),
+        epochs=setting_number(d, "epochs", float, 0.01, 1000),
+        batch_size=setting_number(d, "batch_size", int, 1, 4096),
+        max_length=setting_number(d, "max_length", int, 8, 1 << 17),
+        eval_fraction=setting_number(d, "eval_fraction", float, 0.0, 0.5),
+        eval_every=setting_number(d, "eval_every", int, 1, 10**7, allow_none=True),
+        warmup_steps=setting_number(d, "warmup_steps", int, 0, 10**6),
+        seed=setting_number(d, "seed", int, 0, 2**31 - 1),
+        builtin_train_size=setting_number(d, "builtin_train_size", int, 8, 100_000),
+        accuracy_examples=setting_number(d, "accuracy_examples", int, 0, 10_000),
         device=(str(d["device"]) if d.get("device") else None),
         torch_compile=bool(d.get("torch_compile")), overwrite=bool(d.get("overwrite")),
-        sample_every=_num(d, "sample_every", int, 0, 10**7, allow_none=True),
-        sample_prompts=_num(d, "sample_prompts", int, 0, MAX_SAMPLE_PROMPTS),
-        keep_checkpoints=_num(d, "keep_checkpoints", int, 0, MAX_KEEP_CHECKPOINTS),
+        sample_every=setting_number(d, "sample_every", int, 0, 10**7, allow_none=True),
+        sample_prompts=setting_number(d, "sample_prompts", int, 0, MAX_SAMPLE_PROMPTS),
+        keep_checkpoints=setting_number(d, "keep_checkpoints", int, 0, MAX_KEEP_CHECKPOINTS),
     )
     if not s.model:
         raise SettingsError("No model given to fine-tune.")
