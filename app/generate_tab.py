@@ -6,6 +6,8 @@ figures come from app.generate_figures (pure functions)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import gradio as gr
 
 from app import generate_figures as F
@@ -14,6 +16,7 @@ from app.context import Shared, endpoint, generate_concurrency, get_model, max_p
 from model_core.errors import LmscopeError
 from model_core.generate import (
     check_seed,
+    generate,
     generation_to_json,
     iter_generate,
     kv_cache_growth,
@@ -23,7 +26,13 @@ from model_core.generate import (
     time_cache_vs_no_cache,
 )
 from model_core.sampling import SamplingSettings
-from model_core.tokenization import continuation_display, describe_raw, describe_tokens, pending_bytes, token_bytes
+from model_core.tokenization import (
+    continuation_display,
+    describe_raw,
+    describe_tokens,
+    pending_bytes,
+    token_bytes,
+)
 
 MAX_SAMPLES = 8
 SAMPLE_TOKENS_CAP = 64  # each of the N samples is at most this long (N x tokens of CPU time)
@@ -85,16 +94,14 @@ class _Labeller:
             step["chosen"]["bytes"] = row["bytes"]
 
 
-def _status(gen_json: dict, running: bool) -> str:
-    n = gen_json["n_tokens"]
-    if running:
-        return f"Generating… {n} tokens"
+def _status(gen) -> str:
+    """One line about a finished generation: how many tokens, why it ended, its speed."""
     why = {"length": "reached max new tokens", "eos": "the model ended its text (EOS)",
-           "stop_string": f"stop string {gen_json.get('stop_string')!r} appeared",
-           "cancelled": "stopped", "context_full": "the model's context is full"}.get(gen_json["finish_reason"],
-                                                                                   gen_json["finish_reason"])
-    return (f"**{n} tokens**, finished because {why}. {gen_json['tokens_per_second']:.1f} tokens/s "
-            f"(prompt: {len(gen_json['prompt_token_ids'])} tokens, {gen_json['prefill_seconds'] * 1000:.0f} ms).")
+           "stop_string": f"stop string {gen.stop_string!r} appeared",
+           "cancelled": "stopped", "context_full": "the model's context is full"}.get(gen.finish_reason,
+                                                                                   gen.finish_reason)
+    return (f"**{len(gen.token_ids)} tokens**, finished because {why}. {gen.tokens_per_second:.1f} tokens/s "
+            f"(prompt: {len(gen.prompt_ids)} tokens, {gen.prefill_seconds * 1000:.0f} ms).")
 
 
 def _kv_markdown(kv: dict | None) -> str:
@@ -167,153 +174,232 @@ def _light_state(lm, gen, steps_json) -> dict:
             "text": gen.text}
 
 
-def build(shared: Shared) -> None:
-    cap = max_new_tokens_cap()
-    state = gr.State(None)  # per user: the last generation (ids, step records, KV report)
-    gr.Markdown(
-        "### Generation lab\nThe model writes one token at a time. At every step it gives a probability to "
-        "every token; the sampling settings reshape and cut that distribution, then one token is picked."
-    )
-    with gr.Row():
+class GenerateTab:
+    """The tab's components, and its callbacks as named methods that answer {component: value}
+    dicts: a component a callback leaves out keeps what it shows (a refused request leaves the last
+    generation on screen)."""
+
+    def __init__(self, shared: Shared):
+        self.shared = shared
+        self.cap = max_new_tokens_cap()
+        self.state = gr.State(None)  # per user: the last generation (ids, step records, KV report)
+        self.opening = gr.State(False)  # a generation just finished: show its first step with attention
+        gr.Markdown(
+            "### Generation lab\nThe model writes one token at a time. At every step it gives a probability to "
+            "every token; the sampling settings reshape and cut that distribution, then one token is picked."
+        )
+        with gr.Row():
+            self._settings_column()
+            self._output_column()
+        self._step_section()
+        self._samples_section()
+        self._kv_section()
+        self.messages = [self.gen_msg, self.topk_msg, self.seed_msg]
+        # every view a generation fills, then the messages: the public /generate endpoint's outputs
+        self.gen_outputs = [self.out_text, self.tokens, self.status, self.timeline, self.step_sel, self.dist,
+                            self.removed_md, self.att_plot, self.kv_plot, self.kv_md, self.state, self.opening,
+                            *self.messages]
+        self.step_outputs = [self.dist, self.removed_md, self.att_plot, self.timeline]
+        self.gen_inputs = [shared.model, shared.prompt, shared.chat, self.max_new, self.temperature, self.top_k,
+                           self.top_p, self.min_p, self.rep, self.seed, self.stop, self.color_by]
+        self._wire()
+
+    # --- layout ------------------------------------------------------------------------------
+    def _settings_column(self) -> None:
         with gr.Column(scale=1, min_width=260):
-            max_new = gr.Slider(1, cap, value=min(32, cap), step=1, label="max new tokens", elem_id="gen-max-new")
-            temperature = gr.Slider(0, 2, value=0.0, step=0.05, label="temperature (0 = greedy)",
-                                    elem_id="gen-temperature")
-            top_k = gr.Number(value=0, precision=0, label="top-k (0 = off)", elem_id="gen-top-k")
-            topk_msg = V.field_message("gen-top-k-msg")
-            top_p = gr.Slider(0.01, 1, value=1.0, step=0.01, label="top-p (1 = off)", elem_id="gen-top-p")
-            min_p = gr.Slider(0, 1, value=0.0, step=0.01, label="min-p (0 = off)", elem_id="gen-min-p")
-            rep = gr.Slider(0.5, 2.0, value=1.0, step=0.05, label="repetition penalty (1 = off)", elem_id="gen-rep")
-            seed = gr.Number(value=0, precision=0, label="seed", elem_id="gen-seed")
-            seed_msg = V.field_message("gen-seed-msg")
-            stop = gr.Textbox(label="stop strings (one per line, \\n for newline)", lines=2, elem_id="gen-stop")
+            self.max_new = gr.Slider(1, self.cap, value=min(32, self.cap), step=1, label="max new tokens",
+                                     elem_id="gen-max-new")
+            self.temperature = gr.Slider(0, 2, value=0.0, step=0.05, label="temperature (0 = greedy)",
+                                         elem_id="gen-temperature")
+            self.top_k = gr.Number(value=0, precision=0, label="top-k (0 = off)", elem_id="gen-top-k")
+            self.topk_msg = V.field_message("gen-top-k-msg")
+            self.top_p = gr.Slider(0.01, 1, value=1.0, step=0.01, label="top-p (1 = off)", elem_id="gen-top-p")
+            self.min_p = gr.Slider(0, 1, value=0.0, step=0.01, label="min-p (0 = off)", elem_id="gen-min-p")
+            self.rep = gr.Slider(0.5, 2.0, value=1.0, step=0.05, label="repetition penalty (1 = off)", elem_id="gen-rep")
+            self.seed = gr.Number(value=0, precision=0, label="seed", elem_id="gen-seed")
+            self.seed_msg = V.field_message("gen-seed-msg")
+            self.stop = gr.Textbox(label="stop strings (one per line, \\n for newline)", lines=2, elem_id="gen-stop")
             with gr.Row():
-                go_btn = gr.Button("Generate", variant="primary", elem_id="gen-generate")
-                stop_btn = gr.Button("Stop", elem_id="gen-stop-btn")
-            gen_msg = V.field_message("gen-msg")  # the prompt, stop strings and anything else
+                self.go_btn = gr.Button("Generate", variant="primary", elem_id="gen-generate")
+                self.stop_btn = gr.Button("Stop", elem_id="gen-stop-btn")
+            self.gen_msg = V.field_message("gen-msg")  # the prompt, stop strings and anything else
+
+    def _output_column(self) -> None:
         with gr.Column(scale=3):
             gr.Markdown("Tokens appear as they are generated, coloured by how likely the model found them. "
                         "Click a token to inspect that step.")
-            out_text = gr.Textbox(label="generated text", lines=4, interactive=False, elem_id="gen-output")
-            tokens = gr.HighlightedText(label="tokens (click one)", color_map=F.BUCKET_COLOURS, show_legend=True,
-                                        combine_adjacent=False, elem_id="gen-tokens")
-            status = gr.Markdown(elem_id="gen-status")
-            color_by = gr.Radio(["prob", "entropy"], value="prob", label="timeline colour", elem_id="gen-colour-by")
+            self.out_text = gr.Textbox(label="generated text", lines=4, interactive=False, elem_id="gen-output")
+            self.tokens = gr.HighlightedText(label="tokens (click one)", color_map=F.BUCKET_COLOURS,
+                                             show_legend=True, combine_adjacent=False, elem_id="gen-tokens")
+            self.status = gr.Markdown(elem_id="gen-status")
+            self.color_by = gr.Radio(["prob", "entropy"], value="prob", label="timeline colour",
+                                     elem_id="gen-colour-by")
             gr.Markdown("The timeline: one bar per step. Low bars (probability) or high bars (entropy) are where "
                         "the model was unsure and the sampling settings matter most.")
-            timeline = gr.Plot(F.timeline_figure([]), label="timeline", elem_id="gen-timeline")
+            self.timeline = gr.Plot(F.timeline_figure([]), label="timeline", elem_id="gen-timeline")
             with gr.Row():
-                steps_btn = gr.Button("Download the steps (CSV + JSON)", size="sm", scale=0,
-                                      elem_id="gen-steps-export")
-                steps_files = gr.File(label="Steps", file_count="multiple", visible=False,
-                                      elem_id="gen-steps-files")
+                self.steps_btn = gr.Button("Download the steps (CSV + JSON)", size="sm", scale=0,
+                                           elem_id="gen-steps-export")
+                self.steps_files = gr.File(label="Steps", file_count="multiple", visible=False,
+                                           elem_id="gen-steps-files")
 
-    gr.Markdown("#### One step\nLeft: the model's top candidates before any filter (coloured by the filter that "
-                "removed them). Right: the distribution the token was actually drawn from.")
-    with gr.Row():
-        step_sel = gr.Slider(0, 1, value=0, step=1, label="step", elem_id="gen-step")
-        show_att = gr.Checkbox(value=True, label="show attention for the step (one extra forward pass)",
-                               elem_id="gen-show-att")
-    dist = gr.Plot(F.distribution_figure(None), elem_id="gen-dist")
-    removed_md = gr.Markdown(elem_id="gen-removed")
-    gr.Markdown("Attention: where the token that produced this step looked, layer by layer (mean over heads).")
-    att_plot = gr.Plot(F.attention_figure(None, []), elem_id="gen-attention")
+    def _step_section(self) -> None:
+        gr.Markdown("#### One step\nLeft: the model's top candidates before any filter (coloured by the filter "
+                    "that removed them). Right: the distribution the token was actually drawn from.")
+        with gr.Row():
+            self.step_sel = gr.Slider(0, 1, value=0, step=1, label="step", elem_id="gen-step")
+            self.show_att = gr.Checkbox(value=True, label="show attention for the step (one extra forward pass)",
+                                        elem_id="gen-show-att")
+        self.dist = gr.Plot(F.distribution_figure(None), elem_id="gen-dist")
+        self.removed_md = gr.Markdown(elem_id="gen-removed")
+        gr.Markdown("Attention: where the token that produced this step looked, layer by layer (mean over heads).")
+        self.att_plot = gr.Plot(F.attention_figure(None, []), elem_id="gen-attention")
 
-    gr.Markdown("#### N samples\nThe same prompt and settings drawn with consecutive seeds, side by side. "
-                f"Greedy (temperature 0) gives the same text every time; raise the temperature for variety "
-                f"(each sample at most {SAMPLE_TOKENS_CAP} tokens).")
-    with gr.Row():
-        n_samples = gr.Slider(2, MAX_SAMPLES, value=5, step=1, label="samples", elem_id="gen-n-samples")
-        samples_btn = gr.Button("Draw samples", elem_id="gen-samples-btn")
-    samples_df = gr.Dataframe(headers=["seed", "text", "tokens", "mean p", "finish"], interactive=False,
-                              wrap=True, elem_id="gen-samples")
-    samples_plot = gr.Plot(F.samples_figure([]), elem_id="gen-samples-plot")
+    def _samples_section(self) -> None:
+        gr.Markdown("#### N samples\nThe same prompt and settings drawn with consecutive seeds, side by side. "
+                    f"Greedy (temperature 0) gives the same text every time; raise the temperature for variety "
+                    f"(each sample at most {SAMPLE_TOKENS_CAP} tokens).")
+        with gr.Row():
+            self.n_samples = gr.Slider(2, MAX_SAMPLES, value=5, step=1, label="samples", elem_id="gen-n-samples")
+            self.samples_btn = gr.Button("Draw samples", elem_id="gen-samples-btn")
+        self.samples_df = gr.Dataframe(headers=["seed", "text", "tokens", "mean p", "finish"], interactive=False,
+                                       wrap=True, elem_id="gen-samples")
+        self.samples_plot = gr.Plot(F.samples_figure([]), elem_id="gen-samples-plot")
 
-    gr.Markdown("#### KV cache\nEach layer keeps the keys and values of every earlier token so a step only "
-                "processes the newest one. Its size: 2 × layers × kv_heads × head_dim × tokens × bytes per value.")
-    kv_plot = gr.Plot(F.kv_cache_figure(None), elem_id="gen-kv")
-    kv_md = gr.Markdown(elem_id="gen-kv-md")
-    with gr.Row():
-        timing_btn = gr.Button("Time with vs without the cache (16 tokens)", elem_id="gen-timing-btn")
-    timing_md = gr.Markdown(elem_id="gen-timing")
+    def _kv_section(self) -> None:
+        gr.Markdown("#### KV cache\nEach layer keeps the keys and values of every earlier token so a step only "
+                    "processes the newest one. Its size: 2 × layers × kv_heads × head_dim × tokens × bytes per "
+                    "value.")
+        self.kv_plot = gr.Plot(F.kv_cache_figure(None), elem_id="gen-kv")
+        self.kv_md = gr.Markdown(elem_id="gen-kv-md")
+        with gr.Row():
+            self.timing_btn = gr.Button("Time with vs without the cache (16 tokens)", elem_id="gen-timing-btn")
+        self.timing_md = gr.Markdown(elem_id="gen-timing")
 
-    # --- callbacks --------------------------------------------------------------------
-    @endpoint(model=True)
-    def run(model_name, prompt, chat, n_new, t, k, p, m, r, sd, stop_text, colour, request: gr.Request = None):
-        yield from _run(model_name, prompt, chat, n_new, t, k, p, m, r, sd, stop_text, colour)
+    # --- events --------------------------------------------------------------------------------
+    def _wire(self) -> None:
+        step_inputs = [self.state, self.color_by, self.show_att]
+        gen_event = self.go_btn.click(self.run, self.gen_inputs, self.gen_outputs, concurrency_id="generate",
+                                      concurrency_limit=generate_concurrency(), api_name="generate")
+        # a finished generation opens at step 0 with its attention, never empty axes
+        gen_event.success(self.open_first_step, [self.opening, *step_inputs], [*self.step_outputs, self.opening])
+        self.step_sel.release(self.show_step, [self.step_sel, *step_inputs], self.step_outputs)
+        self.show_att.change(self.show_step, [self.step_sel, *step_inputs], self.step_outputs)
+        self.tokens.select(self.pick_token, step_inputs, [self.step_sel, *self.step_outputs])
+        self.color_by.change(self.recolour, [self.state, self.color_by, self.step_sel], [self.timeline])
+        self.steps_btn.click(self.export_steps, [self.state], [self.steps_files])
+        samples_event = self.samples_btn.click(self.samples, self.gen_inputs[:-1] + [self.n_samples],
+                                               [self.samples_df, self.samples_plot, *self.messages],
+                                               api_name="sample")
+        # Stop: cancelling closes the running generator, which ends generation at once (model_core
+        # checks nothing more; the iterator is simply not advanced) and frees the model.
+        self.stop_btn.click(None, None, None, cancels=[gen_event, samples_event])
+        self._wire_link()
+        self.timing_btn.click(self.timing, [self.state], [self.timing_md])
 
-    def _msgs(problems: dict | None = None) -> tuple:
-        """Updates for (gen_msg, topk_msg, seed_msg): each problem beside the control that caused
-        it (what no control of its own has goes under the Generate button); none: all cleared."""
+        from app import decoding_panel  # beam / diverse / contrastive search: its own accordion and controls
+
+        decoding_panel.build(self.shared)
+
+    def _wire_link(self) -> None:
+        """The link: settings and chosen step mirrored into the URL, and read back on load."""
+        shared = self.shared
+        url_inputs = [shared.model, shared.prompt, shared.chat, self.max_new, self.temperature, self.top_k,
+                      self.top_p, self.min_p, self.rep, self.seed, self.stop, self.step_sel]
+        # written when the status or the chosen step's view changes (a .then after these events may
+        # still read the values from before their outputs landed); status: a generation finished
+        for comp in (self.status, self.dist):
+            comp.change(None, url_inputs, None, js=GEN_URL_JS)
+        if shared.page is None:
+            return
+        self.linked = gr.State(None)
+        opened_tab = gr.Textbox(visible=False, elem_id="gen-opened-tab")
+        controls = [self.max_new, self.temperature, self.top_k, self.top_p, self.min_p, self.rep, self.seed,
+                    self.stop]
+        shared.page.load(self.gen_from_url, [opened_tab], [*controls, self.linked],
+                         js="() => [window.lmscopeOpenTab || '']").then(
+            self.gen_autorun, [self.linked, *controls, self.color_by], self.gen_outputs,
+            concurrency_id="generate", concurrency_limit=generate_concurrency()).then(
+            self.gen_open_linked_step, [self.linked, self.opening, self.state, self.color_by, self.show_att],
+            [self.step_sel, *self.step_outputs, self.opening])
+
+    # --- callbacks -----------------------------------------------------------------------------
+    def _messages(self, problems: dict | None = None) -> dict:
+        """Each problem beside the control that caused it (what no control of its own has goes under
+        the Generate button); none: every message cleared."""
         problems = dict(problems or {})
-        k_msg, seed_msg_ = problems.pop("top_k", None), problems.pop("seed", None)
-        rest = " ".join(problems.values())
-        return tuple(V.show(x) if x else V.clear() for x in (rest, k_msg, seed_msg_))
+        shown = {self.topk_msg: problems.pop("top_k", None), self.seed_msg: problems.pop("seed", None)}
+        shown[self.gen_msg] = " ".join(problems.values())
+        return {c: V.show(x) if x else V.clear() for c, x in shown.items()}
 
-    def _run(model_name, prompt, chat, n_new, t, k, p, m, r, sd, stop_text, colour):
-        keep = (gr.skip(),) * 12  # one per view: a refused request leaves the last generation on screen
+    @endpoint(model=True)
+    def run(self, model_name, prompt, chat, n_new, t, k, p, m, r, sd, stop_text, colour,
+            request: gr.Request = None):
+        yield from self._generation(model_name, prompt, chat, n_new, t, k, p, m, r, sd, stop_text, colour)
+
+    def _generation(self, model_name, prompt, chat, n_new, t, k, p, m, r, sd, stop_text, colour) -> Iterator[dict]:
+        """Generate, streaming the text and tokens (the timeline every few steps), then every view of
+        the finished generation. A refused request (a bad setting, an empty or too long prompt, a bad
+        stop string) changes only the messages; one that fails later keeps its tokens and says why."""
         problems = _problems(t, k, p, m, r, sd)
         if problems:
-            yield (*keep, *_msgs(problems))
+            yield self._messages(problems)
             return
         lm = get_model(model_name)
         settings = _settings(t, k, p, m, r)
         steps_json: list[dict] = []
         gen = lab = None
         try:
-            it = iter_generate(lm, prompt, max_new_tokens=n_new, settings=settings, seed=sd, chat=bool(chat),
-                               stop=parse_stop(stop_text), max_prompt_tokens=max_prompt_tokens())
-            for step, gen in it:
-                if lab is None:
-                    lab = _Labeller(lm.tokenizer, gen.prompt_ids)
+            for step, gen in iter_generate(lm, prompt, max_new_tokens=n_new, settings=settings, seed=sd,
+                                           chat=bool(chat), stop=parse_stop(stop_text),
+                                           max_prompt_tokens=max_prompt_tokens()):
+                lab = lab or _Labeller(lm.tokenizer, gen.prompt_ids)
                 sj = step_to_json(lm, step)
                 lab.add(sj)
                 steps_json.append(sj)
                 if not gen.finished:
-                    lab.label(steps_json)
-                    redraw = len(steps_json) % TIMELINE_EVERY == 1
-                    yield (gen.text, _highlight(steps_json), f"Generating… {len(steps_json)} tokens",
-                           F.timeline_figure(steps_json, colour) if redraw else gr.skip(),
-                           gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(),
-                           *(_msgs() if len(steps_json) == 1 else (gr.skip(),) * 3))
+                    yield self._streaming(steps_json, gen, lab, colour)
         except LmscopeError as e:
-            # before the first token (an empty or too long prompt, a bad stop string): nothing shown
-            # is lost; later, the tokens so far stay and the status says why it stopped
-            field = V.field_of(e) or "prompt"
-            if not steps_json:
-                yield (*keep, *_msgs({field: str(e)}))
-            else:
-                yield (gr.skip(), gr.skip(), f"Stopped after {len(steps_json)} tokens: {e}", *keep[3:],
-                       *_msgs({field: str(e)}))
+            out = self._messages({V.field_of(e) or "prompt": str(e)})
+            if steps_json:
+                out[self.status] = f"Stopped after {len(steps_json)} tokens: {e}"
+            yield out
             return
-        if gen is None:
-            yield ("", [], "Stopped before the first token.", F.timeline_figure([]), gr.skip(), gr.skip(),
-                   gr.skip(), F.attention_figure(None, []), gr.skip(), gr.skip(), None, False, *_msgs())
-            return
-        lab.label(steps_json)
-        gj = generation_to_json(lm, gen)
-        st = _light_state(lm, gen, steps_json)
-        last = max(0, len(steps_json) - 1)
-        yield (gen.text, _highlight(steps_json), _status(gj, False), F.timeline_figure(steps_json, colour, 0),
-               gr.update(minimum=0, maximum=max(1, last), value=0), F.distribution_figure(steps_json[0] if steps_json
-                                                                                         else None),
-               F.removed_summary(steps_json[0] if steps_json else None),
-               F.attention_figure(None, [], hint="Working out where step 0 looked…"),
-               F.kv_cache_figure(st["kv"], st["growth"]), _kv_markdown(st["kv"]), st, True, *_msgs())
+        yield self._finished(lm, gen, steps_json, lab, colour)
 
-    messages = [gen_msg, topk_msg, seed_msg]
-    opening = gr.State(False)  # a generation just finished: show its first step with attention
-    gen_outputs = [out_text, tokens, status, timeline, step_sel, dist, removed_md, att_plot, kv_plot, kv_md, state,
-                   opening, *messages]
-    gen_inputs = [shared.model, shared.prompt, shared.chat, max_new, temperature, top_k, top_p, min_p, rep, seed,
-                  stop, color_by]
-    gen_event = go_btn.click(run, gen_inputs, gen_outputs, concurrency_id="generate",
-                             concurrency_limit=generate_concurrency(), api_name="generate")
+    def _streaming(self, steps_json: list[dict], gen, lab: _Labeller, colour) -> dict:
+        lab.label(steps_json)
+        out = {self.out_text: gen.text, self.tokens: _highlight(steps_json),
+               self.status: f"Generating… {len(steps_json)} tokens"}
+        if len(steps_json) % TIMELINE_EVERY == 1:
+            out[self.timeline] = F.timeline_figure(steps_json, colour)
+        if len(steps_json) == 1:
+            out.update(self._messages())
+        return out
+
+    def _finished(self, lm, gen, steps_json: list[dict], lab: _Labeller | None, colour) -> dict:
+        if gen is None:
+            return {self.out_text: "", self.tokens: [], self.status: "Stopped before the first token.",
+                    self.timeline: F.timeline_figure([]), self.att_plot: F.attention_figure(None, []),
+                    self.state: None, self.opening: False, **self._messages()}
+        lab.label(steps_json)
+        st = _light_state(lm, gen, steps_json)
+        first = steps_json[0] if steps_json else None
+        return {self.out_text: gen.text, self.tokens: _highlight(steps_json), self.status: _status(gen),
+                self.timeline: F.timeline_figure(steps_json, colour, 0),
+                self.step_sel: gr.update(minimum=0, maximum=max(1, len(steps_json) - 1), value=0),
+                self.dist: F.distribution_figure(first), self.removed_md: F.removed_summary(first),
+                self.att_plot: F.attention_figure(None, [], hint="Working out where step 0 looked…"),
+                self.kv_plot: F.kv_cache_figure(st["kv"], st["growth"]), self.kv_md: _kv_markdown(st["kv"]),
+                self.state: st, self.opening: True, **self._messages()}
 
     @endpoint(model=True)
-    def show_step(i, st, colour, with_att, request: gr.Request = None):
+    def show_step(self, i, st, colour, with_att, request: gr.Request = None) -> dict:
+        """Step i: its distribution, what the filters removed, its attention (one forward pass) and the
+        timeline marking it."""
         if not st or not st["steps"]:
-            return F.distribution_figure(None), "", F.attention_figure(None, []), gr.skip()
+            return {self.dist: F.distribution_figure(None), self.removed_md: "",
+                    self.att_plot: F.attention_figure(None, [])}
         i = int(max(0, min(int(i or 0), len(st["steps"]) - 1)))
         step = st["steps"][i]
         att_fig = F.attention_figure(None, [], hint="Attention is off: tick “show attention for the step” above.")
@@ -326,37 +412,26 @@ def build(shared: Shared) -> None:
             # labelled over the whole text, so a character cut by the step boundary keeps its glyph
             labels = [t["display"] for t in describe_tokens(lm.tokenizer, st["ids"])][: step["position"]]
             att_fig = F.attention_figure(a.tolist(), labels, i, F.step_label(step))
-        return (F.distribution_figure(step), F.removed_summary(step), att_fig,
-                F.timeline_figure(st["steps"], colour, i))
+        return {self.dist: F.distribution_figure(step), self.removed_md: F.removed_summary(step),
+                self.att_plot: att_fig, self.timeline: F.timeline_figure(st["steps"], colour, i)}
 
-    step_sel.release(show_step, [step_sel, state, color_by, show_att],
-                                  [dist, removed_md, att_plot, timeline])
     @endpoint  # show_step holds the model slot
-    def open_first_step(fresh, st, colour, with_att, request: gr.Request = None):
+    def open_first_step(self, fresh, st, colour, with_att, request: gr.Request = None):
         if fresh is not True:  # a refused request: nothing new to open
-            return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
-        return (*show_step(0, st, colour, with_att, request), False)
+            return gr.skip()
+        return {**self.show_step(0, st, colour, with_att, request), self.opening: False}
 
-    # a finished generation opens at step 0 with its attention, never empty axes
-    gen_event.success(open_first_step, [opening, state, color_by, show_att],
-                      [dist, removed_md, att_plot, timeline, opening])
-    show_att.change(show_step, [step_sel, state, color_by, show_att], [dist, removed_md, att_plot, timeline])
-
-    @endpoint
-    def pick_token(st, colour, with_att, evt: gr.SelectData, request: gr.Request = None):
+    @endpoint  # show_step holds the model slot
+    def pick_token(self, st, colour, with_att, evt: gr.SelectData, request: gr.Request = None) -> dict:
         idx = evt.index if isinstance(evt.index, int) else (evt.index[0] if evt.index else 0)
-        return (gr.update(value=idx), *show_step(idx, st, colour, with_att, request))
-
-    tokens.select(pick_token, [state, color_by, show_att], [step_sel, dist, removed_md, att_plot, timeline])
+        return {self.step_sel: gr.update(value=idx), **self.show_step(idx, st, colour, with_att, request)}
 
     @endpoint
-    def recolour(st, colour, i):
+    def recolour(self, st, colour, i):
         return F.timeline_figure(st["steps"] if st else [], colour, int(i or 0))
 
-    color_by.change(recolour, [state, color_by, step_sel], [timeline])
-
     @endpoint
-    def export_steps(st):
+    def export_steps(self, st):
         from app.context import scratch_dir
         from app.exports import write_generation
 
@@ -364,13 +439,12 @@ def build(shared: Shared) -> None:
             raise gr.Error("Generate some text first; then its steps can be downloaded.")
         return gr.update(value=[str(p) for p in write_generation(st, scratch_dir("steps"))], visible=True)
 
-    steps_btn.click(export_steps, [state], [steps_files])
-
     @endpoint(model=True)
-    def samples(model_name, prompt, chat, n_new, t, k, p, m, r, sd, stop_text, n, request: gr.Request = None):
+    def samples(self, model_name, prompt, chat, n_new, t, k, p, m, r, sd, stop_text, n, request: gr.Request = None):
+        """N samples with consecutive seeds, a row each as it comes; the figure at the end."""
         problems = _problems(t, k, p, m, r, sd)
         if problems:  # the samples already drawn stay
-            yield gr.skip(), gr.skip(), *_msgs(problems)
+            yield self._messages(problems)
             return
         lm = get_model(model_name)
         settings = _settings(t, k, p, m, r)
@@ -379,85 +453,60 @@ def build(shared: Shared) -> None:
         rows, gens = [], []
         try:
             for j in range(n):
-                gen = None
-                for _, gen in iter_generate(lm, prompt, max_new_tokens=min(int(n_new or 1), SAMPLE_TOKENS_CAP),
-                                            settings=settings, seed=base + j, chat=bool(chat),
-                                            stop=parse_stop(stop_text)):
-                    pass
+                gen = generate(lm, prompt, max_new_tokens=min(int(n_new or 1), SAMPLE_TOKENS_CAP), settings=settings,
+                               seed=base + j, chat=bool(chat), stop=parse_stop(stop_text))
                 gj = generation_to_json(lm, gen)
                 mean_p = sum(s["chosen"]["prob"] for s in gj["steps"]) / max(1, len(gj["steps"]))
                 rows.append([base + j, gen.text, len(gen.token_ids), round(mean_p, 3), gen.finish_reason])
                 gens.append({"seed": base + j, "steps": gj["steps"]})
-                yield rows, gr.skip(), *(_msgs() if j == 0 else (gr.skip(),) * 3)
+                yield {self.samples_df: rows, **(self._messages() if j == 0 else {})}
         except LmscopeError as e:
             if not rows:
-                yield gr.skip(), gr.skip(), *_msgs({V.field_of(e) or "prompt": str(e)})
+                yield self._messages({V.field_of(e) or "prompt": str(e)})
                 return
             raise gr.Error(str(e)) from None
         if settings.greedy:
             gr.Info("Temperature 0 is greedy: every seed gives the same text.")
         distinct = len({row[1] for row in rows})
         rows.append(["", f"{distinct} distinct texts out of {len(rows)}", "", "", ""])
-        yield rows, F.samples_figure(gens), *_msgs()
+        yield {self.samples_df: rows, self.samples_plot: F.samples_figure(gens), **self._messages()}
 
-    samples_event = samples_btn.click(samples, gen_inputs[:-1] + [n_samples], [samples_df, samples_plot, *messages],
-                                      api_name="sample")
-
-    # Stop: cancelling closes the running generator, which ends generation at once (model_core
-    # checks nothing more; the iterator is simply not advanced) and frees the model.
-    stop_btn.click(None, None, None, cancels=[gen_event, samples_event])
-
-    # --- the link: settings and chosen step mirrored into the URL, and read back on load ----------
-    url_inputs = [shared.model, shared.prompt, shared.chat, max_new, temperature, top_k, top_p, min_p, rep, seed,
-                  stop, step_sel]
-    # written when the status or the chosen step's view changes (a .then after these events may
-    # still read the values from before their outputs landed); status: a generation finished
-    for comp in (status, dist):
-        comp.change(None, url_inputs, None, js=GEN_URL_JS)
-    if shared.page is not None:
-        linked = gr.State(None)
-        opened_tab = gr.Textbox(visible=False, elem_id="gen-opened-tab")
-
-        @endpoint
-        def gen_from_url(tab, request: gr.Request = None):
-            q = dict(request.query_params) if request is not None else {}
-            got = settings_from_url(q, cap, tab if isinstance(tab, str) else None)
-            if got is None:
-                return (*(gr.skip(),) * 8, None)
-            return (got["gen_max"], got["gen_t"], got["gen_k"], got["gen_p"], got["gen_minp"], got["gen_rep"],
-                    got["gen_seed"], got["gen_stop"], got)
-
-        @endpoint(model=True)
-        def gen_autorun(link, n_new, t, k, p, m, r, sd, stop_text, colour, request: gr.Request = None):
-            """A link to a generation runs it on load with the link's own model, prompt and chat (the
-            shared bar is filled by another load event at the same moment)."""
-            if not isinstance(link, dict):
-                yield (gr.skip(),) * len(gen_outputs)
-                return
-            from app.ui import EXAMPLE_PROMPT, model_names
-
-            model_name = link.get("model") if link.get("model") in model_names() else shared.model.value
-            prompt = link.get("prompt") if isinstance(link.get("prompt"), str) else EXAMPLE_PROMPT
-            yield from _run(model_name, prompt, bool(link.get("chat")), n_new, t, k, p, m, r, sd, stop_text, colour)
-
-        @endpoint
-        def gen_open_linked_step(link, fresh, st, colour, with_att, request: gr.Request = None):
-            if not isinstance(link, dict) or fresh is not True or not st:
-                return (gr.skip(),) * 6
-            step = link.get("gen_step")
-            step = step if isinstance(step, int) and not isinstance(step, bool) else 0
-            i = int(max(0, min(step, len(st["steps"]) - 1)))
-            return (gr.update(value=i), *show_step(i, st, colour, with_att, request), False)
-
-        shared.page.load(gen_from_url, [opened_tab], [max_new, temperature, top_k, top_p, min_p, rep, seed, stop, linked],
-                         js="() => [window.lmscopeOpenTab || '']").then(
-            gen_autorun, [linked, max_new, temperature, top_k, top_p, min_p, rep, seed, stop, color_by], gen_outputs,
-            concurrency_id="generate", concurrency_limit=generate_concurrency()).then(
-            gen_open_linked_step, [linked, opening, state, color_by, show_att],
-            [step_sel, dist, removed_md, att_plot, timeline, opening])
+    @endpoint
+    def gen_from_url(self, tab, request: gr.Request = None) -> dict:
+        q = dict(request.query_params) if request is not None else {}
+        got = settings_from_url(q, self.cap, tab if isinstance(tab, str) else None)
+        if got is None:
+            return {self.linked: None}
+        return {self.max_new: got["gen_max"], self.temperature: got["gen_t"], self.top_k: got["gen_k"],
+                self.top_p: got["gen_p"], self.min_p: got["gen_minp"], self.rep: got["gen_rep"],
+                self.seed: got["gen_seed"], self.stop: got["gen_stop"], self.linked: got}
 
     @endpoint(model=True)
-    def timing(st, request: gr.Request = None):
+    def gen_autorun(self, link, n_new, t, k, p, m, r, sd, stop_text, colour, request: gr.Request = None):
+        """A link to a generation runs it on load with the link's own model, prompt and chat (the
+        shared bar is filled by another load event at the same moment)."""
+        if not isinstance(link, dict):
+            yield gr.skip()
+            return
+        from app.ui import EXAMPLE_PROMPT, model_names
+
+        model_name = link.get("model") if link.get("model") in model_names() else self.shared.model.value
+        prompt = link.get("prompt") if isinstance(link.get("prompt"), str) else EXAMPLE_PROMPT
+        yield from self._generation(model_name, prompt, bool(link.get("chat")), n_new, t, k, p, m, r, sd, stop_text,
+                                    colour)
+
+    @endpoint  # show_step holds the model slot
+    def gen_open_linked_step(self, link, fresh, st, colour, with_att, request: gr.Request = None):
+        if not isinstance(link, dict) or fresh is not True or not st:
+            return gr.skip()
+        step = link.get("gen_step")
+        step = step if isinstance(step, int) and not isinstance(step, bool) else 0
+        i = int(max(0, min(step, len(st["steps"]) - 1)))
+        return {self.step_sel: gr.update(value=i), **self.show_step(i, st, colour, with_att, request),
+                self.opening: False}
+
+    @endpoint(model=True)
+    def timing(self, st, request: gr.Request = None) -> str:
         if not st:
             raise gr.Error("Generate something first: the timing uses the current prompt.")
         lm = get_model(st["model"])
@@ -471,11 +520,9 @@ def build(shared: Shared) -> None:
                 f"Without the cache every step re-processes the whole sequence. Same tokens both ways: "
                 f"{'yes' if t['same_tokens'] else 'no'}.")
 
-    timing_btn.click(timing, [state], [timing_md])
 
-    from app import decoding_panel  # beam / diverse / contrastive search: its own accordion and controls
-
-    decoding_panel.build(shared)
+def build(shared: Shared) -> GenerateTab:
+    return GenerateTab(shared)
 
 
 def demo() -> gr.Blocks:

@@ -93,7 +93,7 @@ def menus_refresher(kinds: list[str]):
     def refresh_model_menus(known):
         names = model_names()
         if known == names:
-            return [gr.skip()] * (len(kinds) + 1)
+            return gr.skip()  # one skip answers for every output
         every, tuned = model_choices(), finetuned_choices()
         return [names, *[gr.update(choices=every if k == "all" else tuned) for k in kinds]]
     return refresh_model_menus
@@ -224,10 +224,8 @@ def _autorun(autorun, model, prompt, chat, truncate, layer, head, lens_colour, t
     """A shared link (?prompt=...) reproduces the view at once; a plain visit waits for Run."""
     from app.explore_tab import run_trace
 
-    from app.explore_tab import RUN_OUTPUT_NAMES
-
     if not isinstance(autorun, dict) or not autorun.get("run"):
-        return [gr.skip()] * len(RUN_OUTPUT_NAMES)  # one per output: ExploreTab.run_outputs
+        return gr.skip()  # one skip answers for every output: the views stay as they are
     view = {"query": autorun.get("query", -1), "scale": autorun.get("scale"), "zoom": autorun.get("zoom"),
             "notice": autorun.get("notice") or ""}
     # the link's own layer and head (the sliders hold them clamped to their bounds): the run clamps
