@@ -233,13 +233,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None, environ=None) -> int:
-    args = build_parser().parse_args(argv)
+    # read and checked once, here, before anything else reads them (building the parser imports the
+    # job modules); `serve` also checks that the users file exists
     try:
-        # read and checked once, here; `serve` also checks that the users file exists
-        args.settings = Settings.from_env(environ, check_files=args.func is cmd_serve)
+        settings = Settings.from_env(environ, check_files=False)
+        args = build_parser().parse_args(argv)
+        if args.func is cmd_serve:
+            settings = Settings.from_env(environ, check_files=True)
     except LmscopeError as e:
         print(f"error: bad configuration: {e}", file=sys.stderr)
         return 2
+    args.settings = settings
     try:
         return args.func(args)
     except LmscopeError as e:

@@ -43,6 +43,37 @@ def test_settings_defaults_and_validation(tmp_path):
         Settings.from_env({"LMSCOPE_AUTH": "token", "LMSCOPE_AUTH_TOKEN": "short"})
     with pytest.raises(SettingsError, match="LMSCOPE_USERS_FILE"):
         Settings.from_env({"LMSCOPE_AUTH": "users"})
+    # settings that used to be read where they were used are checked with the rest
+    with pytest.raises(SettingsError) as e:
+        Settings.from_env({"LMSCOPE_DEVICE": "gpu", "LMSCOPE_DTYPE": "int4", "LMSCOPE_ENGINE": "yes",
+                           "LMSCOPE_REDIS_PORT": "70000", "LMSCOPE_JOB_STALE_SECONDS": "0"})
+    for part in ("LMSCOPE_DEVICE must be", "LMSCOPE_DTYPE must be", "LMSCOPE_ENGINE must be 0 or 1",
+                 "LMSCOPE_REDIS_PORT must be between 1 and 65535", "LMSCOPE_JOB_STALE_SECONDS must be more than 0"):
+        assert part in str(e.value)
+    s = Settings.from_env({"LMSCOPE_DEVICE": "cuda:1", "LMSCOPE_ENGINE": "0", "LMSCOPE_PATCH_TOKENS": "4096",
+                           "LMSCOPE_MAX_PROMPT_TOKENS": "300", "XDG_CACHE_HOME": str(tmp_path)})
+    assert (s.device, s.engine, s.patch_tokens, s.prompt_token_cap) == ("cuda:1", False, 4096, 300)
+    assert s.cache_dir == tmp_path / "lmscope" and Settings.from_env({}).prompt_token_cap is None
+    # a users file that is not there stops the web server, never a worker (which does not read it)
+    missing = {"LMSCOPE_AUTH": "users", "LMSCOPE_USERS_FILE": str(tmp_path / "nope.txt")}
+    with pytest.raises(SettingsError, match="does not exist"):
+        Settings.from_env(missing)
+    assert Settings.from_env(missing, check_files=False).auth == "users"
+
+
+def test_current_settings_follow_the_environment(monkeypatch):
+    from model_core import settings
+
+    monkeypatch.delenv("LMSCOPE_MAX_BATCH", raising=False)
+    first = settings.current()
+    assert settings.current() is first  # read once while nothing changes
+    monkeypatch.setenv("LMSCOPE_MAX_BATCH", "3")
+    assert settings.current().max_batch == 3
+    monkeypatch.setenv("LMSCOPE_MAX_BATCH", "none")
+    with pytest.raises(SettingsError, match="LMSCOPE_MAX_BATCH must be a whole number"):
+        settings.current()
+    monkeypatch.delenv("LMSCOPE_MAX_BATCH")
+    assert settings.current().max_batch == 32
 
 
 def test_password_hash_and_add_user_cli(tmp_path):

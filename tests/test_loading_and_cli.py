@@ -48,6 +48,16 @@ def test_cli_error_is_one_sentence():
     assert "Traceback" not in r.stderr
 
 
+def test_cli_bad_settings_stop_it_with_one_sentence_each():
+    env = {**os.environ, "LMSCOPE_MAX_BATCH": "lots", "LMSCOPE_AUTH": "magic", "LMSCOPE_DEVICE": "cpu"}
+    r = subprocess.run([sys.executable, "-m", "app.cli", "models"], capture_output=True, text=True, timeout=300,
+                       env=env)
+    assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr
+    assert r.stderr.startswith("error: bad configuration: ")
+    assert "LMSCOPE_AUTH must be one of off, token, users, not 'magic'." in r.stderr
+    assert "LMSCOPE_MAX_BATCH must be a whole number, not 'lots'." in r.stderr
+
+
 def test_loaded_default_model_matches_its_config(default_lm):
     s = default_lm.summary()
     assert (s["layers"], s["heads"], s["kv_heads"], s["d_model"], s["vocab_size"]) == (30, 9, 3, 576, 49152)
