@@ -424,7 +424,8 @@ def _kind(obj) -> str:
 
 def _report(name: str, bad: list[tuple[int, str]], n: int) -> PreferenceDataError:
     shown = " ".join(f"Line {i}: {why}" for i, why in bad[:MAX_ERRORS_SHOWN])
-    more = f" (and {len(bad) - MAX_ERRORS_SHOWN} more malformed lines)" if len(bad) > MAX_ERRORS_SHOWN else ""
+    k = len(bad) - MAX_ERRORS_SHOWN
+    more = f" And {k} more malformed line{'s' if k > 1 else ''}." if k > 0 else ""
     return PreferenceDataError(f"{len(bad)} of {n} lines in '{name}' are malformed; nothing was run. {shown}{more}",
                                bad)
 
