@@ -1,7 +1,8 @@
 """The Celery application. Broker = tasks.config.redis_url() (REDIS_URL, or the embedded server).
 
 Job state lives in our own records (tasks.store), not in a Celery result backend, so results are
-ignored. Messages are acknowledged late and rejected back to the queue if the worker process dies
+ignored. The tasks are the job kinds' (the modules in KIND_MODULES), each on tasks.lifecycle.JobTask.
+Messages are acknowledged late and rejected back to the queue if the worker process dies
 (acks_late + task_reject_on_worker_lost); a job's own record decides whether a redelivered message
 still has work to do, so a redelivery never runs a finished or reaped job twice.
 
@@ -22,8 +23,13 @@ from tasks import config
 
 QUEUE = "lmscope"
 
-app = Celery("lmscope", include=["tasks.tokenizer_job", "tasks.patching_job", "tasks.sft_job",
-                              "tasks.pretrain_job", "tasks.neuron_job"])
+# The job kinds: one module each, which registers its kind (tasks.kinds) and defines its task.
+# The worker imports them (Celery's include) and so does the registry (tasks.kinds.load); the
+# order is the CLI's. A new kind is a new module and a line here.
+KIND_MODULES = ("tasks.tokenizer_job", "tasks.patching_job", "tasks.sft_job", "tasks.pretrain_job",
+                "tasks.neuron_job")
+
+app = Celery("lmscope", include=list(KIND_MODULES))
 app.conf.update(
     broker_url=config.redis_url(),
     broker_connection_retry_on_startup=True,

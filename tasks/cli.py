@@ -11,29 +11,23 @@ import json
 import sys
 import time
 
-from tasks import tokenizer_train as tt
+from tasks import kinds
 
 
 def add_jobs_parser(subparsers, func) -> None:
-    j = subparsers.add_parser("jobs", help="background jobs (tokenizer training): submit, list, show, cancel")
+    j = subparsers.add_parser("jobs", help="background jobs (tokenizer training, fine-tuning, sweeps...): "
+                                           "submit, list, show, cancel")
     js = j.add_subparsers(dest="jobs_command", required=True)
 
     s = js.add_parser("submit", help="queue a job")
-    s.add_argument("kind", choices=["tokenizer", "patching", "sft", "pretrain", "scaling", "neurons"])
-    s.add_argument("--algorithm", choices=list(tt.ALGORITHMS), default="byte-level-bpe")
-    s.add_argument("--vocab-size", type=int, default=4000,
-                   help=f"{tt.VOCAB_MIN}..{tt.VOCAB_MAX} (default 4000)")
-    s.add_argument("--min-frequency", type=int, default=2)
-    s.add_argument("--special-tokens", default=None, help="comma-separated (default depends on the algorithm)")
-    s.add_argument("--corpus", default="builtin", help="'builtin' (stdlib docstrings) or a .txt/.jsonl path")
-    s.add_argument("--corpus-max-mb", type=float, default=None, help="train on the first N MB only")
-    _add_patching_args(s)
-    from tasks.sft_job import add_sft_arguments  # kind 'sft' (tasks/sft_job.py)
-
-    add_sft_arguments(s)
-    from tasks.pretrain_job import add_pretrain_arguments  # kinds 'pretrain' and 'scaling' (tasks/pretrain_job.py)
-
-    add_pretrain_arguments(s)
+    registered = kinds.all_kinds()  # the registry is the one list of kinds
+    s.add_argument("kind", choices=[k.name for k in registered],
+                   help="; ".join(f"{k.name}: {k.help}" for k in registered if k.help))
+    seen = []
+    for k in registered:  # each kind's options (a module serving two kinds adds them once)
+        if k.add_arguments is not None and k.add_arguments not in seen:
+            seen.append(k.add_arguments)
+            k.add_arguments(s)
     s.add_argument("--owner", default="cli")
     s.add_argument("--wait", action="store_true", help="wait for the job to finish and print its record")
     s.add_argument("--timeout", type=float, default=None, help="with --wait: give up after N seconds")
@@ -57,31 +51,7 @@ def add_jobs_parser(subparsers, func) -> None:
     c.set_defaults(func=func)
 
 
-# ---- patching jobs (tasks/patching_job.py) --------------------------------------------------
-
-def _add_patching_args(s) -> None:
-    g = s.add_argument_group("patching (kind 'patching': activation-patching sweep, clean -> corrupted)")
-    g.add_argument("--model", default=None, help="model name (default: the default model)")
-    g.add_argument("--clean", default=None, help="clean prompt")
-    g.add_argument("--corrupted", default=None, help="corrupted prompt")
-    g.add_argument("--target", default=None, help="target token, one token, mind the leading space: ' Paris'")
-    g.add_argument("--other", default=None, help="second token: the metric becomes logit[target] - logit[other]")
-    g.add_argument("--kind", dest="sweep", choices=["residual", "heads"], default="residual",
-                   help="residual: layers x positions; heads: layers x heads (default residual)")
-    g.add_argument("--align", choices=["error", "right"], default="error",
-                   help="prompts of different lengths: refuse (error) or align at the last token (right)")
-    g.add_argument("--batch-size", type=int, default=None, help="patched runs per forward pass")
-
-
-def _patching_params(args) -> dict:
-    from model_core.registry import DEFAULT_MODEL
-
-    return {"model": args.model or DEFAULT_MODEL, "clean": args.clean, "corrupted": args.corrupted,
-            "target": args.target, "other": args.other, "sweep": args.sweep, "align": args.align,
-            "batch_size": args.batch_size}
-
-
-# ---- shared ---------------------------------------------------------------------------------
+# ---- output ---------------------------------------------------------------------------------
 
 def _dump(obj) -> None:
     json.dump(obj, sys.stdout, ensure_ascii=False, indent=2)
@@ -117,26 +87,8 @@ def jobs_command(args) -> int:
 
     cmd = args.jobs_command
     if cmd == "submit":
-        if args.kind == "sft":
-            from tasks.sft_job import sft_params_from_args
-
-            params, files = sft_params_from_args(args)
-        elif args.kind == "patching":
-            params, files = _patching_params(args), []
-        elif args.kind in ("pretrain", "scaling"):
-            from tasks.pretrain_job import pretrain_params_from_args
-
-            params, files = pretrain_params_from_args(args), []
-        elif args.kind == "neurons":  # top contexts over the built-in corpus: --model, --tokens, --context
-            from model_core.registry import DEFAULT_MODEL
-
-            params = {"model": args.model or DEFAULT_MODEL, "tokens": args.tokens, "window": args.context}
-            files = []
-        else:
-            params = {"algorithm": args.algorithm, "vocab_size": args.vocab_size,
-                      "min_frequency": args.min_frequency, "special_tokens": args.special_tokens,
-                      "corpus": "builtin", "corpus_max_mb": args.corpus_max_mb}
-            files = [] if args.corpus == "builtin" else [args.corpus]
+        k = kinds.find(args.kind)
+        params, files = k.params_from_args(args) if k.params_from_args is not None else ({}, [])
         rec = jobs.submit(args.kind, params, owner=args.owner, files=files)
         if args.wait:
             last = [None]

@@ -1,97 +1,28 @@
 """The job service used by the CLI, the UI and the tests: submit, list, show, cancel, wait.
 
+Kinds come from the registry (tasks.kinds: each kind's validate, submit and Celery task); the
+record's lifecycle (queue, claim, heartbeat, progress, cancel, ending) is tasks.lifecycle's. This
+module imports no kind module.
+
 Every read runs the reaper first, so a job whose worker was killed is reported as failed
 ("worker lost") at most LMSCOPE_JOB_STALE_SECONDS (default 30 s) after its last heartbeat.
 """
 
 from __future__ import annotations
 
-import shutil
 import time
-from pathlib import Path
 
-import redis
+from tasks import kinds, store
+from tasks.lifecycle import JobError, artifact_path, queue_client, read_json_artifact
 
-from model_core.errors import LmscopeError
-from tasks import config, corpus, store
-from tasks import tokenizer_train as tt
-
-KINDS = ("tokenizer", "patching", "sft", "pretrain", "scaling", "neurons")
+__all__ = ["JobError", "artifact_path", "cancel_job", "check_rate", "get_job", "list_jobs", "read_report",
+           "submit", "wait_job"]
 
 
-class JobError(LmscopeError):
-    pass
-
-
-def _r() -> redis.Redis:
-    r = store.client()
-    try:
-        r.ping()
-    except redis.RedisError:
-        # never the URL itself: it can hold the server's password
-        raise JobError("The job queue is not reachable; start it with `lmscope serve` (embedded) or set REDIS_URL."
-                       ) from None
-    return r
-
-
-def enqueue(task, rec: dict, r: redis.Redis) -> dict:
-    """Store a new job record, then queue its task; if queueing fails the record says so (failed,
-    with the reason) and the caller gets one sentence. With no worker alive (no heartbeat), the
-    record says that too (`warning` and its log), so the job does not sit "queued" without a word."""
-    from tasks.celery_app import publish
-
-    if store.live_workers(r) == 0:
-        rec["warning"] = "No job worker is running; the job will start when one does."
-        rec["log"].append(store.log_line(rec["warning"]))
-    store.create(rec, r)
-    try:
-        publish(task, rec["id"])
-    except Exception as e:  # noqa: BLE001
-        def fail(x):
-            x.update(state="failed", error=f"could not queue the job: {e}", finished=time.time())
-            return x
-
-        store.update(rec["id"], fail, r)
-        raise JobError(f"Could not queue the job: {str(e).splitlines()[0]}") from None
-    return rec
-
-
-def submit_tokenizer(params: dict, owner: str = "cli", files: list[str | Path] | None = None) -> dict:
-    """Validate, record and queue a tokenizer-training job. `params`: algorithm, vocab_size,
-    min_frequency, special_tokens (list or comma string), corpus ('builtin' or 'upload'),
-    corpus_max_mb (optional slice of the training corpus). `files`: uploaded .txt/.jsonl paths
-    (then corpus = 'upload'). Raises a LmscopeError with one sentence for bad input; nothing is
-    queued then."""
-    p = tt.validate_params(params)
-    files = [Path(f) for f in (files or [])]
-    if p.get("corpus") not in (None, "builtin", "upload"):
-        files.append(Path(p["corpus"]))
-    if files:
-        for f in files:
-            corpus.check_upload(f)
-        p["corpus"] = "upload"
-        names = []
-        for f in files:
-            n = f.name
-            while n in names:
-                n = "_" + n
-            names.append(n)
-        p["corpus_files"] = names
-    else:
-        if p.get("corpus") == "upload":
-            raise corpus.CorpusError("No corpus file was uploaded.")
-        p["corpus"] = "builtin"
-    r = _r()
-    rec = store.new_record("tokenizer", p, owner)
-    if files:
-        inp = config.job_dir(rec["id"]) / "input"
-        inp.mkdir(parents=True, exist_ok=True)
-        for f, n in zip(files, p["corpus_files"]):
-            shutil.copyfile(f, inp / n)
-    from tasks.tokenizer_job import train_tokenizer
-
-    enqueue(train_tokenizer, rec, r)
-    return rec
+def __getattr__(name: str):
+    if name == "KINDS":  # the registered kinds (tasks.kinds), in the CLI's order
+        return kinds.names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def check_rate(owner: str) -> None:
@@ -102,43 +33,30 @@ def check_rate(owner: str) -> None:
     if limit <= 0 or owner == "cli":
         return
     hour_ago = time.time() - 3600
-    n = sum(1 for rec in store.list_records(owner, limit + 1, _r()) if rec.get("created", 0) >= hour_ago)
+    n = sum(1 for rec in store.list_records(owner, limit + 1, queue_client()) if rec.get("created", 0) >= hour_ago)
     if n >= limit:
         raise JobError(f"You have submitted {n} jobs in the last hour; the limit is {limit}. Try again later.")
 
 
 def submit(kind: str, params: dict, owner: str = "cli", files=None) -> dict:
+    """Validate, record and queue a job of a registered kind (tasks.kinds); one sentence and nothing
+    queued on bad input."""
+    k = kinds.find(kind)
+    if k is None:
+        raise JobError(f"Unknown job kind '{kind}'; known: {', '.join(kinds.names())}.")
     check_rate(owner)
-    if kind == "tokenizer":
-        return submit_tokenizer(params, owner, files)
-    if kind == "patching":  # activation-patching sweep: tasks/patching_job.py
-        from tasks.patching_job import submit_patching
-
-        return submit_patching(params, owner)
-    if kind == "sft":  # supervised fine-tuning: tasks/sft_job.py
-        from tasks.sft_job import submit_sft
-
-        return submit_sft(params, owner, files)
-    if kind in ("pretrain", "scaling"):  # training from scratch, one model or a sweep: tasks/pretrain_job.py
-        from tasks.pretrain_job import submit_pretrain
-
-        return submit_pretrain(kind, params, owner)
-    if kind == "neurons":  # top-activating contexts of every neuron and head: tasks/neuron_job.py
-        from tasks.neuron_job import submit_neurons
-
-        return submit_neurons(params, owner)
-    raise JobError(f"Unknown job kind '{kind}'; known: {', '.join(KINDS)}.")
+    return k.submit_job(params, owner, files)
 
 
 def list_jobs(owner: str | None = None, limit: int = 100) -> list[dict]:
-    r = _r()
+    r = queue_client()
     store.reap(r)
     return store.list_records(owner, limit, r)
 
 
 def get_job(job_id: str, owner: str | None = None) -> dict:
     """The job's record; with `owner`, someone else's job is reported as missing (not revealed)."""
-    r = _r()
+    r = queue_client()
     store.reap(r)
     rec = store.get(job_id, r)
     if rec is None or (owner is not None and rec.get("owner") != owner):
@@ -191,22 +109,5 @@ def wait_job(job_id: str, timeout: float | None = None, poll: float = 0.5, on_up
 
 
 def read_report(rec: dict) -> dict | None:
-    import json
-
-    path = artifact_path(rec, "report.json")
-    return json.loads(path.read_text(encoding="utf-8")) if path is not None else None
-
-
-def artifact_path(rec: dict, name: str) -> Path | None:
-    """The artifact's file, only if it really lies inside the job's own folder: a record is data
-    (anyone who can write to Redis can write one), not a permission to read a server path."""
-    root = config.job_dir(str(rec.get("id", ""))).resolve()
-    for a in rec.get("artifacts", []):
-        if a.get("name") != name:
-            continue
-        try:
-            real = Path(a["path"]).resolve(strict=True)
-        except (OSError, RuntimeError, KeyError, TypeError):
-            return None
-        return real if root in real.parents and real.is_file() else None
-    return None
+    """A tokenizer job's report.json, or None."""
+    return read_json_artifact(rec, "report.json")

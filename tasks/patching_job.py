@@ -8,26 +8,21 @@ batch_size (optional; default: model_core's token budget), layers / positions (o
 Progress: 'loading model' (0-3 %), 'clean and corrupted runs' (3-5 %), 'patching' (5-97 %, one step
 per layer of each batch of patched runs), 'saving' (97-100 %). Cancel: the progress callback raises
 between layers when the cancel flag is set (the revoke from jobs.cancel_job also terminates the process).
-The record machinery (claim, heartbeat thread, final-state writes) is the tokenizer job's.
+Claim, heartbeat, cancel and the job's ending are tasks.lifecycle's.
 """
 
 from __future__ import annotations
 
-import json
 import time
 
-from model_core.errors import LmscopeError, SettingsError
-from tasks import store
+from model_core.errors import SettingsError
+from tasks import kinds
 from tasks.celery_app import app
-from tasks.tokenizer_job import _finish, _finish_unexpected, _Progress, start_job
+from tasks.lifecycle import Done, Job, JobTask, read_json_artifact
 
 SWEEPS = ("residual", "heads")
 MAX_PROMPT_CHARS = 20_000
 _PUSH_EVERY_S = 0.25  # at most this often a progress write to the record from the batch loop
-
-
-class Cancelled(Exception):
-    pass
 
 
 def validate_params(params: dict) -> dict:
@@ -48,27 +43,14 @@ def validate_params(params: dict) -> dict:
     p["align"] = p.get("align") or "error"
     if p["align"] not in ("error", "right"):
         raise SettingsError("align must be 'error' or 'right'.")
-    bs = p.get("batch_size")
-    if bs not in (None, ""):
-        if int(bs) < 1:
-            raise SettingsError("batch_size must be at least 1.")
-        p["batch_size"] = int(bs)
-    else:
-        p["batch_size"] = None
+    p["batch_size"] = kinds.int_setting(p, "batch_size", None, 1, 1 << 20)
     for k in ("layers", "positions"):
         v = p.get(k)
-        p[k] = None if v in (None, "", []) else [int(x) for x in v]
+        try:
+            p[k] = None if v in (None, "", []) else [int(x) for x in v]
+        except (TypeError, ValueError):
+            raise SettingsError(f"'{k}' must be a list of whole numbers.") from None
     return p
-
-
-def submit_patching(params: dict, owner: str = "cli") -> dict:
-    """Validate, record and queue a patching job (called by tasks.jobs.submit)."""
-    from tasks import jobs
-
-    p = validate_params(params)
-    r = jobs._r()
-    rec = store.new_record("patching", p, owner)
-    return jobs.enqueue(run_patching, rec, r)
 
 
 def _model(name: str):
@@ -99,74 +81,58 @@ def run_sweep(lm, params: dict, progress=None):
     return patch_residual(lm, params["clean"], params["corrupted"], m, positions=params.get("positions"), **kw)
 
 
-@app.task(bind=True, name="lmscope.patching_sweep", acks_late=True, reject_on_worker_lost=True)
-def run_patching(self, job_id: str) -> str:
-    started = start_job(self, job_id, _Progress)
-    if started is None:
-        return "skipped"
-    rec, prog, jdir = started
-    attempt = rec["attempts"]
-
-    def cancelled() -> bool:
-        return prog.cancelled.is_set() or store.cancel_requested(job_id)
-
-    try:
-        params = validate_params(rec["params"])
-        prog.set("loading model", 0.01, f"loading {params['model']}")
-        lm = _model(params["model"])
-        prog.set("clean and corrupted runs", 0.03, f"{params['sweep']} sweep on {lm.shape.n_layers} layers")
-        last_push = [0.0]
-
-        def on_batch(f: float) -> None:
-            # as each layer of a batch starts: stop if cancelled, else report (writes throttled; the
-            # heartbeat thread pushes the latest value anyway)
-            if cancelled():
-                raise Cancelled()
-            with prog.lock:
-                prog.stage, prog.fraction, prog.est = "patching", 0.05 + 0.92 * f, None
-            now = time.time()
-            if now - last_push[0] >= _PUSH_EVERY_S or f >= 1.0:
-                last_push[0] = now
-                prog.push()
-
-        t0 = time.time()
-        res = run_sweep(lm, params, progress=on_batch)
-        if cancelled():
-            raise Cancelled()
-        secs = time.time() - t0
-        prog.set("saving", 0.97, f"{res.values.numel()} cells in {res.n_forward} forward passes "
-                                 f"(batches of {res.batch_size}), {secs:.2f} s")
-        rows, cols = labels(lm, res)
-        out = {**res.to_dict(), "model": params["model"], "sweep": params["sweep"], "params": params,
-               "row_labels": rows, "col_labels": cols, "metric_description": res.metric.describe(lm)}
-        path = jdir / "patching.json"
-        tmp = jdir / "patching.json.tmp"
-        tmp.write_text(json.dumps(out, ensure_ascii=False), encoding="utf-8")
-        tmp.replace(path)
-        n = res.normalized
-        _finish(job_id, attempt, state="succeeded",
-                artifacts=[{"name": path.name, "path": str(path), "bytes": path.stat().st_size}],
-                log=f"done: clean {res.clean_value:.3f}, corrupted {res.corrupted_value:.3f}, "
-                    f"max restored {float(n.nan_to_num(nan=-1e9).max()):.2f}")
-        return "succeeded"
-    except Cancelled:
-        _finish(job_id, attempt, state="cancelled", log="cancelled during the sweep")
-        return "cancelled"
-    except LmscopeError as e:
-        _finish(job_id, attempt, state="failed", error=str(e), log=f"failed: {e}")
-        return "failed"
-    except Exception as e:  # noqa: BLE001 - the record gets one line, the worker log the traceback
-        _finish_unexpected(job_id, attempt, e)
-        raise
-    finally:
-        prog.stop.set()
+@app.task(bind=True, base=JobTask, name="lmscope.patching_sweep")
+def run_patching(self, job: Job) -> Done:
+    params = validate_params(job.params)
+    job.stage("loading model", 0.01, f"loading {params['model']}")
+    lm = _model(params["model"])
+    job.stage("clean and corrupted runs", 0.03, f"{params['sweep']} sweep on {lm.shape.n_layers} layers")
+    job.cancel_note = "cancelled during the sweep"
+    t0 = time.time()
+    # called as each layer of a batch starts: stops if cancelled, else reports
+    res = run_sweep(lm, params, progress=job.ticker("patching", 0.05, 0.97, _PUSH_EVERY_S))
+    job.check_cancel()
+    secs = time.time() - t0
+    job.stage("saving", 0.97, f"{res.values.numel()} cells in {res.n_forward} forward passes "
+                              f"(batches of {res.batch_size}), {secs:.2f} s")
+    rows, cols = labels(lm, res)
+    path = job.write_json("patching.json", {
+        **res.to_dict(), "model": params["model"], "sweep": params["sweep"], "params": params,
+        "row_labels": rows, "col_labels": cols, "metric_description": res.metric.describe(lm)})
+    n = res.normalized
+    return job.done(f"done: clean {res.clean_value:.3f}, corrupted {res.corrupted_value:.3f}, "
+                    f"max restored {float(n.nan_to_num(nan=-1e9).max()):.2f}", path)
 
 
 def read_result(rec: dict) -> dict | None:
     """The patching.json of a finished job, or None."""
-    from tasks import jobs
+    return read_json_artifact(rec, "patching.json")
 
-    p = jobs.artifact_path(rec, "patching.json")
-    if p is None:
-        return None
-    return json.loads(p.read_text(encoding="utf-8"))
+
+# ---- CLI: `lmscope jobs submit patching ...` -----------------------------------------------
+
+def add_arguments(s) -> None:
+    add = kinds.options(s, "patching (kind 'patching': activation-patching sweep, clean -> corrupted)")
+    add("--model", default=None, help="model name (default: the default model)")
+    add("--clean", default=None, help="clean prompt")
+    add("--corrupted", default=None, help="corrupted prompt")
+    add("--target", default=None, help="target token, one token, mind the leading space: ' Paris'")
+    add("--other", default=None, help="second token: the metric becomes logit[target] - logit[other]")
+    add("--kind", dest="sweep", choices=["residual", "heads"], default="residual",
+        help="residual: layers x positions; heads: layers x heads (default residual)")
+    add("--align", choices=["error", "right"], default="error",
+        help="prompts of different lengths: refuse (error) or align at the last token (right)")
+    add("--batch-size", type=int, default=None, help="patched runs per forward pass")
+
+
+def params_from_args(args) -> tuple[dict, list]:
+    from model_core.registry import DEFAULT_MODEL
+
+    return {"model": args.model or DEFAULT_MODEL, "clean": args.clean, "corrupted": args.corrupted,
+            "target": args.target, "other": args.other, "sweep": args.sweep, "align": args.align,
+            "batch_size": args.batch_size}, []
+
+
+kinds.register(kinds.JobKind("patching", validate=validate_params, task=run_patching,
+                             add_arguments=add_arguments, params_from_args=params_from_args,
+                             help="activation-patching sweep over layers x positions or heads"))

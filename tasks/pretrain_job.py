@@ -18,23 +18,23 @@ it. A sweep also writes scaling.json (run_scaling's result) as an artifact.
 
 Cancel: the runs poll the cancel flag between steps (and the revoke from jobs.cancel_job terminates
 the process); the width being trained registers nothing, widths already finished stay registered
-(each is a complete run) and the log says which. The record machinery is the tokenizer job's.
+(each is a complete run) and the log says which. Claim, heartbeat, cancel and the job's ending are
+tasks.lifecycle's.
 """
 
 from __future__ import annotations
 
-import json
+import functools
 import time
 from dataclasses import asdict
 
 from model_core import pretrain as pt
-from model_core.errors import LmscopeError, SettingsError
-from tasks import store
+from model_core.errors import SettingsError
+from tasks import kinds
 from tasks.celery_app import app
-from tasks.tokenizer_job import _finish, _finish_unexpected, _Progress, start_job
+from tasks.lifecycle import CurvesProgress, Done, Job, JobTask, queue, read_json_artifact
 
 KINDS = ("pretrain", "scaling")
-MAX_HISTORY = 2000
 _PUSH_EVERY_S = 0.5
 DEFAULT_WIDTHS = [64, 128, 256]
 DEFAULT_SCALING_TOKENS = 400_000
@@ -90,31 +90,24 @@ def _check_names(names: list[str], overwrite: bool) -> None:
             raise SettingsError(f"A model named '{n}' already exists; choose another output name.")
 
 
-def submit_pretrain(kind: str, params: dict, owner: str = "cli") -> dict:
+def submit_pretrain(kind: str, params: dict, owner: str = "cli", files: list | None = None) -> dict:
     """Validate, record and queue a 'pretrain' or 'scaling' job (called by tasks.jobs.submit)."""
-    from tasks import jobs
-
     if kind not in KINDS:
         raise SettingsError(f"Unknown kind '{kind}'.")
+    if files:
+        raise SettingsError(f"A '{kind}' job trains on the built-in corpus and takes no uploaded files.")
     v = validate_params(kind, params)
-    r = jobs._r()
-    rec = store.new_record(kind, v, owner)
-    if not v.get("output_name"):
-        v["output_name"] = (f"scaling-{rec['id'][:8]}" if kind == "scaling"
-                            else pt.default_output_name(pt.validate_settings(v), rec["id"][:8]))
-    names = model_names(kind, v)
-    _check_names(names, bool(v.get("overwrite")))
-    rec["pretrain"] = {"history": [], "latest": None, "model_name": v["output_name"], "widths": v.get("widths"),
-                       "points": [], "fit": None, "fit_offset": None, "checkpoints": [], "models": names}
-    task = run_scaling_job if kind == "scaling" else run_pretrain_job
-    return jobs.enqueue(task, rec, r)
 
+    def prepare(rec: dict) -> None:
+        if not v.get("output_name"):
+            v["output_name"] = (f"scaling-{rec['id'][:8]}" if kind == "scaling"
+                                else pt.default_output_name(pt.validate_settings(v), rec["id"][:8]))
+        names = model_names(kind, v)
+        _check_names(names, bool(v.get("overwrite")))
+        rec["pretrain"] = {"history": [], "latest": None, "model_name": v["output_name"], "widths": v.get("widths"),
+                           "points": [], "fit": None, "fit_offset": None, "checkpoints": [], "models": names}
 
-def _thin(hist: list[dict]) -> list[dict]:
-    if len(hist) <= MAX_HISTORY:
-        return hist
-    keep = set(round(i * (len(hist) - 1) / (MAX_HISTORY - 1)) for i in range(MAX_HISTORY))
-    return [h for i, h in enumerate(hist) if i in keep or h.get("eval_loss") is not None]
+    return queue(run_scaling_job if kind == "scaling" else run_pretrain_job, kind, v, owner, prepare)
 
 
 def width_costs(widths: list[int], layers: int, context: int) -> list[float]:
@@ -122,19 +115,18 @@ def width_costs(widths: list[int], layers: int, context: int) -> list[float]:
     return [layers * (12 * w * w + 2 * context * w) + 258 * w for w in widths]
 
 
-class _PretrainProgress(_Progress):
-    """The tokenizer job's progress/heartbeat, plus the curves and the sweep's points in record['pretrain']."""
+class PretrainProgress(CurvesProgress):
+    """Progress of a run from scratch or a sweep: curves and the sweep's points in record['pretrain']."""
+
+    section = "pretrain"
 
     def __init__(self, job_id: str, attempt: int):
         super().__init__(job_id, attempt)
-        self.history: list[dict] = []
-        self.latest: dict | None = None
         self.points: list[dict] = []
-        self.extra: dict = {}
         self.weights: list[float] = [1.0]
-        self.eta: float | None = None
 
     def on_row(self, row: dict) -> None:
+        """run_pretrain / run_scaling's progress callback."""
         phase = row.get("phase", "training")
         i = row.get("width_index", 0)
         tot = sum(self.weights)
@@ -143,34 +135,17 @@ class _PretrainProgress(_Progress):
         with self.lock:
             if phase == "width done":
                 self.points.append(row["point"])
-                return
-            if phase != "training":
-                return
-            f = 0.02 + 0.95 * (done_before + share * row["step"] / max(1, row["max_steps"]))
-            self.stage, self.fraction, self.est = "training", max(self.fraction, f), None
-            keep = {k: v for k, v in row.items() if k not in ("phase", "width_index", "n_widths", "max_steps",
-                                                              "elapsed_s", "eta_s")}
-            self.history.append(keep)
-            self.latest = {k: v for k, v in row.items() if k != "phase"}
-            el = time.time() - self.t_start
-            self.eta = round(el / f * (1 - f), 1) if f > 0.05 else None
+            elif phase == "training":
+                f = 0.02 + 0.95 * (done_before + share * row["step"] / max(1, row["max_steps"]))
+                self.stage, self.fraction, self.est = "training", max(self.fraction, f), None
+                keep = {k: v for k, v in row.items() if k not in ("phase", "width_index", "n_widths", "max_steps",
+                                                                  "elapsed_s", "eta_s")}
+                self.history.append(keep)
+                self.latest = {k: v for k, v in row.items() if k != "phase"}
+        self.push_if_due(_PUSH_EVERY_S, force=phase != "training" or row.get("eval_loss") is not None)
 
-    def push(self, log: str | None = None) -> None:
-        stage, f = self.current()
-        with self.lock:
-            hist, latest, points, extra, eta = list(self.history), self.latest, list(self.points), dict(self.extra), self.eta
-
-        def fn(rec):
-            if rec["state"] != "running" or rec.get("attempts") != self.attempt:
-                return None
-            rec["progress"] = {"fraction": round(f, 4), "stage": stage, "eta_seconds": eta}
-            s = rec.setdefault("pretrain", {})
-            s.update(extra, history=_thin(hist), latest=latest, points=points)
-            if log:
-                rec["log"].append(store.log_line(log))
-            return rec
-
-        store.update(self.job_id, fn)
+    def snapshot(self) -> dict:
+        return {**super().snapshot(), "points": list(self.points)}
 
 
 def _corpus():
@@ -179,124 +154,70 @@ def _corpus():
     return corpus.builtin_docs("train"), corpus.builtin_docs("heldout")
 
 
-def _run(task, job_id: str, kind: str) -> str:
-    started = start_job(task, job_id, _PretrainProgress)
-    if started is None:
-        return "skipped"
-    rec, prog, jdir = started
-    attempt = rec["attempts"]
-
-    def cancelled() -> bool:
-        if prog.cancelled.is_set():
-            return True
-        try:
-            return store.cancel_requested(job_id)
-        except Exception:  # noqa: BLE001 - a Redis hiccup is not a cancel
-            return False
-
-    last_push = [0.0]
-
-    def on_progress(row: dict) -> None:
-        prog.on_row(row)
-        now = time.time()
-        if row.get("phase") != "training" or row.get("eval_loss") is not None or now - last_push[0] >= _PUSH_EVERY_S:
-            last_push[0] = now
-            prog.push()
-
+def _run(job: Job, kind: str) -> Done:
     registered: list[str] = []
+    job.cancel_note = "cancelled between steps; no model was registered"
 
     def say(msg: str) -> None:
         if "registered '" in msg:
             registered.append(msg.split("registered '", 1)[1].split("'", 1)[0])
-        prog.push(msg)
+            job.cancel_note = f"cancelled between steps; kept the finished widths' models: {', '.join(registered)}"
+        job.say(msg)
 
-    try:
-        p = dict(rec["params"])
-        prog.set("loading corpus", 0.005, "loading the built-in corpus (stdlib docstrings)")
-        train, held = _corpus()
-        if kind == "scaling":
-            ws = p.pop("widths")
-            prog.weights = width_costs(ws, p["layers"], p["context"])
-            t0 = time.time()
-            res = pt.run_scaling(ws, p["tokens"], p, train, held, p["output_name"], progress=on_progress,
-                                 should_stop=cancelled, log=say, data_note=DATA_NOTE)
-            prog.set("fitting", 0.98)
-            res["wall_seconds"] = round(time.time() - t0, 2)
-            path = jdir / "scaling.json"
-            tmp = jdir / "scaling.json.tmp"
-            tmp.write_text(json.dumps(res, ensure_ascii=False), encoding="utf-8")
-            tmp.replace(path)
-            fit = res["fit"]
-            with prog.lock:
-                prog.extra = {"fit": fit, "fit_offset": res["fit_offset"], "wall_seconds": res["wall_seconds"],
-                              "published": res["published"], "tokens": res["tokens"]}
-            prog.push()
-            se = f" ± {fit['alpha_stderr']:.3f}" if fit["alpha_stderr"] is not None else ""
-            _finish(job_id, attempt, state="succeeded",
-                    artifacts=[{"name": path.name, "path": str(path), "bytes": path.stat().st_size}],
-                    log=f"done: α = {fit['alpha']:.4f}{se} (R² {fit['r2']:.3f}) over widths "
+    p = dict(job.params)
+    job.stage("loading corpus", 0.005, "loading the built-in corpus (stdlib docstrings)")
+    train, held = _corpus()
+    prog = job.progress
+    if kind == "scaling":
+        ws = p.pop("widths")
+        prog.weights = width_costs(ws, p["layers"], p["context"])
+        t0 = time.time()
+        res = pt.run_scaling(ws, p["tokens"], p, train, held, p["output_name"], progress=prog.on_row,
+                             should_stop=job.cancelled, log=say, data_note=DATA_NOTE)
+        job.stage("fitting", 0.98)
+        res["wall_seconds"] = round(time.time() - t0, 2)
+        path = job.write_json("scaling.json", res)
+        fit = res["fit"]
+        prog.report(fit=fit, fit_offset=res["fit_offset"], wall_seconds=res["wall_seconds"],
+                    published=res["published"], tokens=res["tokens"])
+        se = f" ± {fit['alpha_stderr']:.3f}" if fit["alpha_stderr"] is not None else ""
+        return job.done(f"done: α = {fit['alpha']:.4f}{se} (R² {fit['r2']:.3f}) over widths "
                         f"{', '.join(map(str, ws))} at {res['tokens']:,} tokens each, {res['wall_seconds']:.0f} s; "
-                        "published: Kaplan et al. 2020 α_N = 0.076, Hoffmann et al. 2022 α = 0.34")
-            return "succeeded"
-        res = pt.run_pretrain(p, train, held, progress=on_progress, should_stop=cancelled, log=say,
-                              data_note=DATA_NOTE)
-        m = res.info["metrics"]
-        with prog.lock:
-            prog.extra = {"metrics": m, "parameters": res.info["parameters"],
-                          "non_embedding_parameters": res.info["non_embedding_parameters"],
-                          "checkpoints": [{"name": c["name"], "step": c["step"]} for c in res.checkpoints]}
-        prog.push()
-        arts = [{"name": n, "path": str(res.path / n), "bytes": (res.path / n).stat().st_size}
-                for n in ("lmscope.json", "model.safetensors") if (res.path / n).exists()]
-        _finish(job_id, attempt, state="succeeded", artifacts=arts,
-                log=f"done: held-out loss {m['first_eval_loss']:.3f} -> {m['final_eval_loss']:.3f} nats/byte "
+                        "published: Kaplan et al. 2020 α_N = 0.076, Hoffmann et al. 2022 α = 0.34", path)
+    res = pt.run_pretrain(p, train, held, progress=prog.on_row, should_stop=job.cancelled, log=say,
+                          data_note=DATA_NOTE)
+    m = res.info["metrics"]
+    prog.report(metrics=m, parameters=res.info["parameters"],
+                non_embedding_parameters=res.info["non_embedding_parameters"],
+                checkpoints=[{"name": c["name"], "step": c["step"]} for c in res.checkpoints])
+    return job.done(f"done: held-out loss {m['first_eval_loss']:.3f} -> {m['final_eval_loss']:.3f} nats/byte "
                     f"(perplexity {m['final_eval_ppl']:.2f}); model '{res.name}' registered"
-                    + (f" with {len(res.checkpoints)} checkpoint(s)" if res.checkpoints else ""))
-        return "succeeded"
-    except pt.PretrainCancelled:
-        kept = f"; kept the finished widths' models: {', '.join(registered)}" if registered else \
-            "; no model was registered"
-        _finish(job_id, attempt, state="cancelled", log="cancelled between steps" + kept)
-        return "cancelled"
-    except LmscopeError as e:
-        _finish(job_id, attempt, state="failed", error=str(e), log=f"failed: {e}")
-        return "failed"
-    except Exception as e:  # noqa: BLE001 - the record gets one line, the worker log the traceback
-        _finish_unexpected(job_id, attempt, e)
-        raise
-    finally:
-        prog.stop.set()
+                    + (f" with {len(res.checkpoints)} checkpoint(s)" if res.checkpoints else ""),
+                    *[res.path / n for n in ("lmscope.json", "model.safetensors") if (res.path / n).exists()])
 
 
-@app.task(bind=True, name="lmscope.pretrain", acks_late=True, reject_on_worker_lost=True)
-def run_pretrain_job(self, job_id: str) -> str:
-    return _run(self, job_id, "pretrain")
+@app.task(bind=True, base=JobTask, name="lmscope.pretrain", progress_cls=PretrainProgress,
+          cancelled_by=(pt.PretrainCancelled,))
+def run_pretrain_job(self, job: Job) -> Done:
+    return _run(job, "pretrain")
 
 
-@app.task(bind=True, name="lmscope.scaling", acks_late=True, reject_on_worker_lost=True)
-def run_scaling_job(self, job_id: str) -> str:
-    return _run(self, job_id, "scaling")
+@app.task(bind=True, base=JobTask, name="lmscope.scaling", progress_cls=PretrainProgress,
+          cancelled_by=(pt.PretrainCancelled,))
+def run_scaling_job(self, job: Job) -> Done:
+    return _run(job, "scaling")
 
 
 def read_result(rec: dict) -> dict | None:
     """The scaling.json of a finished sweep, or None."""
-    from tasks import jobs
-
-    p = jobs.artifact_path(rec, "scaling.json")
-    return json.loads(p.read_text(encoding="utf-8")) if p is not None else None
+    return read_json_artifact(rec, "scaling.json")
 
 
 # ---- CLI: `lmscope jobs submit pretrain|scaling ...` (wired from tasks/cli.py) ----------------
 
 def add_pretrain_arguments(s) -> None:
     """Options for kinds 'pretrain' and 'scaling'; flags other kinds already define are shared."""
-    g = s.add_argument_group("pretrain / scaling (train a tiny decoder from scratch on the built-in corpus)")
-    have = {a for act in s._actions for a in act.option_strings}
-
-    def add(flag, **kw):
-        if flag not in have:
-            g.add_argument(flag, **kw)
-
+    add = kinds.options(s, "pretrain / scaling (train a tiny decoder from scratch on the built-in corpus)")
     add("--width", type=int, default=None, help="pretrain: d_model (multiple of 16; default 128)")
     add("--widths", default=None, help="scaling: comma-separated widths (default 64,128,256)")
     add("--layers", type=int, default=None, help="decoder layers (default 2)")
@@ -314,9 +235,21 @@ def add_pretrain_arguments(s) -> None:
 
 
 def pretrain_params_from_args(args) -> dict:
+    """The settings given on the command line (a dict; see params_from_args for the registry)."""
     g = lambda k: getattr(args, k, None)  # noqa: E731
     params = {"width": g("width"), "widths": g("widths"), "layers": g("layers"), "context": g("context"),
               "tokens": g("tokens"), "eval_every": g("eval_every"), "eval_tokens": g("eval_tokens"),
               "max_steps": g("max_steps"), "learning_rate": g("lr"), "seed": g("seed"),
               "batch_size": g("batch_size"), "output_name": g("output_name"), "keep_checkpoints": g("keep_checkpoints")}
     return {k: v for k, v in params.items() if v is not None}
+
+
+def params_from_args(args) -> tuple[dict, list]:
+    return pretrain_params_from_args(args), []
+
+
+for _kind, _task, _help in (("pretrain", run_pretrain_job, "train a tiny decoder from scratch"),
+                            ("scaling", run_scaling_job, "a scaling sweep: several widths and their power-law fit")):
+    kinds.register(kinds.JobKind(_kind, validate=functools.partial(validate_params, _kind), task=_task,
+                                 submit=functools.partial(submit_pretrain, _kind), add_arguments=add_pretrain_arguments,
+                                 params_from_args=params_from_args, help=_help))

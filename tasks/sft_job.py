@@ -21,7 +21,7 @@ keep_checkpoints), set when the run succeeds: [{name, step}], each a registered 
 Cancel: run_sft polls the cancel flag between steps (the revoke from jobs.cancel_job also
 terminates the process); either way the staging directory is never renamed into <data dir>/models,
 so a cancelled or killed run registers nothing (a killed run's staging dir is swept by the next run).
-The record machinery (claim, heartbeat thread, final-state writes) is the tokenizer job's.
+Claim, heartbeat, cancel and the job's ending are tasks.lifecycle's.
 """
 
 from __future__ import annotations
@@ -29,17 +29,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 import zipfile
 from pathlib import Path
 
 from model_core import sft
-from model_core.errors import LmscopeError, SettingsError
-from tasks import config, store
+from model_core.errors import SettingsError
+from tasks import config, kinds, store
 from tasks.celery_app import app
-from tasks.tokenizer_job import _finish, _finish_unexpected, _Progress, start_job
+from tasks.lifecycle import CurvesProgress, Done, Job, JobTask, artifact, queue
 
-MAX_HISTORY = 2000  # loss-curve points kept in the record (thinned evenly beyond this)
 _PUSH_EVERY_S = 0.5
 PHASES = {"loading model": (0.0, 0.02), "accuracy before": (0.02, 0.05), "training": (0.05, 0.90),
           "accuracy after": (0.90, 0.97), "saving": (0.97, 1.0), "done": (1.0, 1.0)}
@@ -97,8 +95,6 @@ def check_dataset(path, skip_bad_lines: bool = False) -> tuple[list, dict]:
 def submit_sft(params: dict, owner: str = "cli", files: list | None = None) -> dict:
     """Validate, record and queue an SFT job (called by tasks.jobs.submit). `files`: one uploaded
     JSONL (then dataset = 'upload'); or params['dataset'] = 'builtin' or a JSONL path."""
-    from tasks import jobs
-
     p = dict(params or {})
     skip = parse_skip_bad_lines(p.pop("skip_bad_lines", False))
     files = [Path(f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", f)) for f in (files or [])]
@@ -121,83 +117,59 @@ def submit_sft(params: dict, owner: str = "cli", files: list | None = None) -> d
     p["output_name"] = p.get("output_name") or None
     v = validate_params({**p, "dataset": sft.BUILTIN}, allow_paths=owner == "cli")  # dataset path: see worker
     v["dataset"], v["dataset_file"], v["skip_bad_lines"] = p["dataset"], p.get("dataset_file"), skip
-    r = jobs._r()
-    rec = store.new_record("sft", v, owner)
-    if not v["output_name"]:
-        v["output_name"] = sft.default_output_name(v["model"], rec["id"][:8], v.get("method", "full"))
-    if (sft.paths.finetuned_dir() / v["output_name"]).exists() and not v.get("overwrite"):
-        raise sft.SFTError(f"A model named '{v['output_name']}' already exists; choose another output name.")
-    rec["sft"] = {"history": [], "latest": None, "model_name": v["output_name"], "samples": [], "checkpoints": []}
-    if files:
-        inp = config.job_dir(rec["id"]) / "input"
-        inp.mkdir(parents=True, exist_ok=True)
-        if check["lines_skipped"]:
-            # the worker trains on what was checked here: the good lines only, as parsed
-            (inp / files[0].name).write_text("".join(json.dumps({"messages": c}, ensure_ascii=False) + "\n"
-                                                     for c in convs), encoding="utf-8")
-            rec["log"].append(store.log_line(check["message"]))
-        else:
-            shutil.copyfile(files[0], inp / files[0].name)
-        rec["sft"]["dataset_lines"] = {"file": check["file"], "kept": check["lines_kept"],
-                                       "skipped": check["lines_skipped"], "skipped_lines": check["skipped"]}
-    return jobs.enqueue(run_sft_job, rec, r)
+
+    def prepare(rec: dict) -> None:
+        if not v["output_name"]:
+            v["output_name"] = sft.default_output_name(v["model"], rec["id"][:8], v.get("method", "full"))
+        if (sft.paths.finetuned_dir() / v["output_name"]).exists() and not v.get("overwrite"):
+            raise sft.SFTError(f"A model named '{v['output_name']}' already exists; choose another output name.")
+        rec["sft"] = {"history": [], "latest": None, "model_name": v["output_name"], "samples": [], "checkpoints": []}
+        if files:
+            inp = config.job_dir(rec["id"]) / "input"
+            inp.mkdir(parents=True, exist_ok=True)
+            if check["lines_skipped"]:
+                # the worker trains on what was checked here: the good lines only, as parsed
+                (inp / files[0].name).write_text("".join(json.dumps({"messages": c}, ensure_ascii=False) + "\n"
+                                                         for c in convs), encoding="utf-8")
+                rec["log"].append(store.log_line(check["message"]))
+            else:
+                shutil.copyfile(files[0], inp / files[0].name)
+            rec["sft"]["dataset_lines"] = {"file": check["file"], "kept": check["lines_kept"],
+                                           "skipped": check["lines_skipped"], "skipped_lines": check["skipped"]}
+
+    return queue(run_sft_job, "sft", v, owner, prepare)
 
 
-def _thin(hist: list[dict]) -> list[dict]:
-    if len(hist) <= MAX_HISTORY:
-        return hist
-    keep = set(round(i * (len(hist) - 1) / (MAX_HISTORY - 1)) for i in range(MAX_HISTORY))
-    return [h for i, h in enumerate(hist) if i in keep or h.get("eval_loss") is not None]
+class SFTProgress(CurvesProgress):
+    """Progress of a fine-tuning run: its curves and samples in record['sft']."""
 
-
-class _SFTProgress(_Progress):
-    """The tokenizer job's progress/heartbeat, plus the training curves in record['sft']."""
+    section = "sft"
 
     def __init__(self, job_id: str, attempt: int):
         super().__init__(job_id, attempt)
-        self.history: list[dict] = []
         self.samples: list[dict] = []
-        self.latest: dict | None = None
-        self.eta: float | None = None
-        self.extra: dict = {}
 
     def on_row(self, row: dict) -> None:
-        if row.get("phase") == "samples":  # generations at a step: a table, not a stage
-            with self.lock:
-                self.samples.extend(row.get("samples") or [])
-            return
+        """run_sft's progress callback: a row per step, phase change or batch of samples."""
         phase = row.get("phase", "training")
-        lo, hi = PHASES.get(phase, (0.0, 0.0))
-        f = lo
-        if phase == "training" and row.get("max_steps"):
-            f = lo + (hi - lo) * row["step"] / row["max_steps"]
         with self.lock:
-            self.stage, self.fraction, self.est = phase, max(self.fraction, f), None
+            if phase == "samples":  # generations at a step: a table, not a stage
+                self.samples.extend(row.get("samples") or [])
+            else:
+                lo, hi = PHASES.get(phase, (0.0, 0.0))
+                f = lo
+                if phase == "training" and row.get("max_steps"):
+                    f = lo + (hi - lo) * row["step"] / row["max_steps"]
+                self.stage, self.fraction, self.est = phase, max(self.fraction, f), None
             if phase == "training":
                 if row.get("loss") is not None or row.get("eval_loss") is not None:
                     self.history.append({k: v for k, v in row.items() if k != "phase"})
                 self.latest = row
-                self.eta = row.get("eta_s")
+                self.row_eta = row.get("eta_s")
+        self.push_if_due(_PUSH_EVERY_S, force=phase != "training" or row.get("eval_loss") is not None)
 
-    def push(self, log: str | None = None) -> None:
-        stage, f = self.current()
-        with self.lock:
-            hist, latest, eta, extra = list(self.history), self.latest, self.eta, dict(self.extra)
-            samples = sft.thin_samples(self.samples)
-        if eta is None and f > 0.05:
-            eta = round((time.time() - self.t_start) / f * (1 - f), 1)
-
-        def fn(rec):
-            if rec["state"] != "running" or rec.get("attempts") != self.attempt:
-                return None
-            rec["progress"] = {"fraction": round(f, 4), "stage": stage, "eta_seconds": eta}
-            s = rec.setdefault("sft", {})
-            s.update(extra, history=_thin(hist), latest=latest, samples=samples)
-            if log:
-                rec["log"].append(store.log_line(log))
-            return rec
-
-        store.update(self.job_id, fn)
+    def snapshot(self) -> dict:
+        return {**super().snapshot(), "samples": sft.thin_samples(self.samples)}
 
 
 TB_DIR = "tensorboard"  # <job dir>/tensorboard/<model name>/events.out.tfevents.*
@@ -216,88 +188,43 @@ def tensorboard_artifact(jdir: Path) -> list[dict]:
         with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
             for p in files:
                 z.write(p, f"{TB_DIR}/{p.relative_to(src).as_posix()}")
-        return [{"name": out.name, "path": str(out), "bytes": out.stat().st_size}]
+        return [artifact(out)]
     except OSError:  # the logs are a bonus: never let them change how the job ends
         return []
 
 
-@app.task(bind=True, name="lmscope.sft", acks_late=True, reject_on_worker_lost=True)
-def run_sft_job(self, job_id: str) -> str:
-    started = start_job(self, job_id, _SFTProgress)
-    if started is None:
-        return "skipped"
-    rec, prog, jdir = started
-    attempt = rec["attempts"]
-
-    def cancelled() -> bool:
-        if prog.cancelled.is_set():
-            return True
-        try:
-            return store.cancel_requested(job_id)
-        except Exception:  # noqa: BLE001 - a Redis hiccup is not a cancel
-            return False
-
-    last_push = [0.0]
-
-    def on_progress(row: dict) -> None:
-        prog.on_row(row)
-        now = time.time()
-        if row.get("phase") != "training" or row.get("eval_loss") is not None or now - last_push[0] >= _PUSH_EVERY_S:
-            last_push[0] = now
-            prog.push()
-
-    try:
-        params = dict(rec["params"])
-        if params.get("dataset") == "upload":
-            params["dataset"] = str(jdir / "input" / params["dataset_file"])
-        params.pop("dataset_file", None)
-        params.pop("skip_bad_lines", None)  # applied at submit: input/ holds the good lines only
-        settings = sft.validate_settings(params)
-        res = sft.run_sft(settings, progress=on_progress, should_stop=cancelled, log=lambda m: prog.push(m),
-                          tensorboard_dir=jdir / TB_DIR / (settings.output_name or "run"))
-        info = res.info
-        with prog.lock:
-            prog.extra = {"data": info["data"], "accuracy_before": info["accuracy_before"],
-                          "accuracy_after": info["accuracy_after"], "metrics": info["metrics"],
-                          "model_name": res.name, "model_path": str(res.path),
-                          "checkpoints": [{"name": c["name"], "step": c["step"]} for c in res.checkpoints]}
-        prog.push()
-        arts = [{"name": n, "path": str(res.path / n), "bytes": (res.path / n).stat().st_size}
-                for n in ("lmscope.json", "model.safetensors") if (res.path / n).exists()] + tensorboard_artifact(jdir)
-        acc = ""
-        if info["accuracy_before"] and info["accuracy_after"]:
-            acc = (f", held-out accuracy {info['accuracy_before']['accuracy']:.0%} -> "
-                   f"{info['accuracy_after']['accuracy']:.0%}")
-        ck = f" (and {len(res.checkpoints)} checkpoint(s): {', '.join(c['name'] for c in res.checkpoints)})" \
-            if res.checkpoints else ""
-        _finish(job_id, attempt, state="succeeded", artifacts=arts,
-                log=f"done: model '{res.name}' registered{ck}{acc}")
-        return "succeeded"
-    except sft.SFTCancelled:
-        _finish(job_id, attempt, state="cancelled", log="cancelled; no model was registered",
-                artifacts=tensorboard_artifact(jdir))
-        return "cancelled"
-    except LmscopeError as e:
-        _finish(job_id, attempt, state="failed", error=str(e), log=f"failed: {e}", artifacts=tensorboard_artifact(jdir))
-        return "failed"
-    except Exception as e:  # noqa: BLE001 - the record gets one line, the worker log the traceback
-        _finish_unexpected(job_id, attempt, e)
-        raise
-    finally:
-        prog.stop.set()
+@app.task(bind=True, base=JobTask, name="lmscope.sft", progress_cls=SFTProgress, cancelled_by=(sft.SFTCancelled,))
+def run_sft_job(self, job: Job) -> Done:
+    job.cancel_note = "cancelled; no model was registered"
+    job.end_artifacts = lambda: tensorboard_artifact(job.dir)  # whatever the ending
+    params = dict(job.params)
+    if params.get("dataset") == "upload":
+        params["dataset"] = str(job.dir / "input" / params["dataset_file"])
+    params.pop("dataset_file", None)
+    params.pop("skip_bad_lines", None)  # applied at submit: input/ holds the good lines only
+    settings = sft.validate_settings(params)
+    res = sft.run_sft(settings, progress=job.progress.on_row, should_stop=job.cancelled, log=job.say,
+                      tensorboard_dir=job.dir / TB_DIR / (settings.output_name or "run"))
+    info = res.info
+    job.progress.report(data=info["data"], accuracy_before=info["accuracy_before"],
+                        accuracy_after=info["accuracy_after"], metrics=info["metrics"], model_name=res.name,
+                        model_path=str(res.path),
+                        checkpoints=[{"name": c["name"], "step": c["step"]} for c in res.checkpoints])
+    acc = ""
+    if info["accuracy_before"] and info["accuracy_after"]:
+        acc = (f", held-out accuracy {info['accuracy_before']['accuracy']:.0%} -> "
+               f"{info['accuracy_after']['accuracy']:.0%}")
+    ck = f" (and {len(res.checkpoints)} checkpoint(s): {', '.join(c['name'] for c in res.checkpoints)})" \
+        if res.checkpoints else ""
+    return job.done(f"done: model '{res.name}' registered{ck}{acc}",
+                    *[res.path / n for n in ("lmscope.json", "model.safetensors") if (res.path / n).exists()])
 
 
 # ---- CLI: `lmscope jobs submit sft ...` (wired from tasks/cli.py) ----------------------------
 
 def add_sft_arguments(s) -> None:
     """Options for kind 'sft'. --model and --batch-size are shared with other kinds when present."""
-    g = s.add_argument_group("sft (kind 'sft': supervised fine-tuning)")
-    have = {a for act in s._actions for a in act.option_strings}
-
-    def add(flag, **kw):
-        if flag not in have:
-            g.add_argument(flag, **kw)
-
+    add = kinds.options(s, "sft (kind 'sft': supervised fine-tuning)")
     add("--model", default=None, help="model to fine-tune (default: the default model)")
     add("--batch-size", type=int, default=None, help="examples per step (sft default 8)")
     add("--dataset", default="builtin", help="'builtin' (date-reformat task) or a chat .jsonl path")
@@ -332,3 +259,8 @@ def sft_params_from_args(args) -> tuple[dict, list]:
               "dataset": "builtin", "skip_bad_lines": bool(getattr(args, "skip_bad_lines", False)) or None}
     files = [] if args.dataset in (None, "builtin") else [args.dataset]
     return {k: v for k, v in params.items() if v is not None}, files
+
+
+kinds.register(kinds.JobKind("sft", validate=validate_params, task=run_sft_job, submit=submit_sft,
+                             add_arguments=add_sft_arguments, params_from_args=sft_params_from_args,
+                             help="supervised fine-tuning (full or LoRA) of a registry model"))

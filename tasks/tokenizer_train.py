@@ -8,15 +8,15 @@ Celery task in tasks.tokenizer_job wires them to job records.
 from __future__ import annotations
 
 import json
-import re
 import sys
 import time
 from collections import Counter
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from model_core.errors import LmscopeError
+from tasks.corpus import first_bytes
 
 ALGORITHMS = ("bpe", "byte-level-bpe", "wordpiece", "unigram")
 # Below 300 a byte-level vocabulary is little more than its 256-byte alphabet; above 200k the
@@ -33,10 +33,6 @@ UNK = {"bpe": "<unk>", "wordpiece": "[UNK]", "unigram": "<unk>"}
 
 
 class TokenizerParamsError(LmscopeError):
-    pass
-
-
-class Cancelled(Exception):
     pass
 
 
@@ -80,9 +76,12 @@ def validate_params(params: dict) -> dict:
         raise TokenizerParamsError("Too many special tokens for this vocabulary size.")
     max_mb = params.get("corpus_max_mb")
     if max_mb is not None:
-        max_mb = float(max_mb)
-        if max_mb <= 0:
-            raise TokenizerParamsError("corpus_max_mb must be positive.")
+        try:
+            max_mb = float(max_mb)
+        except (TypeError, ValueError):
+            raise TokenizerParamsError("corpus_max_mb must be a positive number.") from None
+        if not 0 < max_mb < float("inf"):
+            raise TokenizerParamsError("corpus_max_mb must be a positive number.")
     return {**params, "algorithm": algo, "vocab_size": vocab, "min_frequency": min_freq,
             "special_tokens": specials, "corpus_max_mb": max_mb}
 
@@ -119,24 +118,25 @@ def build_tokenizer(p: dict) -> tuple[Tokenizer, object]:
 
 
 def train(p: dict, docs: list[str], on_progress: Callable[[float], None] | None = None,
-          should_cancel: Callable[[], bool] | None = None, chunk: int = 200) -> Tokenizer:
+          check_cancel: Callable[[], None] | None = None, chunk: int = 200) -> Tokenizer:
     """Train on docs. The corpus is fed in chunks; between chunks we report the fraction read
-    and check for cancellation (raises Cancelled). The merge phase after reading runs in Rust
-    and cannot be interrupted cooperatively (a revoke terminates the process instead)."""
+    and call check_cancel(), which raises to stop (a job passes tasks.lifecycle.Job.check_cancel);
+    once more after training. The merge phase after reading runs in Rust and cannot be
+    interrupted cooperatively (a revoke terminates the process instead)."""
     tok, trainer = build_tokenizer(p)
 
     def batches() -> Iterable[list[str]]:
         n = len(docs)
         for i in range(0, n, chunk):
-            if should_cancel and should_cancel():
-                raise Cancelled()
+            if check_cancel:
+                check_cancel()
             if on_progress:
                 on_progress(i / max(1, n))
             yield docs[i:i + chunk]
 
     tok.train_from_iterator(batches(), trainer=trainer, length=len(docs))
-    if should_cancel and should_cancel():
-        raise Cancelled()
+    if check_cancel:
+        check_cancel()
     return tok
 
 
@@ -205,13 +205,11 @@ def report(tok: Tokenizer, p: dict, heldout: list[str], heldout_source: str, tra
     specials = set(p["special_tokens"])
     pieces = [_readable(t, algo) for t in vocab if t not in specials]
     merges = merges_of(tok)
-    fmt = (lambda m: [_readable(m[0], algo), _readable(m[1], algo)])
-    texts, n = [], 0
-    for t in heldout:
-        n += len(t.encode())
-        if n > max_eval_bytes and texts:
-            break
-        texts.append(t)
+
+    def fmt(m):
+        return [_readable(m[0], algo), _readable(m[1], algo)]
+
+    texts = first_bytes(heldout, max_eval_bytes)
     ids = [tok.encode(s, add_special_tokens=False).ids for s in texts]
     by_text = dict(zip(texts, ids))
     ours = compression(lambda s: by_text[s], texts)
@@ -260,30 +258,6 @@ def report(tok: Tokenizer, p: dict, heldout: list[str], heldout_source: str, tra
 #   text        a partition of the text: the pieces' texts concatenate back to it (whitespace a
 #               pre-tokenizer dropped goes to the next token; shared characters to the first)
 
-_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
-
-
-def _decoder_kind(tok: Tokenizer) -> str:
-    return type(tok.decoder).__name__ if tok.decoder is not None else ""
-
-
-def _vocab_bytes(piece: str, kind: str) -> bytes:
-    """The bytes a (non-special) vocabulary string of our tokenizers stands for."""
-    m = _BYTE_FALLBACK.match(piece)
-    if m:
-        return bytes([int(m.group(1), 16)])
-    if kind == "ByteLevel":
-        from model_core.tokenization import _byte_level_decoder
-
-        table = _byte_level_decoder()
-        if all(ch in table for ch in piece):
-            return bytes(table[ch] for ch in piece)
-        return piece.encode("utf-8")
-    if kind == "Metaspace":
-        return piece.replace("▁", " ").encode("utf-8")
-    return piece.encode("utf-8")  # WordPiece keeps its "##": that is the token
-
-
 def unk_id_of(tok: Tokenizer) -> int | None:
     """The id of the tokenizer's unknown token, or None when its model has none (byte-level BPE)."""
     unk = getattr(tok.model, "unk_token", None)  # BPE, WordPiece
@@ -330,12 +304,14 @@ def _pieces(ids, offsets, tokens: list[str], raw: list[bytes], specials: set[int
 def token_pieces(tok: Tokenizer, text: str) -> list[dict]:
     """[{id, token, display, text, start, end, unk, special}] for a `tokenizers` Tokenizer (the
     jobs' tokenizer.json); see the comment above for the fields."""
+    from model_core.tokenization import piece_bytes, vocab_kind
+
     enc = tok.encode(text, add_special_tokens=False)
-    kind = _decoder_kind(tok)
+    kind = vocab_kind(tok)  # byte-level, sentencepiece ("▁", <0xNN>) or plain (WordPiece keeps its "##")
     specials = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
     unk_id = unk_id_of(tok)
     tokens = [tok.id_to_token(i) or "" for i in enc.ids]
-    raw = [t.encode("utf-8") if i in specials else _vocab_bytes(t, kind) for i, t in zip(enc.ids, tokens)]
+    raw = [t.encode("utf-8") if i in specials else piece_bytes(t, kind) for i, t in zip(enc.ids, tokens)]
     return _pieces(enc.ids, enc.offsets, tokens, raw, specials, unk_id,
                    tok.id_to_token(unk_id) if unk_id is not None else None, text)
 
