@@ -168,7 +168,7 @@ def test_bad_input(svc, jobs):
 
 def test_cli_submit_patching_wait_json(svc):
     env = {**os.environ, **svc.env()}
-    cmd = [sys.executable, "-m", "model_core.cli", "jobs", "submit", "patching", "--model", MODEL,
+    cmd = [sys.executable, "-m", "app.cli", "jobs", "submit", "patching", "--model", MODEL,
            "--clean", CLEAN, "--corrupted", CORRUPT, "--target", "P", "--other", "R", "--kind", "heads",
            "--wait", "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=180)
