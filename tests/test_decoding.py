@@ -153,7 +153,7 @@ def test_settings_are_one_sentence(kw, msg):
 
 
 def test_cli_generate_beams_json(default_lm, capsys):
-    from model_core.cli import main
+    from app.cli import main
 
     assert main(["generate", CHAT_Q, "--chat", "--num-beams", "2", "--max-new-tokens", "4", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -15,7 +15,7 @@ import torch
 
 from model_core import anatomy as A
 from model_core import reference_cards as R
-from model_core.cli import main
+from app.cli import main
 from model_core.registry import load_model
 
 # --- the bar: numbers computed from the published configs ------------------------------------------
@@ -242,7 +242,7 @@ def test_cli_card_json(capsys, tmp_path):
 def test_cli_entry_point():
     """The installed `lmscope card` command, in a fresh process (imports included)."""
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "model_core.cli", "card", "gpt3-175b", "--json"],
+    out = subprocess.run([sys.executable, "-m", "app.cli", "card", "gpt3-175b", "--json"],
                          capture_output=True, text=True, timeout=300, check=True)
     print(f"\n`lmscope card gpt3-175b --json` in a fresh process: {time.perf_counter() - t0:.1f} s")
     card = json.loads(out.stdout)
