@@ -16,7 +16,6 @@ Not batched (run alone): interventions (edits), a recorder already active in the
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model_core import hooks
+from model_core import hooks, settings
 from model_core.hook_names import layer_of
 
 MAX_BATCH = 32
@@ -188,10 +187,7 @@ def stats_for(lm) -> dict | None:
 
 def max_batch_from_env() -> int:
     """LMSCOPE_MAX_BATCH: requests per shared forward (1 turns batching off)."""
-    try:
-        return max(1, int(os.environ.get("LMSCOPE_MAX_BATCH", "") or MAX_BATCH))
-    except ValueError:
-        return MAX_BATCH
+    return settings.current().max_batch
 
 
 def batcher_for(lm) -> ForwardBatcher:

@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from model_core import settings
 from model_core.errors import PromptError, SettingsError
 from model_core.hook_names import act_name
 from model_core.hooks import Recorder, instrument, recording
@@ -309,8 +309,7 @@ def _align(n_clean: int, n_corrupt: int, align: str) -> dict[int, int]:
 
 def default_batch_size(lm, n_tokens: int) -> int:
     """Rows per patched batch: a token budget (LMSCOPE_PATCH_TOKENS) divided by the prompt length."""
-    budget = int(os.environ.get("LMSCOPE_PATCH_TOKENS", "0") or 0) or (
-        65536 if lm.device.type == "cuda" else 1024)
+    budget = settings.current().patch_tokens or (65536 if lm.device.type == "cuda" else 1024)
     return max(1, budget // max(1, n_tokens))
 
 

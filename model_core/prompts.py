@@ -4,8 +4,7 @@ prompts without importing the tracing machinery; `model_core.trace` re-exports t
 
 from __future__ import annotations
 
-import os
-
+from model_core import settings
 from model_core.errors import PromptError
 
 DEFAULT_MAX_TOKENS = 1024
@@ -15,10 +14,7 @@ def server_token_cap() -> int:
     """LMSCOPE_MAX_PROMPT_TOKENS, where an operator set one: it bounds every entry point that
     encodes a prompt (traces, generation, interventions, anatomy, compare), not only the ones
     that pass max_tokens."""
-    try:
-        return max(1, int(os.environ.get("LMSCOPE_MAX_PROMPT_TOKENS") or 10**9))
-    except ValueError:
-        return 10**9
+    return settings.current().prompt_token_cap or 10**9
 
 
 def encode_prompt(lm, prompt: str, chat: bool = False, max_tokens: int | None = DEFAULT_MAX_TOKENS,
