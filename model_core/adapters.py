@@ -81,8 +81,18 @@ class ModulePaths:
     mlp_post: str  # the MLP's down projection; its input is the neuron activation (mlp.hook_post)
 
 
-def _module(root: nn.Module, path: str) -> nn.Module:
-    return attrgetter(path)(root)
+class _Located:
+    """An adapter attribute read from its family's ModulePaths field: in_layer, a function
+    (layer) -> the module at that path in one decoder layer; else the model's module itself."""
+
+    def __init__(self, field: str, in_layer: bool = True):
+        self.field, self.in_layer = field, in_layer
+
+    def __get__(self, adapter, owner=None):
+        if adapter is None:
+            return self
+        get = attrgetter(getattr(adapter.paths, self.field))
+        return get if self.in_layer else get(adapter.model)
 
 
 class Adapter:
@@ -97,43 +107,22 @@ class Adapter:
 
     # --- where things are (each family's ModulePaths) -----------------------
     paths: ModulePaths
+    attn_out_module = _Located("attn_out")  # (layer) -> its output (first element) is what attention adds
+    mlp_out_module = _Located("mlp_out")
+    attn_norm = _Located("attn_norm")
+    mlp_norm = _Located("mlp_norm")
+    attn_z_module = _Located("attn_z")  # its input holds every head's result side by side (attn.hook_z)
+    mlp_post_module = _Located("mlp_post")  # its input is the neuron activation (edit hook mlp.hook_post)
+    final_norm = _Located("final_norm", in_layer=False)
+    embed_tokens = _Located("embed", in_layer=False)
 
     @property
     def layers(self) -> list[nn.Module]:
-        return list(_module(self.model, self.paths.layers))
-
-    def attn_out_module(self, layer: nn.Module) -> nn.Module:
-        """Module whose output (first element) is exactly what attention adds to the residual."""
-        return _module(layer, self.paths.attn_out)
-
-    def mlp_out_module(self, layer: nn.Module) -> nn.Module:
-        return _module(layer, self.paths.mlp_out)
-
-    def attn_norm(self, layer: nn.Module) -> nn.Module:
-        return _module(layer, self.paths.attn_norm)
-
-    def mlp_norm(self, layer: nn.Module) -> nn.Module:
-        return _module(layer, self.paths.mlp_norm)
-
-    def attn_z_module(self, layer: nn.Module) -> nn.Module:
-        """The output projection; its input holds every head's result side by side (attn.hook_z)."""
-        return _module(layer, self.paths.attn_z)
-
-    def mlp_post_module(self, layer: nn.Module) -> nn.Module:
-        """The MLP's down projection; its input is the neuron activation (edit hook mlp.hook_post)."""
-        return _module(layer, self.paths.mlp_post)
-
-    @property
-    def final_norm(self) -> nn.Module:
-        return _module(self.model, self.paths.final_norm)
+        return list(attrgetter(self.paths.layers)(self.model))
 
     @property
     def unembed(self) -> nn.Module:
         return self.model.lm_head
-
-    @property
-    def embed_tokens(self) -> nn.Module:
-        return _module(self.model, self.paths.embed)
 
     def shape(self) -> ModelShape:
         raise NotImplementedError
