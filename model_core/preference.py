@@ -301,22 +301,28 @@ def token_logps(model, sequences: list[tuple[list[int], list[int]]], batch_size:
     dev = _device(model)
     was_training = model.training
     model.eval()
-    out: list[torch.Tensor] = []
+    out: list[torch.Tensor | None] = [None] * len(sequences)
+    # similar lengths batched together (less padding); rows right-padded, so positions are the
+    # unpadded ones; only the completion positions go through the output head
+    order = sorted(range(len(sequences)), key=lambda i: -(len(sequences[i][0]) + len(sequences[i][1])))
     try:
-        for i in range(0, len(sequences), batch_size):
+        for i in range(0, len(order), batch_size):
             if should_stop and should_stop():
                 raise TrainingCancelled()
-            chunk = sequences[i:i + batch_size]
+            idx = order[i:i + batch_size]
+            chunk = [sequences[k] for k in idx]
             T = max(len(p) + len(c) for p, c in chunk)
             ids = torch.zeros((len(chunk), T), dtype=torch.long)
             att = torch.zeros_like(ids)
             for j, (p, c) in enumerate(chunk):
                 ids[j, :len(p) + len(c)] = torch.tensor(p + c)
                 att[j, :len(p) + len(c)] = 1
-            logits = model(input_ids=ids.to(dev), attention_mask=att.to(dev)).logits.float()
-            lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:].to(dev).unsqueeze(-1)).squeeze(-1)
-            for j, (p, c) in enumerate(chunk):
-                out.append(lp[j, len(p) - 1: len(p) + len(c) - 1].cpu())
+            first = min(len(p) for p, _ in chunk) - 1  # earliest position that predicts a completion token
+            logits = model(input_ids=ids.to(dev), attention_mask=att.to(dev),
+                           logits_to_keep=torch.arange(first, T - 1, device=dev)).logits.float()
+            lp = torch.log_softmax(logits, -1).gather(-1, ids[:, first + 1:].to(dev).unsqueeze(-1)).squeeze(-1)
+            for j, (k, (p, c)) in enumerate(zip(idx, chunk)):
+                out[k] = lp[j, len(p) - 1 - first: len(p) + len(c) - 1 - first].cpu()
     finally:
         model.train(was_training)
     return out
@@ -370,9 +376,18 @@ def _by_kind(kinds: list[str], values: list[float]) -> dict:
     return {k: sum(v) / len(v) for k, v in sorted(acc.items())}
 
 
+def pair_logps(model, tokenizer, pairs: list[PreferencePair], batch_size: int = 8,
+               should_stop=None) -> tuple[list[float], list[float]]:
+    """([log pi(chosen | prompt)], [log pi(rejected | prompt)]) summed over completion tokens."""
+    lp = sequence_logps(model, tokenizer, [(p.prompt, p.chosen) for p in pairs]
+                        + [(p.prompt, p.rejected) for p in pairs], batch_size, should_stop)
+    return lp[:len(pairs)], lp[len(pairs):]
+
+
 def preference_eval(policy, tokenizer, pairs: list[PreferencePair], reference=None, beta: float = 0.1,
                     batch_size: int = 8, should_stop=None, n_show: int = 5) -> dict | None:
-    """Held-out chosen-vs-rejected preference of a policy.
+    """Held-out chosen-vs-rejected preference of a policy. `reference`: a model, or its pair_logps
+    on these pairs (a frozen reference's log-probs never change, so a run computes them once).
 
     logp_accuracy / logp_margin: share of pairs with log pi(chosen) > log pi(rejected), and the mean
     of their difference (summed completion log-probs; the policy alone, meaningful before training).
@@ -381,19 +396,18 @@ def preference_eval(policy, tokenizer, pairs: list[PreferencePair], reference=No
     margin = mean(r_chosen - r_rejected)."""
     if not pairs:
         return None
-    items = [(p.prompt, p.chosen) for p in pairs] + [(p.prompt, p.rejected) for p in pairs]
-    lp = sequence_logps(policy, tokenizer, items, batch_size, should_stop)
     n = len(pairs)
-    c, r = lp[:n], lp[n:]
+    c, r = pair_logps(policy, tokenizer, pairs, batch_size, should_stop)
     d = [a - b for a, b in zip(c, r)]
     kinds = [p.kind for p in pairs]
     out = {"n": n, "logp_accuracy": sum(x > 0 for x in d) / n, "logp_margin": sum(d) / n,
            "logp_accuracy_by_kind": _by_kind(kinds, [float(x > 0) for x in d])}
     margins = None
     if reference is not None:
-        ref = sequence_logps(reference, tokenizer, items, batch_size, should_stop)
-        rc = [beta * (a - b) for a, b in zip(c, ref[:n])]
-        rr = [beta * (a - b) for a, b in zip(r, ref[n:])]
+        ref_c, ref_r = (reference if isinstance(reference, tuple)
+                        else pair_logps(reference, tokenizer, pairs, batch_size, should_stop))
+        rc = [beta * (a - b) for a, b in zip(c, ref_c)]
+        rr = [beta * (a - b) for a, b in zip(r, ref_r)]
         margins = [a - b for a, b in zip(rc, rr)]
         out.update({"beta": beta, "accuracy": sum(m > 0 for m in margins) / n, "margin": sum(margins) / n,
                     "reward_chosen": sum(rc) / n, "reward_rejected": sum(rr) / n,
@@ -881,35 +895,39 @@ def train_dpo(model: str, dataset: str | PreferenceData = "builtin", settings: D
     test = _limit(data.test, s.eval_examples)
     state: dict = {}
 
-    def reference_model(m, tok, dev):
-        if s.reference:
-            ref, rtok, _ = sft.load_trainable(s.reference, s.device)
-            sft.ensure_chat_template(rtok)
-            if rtok.get_vocab() != tok.get_vocab():
-                raise PreferenceError(f"The reference '{s.reference}' has another tokenizer than '{model}'; DPO "
-                                      "needs both to score the same tokens.")
-        else:
-            ref = copy.deepcopy(m)
+    def named_reference(tok):
+        ref, rtok, _ = sft.load_trainable(s.reference, s.device)
+        sft.ensure_chat_template(rtok)
+        if rtok.get_vocab() != tok.get_vocab():
+            raise PreferenceError(f"The reference '{s.reference}' has another tokenizer than '{model}'; DPO needs "
+                                  "both to score the same tokens.")
         ref.requires_grad_(False)
         return ref.eval()
 
-    def evaluate(when, m, tok, ref):
+    def evaluate(when, m, tok, _ref):
         if not test:
             return None
-        if when == "before":
-            state["ref"] = ref = reference_model(m, tok, None)
-        return preference_eval(m, tok, test, reference=ref or state.get("ref"), beta=s.beta, should_stop=should_stop)
+        if when == "before":  # the reference's held-out log-probs, once (the start model's own, by default)
+            if s.reference:
+                state["ref"] = named_reference(tok)
+                state["ref_logps"] = pair_logps(state["ref"], tok, test, should_stop=should_stop)
+            else:
+                state["ref_logps"] = pair_logps(m, tok, test, should_stop=should_stop)
+        return preference_eval(m, tok, test, reference=state["ref_logps"], beta=s.beta, should_stop=should_stop)
 
     def build(m, tok, dev, staging, cb):
         from trl import DPOConfig, DPOTrainer
 
-        ref = state.get("ref") or reference_model(m, tok, dev)
         lora = s.method == "lora"
+        if s.reference:
+            ref = state.get("ref") or named_reference(tok)
+        else:  # LoRA: TRL switches the adapter off for the reference; full: a frozen copy of the start
+            ref = None if lora else copy.deepcopy(m).requires_grad_(False).eval()
         args = DPOConfig(beta=s.beta, loss_type=s.loss_type, max_length=s.max_length, **_common_args(s, staging, dev))
-        trainer = DPOTrainer(model=m, ref_model=None if (lora and not s.reference) else ref, args=args,
+        trainer = DPOTrainer(model=m, ref_model=ref, args=args,
                              train_dataset=_dataset([p.conversational() for p in data.train]), processing_class=tok,
                              callbacks=[cb], peft_config=_lora_config(s, "CAUSAL_LM") if lora else None)
-        return trainer, ref
+        return trainer, None
 
     return _run("dpo", model, s, data, progress, should_stop, log, build, evaluate,
                 extra_info=lambda: {"reference": s.reference or model})

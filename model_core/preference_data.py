@@ -280,24 +280,18 @@ _FACTS = (
 )
 
 _OPENERS = [
-    "Great question! Let me think about this carefully, because it is the kind of thing people often wonder about.",
-    "That is a really interesting thing to ask, and there is quite a lot that could be said about it.",
-    "Well, there are many ways to look at this, and it is worth taking a moment to consider the background first.",
-    "Thank you for asking! Before I answer, I want to make sure I explain everything clearly and thoroughly.",
-    "This is something that comes up surprisingly often, so I am happy to go through it step by step.",
-    "Okay, so, to answer this properly I think it helps to start from the very beginning.",
+    "Great question! Let me think about this carefully.",
+    "That is a really interesting thing to ask.",
+    "Well, there are many ways to look at this.",
+    "Thank you for asking! I am happy to explain.",
+    "Okay, so, let me start from the beginning.",
 ]
-_MIDDLES = [
-    "After considering all of the relevant details,",
-    "If we put all of that together,",
-    "Having thought it through,",
-    "To put it simply, although it took a while to get here,",
-]
+_MIDDLES = ["After some thought,", "Putting it all together,", "To put it simply,", "As it turns out,"]
 _CLOSERS = [
-    "I hope this helps, and please let me know if you have any other questions or would like more detail!",
-    "Of course, there is always more to learn about topics like this, so feel free to keep exploring.",
-    "It is a fascinating subject, and I would be glad to talk about it further if you are interested.",
-    "Let me know if anything here was unclear, and I can explain it again in a different way.",
+    "I hope this helps, and let me know if you have more questions!",
+    "There is always more to learn about topics like this.",
+    "It is a fascinating subject, so feel free to ask more.",
+    "Let me know if anything here was unclear.",
 ]
 
 
