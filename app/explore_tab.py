@@ -119,6 +119,18 @@ BRIDGE_JS = """() => {
 }"""
 
 
+# Epsilon and eta in the page URL, beside the keys app/ui.py mirrors (its URL_JS keeps keys it does
+# not own): written when either changes (left out at 0, off), read back when a link opens the page.
+CUTOFF_KEYS = ("epsilon", "eta")
+CUTOFF_URL_JS = """(eps, eta) => {
+  const q = new URLSearchParams(location.search);
+  [['epsilon', eps], ['eta', eta]].forEach(([k, v]) => {
+    if (v !== null && v !== undefined && v !== '' && Number(v) !== 0) q.set(k, v); else q.delete(k); });
+  history.replaceState(null, '', '?' + q.toString());
+  return [];
+}"""
+
+
 def _md(text: str) -> gr.Markdown:
     return gr.Markdown(text, elem_classes=["explain"])
 
@@ -222,6 +234,8 @@ class ExploreTab:
             self.eta = gr.Number(value=0, step=0.0001, elem_id="eta",
                                  label="Eta cutoff: drop p < min(η, √η·e^−H) (0 = off; this view only)")
         self.sampling_msg = V.field_message("explore-sampling-msg")
+        # a link's refused epsilon / eta: said under the settings once the link's own run has drawn
+        self.url_note = gr.State("")
         self.next_plot = gr.Plot(label="Next-token distribution", elem_id="next-token")
         # mass kept is measured on each stage's input (after the penalty, temperature and earlier
         # filters), not on the temperature-1 bars above: the headers say so (issue 18 fix 8)
@@ -254,7 +268,7 @@ class ExploreTab:
     @property
     def zoom_outputs(self):
         return [self.zoom, self.view, self.attn_note, self.head_grid, self.head_big, self.head_bars, self.contrib,
-                self.resid, self.neurons, self.neuron_bars, self.tokens]
+                self.resid, self.neurons, self.neuron_bars, self.lens, self.target, self.tokens]
 
     def wire(self, run_button: gr.Button):
         s = self.shared
@@ -275,15 +289,19 @@ class ExploreTab:
         sc = self.scale.input(set_scale, [self.state, self.layer, self.head, self.query, self.scale, self.view],
                               [self.view, self.head_grid, self.head_big, self.attn_note], concurrency_id="views")
         lens_inputs = [self.state, self.query, self.lens_colour, self.view]
-        zoom_inputs = [self.state, self.layer, self.head, self.query, self.zoom, self.view]
+        zoom_inputs = [self.state, self.layer, self.head, self.query, self.zoom, self.view, self.lens_colour]
         z1 = self.zoom.submit(set_zoom, zoom_inputs, self.zoom_outputs, concurrency_id="views")
-        z2 = self.zoom_reset.click(reset_zoom, [self.state, self.layer, self.head, self.query, self.view],
-                                   self.zoom_outputs, concurrency_id="views")
+        z2 = self.zoom_reset.click(reset_zoom, [self.state, self.layer, self.head, self.query, self.view,
+                                                self.lens_colour], self.zoom_outputs, concurrency_id="views")
         a = self.action.input(on_action, [self.state, self.action, *slice_inputs[1:]],
                               [self.layer, self.head, self.query, *self.zoom_outputs, self.overview],
                               concurrency_id="views", show_progress="minimal")
+        # a zoom draws the lens from the columns already computed (the background filler computes every
+        # position while the server is idle); columns it lacks are blank, said in the title, and this
+        # fills them in (and sends nothing when none was missing)
         for e in (z1, z2, a):
-            e.then(update_lens, lens_inputs, [self.lens, self.target], concurrency_id="views")
+            e.then(update_lens, lens_inputs, [self.lens, self.target], concurrency_id="views",
+                   show_progress="minimal")
         # app/ui.py mirrors the settings into the URL after these
         self.url_events = [z1, z2, a, sc]
         if s.page is not None:
@@ -292,9 +310,16 @@ class ExploreTab:
         next_io = dict(inputs=[self.state, *self.sampling_inputs, self.epsilon, self.eta],
                        outputs=[self.next_plot, self.stages, self.sampling_msg])
         for comp in [*self.sampling_inputs, self.epsilon, self.eta]:
-            comp.input(update_next, **next_io)
-        for e in (ev, ev2):  # a new trace keeps the cutoffs set here (run_trace's own view has none)
-            e.then(cutoffs_after_run, **next_io)
+            e = comp.input(update_next, **next_io)
+            if comp in (self.epsilon, self.eta):
+                e.then(None, [self.epsilon, self.eta], None, js=CUTOFF_URL_JS)
+        # a new trace keeps the cutoffs set here (run_trace's own view has none), whoever ran it: Run,
+        # Enter in the prompt, or a link's own run (app/ui.py)
+        after_io = dict(inputs=[*next_io["inputs"], self.url_note], outputs=[*next_io["outputs"], self.url_note])
+        self.state.change(cutoffs_after_run, **after_io)
+        if s.page is not None:
+            s.page.load(cutoffs_from_url, None, [self.epsilon, self.eta, self.sampling_msg, self.url_note]).then(
+                None, [self.epsilon, self.eta], None, js=CUTOFF_URL_JS).then(cutoffs_after_run, **after_io)
         self.export_btn.click(export, [self.state], [self.export_files])
         self.export_tensors_btn.click(export_tensors, [self.state, self.layer, self.head, self.query, self.view,
                                                        self.lens_colour, *self.sampling_inputs],
@@ -322,6 +347,7 @@ def _get_trace(state: dict):
     tr = trace(lm, state["prompt"], chat=state.get("chat", False), truncate=state.get("truncate", False),
                max_tokens=max_prompt_tokens())
     state["key"] = STORE.put(tr)
+    views.FILLER.schedule(tr)
     return tr
 
 
@@ -387,15 +413,18 @@ def render_residual(tr, query: int, region=None) -> list:
     return [figures.block_contributions(rv["attn"], rv["mlp"], labels[query]), figures.residual_norms(rv["norms"], rv["axis"])]
 
 
-def render_lens(tr, query: int, lens_colour: str, region=None) -> list:
+def render_lens(tr, query: int, lens_colour: str, region=None, compute: bool = True, with_missing: bool = False):
+    """[lens, target]; compute=False draws only the columns already computed (with_missing: also
+    returns how many it lacked)."""
     labels = views.labels(tr)
     region = region or views.whole(tr.n_tokens)
     lens_colour = lens_colour if lens_colour in LENS_COLOURS else LENS_COLOURS[0]  # a hand-made request may send anything
-    lv = views.lens_view(tr, query, "probability" if lens_colour == "probability" else "entropy", region[:2])
+    lv = views.lens_view(tr, query, "probability" if lens_colour == "probability" else "entropy", region[:2],
+                         compute=compute)
     lens = figures.logit_lens_grid(lv["top"], lv["probs"], lv["colour"], lens_colour, labels, lv["positions"],
-                                   lv["layers"], lv["step"], query)
+                                   lv["layers"], lv["step"], query, missing=lv["missing"])
     target = figures.target_across_layers(lv["target_probs"], lv["target_ranks"], lv["target"], labels[query])
-    return [lens, target]
+    return [lens, target, lv["missing"]] if with_missing else [lens, target]
 
 
 def render_layer_head(tr, layer: int, head: int, query: int, region=None, scale: str = "linear") -> list:
@@ -436,6 +465,7 @@ def run_trace(model, prompt, chat, truncate, layer, head, query, lens_colour, te
     except LmscopeError as e:  # an empty or too long prompt: every view keeps the last good one
         return [gr.skip()] * (len(RUN_OUTPUT_NAMES) - 2) + [V.show(str(e)), gr.skip()]
     key = STORE.put(tr)
+    views.FILLER.schedule(tr)  # the lens of every position, while the server is idle (zooms find it ready)
     shape = lm.shape
     L, H, T = shape.n_layers, shape.n_heads, tr.n_tokens
     asked = {"layer": _asked(layer), "head": _asked(head), "query": _asked(query)}
@@ -510,6 +540,10 @@ def update_layer_head(state, layer, head, query, lens_colour, view=None, metric=
 
 @endpoint(model=True)
 def update_lens(state, query, lens_colour, view=None, request: gr.Request = None):
+    """The lens after a zoom or a click: computes the columns the zoom drew blank. The zoom's view
+    state says how many it lacked ("lens_missing"); none: nothing to send."""
+    if isinstance(view, dict) and view.get("lens_missing") == 0:
+        return gr.skip(), gr.skip()
     tr = _get_trace(state)
     query = _clamp(query, tr.n_tokens - 1)
     return render_lens(tr, query, lens_colour, _region(tr, _view(view)[1])[0])
@@ -525,16 +559,23 @@ def set_scale(state, layer, head, query, scale, view=None, request: gr.Request =
     return [{"scale": scale, "zoom": zoom}, grid, big, region_note(tr, region, notice, scale)]
 
 
-def _zoomed(tr, layer, head, query, scale, region, notice="", strip: bool = True):
-    """Outputs of ExploreTab.zoom_outputs for a region (the lens follows in update_lens). The token
+def _zoomed(tr, layer, head, query, scale, region, notice="", strip: bool = True, lens_colour=None,
+            lens: bool = True):
+    """Outputs of ExploreTab.zoom_outputs for a region. The lens is drawn from the columns already
+    computed (blank where not, said in its title; update_lens follows and fills them in; the view
+    state's "lens_missing" tells it how many). lens=False: the lens is left as it is. The token
     strip is sent again only when the prompt is longer than one strip holds and the zoom moved."""
     zoom = views.region_text(region, tr.n_tokens)
     grid, big, bars = render_attention(tr, layer, head, query, region, scale)
     contrib, resid = render_residual(tr, query, region)
     neurons, nbars = render_neurons(tr, layer, query, region)
+    if lens:
+        lfig, target, missing = render_lens(tr, query, lens_colour, region, compute=False, with_missing=True)
+    else:
+        lfig, target, missing = gr.skip(), gr.skip(), 0
     tokens = strip_html(tr, region) if strip and tr.n_tokens > STRIP_MAX else gr.skip()
-    return [zoom, {"scale": scale, "zoom": zoom}, region_note(tr, region, notice, scale), grid, big, bars, contrib, resid,
-            neurons, nbars, tokens]
+    return [zoom, {"scale": scale, "zoom": zoom, "lens_missing": missing}, region_note(tr, region, notice, scale),
+            grid, big, bars, contrib, resid, neurons, nbars, lfig, target, tokens]
 
 
 STRIP_MAX = 1024  # token chips sent at most: past that the strip shows a window of the prompt
@@ -560,16 +601,16 @@ def strip_html(tr, region=None, lp=None, ppl=None) -> str:
 
 
 @endpoint(model=True)
-def set_zoom(state, layer, head, query, zoom, view=None, request: gr.Request = None):
+def set_zoom(state, layer, head, query, zoom, view=None, lens_colour=None, request: gr.Request = None):
     tr, layer, head, query = _where(state, layer, head, query)
     region, notice = _region(tr, zoom)
-    return _zoomed(tr, layer, head, query, _view(view)[0], region, notice)
+    return _zoomed(tr, layer, head, query, _view(view)[0], region, notice, lens_colour=lens_colour)
 
 
 @endpoint(model=True)
-def reset_zoom(state, layer, head, query, view=None, request: gr.Request = None):
+def reset_zoom(state, layer, head, query, view=None, lens_colour=None, request: gr.Request = None):
     tr, layer, head, query = _where(state, layer, head, query)
-    return _zoomed(tr, layer, head, query, _view(view)[0], views.whole(tr.n_tokens))
+    return _zoomed(tr, layer, head, query, _view(view)[0], views.whole(tr.n_tokens), lens_colour=lens_colour)
 
 
 def _int(v):
@@ -592,9 +633,10 @@ def on_action(state, action, layer, head, query, lens_colour, view=None, metric=
     """A click or a dragged box in the page (BRIDGE_JS), as JSON: {"kind": "query", "pos"} (a token
     chip, a row of the chosen head), {"kind": "head", "layer"?, "head"} (the overview, the grid),
     {"kind": "lens", "layer", "pos"}, {"kind": "zoom", "rows": [a, b], "cols"?: [c, d]} or
-    {"kind": "zoom"} for the whole prompt. Returns the sliders, the zoom outputs and the overview;
-    the lens follows in update_lens. Anything else changes nothing."""
-    n_out = 3 + 11 + 1
+    {"kind": "zoom"} for the whole prompt. Returns the sliders, the zoom outputs (the lens from the
+    columns already computed; update_lens fills in the rest) and the overview. Anything else changes
+    nothing."""
+    n_out = 3 + 13 + 1
     try:
         msg = json.loads(action) if isinstance(action, str) and len(action) < 2000 else None
     except ValueError:
@@ -622,7 +664,9 @@ def on_action(state, action, layer, head, query, lens_colour, view=None, metric=
             region, notice = views.parse_region(text, T) if min(rows + cols) >= 0 else (views.whole(T), "")
     elif kind not in ("query", "lens", "head"):
         return [gr.skip()] * n_out
-    out = _zoomed(tr, layer, head, query, scale, region, notice, strip=kind == "zoom")
+    # a head click changes no position: the lens stays as it is
+    out = _zoomed(tr, layer, head, query, scale, region, notice, strip=kind == "zoom", lens_colour=lens_colour,
+                  lens=kind != "head")
     return [layer, head, query, *out, _overview_fig(tr, metric, layer, head)]
 
 
@@ -643,11 +687,46 @@ def update_next(state, temperature, top_k, top_p, min_p, rep, epsilon=0.0, eta=0
 
 
 @endpoint
-def cutoffs_after_run(state, temperature, top_k, top_p, min_p, rep, epsilon=0.0, eta=0.0):
-    """After a new trace: redraw the distribution with the epsilon / eta cutoffs when one is on."""
-    if not (isinstance(epsilon, (int, float)) and epsilon) and not (isinstance(eta, (int, float)) and eta):
-        return gr.skip(), gr.skip(), gr.skip()
-    return update_next(state, temperature, top_k, top_p, min_p, rep, epsilon, eta)
+def cutoffs_after_run(state, temperature, top_k, top_p, min_p, rep, epsilon=0.0, eta=0.0, note=""):
+    """After a new trace (and once a link's cutoffs are in their boxes): redraw the distribution with
+    the epsilon / eta cutoffs when one is on, and say a link's refused value (`note`, then cleared)."""
+    if not isinstance(state, dict) or not state.get("key"):  # no trace yet: the run will call again
+        return gr.skip(), gr.skip(), gr.skip(), gr.skip()
+    on = any(isinstance(v, (int, float)) and not isinstance(v, bool) and v for v in (epsilon, eta))
+    fig, rows, msg = update_next(state, temperature, top_k, top_p, min_p, rep, epsilon, eta) if on else (
+        gr.skip(), gr.skip(), gr.skip())
+    if isinstance(note, str) and note:
+        said = msg.get("value", "") if isinstance(msg, dict) and msg.get("visible") else ""
+        msg = V.show(" ".join(x for x in (note[:600], said.removeprefix("⚠️ ")) if x))
+    return fig, rows, msg, ""
+
+
+def cutoffs_from_query(q: dict) -> tuple[dict, str]:
+    """A link's ?epsilon= / ?eta= -> ({name: value to put in its box}, notice). A value the explainer
+    cannot use (not a number, negative, 1 or more) is refused: that cutoff stays off (0), and the
+    notice says so in one sentence (like ?layer=999, which is clamped with a notice)."""
+    from model_core.sampling import check_cutoff
+
+    values, notes = {}, []
+    for k in CUTOFF_KEYS:
+        raw = q.get(k)
+        if raw is None or raw == "":
+            continue
+        raw = str(raw)[:40]
+        try:
+            values[k] = check_cutoff(k, raw)
+        except LmscopeError as e:
+            values[k] = 0
+            notes.append(f"The link's {k}={raw} was not used ({str(e).rstrip('.')}): {k} is off.")
+    return values, " ".join(notes)
+
+
+@endpoint
+def cutoffs_from_url(request: gr.Request = None):
+    """The page's load: a link's epsilon / eta into their boxes (cutoffs_from_query), a refused one
+    said under the settings and kept in the url_note state until the link's own run has drawn."""
+    values, note = cutoffs_from_query(dict(request.query_params) if request is not None else {})
+    return [values.get(k, gr.skip()) for k in CUTOFF_KEYS] + [V.show(note) if note else gr.skip(), note]
 
 
 @endpoint(model=True)

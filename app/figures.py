@@ -262,10 +262,11 @@ def block_contributions(attn: np.ndarray, mlp: np.ndarray, position_label: str) 
 
 def logit_lens_grid(top_tokens: list[list[str]], probs: np.ndarray, colour: np.ndarray, colour_name: str,
                     labels: list[str], positions: list[int], layers: list[int], step: int = 1,
-                    query_pos: int | None = None) -> go.Figure:
+                    query_pos: int | None = None, missing: int = 0) -> go.Figure:
     """probs/colour [L, P]; top_tokens [L][P] strings. step 1: every position of the region, cells
     labelled with their top token; step s > 1: one sampled position per column (the last of each
-    s), on a position axis, top tokens on hover. A click selects that layer and position."""
+    s), on a position axis, top tokens on hover. A click selects that layer and position.
+    missing: columns not computed yet (NaN, drawn blank); the title says they are being computed."""
     sampled = step > 1
     x = positions if sampled else _label(labels, positions)
     text = [[t[:10] for t in row] for row in top_tokens]
@@ -291,6 +292,8 @@ def logit_lens_grid(top_tokens: list[list[str]], probs: np.ndarray, colour: np.n
     span = f"positions {first}-{positions[-1]}" if positions[-1] > first else f"position {first}"
     note = (f"{span}, one column per {step} positions (the last of each; zoom in to see every one)"
             if sampled else f"{span}, every position") + " · click a cell to select its layer and position"
+    if missing:
+        note = f"computing {missing} of {len(positions)} columns… (blank until ready) · " + note
     return _figure([trace], f"Logit lens: each layer's best guess for the next token (colour = {colour_name})"
                             f"<br><sub>{note}</sub>", height=max(440, 17 * len(layers) + 180), shapes=shapes,
                    yaxis=dict(autorange="reversed"),

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -273,22 +275,38 @@ def _next_ids(tr: Trace) -> list[int]:
     return c["next_ids"]
 
 
-def lens_columns(tr: Trace, positions: list[int], targets: bool = False) -> dict:
+def _lens_state(tr: Trace) -> dict:
+    """The per-trace lens arrays [L, T] and which positions they hold (call with the lens lock held)."""
+    c = _vcache(tr)
+    st = c.get("lens")
+    if st is None:
+        T, L = tr.n_tokens, len(tr.captured_layers)
+        st = c["lens"] = {"done": np.zeros(T, bool), "done_t": np.zeros(T, bool),
+                          "top": np.zeros((L, T), np.int64), "p": np.zeros((L, T), np.float32),
+                          "ent": np.zeros((L, T), np.float32), "tp": np.zeros((L, T), np.float32),
+                          "rank": np.zeros((L, T), np.int64)}
+    return st
+
+
+def _lens_lock(tr: Trace) -> threading.Lock:
+    c = _vcache(tr)
+    with _CACHES_LOCK:
+        return c.setdefault("lens_lock", threading.Lock())
+
+
+def lens_columns(tr: Trace, positions: list[int], targets: bool = False, compute: bool = True) -> dict:
     """Logit-lens numbers [L, P] at these positions: top-1 id and probability and entropy, and with
     targets=True also the next token's probability and rank (that doubles the cost of a column:
     only the query's column needs it, for "the next token across layers"). Columns are computed
-    once per trace and kept, so zooming back and forth and moving the query cost nothing new."""
-    c = _vcache(tr)
-    T, L = tr.n_tokens, len(tr.captured_layers)
-    with c["lock"]:
-        st = c.get("lens")
-        if st is None:
-            st = c["lens"] = {"done": np.zeros(T, bool), "done_t": np.zeros(T, bool),
-                              "top": np.zeros((L, T), np.int64), "p": np.zeros((L, T), np.float32),
-                              "ent": np.zeros((L, T), np.float32), "tp": np.zeros((L, T), np.float32),
-                              "rank": np.zeros((L, T), np.int64)}
-        missing = sorted({p for p in positions if not st["done_t" if targets else "done"][p]})
-        if missing:
+    once per trace and kept, so zooming back and forth and moving the query cost nothing new; the
+    background filler (LensFiller) computes every position while the server is idle.
+    compute=False computes nothing: positions not known yet come back missing (NaN probability,
+    top id -1), and "missing" counts them."""
+    with _lens_lock(tr):
+        st = _lens_state(tr)
+        done = st["done_t" if targets else "done"]
+        missing = sorted({p for p in positions if not done[p]})
+        if missing and compute:
             nxt = _next_ids(tr)
             res = logit_lens(tr, positions=missing, k=1, targets=[nxt[p] for p in missing] if targets else None)
             st["top"][:, missing] = res.top_ids[:, :, 0].numpy()
@@ -299,7 +317,146 @@ def lens_columns(tr: Trace, positions: list[int], targets: bool = False) -> dict
                 st["tp"][:, missing] = res.target_probs.float().numpy()
                 st["rank"][:, missing] = res.target_ranks.numpy()
                 st["done_t"][missing] = True
-        return {k: st[k][:, positions] for k in (("top", "p", "ent", "tp", "rank") if targets else ("top", "p", "ent"))}
+            missing = []
+        out = {k: st[k][:, positions] for k in (("top", "p", "ent", "tp", "rank") if targets else ("top", "p", "ent"))}
+        if missing:
+            gone = ~done[positions]
+            for k in out:
+                if out[k].dtype.kind == "f":
+                    out[k][:, gone] = np.nan
+                else:
+                    out[k][:, gone] = -1
+        out["missing"] = len(missing)
+        return out
+
+
+def lens_filled(tr: Trace) -> int:
+    """How many positions of the trace have their lens column computed."""
+    with _lens_lock(tr):
+        return int(_lens_state(tr)["done"].sum())
+
+
+def fill_order(T: int) -> list[int]:
+    """Every position, coarse to fine: every 32nd (the last of each 32), then every 16th, ... then
+    the rest, so that partway through the fill every region already holds evenly spread columns."""
+    seen = np.zeros(T, bool)
+    order = []
+    s = 32
+    while s >= 1:
+        for p in range(s - 1, T, s):
+            if not seen[p]:
+                seen[p] = True
+                order.append(p)
+        s //= 2
+    return order
+
+
+def _server_busy() -> bool:
+    """True while any request holds a model slot (app.context's per-user counters)."""
+    from app import context
+
+    running = getattr(context, "_RUNNING", None)
+    return bool(running)
+
+
+class LensFiller:
+    """Computes the logit lens of every position of recent traces in the background, a few
+    positions at a time and only while no request is running, so that a zoom finds its columns
+    already computed (a zoom onto 64 new positions is 64 x 30 passes through the unembedding:
+    0.5-1 s on the 2-core CPU). Most recent trace first; traces are held weakly (an evicted trace
+    is dropped). One thread for the whole server."""
+
+    CHUNK = 4  # positions per step (x 30 layers: ~40 ms on the 2-core CPU): what a request may wait for
+    IDLE_S = 0.25  # the server must have been idle this long (chained events of one click come faster)
+    KEEP = 4  # traces queued at most
+
+    def __init__(self):
+        self.enabled = True
+        self._queue: list[weakref.ref] = []
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self.working = False  # a chunk is being computed
+
+    def schedule(self, tr: Trace) -> None:
+        if not self.enabled:
+            return
+        with self._cv:
+            self._queue = [r for r in self._queue if r() is not None and r() is not tr][: self.KEEP - 1]
+            self._queue.insert(0, weakref.ref(tr))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="lmscope-lens-filler", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def pending(self) -> int:
+        """Traces still queued (for tests and the benchmark)."""
+        with self._cv:
+            return sum(1 for r in self._queue if r() is not None)
+
+    def wait_idle(self, timeout: float = 600.0) -> bool:
+        """Block until nothing is left to fill, or the filler is switched off and between chunks
+        (tests, the benchmark)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self.working and (
+                not self.enabled or not any(r() is not None for r in self._queue)), timeout)
+
+    def _next(self):
+        """(trace, positions of its next chunk), or None when there is nothing to do."""
+        with self._cv:
+            while True:
+                self._queue = [r for r in self._queue if r() is not None]
+                if not self._queue or not self.enabled:
+                    self._cv.notify_all()
+                    return None
+                tr = self._queue[0]()
+                if tr is None:
+                    continue
+                with _lens_lock(tr):
+                    done = _lens_state(tr)["done"].copy()
+                order = _vcache(tr).get("fill_order")
+                if order is None:
+                    order = _vcache(tr)["fill_order"] = fill_order(tr.n_tokens)
+                todo = [p for p in order if not done[p]][: self.CHUNK]
+                if todo:
+                    self.working = True
+                    return tr, todo
+                self._queue.pop(0)
+
+    def _wait_for_idle(self) -> None:
+        quiet_since = None
+        while True:
+            now = time.monotonic()
+            if _server_busy():
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = now
+            elif now - quiet_since >= self.IDLE_S:
+                return
+            time.sleep(0.02)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: any(r() is not None for r in self._queue) and self.enabled)
+            self._wait_for_idle()
+            job = self._next()
+            if job is None:
+                continue
+            tr, todo = job
+            try:
+                lens_columns(tr, todo)
+            except Exception as e:  # noqa: BLE001 - a trace that cannot be read is dropped, the server goes on
+                print(f"lmscope: lens filler dropped a trace: {type(e).__name__}: {e}", file=sys.stderr)
+                with self._cv:
+                    self._queue = [r for r in self._queue if r() is not None and r() is not tr]
+            finally:
+                del tr
+                with self._cv:
+                    self.working = False
+                    self._cv.notify_all()
+
+
+FILLER = LensFiller()
 
 
 def lens_positions(lo: int, hi: int) -> tuple[list[int], int]:
@@ -312,21 +469,25 @@ def lens_positions(lo: int, hi: int) -> tuple[list[int], int]:
     return [min(hi, lo + step * j + step - 1) for j in range(math.ceil(n / step))], step
 
 
-def lens_view(tr: Trace, query: int, colour: str = "probability", rows: tuple[int, int] | None = None) -> dict:
+def lens_view(tr: Trace, query: int, colour: str = "probability", rows: tuple[int, int] | None = None,
+              compute: bool = True) -> dict:
+    """The lens over rows lo..hi (every position up to EXACT, else sampled columns) and the next
+    token across layers at the query. compute=False: only what is already known (the background
+    filler's columns, earlier views'); the others come back blank and counted in "missing"."""
     T = tr.n_tokens
     lo, hi = rows or (0, T - 1)
     pos, step = lens_positions(lo, hi)
     tok = tr.lm.tokenizer
-    cols = lens_columns(tr, pos)
-    at_q = lens_columns(tr, [query], targets=True)
+    cols = lens_columns(tr, pos, compute=compute)
+    at_q = lens_columns(tr, [query], targets=True)  # one column: cheap, always computed
     show = _vcache(tr).setdefault("shown", {})
     pend = [_pending(tr, p) for p in pos]  # a character the prompt left open at that position
-    top = [[_cell(show, tok, i, pend[j]) for j, i in enumerate(row)] for row in cols["top"].tolist()]
+    top = [[_cell(show, tok, i, pend[j]) if i >= 0 else "" for j, i in enumerate(row)] for row in cols["top"].tolist()]
     probs = cols["p"]
-    return {"positions": pos, "step": step, "top": top, "probs": probs,
+    return {"positions": pos, "step": step, "lo": lo, "top": top, "probs": probs,
             "colour": probs if colour == "probability" else cols["ent"], "layers": list(tr.captured_layers),
             "target": _show(tok, _next_ids(tr)[query]), "target_probs": at_q["tp"][:, 0],
-            "target_ranks": at_q["rank"][:, 0].astype(np.float64)}
+            "target_ranks": at_q["rank"][:, 0].astype(np.float64), "missing": cols["missing"]}
 
 
 def _show(tok, i: int) -> str:

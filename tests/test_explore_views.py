@@ -187,7 +187,8 @@ def test_what_is_sent_is_bounded_whatever_the_length(lm, n):
         assert "every cell shown" in big.layout.title.text and isinstance(big.data[0].x[0], str)
 
 
-def test_clicks_from_the_page_move_the_settings(lm):
+def test_clicks_from_the_page_move_the_settings(lm, monkeypatch):
+    monkeypatch.setattr(views.FILLER, "enabled", False)  # the lens below comes from the clicks alone
     out = explore_tab.run_trace(MODEL, _prompt(300), False, False, 0, 0, -1, "probability", 1.0, 0, 1.0, 0.0, 1.0)
     state, view = out[0], out[explore_tab.RUN_OUTPUT_NAMES.index("view")]
     assert out[5]["value"] == 299 and view == {"scale": "linear", "zoom": ""}
@@ -207,12 +208,30 @@ def test_clicks_from_the_page_move_the_settings(lm):
     assert o[:3] == [1, 3, 250]
     # a dragged box: the zoom box, the view state and the figures follow; clamped to the prompt
     o = send({"kind": "zoom", "rows": [280, 400], "cols": [200, 290]})
-    assert o[3] == "280-299, 200-290" and o[4] == {"scale": "linear", "zoom": "280-299, 200-290"}
+    assert o[3] == "280-299, 200-290" and {k: o[4][k] for k in ("scale", "zoom")} == {
+        "scale": "linear", "zoom": "280-299, 200-290"}
     assert "clamped" in o[5]
     meta = o[7].layout.meta["lmscope"]
     assert (meta["y"]["lo"], meta["y"]["hi"], meta["x"]["lo"], meta["x"]["hi"]) == (280, 299, 200, 290)
-    lens, _ = explore_tab.update_lens(state, 290, "probability", o[4])
+    # the zoom draws the lens at once from the columns already computed: of rows 280-299 the first
+    # view's sampled columns 289 and 299 (one per 10 positions); the 18 others are blank, said so
+    lens = o[3 + 10]
+    z = np.asarray(lens.data[0].z, dtype=float)
+    known = [list(lens.data[0].x).index(f"{p}:{views.labels(explore_tab._get_trace(state))[p]}") for p in (289, 299)]
+    assert o[4]["lens_missing"] == 18 and "computing 18 of 20 columns" in lens.layout.title.text
+    assert np.isnan(z).sum(1).tolist() == [18] * z.shape[0] and not np.isnan(z[:, known]).any()
+    # ... and the event chained after it fills them in
+    lens, target = explore_tab.update_lens(state, 290, "probability", o[4])
     assert lens.layout.meta["lmscope"]["x"]["lo"] == 280 and list(lens.data[0].x)[-1].startswith("299:")
+    assert not np.isnan(np.asarray(lens.data[0].z, dtype=float)).any() and "computing" not in lens.layout.title.text
+    np.testing.assert_allclose(np.asarray(lens.data[0].z, dtype=float)[:, known], z[:, known])
+    # the same zoom again: every column is known, the lens comes with the zoom and nothing follows
+    o = send({"kind": "zoom", "rows": [280, 299], "cols": [200, 290]})
+    assert o[4]["lens_missing"] == 0 and "computing" not in o[13].layout.title.text
+    assert all(isinstance(v, type(explore_tab.gr.skip())) for v in explore_tab.update_lens(state, 290, "probability", o[4]))
+    # a head click leaves the lens as it is
+    o = send({"kind": "head", "layer": 1, "head": 1})
+    assert isinstance(o[13], type(explore_tab.gr.skip())) and o[4]["lens_missing"] == 0
     # double-click: the whole prompt
     o = send({"kind": "zoom"})
     assert o[3] == "" and o[4]["zoom"] == ""
@@ -250,3 +269,33 @@ def test_a_prompt_longer_than_one_strip_shows_a_window_of_it(lm, monkeypatch):
     monkeypatch.setattr(explore_tab, "STRIP_MAX", 1024)  # short prompts: the whole strip, never resent on zoom
     z = explore_tab.set_zoom(state, 0, 0, 299, "10-20", view)
     assert isinstance(z[-1], type(explore_tab.gr.skip()))
+
+
+def test_the_lens_of_every_position_is_filled_in_while_the_server_is_idle(lm):
+    """After a run the background filler computes the lens of every position (so a zoom finds its
+    columns ready), never while a request holds a model slot; what it computes is the model's own
+    final norm and unembedding over the whole vocabulary."""
+    import time
+
+    from app import context
+
+    tr = trace(lm, _prompt(150))
+    T = tr.n_tokens
+    with context.user_slot(None):  # a request is running: the filler waits
+        views.FILLER.schedule(tr)
+        time.sleep(4 * views.FILLER.IDLE_S + 0.5)
+        assert views.lens_filled(tr) == 0
+    assert views.FILLER.wait_idle(300)
+    assert views.lens_filled(tr) == T
+    cols = views.lens_columns(tr, list(range(T)), compute=False)
+    assert cols["missing"] == 0
+    norm, head = lm.model.model.norm, lm.model.lm_head
+    with torch.inference_mode():
+        for i, layer in enumerate(tr.captured_layers):
+            probs = torch.softmax(head(norm(tr.resid_post(layer))).float(), -1)
+            top = probs.max(-1)
+            np.testing.assert_allclose(cols["p"][i], top.values.numpy(), rtol=1e-4, atol=1e-6)
+            assert cols["top"][i].tolist() == top.indices.tolist(), f"layer {layer}"
+    # coarse to fine: every 32nd position first, so a region gets evenly spread columns early
+    order = views.fill_order(100)
+    assert sorted(order) == list(range(100)) and order[:3] == [31, 63, 95] and order[3:6] == [15, 47, 79]
