@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 
+from model_core import settings
 from tasks import kinds, store
 from tasks.lifecycle import JobError, artifact_path, queue_client, read_json_artifact
 
@@ -27,9 +28,7 @@ def __getattr__(name: str):
 
 def check_rate(owner: str) -> None:
     """LMSCOPE_JOBS_PER_HOUR (default 20; 0 = no limit) jobs per owner per hour; the CLI is exempt."""
-    import os
-
-    limit = int(os.environ.get("LMSCOPE_JOBS_PER_HOUR") or 20)
+    limit = settings.current().jobs_per_hour
     if limit <= 0 or owner == "cli":
         return
     hour_ago = time.time() - 3600
