@@ -605,7 +605,7 @@ def card(name: str) -> dict:
         return reference_card(name)
     from transformers import AutoConfig
 
-    from model_core.registry import RANDOM_CONFIGS, REGISTRY, _finetuned_path, converted_dir, is_ready, load_model
+    from model_core.registry import RANDOM_CONFIGS, REGISTRY, finetuned_path, converted_dir, is_ready, load_model
 
     entry = REGISTRY.get(name)
     if entry is not None and entry.source == "random":
@@ -619,7 +619,7 @@ def card(name: str) -> dict:
     if entry is not None and is_ready(name):
         folder = converted_dir(name)
     elif entry is None:
-        folder = _finetuned_path(name) or (Path(name).expanduser() if Path(name).expanduser().is_dir() else None)
+        folder = finetuned_path(name) or (Path(name).expanduser() if Path(name).expanduser().is_dir() else None)
     if folder is not None and (Path(folder) / "config.json").exists():
         try:
             config = AutoConfig.from_pretrained(str(folder), trust_remote_code=False)

@@ -288,7 +288,6 @@ def finetuned_path(name: str) -> Path | None:
     return p if (p / "config.json").exists() else None
 
 
-_finetuned_path = finetuned_path  # old private name: model_core/reference_cards.py, tasks/sft_job.py until they move
 
 
 def _check_local_dir(p: Path) -> None:
@@ -444,7 +443,6 @@ def load_uncached(name: str, dev: torch.device, dt: torch.dtype, attn_implementa
                        source=source, load_seconds=time.perf_counter() - t0, meta=meta)
 
 
-_load_uncached = load_uncached  # old private name: model_core/sft.py until it moves
 
 
 def _load_hub(name, dev, dt, attn_implementation):

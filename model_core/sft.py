@@ -665,10 +665,10 @@ def save_plain(model, tokenizer, directory: Path) -> None:
 def load_trainable(name: str, device: str | None = None):
     """A fresh, trainable (fp32 master weights) copy of a registry/fine-tuned/local model, its tokenizer
     and its device. Not the cached inference copy the explorer uses."""
-    from model_core.registry import _load_uncached, resolve_device
+    from model_core.registry import load_uncached, resolve_device
 
     dev, _ = resolve_device(device)
-    lm = _load_uncached(name, dev, torch.float32, "sdpa", True, False)
+    lm = load_uncached(name, dev, torch.float32, "sdpa", True, False)
     lm.model.requires_grad_(True)
     lm.model.train()
     tok = lm.tokenizer

@@ -46,13 +46,13 @@ PHASES = {"loading model": (0.0, 0.02), "accuracy before": (0.02, 0.05), "traini
 def validate_params(params: dict, allow_paths: bool = False) -> dict:
     """Settings as run_sft will see them (a JSON-able dict); SettingsError for bad values. Local model
     directories only with allow_paths (the CLI on the server), never from the browser."""
-    from model_core.registry import REGISTRY, _finetuned_path
+    from model_core.registry import REGISTRY, finetuned_path
 
     p = dict(params or {})
     p.pop("dataset_file", None)
     skip = parse_skip_bad_lines(p.pop("skip_bad_lines", False))
     s = sft.validate_settings(p)
-    if s.model not in REGISTRY and _finetuned_path(s.model) is None and not (allow_paths and Path(s.model).is_dir()):
+    if s.model not in REGISTRY and finetuned_path(s.model) is None and not (allow_paths and Path(s.model).is_dir()):
         raise SettingsError(f"Unknown model '{s.model}'; pick a registry or fine-tuned model.")
     out = {k: v for k, v in s.__dict__.items()}
     out["dataset_file"] = params.get("dataset_file")
