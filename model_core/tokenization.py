@@ -8,9 +8,13 @@ up honestly instead of as "�".
 Glyph spans. A character outside ASCII is 2-4 bytes, and a byte-level vocabulary often splits
 it over several tokens (SmolLM2 spells every Burmese letter as three one-byte tokens). Those
 tokens mean nothing alone, so every view shows the character they make together while keeping
-one chip / one axis label per token: `describe_tokens` groups tokens into spans, each the
-shortest run of tokens whose bytes decode on their own, and labels a token of a run of n as
-"glyph·k/n" (e.g. "မ·1/3"). The spans' texts concatenate back to the decoded text exactly.
+one chip / one axis label per token. What a reader counts as one character is often several code
+points: a Burmese consonant with its medials and vowel signs (မြ, ကျွ), a letter with combining
+marks (é as e + U+0301), an emoji ZWJ sequence (👨‍👩‍👧), a flag (two regional indicators). So
+`describe_tokens` groups tokens into spans, each the shortest run of tokens whose bytes start and
+end on a boundary of those user-perceived characters (Unicode extended grapheme clusters, the
+`regex` module's \\X), and labels a token of a run of n as "glyph·k/n" (e.g. "မြ·2/6"). The
+spans' texts concatenate back to the decoded text exactly.
 """
 
 from __future__ import annotations
@@ -18,6 +22,11 @@ from __future__ import annotations
 import functools
 import re
 import unicodedata
+
+try:  # transformers depends on it; the fallback below is a simpler rule for the common cases
+    import regex as _regex
+except ImportError:  # pragma: no cover
+    _regex = None
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
@@ -223,14 +232,84 @@ def hex_bytes(raw: bytes) -> str:
 
 # ---- glyph spans -----------------------------------------------------------------------------
 
-def glyph_spans(raws: list[bytes]) -> list[tuple[int, int]]:
-    """Token index ranges [start, end): the shortest runs of tokens whose bytes decode together
-    (no character cut at either edge). A token holding whole characters is a run of its own;
-    bytes that never make a character end their run (shown as <0xNN>)."""
-    cuts = set()  # byte offsets that fall inside a character
-    for a, b, ch in char_units(b"".join(raws)):
+_CLUSTER = _regex.compile(r"\X") if _regex is not None else None
+# without `regex`: a character with what attaches to it (marks, variation selectors, skin tones,
+# tags, ZWJ + the next character; regional indicators in pairs), close to extended grapheme clusters
+_ATTACHES = re.compile("[\ufe00-\ufe0f\U0001F3FB-\U0001F3FF\U000E0020-\U000E007F\U000E0100-\U000E01EF]")
+
+
+def _is_ri(ch: str) -> bool:
+    return "\U0001F1E6" <= ch <= "\U0001F1FF"
+
+
+def grapheme_bounds(text: str) -> list[int]:
+    """Character offsets where each user-perceived character (extended grapheme cluster) of `text`
+    starts, and len(text) at the end."""
+    if not text:
+        return [0]
+    if _CLUSTER is not None:
+        starts = [m.start() for m in _CLUSTER.finditer(text)]
+    else:  # pragma: no cover - regex is a dependency of transformers
+        starts, i, n = [], 0, len(text)
+        while i < n:
+            starts.append(i)
+            if text.startswith("\r\n", i):
+                i += 2
+                continue
+            i += 2 if _is_ri(text[i]) and i + 1 < n and _is_ri(text[i + 1]) else 1
+            while i < n:
+                ch = text[i]
+                if unicodedata.category(ch).startswith("M") or _ATTACHES.match(ch):
+                    i += 1
+                elif ch == "\u200d":
+                    i += 2 if i + 1 < n else 1
+                else:
+                    break
+    return starts + [len(text)]
+
+
+def _inside(raw: bytes, clusters: bool) -> set[int]:
+    """Byte offsets of `raw` that fall inside a character (clusters: inside a user-perceived one)."""
+    cuts = set()
+    units = char_units(raw)
+    for a, b, ch in units:
         if ch is not None and b - a > 1:
             cuts.update(range(a + 1, b))
+    if not clusters:
+        return cuts
+    i = 0
+    while i < len(units):  # each run of valid characters, split into grapheme clusters
+        if units[i][2] is None:
+            i += 1
+            continue
+        j = i
+        while j < len(units) and units[j][2] is not None:
+            j += 1
+        run = units[i:j]
+        text = "".join(u[2] for u in run)
+        bounds = grapheme_bounds(text)
+        for a, b in zip(bounds, bounds[1:]):
+            cuts.update(run[c][0] for c in range(a + 1, b))  # the start of every later character in it
+        i = j
+    return cuts
+
+
+def codepoint_spans(raws: list[bytes]) -> list[tuple[int, int]]:
+    """Token index ranges [start, end): the shortest runs of tokens whose bytes decode together
+    (no code point cut at either edge)."""
+    return _spans(raws, _inside(b"".join(raws), clusters=False))
+
+
+def glyph_spans(raws: list[bytes]) -> list[tuple[int, int]]:
+    """Token index ranges [start, end): the shortest runs of tokens whose bytes start and end on a
+    boundary of user-perceived characters (grapheme clusters: a Burmese syllable's consonant with
+    its medials and vowel signs, an emoji ZWJ sequence, a flag, a letter and its combining marks).
+    A token holding whole characters is a run of its own; bytes that never make a character end
+    their run (shown as <0xNN>)."""
+    return _spans(raws, _inside(b"".join(raws), clusters=True))
+
+
+def _spans(raws: list[bytes], cuts: set[int]) -> list[tuple[int, int]]:
     spans, start, off = [], 0, 0
     for i, r in enumerate(raws):
         off += len(r)
