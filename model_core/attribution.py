@@ -31,7 +31,8 @@ import torch
 from torch import nn
 
 from model_core.hook_names import act_name
-from model_core.interventions import Metric, _ids, trace_with_edits
+from model_core.interventions import Metric, trace_with_edits
+from model_core.prompts import prompt_ids
 
 
 def frozen_norm(norm: nn.Module, x: torch.Tensor):
@@ -93,7 +94,7 @@ def direct_logit_attribution(lm, prompt, target: int | Metric, other: int | None
     (default: the last one, which predicts the next token). With `other`: toward target - other."""
     if isinstance(target, Metric):
         target, other = target.target, (target.other if target.kind == "logit_diff" else None)
-    ids = _ids(lm, prompt, chat)
+    ids = prompt_ids(lm, prompt, chat)
     ad, s = lm.adapter, lm.shape
     zs: dict = {}
     tr = trace_with_edits(lm, ids, {}, capture_z=True, store=zs)

@@ -42,7 +42,7 @@ from model_core import settings
 from model_core.errors import PromptError, SettingsError
 from model_core.hook_names import act_name
 from model_core.hooks import Recorder, instrument, recording
-from model_core.prompts import encode_prompt
+from model_core.prompts import prompt_ids
 from model_core.trace import Trace, trace
 
 Progress = Callable[[float], None]
@@ -51,15 +51,6 @@ PromptLike = "str | Sequence[int]"
 
 # ---------------------------------------------------------------------------------------------
 # Inputs
-
-
-def _ids(lm, prompt, chat: bool = False, max_tokens: int | None = 1024) -> list[int]:
-    if isinstance(prompt, str):
-        return encode_prompt(lm, prompt, chat=chat, max_tokens=max_tokens)
-    ids = [int(t) for t in (prompt.tolist() if torch.is_tensor(prompt) else prompt)]
-    if not ids:
-        raise PromptError("No tokens to run.")
-    return ids
 
 
 def token_id(lm, token: str | int) -> int:
@@ -277,7 +268,7 @@ class AblationResult:
 def ablate(lm, prompt, ablation: Ablation, *, metric: Metric | None = None, chat: bool = False) -> AblationResult:
     """One clean and one ablated forward pass of the same prompt, both as full Traces (so every
     view, e.g. the logit lens, can show the difference)."""
-    ids = _ids(lm, prompt, chat=chat)
+    ids = prompt_ids(lm, prompt, chat=chat)
     edits = ablation_edits(lm, ablation)
     clean = trace_with_edits(lm, ids, {})
     ablated = trace_with_edits(lm, ids, edits)
@@ -407,7 +398,7 @@ def patch_residual(lm, clean, corrupted, metric: Metric, *, layers: Sequence[int
     """Residual-stream patching: cell (l, p) runs the corrupted prompt with blocks.{l}.hook_resid_pre
     at corrupted position p replaced by the clean value (at the aligned clean position)."""
     t0 = time.perf_counter()
-    c_ids, k_ids = _ids(lm, clean, chat), _ids(lm, corrupted, chat)
+    c_ids, k_ids = prompt_ids(lm, clean, chat), prompt_ids(lm, corrupted, chat)
     pos_map = _align(len(c_ids), len(k_ids), align)
     L = lm.shape.n_layers
     layers = list(range(L)) if layers is None else sorted({int(l) for l in layers})
@@ -474,7 +465,7 @@ def patch_heads(lm, clean, corrupted, metric: Metric, *, layers: Sequence[int] |
     t0 = time.perf_counter()
     if not hasattr(lm.adapter, "attn_z_module"):
         raise SettingsError(f"Head patching is not available for the '{lm.adapter.family}' family.")
-    c_ids, k_ids = _ids(lm, clean, chat), _ids(lm, corrupted, chat)
+    c_ids, k_ids = prompt_ids(lm, clean, chat), prompt_ids(lm, corrupted, chat)
     pos_map = _align(len(c_ids), len(k_ids), align)
     kp = torch.tensor(sorted(pos_map))
     cp = torch.tensor([pos_map[p] for p in sorted(pos_map)])
@@ -505,7 +496,7 @@ def head_ablation_sweep(lm, prompt, metric: Metric, *, mode: str = "zero", batch
                         progress: Progress | None = None, chat: bool = False) -> torch.Tensor:
     """Ablate each head on its own (one batch row per head): the metric change [layers, heads]
     vs the clean run. Negative = the head helped the target."""
-    ids = _ids(lm, prompt, chat)
+    ids = prompt_ids(lm, prompt, chat)
     s = lm.shape
     base = float(metric(last_logits(lm, torch.tensor([ids], device=lm.device))[0]))
     cells = [(l, h) for l in range(s.n_layers) for h in range(s.n_heads)]
@@ -537,8 +528,8 @@ class Comparison:
 def compare_prompts(lm, a, b, *, k: int = 10, chat: bool = False) -> Comparison:
     """Two prompts side by side: next-token distributions and, per layer, how far apart the
     residual streams are at the last position (the position that predicts the next token)."""
-    ta = trace_with_edits(lm, _ids(lm, a, chat))
-    tb = trace_with_edits(lm, _ids(lm, b, chat))
+    ta = trace_with_edits(lm, prompt_ids(lm, a, chat))
+    tb = trace_with_edits(lm, prompt_ids(lm, b, chat))
     norms, rel, cos = [], [], []
     with torch.inference_mode():
         for l in range(lm.shape.n_layers):

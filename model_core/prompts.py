@@ -44,3 +44,13 @@ def encode_prompt(lm, prompt: str, chat: bool = False, max_tokens: int | None = 
             )
         ids = ids[-limit:]
     return ids
+
+
+def prompt_ids(lm, prompt, chat: bool = False, max_tokens: int | None = DEFAULT_MAX_TOKENS) -> list[int]:
+    """A prompt as token ids: text is encoded (encode_prompt), ids (a list or tensor) pass as they are."""
+    if isinstance(prompt, str):
+        return encode_prompt(lm, prompt, chat=chat, max_tokens=max_tokens)
+    ids = [int(t) for t in (prompt.tolist() if hasattr(prompt, "tolist") else prompt)]
+    if not ids:
+        raise PromptError("No tokens to run.")
+    return ids
