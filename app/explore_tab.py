@@ -242,7 +242,10 @@ class ExploreTab:
         self.stages = gr.Dataframe(headers=["stage", "removed", "mass kept (of the distribution entering the stage)"],
                                    label="What each stage did (mass kept: of the distribution after the penalty, "
                                          "temperature and earlier filters, not of the grey temperature-1 bars)",
-                                   interactive=False)
+                                   interactive=False, elem_id="explore-stages")
+        self.stages_btn = gr.Button("Download the stage table (CSV + JSON)", size="sm", elem_id="export-stages")
+        self.stages_files = gr.File(label="Stage table", file_count="multiple", visible=False,
+                                    elem_id="export-stages-files")
 
     # ------------------------------------------------------------------ wiring
     @property
@@ -321,6 +324,7 @@ class ExploreTab:
             s.page.load(cutoffs_from_url, None, [self.epsilon, self.eta, self.sampling_msg, self.url_note]).then(
                 None, [self.epsilon, self.eta], None, js=CUTOFF_URL_JS).then(cutoffs_after_run, **after_io)
         self.export_btn.click(export, [self.state], [self.export_files])
+        self.stages_btn.click(export_stages, next_io["inputs"], [self.stages_files, self.sampling_msg])
         self.export_tensors_btn.click(export_tensors, [self.state, self.layer, self.head, self.query, self.view,
                                                        self.lens_colour, *self.sampling_inputs],
                                       [self.export_tensors_file], concurrency_id="model")
@@ -735,6 +739,32 @@ def overview(state, metric, layer, head, request: gr.Request = None):
         return figures.empty_figure("Run a prompt to see every head.")
     tr, layer, head, _ = _where(state, layer, head, 0)
     return _overview_fig(tr, metric, layer, head)
+
+
+@endpoint
+def export_stages(state, temperature, top_k, top_p, min_p, rep, epsilon=0.0, eta=0.0):
+    """stages.csv and stages.json (app/exports.write_stages): what each sampling stage did to the
+    trace's next-token distribution with these settings. A bad setting: its sentence under the
+    settings, nothing written."""
+    from app.exports import write_stages
+    from model_core.sampling import check_cutoff
+
+    settings, problems = V.check_settings(temperature, top_k, top_p, min_p, rep)
+    for name, v in (("epsilon", epsilon), ("eta", eta)):
+        try:
+            check_cutoff(name, v)
+        except LmscopeError as e:
+            problems[name] = str(e)
+    if problems:
+        return gr.skip(), V.show(" ".join(problems.values()) + " Nothing was downloaded.")
+    tr = _get_trace(state)
+    eps, et = float(epsilon or 0), float(eta or 0)
+    nv = views.next_token_view(tr, settings, epsilon=eps, eta=et)
+    st = state if isinstance(state, dict) else {}
+    meta = {"model": tr.model_name, "prompt": st.get("prompt"), "chat": bool(st.get("chat")),
+            "n_tokens": tr.n_tokens, "settings": {**settings.to_dict(), "epsilon": eps, "eta": et}}
+    files = write_stages(nv, scratch_dir("stages"), meta)
+    return gr.update(value=[str(f) for f in files], visible=True), V.clear()
 
 
 @endpoint

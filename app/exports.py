@@ -135,3 +135,152 @@ def write_interventions(ablation: dict | None, patching: dict | None, attributio
     data = {k: v for k, v in (("ablation", ablation), ("patching", patching), ("attribution", attribution)) if v}
     out.append(write_json(folder / "results.json", data))
     return out
+
+
+# --- any table a tab shows (a gr.Dataframe's value) ---------------------------------------------
+
+def table_rows(table, columns: list[str] | None = None) -> list[dict]:
+    """A table as a tab shows it (a pandas DataFrame, or a list of rows with `columns`) -> one dict
+    per row, keyed by the column headers, numbers as numbers."""
+    if table is None:
+        return []
+    if hasattr(table, "to_dict") and hasattr(table, "columns"):  # a pandas DataFrame (a gr.Dataframe's value)
+        columns = [str(c) for c in table.columns]
+        values = table.values.tolist()
+    else:
+        values = [list(r) for r in table]
+        columns = list(columns or [f"column {i + 1}" for i in range(max((len(r) for r in values), default=0))])
+    out = []
+    for row in values:
+        out.append({c: _plain(v) for c, v in zip(columns, row)})
+    return out
+
+
+def _plain(v):
+    """numpy scalars and the like as plain Python values."""
+    if hasattr(v, "item") and not isinstance(v, (list, tuple, dict, str, bytes)):
+        try:
+            return v.item()
+        except (ValueError, AttributeError):
+            return v
+    return v
+
+
+def write_table(table, folder: Path, name: str, columns: list[str] | None = None, meta: dict | None = None) -> list[Path]:
+    """`<name>.csv` (the rows as shown) and `<name>.json` ({"columns", "rows", **meta})."""
+    rows = table_rows(table, columns)
+    cols = list(rows[0]) if rows else list(columns or [])
+    return [write_csv(folder / f"{name}.csv", rows) if rows else _header_only(folder / f"{name}.csv", cols),
+            write_json(folder / f"{name}.json", {**(meta or {}), "columns": cols, "rows": rows})]
+
+
+def _header_only(path: Path, cols: list[str]) -> Path:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        csv.writer(f).writerow(cols or ["empty"])
+    return path
+
+
+# --- Explore: what each sampling stage did ------------------------------------------------------
+
+STAGE_COLUMNS = ["stage", "removed", "mass_kept"]
+
+
+def stage_rows(next_view: dict) -> list[dict]:
+    """Explore's stage table (app.views.next_token_view's "stages"): one row per stage after the
+    model's own distribution: how many tokens it removed and the mass it kept of what entered it."""
+    return [{"stage": s["stage"], "removed": int(s["removed"]), "mass_kept": float(s["mass_kept"])}
+            for s in (next_view or {}).get("stages", [])]
+
+
+def write_stages(next_view: dict, folder: Path, meta: dict | None = None) -> list[Path]:
+    """stages.csv (the table) and stages.json: the settings in `meta` (model, prompt, temperature,
+    top-k, top-p, min-p, repetition penalty, epsilon, eta), the summary line, the stages, and the
+    top tokens with their probability before and after the filters and the stage that removed each."""
+    nv = next_view or {}
+    top = [{"token": t, "prob": float(b), "prob_after_filters": float(f), "removed_by": r or None}
+           for t, b, f, r in zip(nv.get("tokens", []), nv.get("base", []), nv.get("final", []),
+                                 nv.get("removed_by", []))]
+    data = {**(meta or {}), "summary": nv.get("summary"), "stages": stage_rows(nv), "top_tokens": top}
+    rows = stage_rows(nv)
+    return [write_csv(folder / "stages.csv", rows) if rows else _header_only(folder / "stages.csv", STAGE_COLUMNS),
+            write_json(folder / "stages.json", data)]
+
+
+# --- Generate: the N samples table --------------------------------------------------------------
+
+SAMPLE_COLUMNS = ["seed", "text", "tokens", "mean p", "finish"]
+
+
+def samples_rows(table) -> tuple[list[dict], str]:
+    """Generate's samples table (rows [seed, text, tokens, mean p, finish] and, once all are drawn,
+    a last row ["", "k distinct texts out of n", ...]) -> (one dict per sample, the summary line)."""
+    rows, summary = [], ""
+    for r in table_rows(table, SAMPLE_COLUMNS):
+        seed = r.get("seed")
+        if seed in ("", None) or (isinstance(seed, float) and math.isnan(seed)):
+            summary = str(r.get("text") or "")
+            continue
+        rows.append({"seed": int(seed), "text": r.get("text"), "tokens": _int_or(r.get("tokens")),
+                     "mean_p": _num(float(r["mean p"])) if r.get("mean p") not in ("", None) else None,
+                     "finish": r.get("finish")})
+    return rows, summary
+
+
+def _int_or(v):
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return v
+
+
+def write_samples(table, folder: Path, meta: dict | None = None) -> list[Path]:
+    """samples.csv (one row per sample) and samples.json ({**meta, "summary", "samples"})."""
+    rows, summary = samples_rows(table)
+    cols = ["seed", "text", "tokens", "mean_p", "finish"]
+    return [write_csv(folder / "samples.csv", rows) if rows else _header_only(folder / "samples.csv", cols),
+            write_json(folder / "samples.json", {**(meta or {}), "summary": summary, "samples": rows})]
+
+
+# --- Fine-tune: the runs table; Jobs: the jobs table --------------------------------------------
+
+def runs_rows(records: list[dict]) -> list[dict]:
+    """The Fine-tune tab's runs table (app.sft_figures.runs_table) as rows, one per run, with its
+    job id first."""
+    from app.sft_figures import runs_table
+
+    rows = table_rows(runs_table(records))
+    return [{"job": rec.get("id"), **row} for rec, row in zip(records, rows)]
+
+
+def write_runs(records: list[dict], folder: Path) -> list[Path]:
+    """runs.csv (the table as shown, with job ids) and runs.json (each run's id, state, settings,
+    metrics, held-out accuracy before/after and loss history, as its job recorded them)."""
+    recs = [r for r in records or [] if isinstance(r, dict)]
+    keep = ("metrics", "accuracy_before", "accuracy_after", "dataset_lines", "model_name", "history")
+    data = [{"job": r.get("id"), "state": r.get("state"), "params": r.get("params") or {},
+             "created": r.get("created"), "started": r.get("started"), "finished": r.get("finished"),
+             **{k: (r.get("sft") or {}).get(k) for k in keep if (r.get("sft") or {}).get(k) is not None}}
+            for r in recs]
+    rows = runs_rows(recs)
+    return [write_csv(folder / "runs.csv", rows) if rows else _header_only(folder / "runs.csv", ["job"]),
+            write_json(folder / "runs.json", {"runs": data})]
+
+
+def jobs_rows(records: list[dict]) -> list[dict]:
+    """The Jobs tab's table (app.jobs_figures.jobs_table) as rows, one per job."""
+    from app.jobs_figures import jobs_table
+
+    return table_rows(jobs_table(records))
+
+
+def write_jobs(records: list[dict], folder: Path) -> list[Path]:
+    """jobs.csv (the table as shown) and jobs.json (each job's id, kind, state, progress, times,
+    settings, error and warning; logs left out: each job's log is its own download)."""
+    recs = [r for r in records or [] if isinstance(r, dict)]
+    keep = ("id", "kind", "state", "progress", "created", "started", "finished", "params", "error", "warning",
+            "artifacts")
+    rows = jobs_rows(recs)
+    from app.jobs_figures import JOB_COLUMNS
+
+    return [write_csv(folder / "jobs.csv", rows) if rows else _header_only(folder / "jobs.csv", JOB_COLUMNS),
+            write_json(folder / "jobs.json", {"jobs": [{k: r.get(k) for k in keep if k in r} for r in recs]})]
