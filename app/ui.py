@@ -8,9 +8,9 @@ import importlib.util
 
 import gradio as gr
 
+from app import explore_tab
 from app.api import harden
 from app.context import Shared, allowed_models, default_model, endpoint, get_model
-from app.explore_tab import ExploreTab
 from app.narrow import NARROW_JS
 from app.views import SCALES
 from model_core.registry import list_models
@@ -175,7 +175,7 @@ def build_demo() -> gr.Blocks:
 
         with gr.Tabs(elem_id="tabs"):
             with gr.Tab("Explore", id="explore") as tab:
-                explore = ExploreTab(shared)
+                explore = explore_tab.build(shared)
             tab.select(None, None, None, js=TAB_URL_JS % "explore")
             for module, title in OTHER_TABS:
                 if importlib.util.find_spec(module) is None:
