@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import gradio as gr
 
@@ -329,6 +328,12 @@ class ExploreTab:
                                                        self.lens_colour, *self.sampling_inputs],
                                       [self.export_tensors_file], concurrency_id="model")
         return ev, ev2
+
+
+def build(shared: Shared) -> ExploreTab:
+    """The tab's layout inside the current gr.Tab, as every tab module's build(shared). Its events
+    need the shared Run button, which sits above the tabs: app/ui.py calls .wire(run) on the result."""
+    return ExploreTab(shared)
 
 
 # ---------------------------------------------------------------------- callbacks

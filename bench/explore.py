@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import plotly.graph_objects as go  # noqa: E402
 import torch  # noqa: E402
-
 from common import device_info, interleaved  # noqa: E402
+
 from app import explore_tab, views  # noqa: E402
 from model_core import load_model, trace  # noqa: E402
 

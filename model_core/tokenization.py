@@ -112,7 +112,7 @@ def _added_ids(tokenizer) -> frozenset[int]:
         pass
     out = frozenset(ids)
     try:
-        setattr(tokenizer, "_lmscope_added_ids", out)
+        tokenizer._lmscope_added_ids = out
     except Exception:  # noqa: BLE001
         pass
     return out

@@ -69,9 +69,7 @@ def test_generate_samples_download_is_the_table_shown(tmp_path):
         shared = Shared(model=gr.Dropdown(["random-llama-tiny"], value="random-llama-tiny"), prompt=gr.Textbox(),
                         chat=gr.Checkbox())
         tab = generate_tab.build(shared)
-    last = None
-    for last in tab.samples("random-llama-tiny", "Once upon", False, 6, 1.0, 0, 1.0, 0.0, 1.0, 7, "", 3):
-        pass
+    *_, last = tab.samples("random-llama-tiny", "Once upon", False, 6, 1.0, 0, 1.0, 0.0, 1.0, 7, "", 3)
     table = last[tab.samples_df]
     csv_path, json_path = write_samples(table, tmp_path, {"model": "random-llama-tiny"})
     rows = list(csv.DictReader(open(csv_path, encoding="utf-8")))
