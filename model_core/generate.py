@@ -23,7 +23,6 @@ Entry points:
 from __future__ import annotations
 
 import math
-import os
 import queue
 import threading
 import time
@@ -35,13 +34,13 @@ from functools import partial
 import torch
 
 from model_core import sampling as S
+from model_core import settings
 from model_core.adapters import kv_cache_bytes
 from model_core.cache_api import cache_kwarg, new_cache
 from model_core.errors import PromptError, SettingsError
 from model_core.row_sampling import counter_uniform
 from model_core.sampling import SamplingSettings
 
-DEFAULT_MAX_NEW_TOKENS_CAP = 256
 TOP_K_RECORDED = 10  # candidates kept per step, before and after the filters
 MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 200
@@ -52,12 +51,7 @@ ShouldStop = Callable[[], bool] | threading.Event | None
 
 def max_new_tokens_cap() -> int:
     """Server-side ceiling on max_new_tokens: LMSCOPE_MAX_NEW_TOKENS (default 256)."""
-    raw = os.environ.get("LMSCOPE_MAX_NEW_TOKENS", "").strip()
-    try:
-        cap = int(raw) if raw else DEFAULT_MAX_NEW_TOKENS_CAP
-    except ValueError:
-        cap = DEFAULT_MAX_NEW_TOKENS_CAP
-    return max(1, cap)
+    return settings.current().max_new_tokens
 
 
 def check_max_new_tokens(n) -> int:
