@@ -376,6 +376,7 @@ class LensFiller:
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self.working = False  # a chunk is being computed
+        self._last_busy = 0.0  # time.monotonic() when a request was last seen running
 
     def schedule(self, tr: Trace) -> None:
         if not self.enabled:
@@ -423,14 +424,13 @@ class LensFiller:
                 self._queue.pop(0)
 
     def _wait_for_idle(self) -> None:
-        quiet_since = None
+        """Return once no request has held a model slot for IDLE_S (measured from the last time one
+        was seen, so chunk follows chunk while the server stays idle)."""
         while True:
             now = time.monotonic()
             if _server_busy():
-                quiet_since = None
-            elif quiet_since is None:
-                quiet_since = now
-            elif now - quiet_since >= self.IDLE_S:
+                self._last_busy = now
+            elif now - self._last_busy >= self.IDLE_S:
                 return
             time.sleep(0.02)
 

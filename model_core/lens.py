@@ -116,6 +116,17 @@ def vocab_stats(adapter, normed: torch.Tensor, k: int = 1, targets: torch.Tensor
     return out
 
 
+def _rows(trace: Trace, layer: int, positions: list[int], point: str) -> torch.Tensor:
+    """resid_post / resid_mid of `layer` at `positions` only: the same additions as Trace.resid_post
+    (block input + attention + MLP, in that order, so bit-identical) on the rows asked for, not on
+    all T rows (a few positions of a long prompt: most of the time went to adding [T, d] tensors)."""
+    pre, attn, mlp = (getattr(trace, n, None) for n in ("resid_pre", "attn_out", "mlp_out"))
+    if isinstance(pre, dict) and layer in pre and isinstance(attn, dict) and isinstance(mlp, dict):
+        x = pre[layer][positions] + attn[layer][positions]
+        return x + mlp[layer][positions] if point == "resid_post" else x
+    return (trace.resid_post(layer) if point == "resid_post" else trace.resid_mid(layer))[positions]
+
+
 def logit_lens(trace: Trace, positions=None, layers=None, k: int = 5, targets=None,
                point: str = "resid_post") -> LensResult:
     """targets: one token id per position (e.g. the next prompt token) whose rank/prob to follow."""
@@ -131,8 +142,7 @@ def logit_lens(trace: Trace, positions=None, layers=None, k: int = 5, targets=No
     with torch.inference_mode():
         for c in range(0, len(layers), per_chunk):
             chunk = layers[c: c + per_chunk]
-            resid = torch.cat([(trace.resid_post(l) if point == "resid_post" else trace.resid_mid(l))[positions]
-                               .to(norm_dev) for l in chunk])
+            resid = torch.cat([_rows(trace, l, positions, point).to(norm_dev) for l in chunk])
             normed = adapter.final_norm(resid).to(adapter.unembed.weight.device)
             parts.append(vocab_stats(adapter, normed, k, None if tgt is None else tgt.repeat(len(chunk))))
     L = len(layers)
