@@ -19,6 +19,11 @@ from torch import nn
 from model_core.errors import ModelLoadError
 
 
+def is_norm(module: nn.Module) -> bool:
+    """A normalisation layer of any family (LayerNorm, RMSNorm, LlamaRMSNorm, Gemma3RMSNorm, ...)."""
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or "norm" in type(module).__name__.lower()
+
+
 @dataclass(frozen=True)
 class ModelShape:
     n_layers: int

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_core.adapters import adapter_for, apply_rope, kv_cache_bytes
+from model_core.adapters import adapter_for, apply_rope, is_norm, kv_cache_bytes
 from model_core.errors import PromptError
 from model_core.tokenization import describe_tokens
 
@@ -40,10 +40,6 @@ def _cfg(config, *names, default=None):
     return default
 
 
-def _is_norm(module: nn.Module) -> bool:
-    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or "norm" in type(module).__name__.lower()
-
-
 def norm_kind(module: nn.Module) -> dict:
     """What a norm module computes: {'type': 'RMSNorm'|'LayerNorm', 'gain_offset': 0 or 1, 'eps'}.
     Gemma's RMSNorm multiplies by (1 + w) instead of w (its weights are stored as offsets from 1)."""
@@ -55,7 +51,7 @@ def norm_kind(module: nn.Module) -> dict:
     return {"type": "RMSNorm", "gain_offset": offset, "eps": float(eps), "class": name}
 
 
-def _linear_out_features(module: nn.Module) -> int:
+def linear_out_features(module: nn.Module) -> int:
     """Output width of nn.Linear (weight [out, in]) or GPT-2's Conv1D (weight [in, out])."""
     if isinstance(module, nn.Linear):
         return module.weight.shape[0]
@@ -69,11 +65,11 @@ def _project(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x @ w_in_out
 
 
-def _act_name(config) -> str:
+def config_activation(config) -> str:
     return str(_cfg(config, "hidden_act", "hidden_activation", "activation_function", default="?"))
 
 
-def _activation_label(act: str) -> str:
+def activation_label(act: str) -> str:
     a = act.lower()
     if a in ("silu", "swish"):
         return "SiLU"
@@ -89,7 +85,7 @@ def _activation_label(act: str) -> str:
 
 
 def count_by_part(model: nn.Module, unembed: nn.Module, groups: dict[str, set[int]],
-                  parts: tuple[str, ...]) -> "OrderedDict[str, int]":
+                  parts: tuple[str, ...]) -> OrderedDict[str, int]:
     """Parameters by part, each tensor once (tied weights counted once, like model.parameters()):
     embeddings, norms (every norm, wherever it sits), the unembedding (only when untied), then the
     first of `groups` (part -> ids of its parameters, in order) that holds the tensor, else other.
@@ -103,7 +99,7 @@ def count_by_part(model: nn.Module, unembed: nn.Module, groups: dict[str, set[in
             seen.add(id(p))
             if isinstance(module, nn.Embedding):
                 part = "embedding"
-            elif _is_norm(module):
+            elif is_norm(module):
                 part = "norms"
             elif module is unembed:
                 part = "unembedding"
@@ -114,7 +110,7 @@ def count_by_part(model: nn.Module, unembed: nn.Module, groups: dict[str, set[in
     return out
 
 
-def param_counts(lm_or_model) -> "OrderedDict[str, int]":
+def param_counts(lm_or_model) -> OrderedDict[str, int]:
     """Parameters by part, from the real tensors (count_by_part): embedding (token + learned
     positions), attention (Q, K, V, O and their biases), mlp, norms (every norm incl. QK-norm and the
     final norm), unembedding (only when untied), other (should be 0). Sums to the model's count."""
@@ -150,7 +146,7 @@ def rope_thetas(config) -> dict[str, float]:
     return out
 
 
-def architecture_card(lm_or_model) -> "OrderedDict[str, object]":
+def architecture_card(lm_or_model) -> OrderedDict[str, object]:
     """Everything about the architecture, read from config, modules and weights."""
     model, ad = _unwrap(lm_or_model)
     c = model.config
@@ -165,8 +161,8 @@ def architecture_card(lm_or_model) -> "OrderedDict[str, object]":
     head_dim = int(getattr(attn, "head_dim", None) or _cfg(c, "head_dim", default=d_model // n_heads))
     # cross-check against the weights: the K projection is kv_heads x head_dim wide
     if hasattr(attn, "k_proj"):
-        n_kv = _linear_out_features(attn.k_proj) // head_dim
-        n_heads = _linear_out_features(attn.q_proj) // head_dim
+        n_kv = linear_out_features(attn.k_proj) // head_dim
+        n_heads = linear_out_features(attn.q_proj) // head_dim
     if n_kv == n_heads:
         attn_kind = "MHA (multi-head)"
     elif n_kv == 1:
@@ -175,18 +171,18 @@ def architecture_card(lm_or_model) -> "OrderedDict[str, object]":
         attn_kind = f"GQA (grouped-query: {n_heads // n_kv} query heads per K/V head)"
     mlp = layer0.mlp
     gated = hasattr(mlp, "gate_proj")
-    act = _activation_label(_act_name(c))
+    act = activation_label(config_activation(c))
     if gated:
-        d_mlp = _linear_out_features(mlp.up_proj)
+        d_mlp = linear_out_features(mlp.up_proj)
         ffn = {"SiLU": "SwiGLU", "GELU": "GeGLU", "GELU (tanh approx.)": "GeGLU"}.get(act, f"gated {act}")
         ffn_desc = f"down(act(gate x) · up x), act = {act}"
     else:
         fc = getattr(mlp, "c_fc", None) or getattr(mlp, "fc1", None)
-        d_mlp = _linear_out_features(fc)
+        d_mlp = linear_out_features(fc)
         ffn = f"{act.split(' ')[0]} MLP"
         ffn_desc = f"down(act(up x)), act = {act}"
     nk = norm_kind(ad.attn_norm(layer0))
-    post_norm = _is_norm(ad.attn_out_module(layer0))
+    post_norm = is_norm(ad.attn_out_module(layer0))
     placement = "pre-norm"
     if post_norm:
         placement = "pre- and post-norm"  # the post-norm's output is what joins the residual
@@ -261,7 +257,7 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def compare_models(cards: "dict[str, object]") -> pd.DataFrame:
+def compare_models(cards: dict[str, object]) -> pd.DataFrame:
     """Side by side: one column per model, one row per property. `cards` maps a column name to
     a LoadedModel, a transformers model, or an already-built card."""
     built = OrderedDict()
@@ -475,7 +471,7 @@ def attn_out_from_heads(tr, layer: int) -> torch.Tensor:
         if bias is not None:
             out = out + bias
         post = ad.attn_out_module(ad.layers[layer])
-        if _is_norm(post):
+        if is_norm(post):
             out = post(out)
     return out
 
@@ -509,7 +505,7 @@ def mlp_out_from_hidden(lm, layer: int, hidden: torch.Tensor) -> torch.Tensor:
     with torch.inference_mode():
         out = down(_to_model(lm, hidden, down.weight))
         post = ad.mlp_out_module(lay)
-        if post is not lay.mlp and _is_norm(post):
+        if post is not lay.mlp and is_norm(post):
             out = post(out)
     return out
 
@@ -549,7 +545,7 @@ def check_norm(tr, layer: int, position: int, which: str, out: torch.Tensor) -> 
         if which == "mlp":
             y = lay.mlp(_to_model(lm, out, w))
             post = ad.mlp_out_module(lay)
-            if post is not lay.mlp and _is_norm(post):
+            if post is not lay.mlp and is_norm(post):
                 y = post(y)
             return y, tr.mlp_out[layer][pos]
         kind = norm_kind(mod)
@@ -566,7 +562,7 @@ def check_norm(tr, layer: int, position: int, which: str, out: torch.Tensor) -> 
         o = ad.attn_z_module(lay)
         y = o(z.transpose(0, 1).reshape(pos + 1, -1))
         post = ad.attn_out_module(lay)
-        if _is_norm(post):
+        if is_norm(post):
             y = post(y)
         return y[pos], tr.attn_out[layer][pos]
 
@@ -838,7 +834,7 @@ def mlp_step(tr, layer: int, position: int, top_k: int = 20) -> dict:
             hidden = out["post"]
     top = hidden.abs().topk(min(top_k, hidden.numel()))
     out["top_neurons"] = top.indices
-    out["activation"] = _activation_label(_act_name(lm.model.config))
+    out["activation"] = activation_label(config_activation(lm.model.config))
     # the activation function itself over -4..4 (a reference curve: one token's neurons may span
     # only a small part of it, where any smooth activation looks like a straight line)
     with torch.inference_mode():

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from model_core.adapters import is_norm
 from model_core.hook_names import act_name
 from model_core.interventions import Metric, trace_with_edits
 from model_core.prompts import prompt_ids
@@ -55,10 +56,6 @@ def frozen_norm(norm: nn.Module, x: torch.Tensor):
         g = norm(ones[None])[0].float() * math.sqrt(1.0 + eps)
     s = torch.rsqrt(x.pow(2).mean() + eps)
     return (lambda c: c.float() * s * g), torch.zeros_like(x), float(s)
-
-
-def _is_norm(m: nn.Module) -> bool:
-    return isinstance(m, nn.LayerNorm) or "norm" in type(m).__name__.lower()
 
 
 @dataclass
@@ -134,7 +131,7 @@ def direct_logit_attribution(lm, prompt, target: int | Metric, other: int | None
             bias = proj(zero)[0].float()
             per_head = proj(blocks).float() - bias  # [H, d]
             post = ad.attn_out_module(layer)
-            if _is_norm(post):  # Gemma 3: attn_out = post_attention_norm(o_proj(z))
+            if is_norm(post):  # Gemma 3: attn_out = post_attention_norm(o_proj(z))
                 P, b_p, _ = frozen_norm(post, proj(z[None])[0])
                 per_head, bias = P(per_head), P(bias) + b_p
             heads[l] = (N(per_head) @ u).cpu()

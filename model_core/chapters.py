@@ -91,7 +91,7 @@ def variant_config(kind: str):
     raise PromptError(f"Attention variant must be one of {', '.join(VARIANTS)}.")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def variant_model(kind: str):
     return _seeded(variant_config(kind))
 
@@ -175,7 +175,7 @@ GROWTH = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=4, hea
               eos_token_id=257)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def growth_model():
     from transformers import LlamaConfig
 
@@ -321,7 +321,7 @@ MOE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atten
            bos_token_id=256, eos_token_id=257, output_router_logits=True, router_aux_loss_coef=0.02)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def moe_model():
     from transformers import MixtralConfig
 

@@ -52,7 +52,7 @@ class DecodingSettings:
     top_k: int = 4  # contrastive: candidates per step
     max_new_tokens: int = 20
 
-    def validated(self) -> "DecodingSettings":
+    def validated(self) -> DecodingSettings:
         def whole(name, lo, hi):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
@@ -82,7 +82,7 @@ class DecodingSettings:
 
     @classmethod
     def from_values(cls, method="beam", num_beams=4, num_beam_groups=1, diversity_penalty=0.0, length_penalty=1.0,
-                    penalty_alpha=0.6, top_k=4, max_new_tokens=20) -> "DecodingSettings":
+                    penalty_alpha=0.6, top_k=4, max_new_tokens=20) -> DecodingSettings:
         """Loosely typed input (UI, CLI, JSON) -> validated settings, or one sentence."""
         def num(name, v, default, kind=float):
             return parse_number(v, name.replace("_", " "), default, kind)

@@ -53,7 +53,7 @@ class EngineRequest:
     eos: set[int]
     keep_logits: bool = False
     keep_probs: bool = False
-    out: "queue.Queue" = field(default_factory=queue.Queue)  # records, then None
+    out: queue.Queue = field(default_factory=queue.Queue)  # records, then None
     cancelled: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     submitted: float = field(default_factory=time.perf_counter)
@@ -96,7 +96,7 @@ class EngineStats:
     busy_s: float = 0.0
     started: float = field(default_factory=time.perf_counter)
 
-    def as_dict(self, engine: "Engine") -> dict:
+    def as_dict(self, engine: Engine) -> dict:
         up = time.perf_counter() - self.started
         return {"steps": self.steps, "tokens": self.tokens, "admitted": self.admitted,
                 "mean_batch": round(self.tokens / self.steps, 2) if self.steps else 0.0,
@@ -479,7 +479,7 @@ class Engine:
 # one engine per loaded model
 
 _LOCK = threading.Lock()
-_ALL: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+_ALL: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
 def _stop_all() -> None:

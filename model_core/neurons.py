@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from model_core.adapters import is_norm
 from model_core.errors import SettingsError
 from model_core.hook_names import act_name, layer_of
 
@@ -42,10 +43,6 @@ FORMAT = "lmscope-context-index"
 
 
 # --- reading weights ----------------------------------------------------------------------------
-
-def _is_norm(m: nn.Module) -> bool:
-    return isinstance(m, nn.LayerNorm) or "norm" in type(m).__name__.lower()
-
 
 def norm_gain(norm: nn.Module) -> tuple[torch.Tensor, bool]:
     """(g [d] float32, centres): the norm as a linear map at scale 1 is c -> g * c (LayerNorm:
@@ -110,7 +107,7 @@ def neuron_direction(lm, layer: int, neuron: int) -> torch.Tensor:
     w = next(down.parameters())
     d = _linear_rows(down, s.d_mlp, [neuron], w.device, w.dtype)[0]
     out_mod = ad.mlp_out_module(blk)
-    return _through(out_mod, d) if _is_norm(out_mod) else d
+    return _through(out_mod, d) if is_norm(out_mod) else d
 
 
 def neuron_logits(lm, layer: int, neuron: int) -> torch.Tensor:
@@ -139,7 +136,7 @@ def head_ov_logits(lm, layer: int, head: int, source_ids: list[int]) -> torch.Te
         out = o_mod(z).float()
         out = out[:S] - out[S:]
     post = ad.attn_out_module(blk)
-    if _is_norm(post):
+    if is_norm(post):
         out = _through(post, out)
     return unembed_direction(lm, out)
 

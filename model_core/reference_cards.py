@@ -26,18 +26,18 @@ import re
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from model_core.anatomy import (
-    _act_name,
-    _activation_label,
-    _is_norm,
-    _linear_out_features,
+    activation_label,
+    config_activation,
     count_by_part,
+    is_norm,
+    linear_out_features,
     norm_kind,
     rope_thetas,
 )
@@ -72,7 +72,7 @@ class Reference:
     notes: tuple = ()  # caveats about the configuration itself (values not confirmed by a source)
 
 
-def _load_references(path: Path) -> "OrderedDict[str, Reference]":
+def _load_references(path: Path) -> OrderedDict[str, Reference]:
     """The references as published: reference_cards.json (each one's config.json values or a paper's
     numbers, its sources' claims and caveats), one Reference per entry, in the file's order."""
     refs = OrderedDict()
@@ -83,7 +83,7 @@ def _load_references(path: Path) -> "OrderedDict[str, Reference]":
     return refs
 
 
-REFERENCES: "OrderedDict[str, Reference]" = _load_references(Path(__file__).with_name("reference_cards.json"))
+REFERENCES: OrderedDict[str, Reference] = _load_references(Path(__file__).with_name("reference_cards.json"))
 
 ALIASES = {"gpt2-small (config only)": "gpt2", "gpt-2": "gpt2", "gpt3": "gpt3-175b", "mistral": "mistral-7b",
            "llama-3.2-1B": "llama-3.2-1b", "deepseek-v2-236b": "deepseek-v2", "granite": "granite-3b"}
@@ -125,7 +125,7 @@ def meta_model(config) -> nn.Module:
 
 
 def _n_layers(config) -> int:
-    return int(getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer"))
+    return int(getattr(config, "num_hidden_layers", None) or config.n_layer)
 
 
 def find_layers(model: nn.Module) -> nn.ModuleList:
@@ -166,7 +166,7 @@ def _top_k(mlp: nn.Module, config) -> int:
         k = getattr(m, "top_k", None)
         if isinstance(k, int) and k > 0:
             return k
-    return int(getattr(config, "num_experts_per_tok"))
+    return int(config.num_experts_per_tok)
 
 
 def _router_ids(mlp: nn.Module) -> set[int]:
@@ -181,7 +181,7 @@ def _router_ids(mlp: nn.Module) -> set[int]:
 PARTS = ("embedding", "attention", "mlp", "experts", "norms", "unembedding", "other")
 
 
-def param_parts(model: nn.Module) -> "OrderedDict[str, int]":
+def param_parts(model: nn.Module) -> OrderedDict[str, int]:
     """Parameters by part, each tensor once (a tied unembedding is the embedding): embedding
     (token + learned positions), attention, mlp (dense MLPs and MoE shared experts), experts (MoE
     routed experts + router), norms (every norm, incl. those inside attention), unembedding (only
@@ -207,13 +207,13 @@ def param_parts(model: nn.Module) -> "OrderedDict[str, int]":
 
 def _attn_numbers(attn: nn.Module, config) -> dict:
     """What this attention module caches per token (values, all heads), read from its weights."""
-    heads = int(getattr(config, "num_attention_heads", None) or getattr(config, "n_head"))
+    heads = int(getattr(config, "num_attention_heads", None) or config.n_head)
     if hasattr(attn, "kv_a_proj_with_mqa"):  # MLA: a compressed latent + one decoupled RoPE key
-        cached = _linear_out_features(attn.kv_a_proj_with_mqa)
+        cached = linear_out_features(attn.kv_a_proj_with_mqa)
         latent = attn.kv_a_layernorm.weight.shape[0]
         rope = cached - latent
-        kv_b = _linear_out_features(attn.kv_b_proj)  # heads x (k without RoPE + v)
-        v = int(getattr(attn, "v_head_dim"))
+        kv_b = linear_out_features(attn.kv_b_proj)  # heads x (k without RoPE + v)
+        v = int(attn.v_head_dim)
         k_nope = kv_b // heads - v
         return {"kind": "MLA", "q_heads": heads, "kv_heads": heads, "cached": cached, "latent": latent,
                 "rope": rope, "head_dim": k_nope + rope, "v_head_dim": v,
@@ -221,10 +221,10 @@ def _attn_numbers(attn: nn.Module, config) -> dict:
     head_dim = getattr(attn, "head_dim", None) or getattr(config, "head_dim", None) or config.hidden_size // heads
     head_dim = int(head_dim)
     if hasattr(attn, "k_proj") and hasattr(attn, "v_proj"):
-        k, v = _linear_out_features(attn.k_proj), _linear_out_features(attn.v_proj)
-        q = _linear_out_features(attn.q_proj) if hasattr(attn, "q_proj") else heads * head_dim
+        k, v = linear_out_features(attn.k_proj), linear_out_features(attn.v_proj)
+        q = linear_out_features(attn.q_proj) if hasattr(attn, "q_proj") else heads * head_dim
     elif hasattr(attn, "c_attn"):  # GPT-2: one fused [d, 3d] projection; q, k and v each d wide
-        q = k = v = _linear_out_features(attn.c_attn) // 3
+        q = k = v = linear_out_features(attn.c_attn) // 3
     else:
         k = v = int(getattr(config, "num_key_value_heads", heads)) * head_dim
         q = heads * head_dim
@@ -319,7 +319,7 @@ def norm_wiring(model: nn.Module) -> dict:
         for h in handles:
             h.remove()
     t = {k: v[0] for k, v in seen.items()}
-    norms = [n for n, c in layer.named_children() if _is_norm(c)]
+    norms = [n for n, c in layer.named_children() if is_norm(c)]
     feeds = []
     for n in norms:
         for target in (attn_name, mlp_name):
@@ -338,7 +338,7 @@ def norm_wiring(model: nn.Module) -> dict:
     else:
         position = "no norm in the block" if not norms else "not determined"
     base = getattr(meta, meta.base_model_prefix, meta)
-    final = next((n for n, c in base.named_children() if _is_norm(c)), None)
+    final = next((n for n, c in base.named_children() if is_norm(c)), None)
     return {"position": position, "feeds": feeds, "final_norm": final}
 
 
@@ -370,14 +370,14 @@ def _positions(model: nn.Module, attn0: dict) -> str:
 
 def _ffn(model: nn.Module, layers) -> tuple[str, dict | None]:
     c = model.config
-    act = _activation_label(_act_name(c))
+    act = activation_label(config_activation(c))
     glu = {"SiLU": "SwiGLU", "GELU": "GeGLU", "GELU (tanh approx.)": "GeGLU"}.get(act, f"gated {act}")
 
     def dense(mlp):
         if hasattr(mlp, "gate_proj") and hasattr(mlp, "up_proj"):
-            return f"{glu} {_linear_out_features(mlp.up_proj):,}"
+            return f"{glu} {linear_out_features(mlp.up_proj):,}"
         fc = getattr(mlp, "c_fc", None) or getattr(mlp, "fc1", None) or getattr(mlp, "up_proj", None)
-        return f"{act.split(' ')[0]} MLP {_linear_out_features(fc):,}" if fc is not None else type(mlp).__name__
+        return f"{act.split(' ')[0]} MLP {linear_out_features(fc):,}" if fc is not None else type(mlp).__name__
 
     mlps = [_child(layer, MLP_NAMES)[1] for layer in layers]
     moe_layers = [m for m in mlps if m is not None and _experts(m) is not None]
@@ -390,14 +390,14 @@ def _ffn(model: nn.Module, layers) -> tuple[str, dict | None]:
     if isinstance(gate_up, torch.Tensor):
         hidden = gate_up.shape[1] // 2
     elif isinstance(ex, nn.ModuleList) and hasattr(ex[0], "up_proj"):
-        hidden = _linear_out_features(ex[0].up_proj)
+        hidden = linear_out_features(ex[0].up_proj)
     else:
         hidden = None
     shared = getattr(m, "shared_experts", None) or getattr(m, "shared_expert", None)
     text = f"MoE {glu}: {E} routed experts of {hidden:,} ({k} per token)" if hidden else f"MoE: {E} experts ({k} per token)"
     info = {"routed_experts": E, "experts_per_token": k, "expert_hidden": hidden, "moe_layers": len(moe_layers)}
     if shared is not None:
-        sw = _linear_out_features(shared.up_proj)
+        sw = linear_out_features(shared.up_proj)
         n_sh = getattr(c, "n_shared_experts", None)
         text += f" + shared {sw:,}" + (f" (= {n_sh} experts)" if n_sh else "")
         info["shared_hidden"] = sw
@@ -439,7 +439,7 @@ def card_from_model(model: nn.Module, name: str | None = None, weights: str = ""
     parts = param_parts(model)
     ffn, moe = _ffn(model, layers)
     wiring = norm_wiring(model)
-    first_norm = next((m for _, m in layers[0].named_children() if _is_norm(m)), None)
+    first_norm = next((m for _, m in layers[0].named_children() if is_norm(m)), None)
     nk = norm_kind(first_norm) if first_norm is not None else None
     kinds = {p["kind"] for p in per_layer}
     kind = "/".join(sorted(kinds))
@@ -557,7 +557,7 @@ def comparison(card: dict, ref: Reference) -> list[dict]:
 # Entry points
 
 
-@lru_cache(maxsize=None)
+@cache
 def _reference_card(name: str) -> dict:
     ref = reference(name)
     t0 = time.perf_counter()
@@ -605,7 +605,14 @@ def card(name: str) -> dict:
         return reference_card(name)
     from transformers import AutoConfig
 
-    from model_core.registry import RANDOM_CONFIGS, REGISTRY, finetuned_path, converted_dir, is_ready, load_model
+    from model_core.registry import (
+        RANDOM_CONFIGS,
+        REGISTRY,
+        converted_dir,
+        finetuned_path,
+        is_ready,
+        load_model,
+    )
 
     entry = REGISTRY.get(name)
     if entry is not None and entry.source == "random":
@@ -651,7 +658,7 @@ CLAIM_ROWS = {"params": "params", "active_params": "active params / token", "lay
               "vocab": "vocabulary", "max_context": "context length", "tied": "weight tying"}
 
 
-def display_rows(card: dict) -> "OrderedDict[str, str]":
+def display_rows(card: dict) -> OrderedDict[str, str]:
     """The card as labelled rows (labels shared with the Anatomy tab's comparison)."""
     r = OrderedDict()
     r["architecture"] = card["architecture"]
@@ -710,13 +717,13 @@ def row_marks(card: dict) -> dict[str, list[dict]]:
     return marks
 
 
-def param_shares(card: dict) -> "OrderedDict[str, float]":
+def param_shares(card: dict) -> OrderedDict[str, float]:
     """Share (%) of the model's parameters in each part."""
     total = max(1, card["params"])
     return OrderedDict((k, 100 * v / total) for k, v in card["params_by_part"].items())
 
 
-def kv_growth(cards: "dict[str, dict]", points: int = 60) -> dict:
+def kv_growth(cards: dict[str, dict], points: int = 60) -> dict:
     """KV-cache bytes (fp16) vs context for each card, from 1 token to its own context length, on a
     log grid shared by all: {name: {tokens, bytes, uncompressed (MLA) or None, formula, max_context}}."""
     top = max(c["max_context"] or 1 for c in cards.values())

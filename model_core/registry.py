@@ -24,10 +24,10 @@ import torch
 import transformers
 
 from model_core import paths
-from model_core.settings import current as current_settings
-from model_core.adapters import Adapter, ModelShape, adapter_for, ADAPTERS
+from model_core.adapters import ADAPTERS, Adapter, ModelShape, adapter_for
 from model_core.errors import ModelLoadError
 from model_core.settings import DEFAULT_MODEL  # noqa: F401  (re-exported: registry.DEFAULT_MODEL)
+from model_core.settings import current as current_settings
 
 # Progress bars from every load would drown the CLI's and the server's own output.
 transformers.utils.logging.disable_progress_bar()
@@ -350,7 +350,7 @@ def looks_like_hub_id(name: str) -> bool:
 # ---------------------------------------------------------------------------------------------
 # Loading with an in-process LRU (models are big; a server keeps a few warm).
 
-_LOADED: "OrderedDict[tuple, LoadedModel]" = OrderedDict()
+_LOADED: OrderedDict[tuple, LoadedModel] = OrderedDict()
 _LOCK = threading.Lock()
 
 

@@ -52,14 +52,14 @@ class RowSettings:
     step: torch.Tensor  # int64: the draw counter (how many tokens this row has drawn)
 
     @classmethod
-    def empty(cls, rows: int, device) -> "RowSettings":
+    def empty(cls, rows: int, device) -> RowSettings:
         f = dict(device=device, dtype=torch.float32)
         return cls(torch.ones(rows, **f), torch.zeros(rows, device=device, dtype=torch.long),
                    torch.ones(rows, **f), torch.zeros(rows, **f), torch.ones(rows, **f),
                    torch.ones(rows, device=device, dtype=torch.bool),
                    torch.zeros(rows, device=device, dtype=torch.long), torch.zeros(rows, device=device, dtype=torch.long))
 
-    def rows(self, sl: slice) -> "RowSettings":
+    def rows(self, sl: slice) -> RowSettings:
         return RowSettings(*(getattr(self, f)[sl] for f in self.__dataclass_fields__))
 
     def set_row(self, i: int, settings, seed: int) -> None:

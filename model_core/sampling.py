@@ -49,7 +49,7 @@ class SamplingSettings:
     def greedy(self) -> bool:
         return self.temperature <= 0
 
-    def validated(self) -> "SamplingSettings":
+    def validated(self) -> SamplingSettings:
         """Returns self, or raises SettingsError saying which setting is out of range and why."""
         for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
             v = getattr(self, name)

@@ -43,9 +43,9 @@ import re
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -787,7 +787,7 @@ def run_sft(settings: SFTSettings | dict, progress: ProgressFn | None = None,
     saved beside the final model's staging folder (LoRA merged in a copy) and, only when the run
     succeeds, registered as '<name>-step<S>' with lmscope.json {parent, checkpoint_of, step, ...};
     a cancelled or failed run removes them with its staging folder."""
-    from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
+    from transformers import Trainer, TrainingArguments, set_seed
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     s = validate_settings(settings)

@@ -52,11 +52,11 @@ def _module(x) -> torch.nn.Module:
 
 def _gain_offsets(model: torch.nn.Module) -> dict[str, float]:
     """{parameter name: 1.0} for the weights of norms that scale by (1 + w) (Gemma's RMSNorm)."""
-    from model_core.anatomy import _is_norm, norm_kind
+    from model_core.anatomy import is_norm, norm_kind
 
     out = {}
     for mn, m in model.named_modules():
-        if _is_norm(m) and isinstance(getattr(m, "weight", None), torch.nn.Parameter) and norm_kind(m)["gain_offset"]:
+        if is_norm(m) and isinstance(getattr(m, "weight", None), torch.nn.Parameter) and norm_kind(m)["gain_offset"]:
             out[f"{mn}.weight" if mn else "weight"] = float(norm_kind(m)["gain_offset"])
     return out
 
