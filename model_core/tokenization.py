@@ -32,7 +32,7 @@ _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
 @functools.lru_cache(maxsize=1)
-def _byte_level_decoder() -> dict[str, int]:
+def byte_level_decoder() -> dict[str, int]:
     # The GPT-2 bytes_to_unicode table, inverted: printable char -> byte value.
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
@@ -121,7 +121,7 @@ def _added_ids(tokenizer) -> frozenset[int]:
 def piece_bytes(piece: str, kind: str) -> bytes:
     """The bytes one (non-added) vocabulary string stands for, in a vocabulary of `kind`."""
     if kind == "byte-level":
-        table = _byte_level_decoder()
+        table = byte_level_decoder()
         if all(ch in table for ch in piece):
             return bytes(table[ch] for ch in piece)
         return piece.encode("utf-8")
@@ -432,7 +432,7 @@ def byte_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {ch: i for i, ch in enumerate(sorted(_byte_level_decoder(), key=_byte_level_decoder().get))}
+    vocab = {ch: i for i, ch in enumerate(sorted(byte_level_decoder(), key=byte_level_decoder().get))}
     vocab["<bos>"] = 256
     vocab["<eos>"] = 257
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))

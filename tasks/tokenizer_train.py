@@ -151,9 +151,9 @@ def _readable(piece: str, algo: str) -> str:
 
 
 def _bytelevel_to_text(piece: str) -> str:
-    from model_core.tokenization import _byte_level_decoder
+    from model_core.tokenization import byte_level_decoder
 
-    table = _byte_level_decoder()
+    table = byte_level_decoder()
     return bytes(table.get(ch, 63) for ch in piece).decode("utf-8", errors="replace")
 
 
