@@ -6,7 +6,6 @@ compares the panel's hand computation with the model's own forward.
 
 from __future__ import annotations
 
-import contextlib
 from collections import OrderedDict
 
 import gradio as gr
@@ -22,7 +21,7 @@ from model_core import chapters as C
 from model_core import reference_cards as R
 from model_core import trace as run_trace
 from model_core.errors import LmscopeError
-from model_core.registry import REGISTRY, RANDOM_CONFIGS, list_models
+from model_core.registry import RANDOM_CONFIGS, REGISTRY, list_models
 from model_core.tokenization import describe_tokens
 
 LATEX = [{"left": "$$", "right": "$$", "display": True}, {"left": "$", "right": "$", "display": False}]
@@ -152,12 +151,6 @@ def _trace(model_name, prompt, chat):
     tr = STORE.cached(trace_key(lm.name, prompt, chat),
                       lambda: run_trace(lm, prompt, chat=bool(chat), max_tokens=max_prompt_tokens()))
     return lm, tr
-
-
-# tests/test_anatomy.py still plants traces with `with T._LOCK: T._TRACES[key] = tr`; until it uses
-# `T.STORE.put(tr, T.trace_key(...))` these two names point at the one cache.
-_TRACES = STORE
-_LOCK = contextlib.nullcontext()
 
 
 def _layer(lm, layer):

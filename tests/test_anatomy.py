@@ -456,9 +456,8 @@ def test_each_check_turns_red_when_its_input_is_corrupted(default_trace, panel, 
     lm, tr = default_trace
     assert lm.shape.n_layers - 1 == LAST
     green_key, bad_key = f"green {panel} {which} {broken}", f"corrupted {panel} {which} {broken}"
-    with T._LOCK:
-        T._TRACES[(lm.name, green_key, False)] = tr
-        T._TRACES[(lm.name, bad_key, False)] = how(tr)
+    T.STORE.put(tr, T.trace_key(lm.name, green_key, False))
+    T.STORE.put(how(tr), T.trace_key(lm.name, bad_key, False))
     green = _panel_info(T, DEFAULT, green_key, panel, which, layer)
     assert "✓ check" in green and "MISMATCH" not in green, green
     red = _panel_info(T, DEFAULT, bad_key, panel, which, layer)
