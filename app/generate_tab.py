@@ -46,13 +46,6 @@ def parse_stop(text: str | None) -> list[str]:
     return [line.replace("\\n", "\n").replace("\\t", "\t") for line in text.split("\n") if line != ""]
 
 
-def _settings(temperature, top_k, top_p, min_p, repetition_penalty) -> SamplingSettings:
-    try:
-        return SamplingSettings.from_values(temperature, top_k, top_p, min_p, repetition_penalty)
-    except LmscopeError as e:
-        raise gr.Error(str(e)) from None
-
-
 def _highlight(steps: list[dict]) -> list[tuple[str, str]]:
     return [(F.step_label(s), F.prob_bucket(s["chosen"]["prob"])) for s in steps]
 
@@ -346,7 +339,7 @@ class GenerateTab:
             yield self._messages(problems)
             return
         lm = get_model(model_name)
-        settings = _settings(t, k, p, m, r)
+        settings = SamplingSettings.from_values(t, k, p, m, r)  # a SettingsError: endpoint shows it
         steps_json: list[dict] = []
         gen = lab = None
         try:
@@ -447,7 +440,7 @@ class GenerateTab:
             yield self._messages(problems)
             return
         lm = get_model(model_name)
-        settings = _settings(t, k, p, m, r)
+        settings = SamplingSettings.from_values(t, k, p, m, r)  # a SettingsError: endpoint shows it
         n = int(max(2, min(int(n or 2), MAX_SAMPLES)))
         base = int(sd or 0)
         rows, gens = [], []
