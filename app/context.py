@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 
 import gradio as gr
 
-from model_core.settings import Settings, current as current_settings
 from model_core.errors import LmscopeError
 from model_core.registry import LoadedModel, load_model
+from model_core.settings import Settings
+from model_core.settings import current as current_settings
 
 
 @dataclass

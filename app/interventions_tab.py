@@ -19,7 +19,14 @@ from app.context import Shared, default_model, endpoint, get_model, job_owner, j
 from model_core import paths
 from model_core.attribution import direct_logit_attribution
 from model_core.errors import LmscopeError
-from model_core.interventions import (Ablation, ablate, compare_prompts, make_metric, patch_heads, patch_residual)
+from model_core.interventions import (
+    Ablation,
+    ablate,
+    compare_prompts,
+    make_metric,
+    patch_heads,
+    patch_residual,
+)
 from model_core.lens import logit_lens
 from model_core.registry import REGISTRY, converted_dir
 

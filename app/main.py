@@ -40,7 +40,6 @@ def metrics(settings) -> dict:
         out["jobs"] = {"redis": "unreachable", "error": str(e).splitlines()[0] if str(e) else type(e).__name__}
     try:
         from model_core import registry
-
         from model_core.batching import stats_for
         from model_core.engine import existing_engine
 

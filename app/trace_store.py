@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import uuid
 from collections import OrderedDict
-from typing import Callable, Hashable
+from collections.abc import Callable, Hashable
 
 from model_core.settings import current
 from model_core.trace import Trace
@@ -19,7 +19,7 @@ from model_core.trace import Trace
 class TraceStore:
     def __init__(self, max_items: int = 16, max_bytes: int = 2 * 2**30):
         self.max_items, self.max_bytes = max_items, max_bytes
-        self._items: "OrderedDict[Hashable, Trace]" = OrderedDict()
+        self._items: OrderedDict[Hashable, Trace] = OrderedDict()
         self._lock = threading.Lock()
 
     def put(self, tr: Trace, key: Hashable | None = None) -> Hashable:

@@ -81,7 +81,7 @@ def _user(lm, ids, n_new):
 
     t0 = time.perf_counter()
     ttft, gen = None, None
-    for _, gen in iter_generate(lm, token_ids=ids, max_new_tokens=n_new, ignore_eos=True):
+    for _, gen in iter_generate(lm, token_ids=ids, max_new_tokens=n_new, ignore_eos=True):  # noqa: B007 - the last is returned
         ttft = ttft or time.perf_counter() - t0
     return gen.token_ids, ttft
 
@@ -116,7 +116,6 @@ def main(argv=None) -> int:
     _POOL = ThreadPoolExecutor(max(args.users))
     concurrently(lambda i: _user(lm, ids[i], 4), max(args.users))  # warm every thread and the engine
     from model_core.engine import engine_for
-
     from model_core.generate import eos_ids
 
     eng = engine_for(lm)

@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-
 from common import device_info, sync  # noqa: E402
+
 from model_core import sft  # noqa: E402
 
 
@@ -90,7 +90,7 @@ def run(model_name, device, dtype, mode, batch, seq, steps, warmup, rank, compil
     if not torch.isfinite(loss):
         print(f"  warning: loss {float(loss)} is not finite")
     mem = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
-    del model, fwd, opt
+    model = fwd = opt = None  # free them before the next configuration
     if dev.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-
 from common import device_info, interleaved  # noqa: E402
+
 from model_core import load_model, trace  # noqa: E402
 
 

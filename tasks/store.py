@@ -24,7 +24,7 @@ import os
 import socket
 import time
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 import redis
 

@@ -34,7 +34,7 @@ class LiveServices:
                 "LMSCOPE_JOB_STALE_SECONDS": str(self.stale_s), "RAYON_NUM_THREADS": "1",
                 "TOKENIZERS_PARALLELISM": "false", "LMSCOPE_DEVICE": "cpu"}
 
-    def start(self) -> "LiveServices":
+    def start(self) -> LiveServices:
         for k, v in self.env().items():
             self._saved_env[k] = os.environ.get(k)
             os.environ[k] = v

@@ -9,12 +9,11 @@ import re
 
 import pytest
 import torch
+from conftest import DEFAULT
 
 from model_core import anatomy as A
 from model_core import load_model, trace
 from model_core.errors import PromptError
-
-from conftest import DEFAULT
 
 MODELS = [DEFAULT, "random-gpt2-tiny", "random-gemma3-tiny"]
 # long enough (> Gemma tiny's sliding window of 6) that the window shows in the mask
@@ -188,7 +187,7 @@ def test_heads_through_output_matrix_sum_to_attn_out(lm_tr):
     for l in _layers_to_check(lm):
         seen = {}
         o = ad.attn_z_module(ad.layers[l])
-        handle = o.register_forward_hook(lambda m, i, out: seen.__setitem__("o", out[0]))
+        handle = o.register_forward_hook(lambda m, i, out, seen=seen: seen.__setitem__("o", out[0]))
         try:
             with torch.inference_mode():
                 lm.model(torch.tensor([tr.token_ids]), use_cache=False)
@@ -358,6 +357,7 @@ def test_mlp_reference_curve_and_activation_label(lm_tr):
 
 def test_tab_panels_fallbacks_and_checks():
     import gradio as gr  # noqa: F401
+
     from app import anatomy_tab as T
 
     near, ana, note = T.embed_panel("random-gpt2-tiny", " London", " king", " man", " woman", 5)

@@ -10,12 +10,11 @@ import threading
 
 import pytest
 import torch
+from conftest import DEFAULT
 
 from model_core import load_model, trace
 from model_core.batching import batcher_for
 from model_core.generate import generate
-
-from conftest import DEFAULT
 
 PROMPTS = ["The capital of France is", "Once upon a time, there was a little",
            "def add(a, b):\n    return", "Water boils at"]

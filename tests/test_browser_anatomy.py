@@ -7,9 +7,8 @@ import re
 import time
 
 import pytest
-from playwright.sync_api import sync_playwright
-
 from browser import ARTIFACTS, launch_browser, screenshot
+from playwright.sync_api import sync_playwright
 
 pytestmark = pytest.mark.browser
 

@@ -9,9 +9,17 @@ from __future__ import annotations
 import zipfile
 
 import pytest
+from browser import (
+    LiveServer,
+    launch_browser,
+    plot_data,
+    plot_title,
+    screenshot,
+    set_number,
+    wait_title,
+    wait_until,
+)
 from playwright.sync_api import sync_playwright
-
-from browser import LiveServer, launch_browser, plot_data, plot_title, screenshot, set_number, wait_title, wait_until
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration, pytest.mark.real_model]
 

@@ -2,9 +2,8 @@
 clicked token opens its step, a changed setting regenerates differently."""
 
 import pytest
-from playwright.sync_api import sync_playwright
-
 from browser import launch_browser, plot_data, plot_title, screenshot, set_number, wait_until
+from playwright.sync_api import sync_playwright
 
 pytestmark = pytest.mark.browser
 

@@ -4,9 +4,8 @@ ablate heads (multiselect), then run the starter patching example and read the h
 import time
 
 import pytest
-from playwright.sync_api import sync_playwright
-
 from browser import launch_browser, plot_data, screenshot, wait_title, wait_until
+from playwright.sync_api import sync_playwright
 
 pytestmark = pytest.mark.browser
 HEADS = ["L0H1", "L3H2"]

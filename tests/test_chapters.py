@@ -7,10 +7,9 @@ when what it compares is corrupted."""
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import DEFAULT
 
 from model_core import chapters as C
-
-from conftest import DEFAULT
 
 PROMPT = "The capital of France is Paris, and the capital of Italy is"
 IDS = C.byte_ids(PROMPT, 48)

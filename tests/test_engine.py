@@ -17,16 +17,21 @@ import time
 
 import pytest
 import torch
-from transformers import (LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
-                          TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+from conftest import DEFAULT
+from transformers import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from model_core import load_model
 from model_core.engine import EngineRequest, engine_for
 from model_core.generate import generate, iter_generate, sample_step
 from model_core.row_sampling import ALL_STAGES, RowSettings, sample_rows, stages_in_use
 from model_core.sampling import SamplingSettings
-
-from conftest import DEFAULT
 
 PROMPTS = ["The capital of France is", "Once upon a time, there was a little",
            "def add(a, b):\n    return", "Water boils at"]

@@ -209,7 +209,7 @@ def test_api_client_needs_credentials(server):
     with pytest.raises(Exception) as e:
         Client(server.url, verbose=False)
     assert "login" in str(e.value).lower() or "auth" in str(e.value).lower() or "401" in str(e.value)
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 - gradio_client raises a plain Exception here
         Client(server.url, auth=("alice", "nope"), verbose=False)
     c = Client(server.url, auth=("alice", "alice-password"), verbose=False)
     out = c.predict("random-llama-tiny", "hi there", False, False, 0, 0, "probability", 1.0, 0, 1.0, 0.0, 1.0,

@@ -15,14 +15,24 @@ import threading
 
 import pytest
 import torch
+from conftest import DEFAULT
 
 from model_core import load_model
 from model_core.attribution import direct_logit_attribution
 from model_core.errors import PromptError, SettingsError
-from model_core.interventions import (Ablation, Metric, ablate, ablation_edits, compare_prompts, head_ablation_sweep,
-                                      last_logits, make_metric, patch_heads, patch_residual, trace_with_edits)
-
-from conftest import DEFAULT
+from model_core.interventions import (
+    Ablation,
+    Metric,
+    ablate,
+    ablation_edits,
+    compare_prompts,
+    head_ablation_sweep,
+    last_logits,
+    make_metric,
+    patch_heads,
+    patch_residual,
+    trace_with_edits,
+)
 
 MODELS = [DEFAULT, "random-gpt2-tiny", "random-gemma3-tiny"]
 CLEAN = "The Eiffel Tower is in the city of"

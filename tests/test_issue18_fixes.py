@@ -2,13 +2,11 @@
 distribution each "mass kept" number refers to (fix 8), and where the default model's weights come
 from (fix 9, against gguf-py's own dequantisation of the packaged file)."""
 
-import pytest
 import torch
+from conftest import DEFAULT
 
 from model_core import load_model
 from model_core.generate import generate
-
-from conftest import DEFAULT
 
 
 def test_kv_formula_runs_to_the_tokens_the_cache_holds():

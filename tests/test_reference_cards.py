@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 
+from app.cli import main
 from model_core import anatomy as A
 from model_core import reference_cards as R
-from app.cli import main
 from model_core.registry import load_model
 
 # --- the bar: numbers computed from the published configs ------------------------------------------

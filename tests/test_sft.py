@@ -44,7 +44,7 @@ def test_loss_mask_smollm2_token_by_token(default_lm):
         if p in ("hello", "ok"):
             assert pieces[i - 4: i] == ["<|im_start|>", "ass", "istant", "Ċ"]
     assert pieces[trained[2][0] + 1] == "Ċ" and ex["labels"][trained[2][0] + 1] == sft.IGNORE
-    for i, (t, l) in enumerate(zip(ids, ex["labels"])):
+    for t, l in zip(ids, ex["labels"]):
         assert l == sft.IGNORE or l == t
     assert sum(ex["assistant_mask"]) == 6 and len(ids) == len(ex["labels"])
     # the default system prompt is in the sequence and masked

@@ -10,7 +10,6 @@ import os
 import signal
 import socket
 import stat
-import time
 import urllib.request
 from pathlib import Path
 

@@ -10,11 +10,10 @@ References used:
 
 import pytest
 import torch
+from conftest import DEFAULT, RANDOM_MODELS
 
 from model_core import load_model, trace
 from model_core.lens import logit_lens
-
-from conftest import DEFAULT, RANDOM_MODELS
 
 PROMPT = "The animal didn't cross the street because it was too tired"
 
