@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from model_core.errors import LmscopeError
 from model_core.settings import Settings
@@ -111,13 +112,44 @@ def cmd_generate(args) -> int:
     lm = load_model(args.model, device=args.device or args.settings.device, dtype=args.settings.dtype)
     settings = SamplingSettings.from_values(args.temperature, args.top_k, args.top_p, args.min_p,
                                             args.repetition_penalty)
-    res = generate(lm, args.prompt, max_new_tokens=args.max_new_tokens, settings=settings, seed=args.seed,
-                   chat=args.chat, stop=args.stop or [])
+    options = dict(max_new_tokens=args.max_new_tokens, settings=settings, seed=args.seed, chat=args.chat,
+                   stop=args.stop or [])
+    if args.steer_pairs:
+        return cmd_steered_generate(args, lm, options)
+    res = generate(lm, args.prompt, **options)
     out = generation_to_json(lm, res)
     if args.json:
         _print_json(out)
     else:
         print(args.prompt + out["text"])
+    return 0
+
+
+def cmd_steered_generate(args, lm, options: dict) -> int:
+    """The generation with alpha * v at --steer-layer (v from the --steer-pairs file) beside the
+    unsteered one with the same seed."""
+    from model_core import steering as St
+    from model_core.generate import generation_to_json
+
+    path = Path(args.steer_pairs)
+    if args.steer_pairs in St.BUILTIN_PAIRS:
+        pairs = St.builtin_pairs(args.steer_pairs)
+    elif path.is_file():
+        pairs = St.parse_pairs(path.read_text(encoding="utf-8", errors="replace"))
+    else:
+        raise LmscopeError(f"No pairs file {args.steer_pairs!r} (or a built-in set: {', '.join(St.BUILTIN_PAIRS)}).")
+    vec = St.steering_vector(lm, pairs, args.steer_layer, chat=args.chat)
+    runs = [St.steered_generation(lm, args.prompt, vec, a, from_position=args.steer_from, **options)
+            for a in dict.fromkeys([0.0, St.check_alpha(args.alpha)])]
+    out = {"steering": {**St.steering_to_json(vec), "alpha": runs[-1].alpha, "from_position": args.steer_from},
+           "runs": [{"alpha": r.alpha, "base_perplexity": r.base_perplexity,
+                     **generation_to_json(lm, r.generation)} for r in runs]}
+    if args.json:
+        _print_json(out)
+    else:
+        for r in runs:
+            print(f"alpha {r.alpha:g} (perplexity under the base model {r.base_perplexity or float('nan'):.2f}):")
+            print("  " + args.prompt + r.generation.text)
     return 0
 
 
@@ -205,6 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--length-penalty", type=float, default=1.0, help="beam score = sum log p / length ** this")
     g.add_argument("--penalty-alpha", type=float, default=0.0, help="contrastive search with this alpha and "
                    "--top-k candidates (4 if unset)")
+    g.add_argument("--steer-pairs", default=None, help="steer: a JSONL file of {\"positive\": ..., "
+                   "\"negative\": ...} lines (or a built-in set: love-hate, formal-informal); prints the unsteered "
+                   "run (alpha 0) and the steered one, same seed")
+    g.add_argument("--steer-layer", type=int, default=6, help="steer: the layer whose input gets alpha * v")
+    g.add_argument("--alpha", type=float, default=4.0, help="steer: the vector's strength (0: unsteered)")
+    g.add_argument("--steer-from", type=int, default=0, help="steer: add the vector from this prompt position on")
     g.add_argument("--device", default=None)
     g.add_argument("--json", action="store_true")
     g.set_defaults(func=cmd_generate)

@@ -22,6 +22,7 @@ Entry points:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import queue
 import threading
@@ -320,6 +321,9 @@ class GenerateRequest:
     keep_logits: bool = False  # each Step keeps its raw logits [V]
     keep_probs: bool = False  # and the distribution it was drawn from [V]
     top_k_recorded: int = TOP_K_RECORDED
+    # {hook name: fn(name, tensor) -> tensor} active in every forward of this generation (steering,
+    # ablations); such a request runs on its own forwards, never on the shared engine.
+    edits: dict | None = None
 
 
 def _request(prompt: str | None, request: GenerateRequest | None, options: dict) -> GenerateRequest:
@@ -427,7 +431,7 @@ def _steps(lm, run: _Run) -> Iterator[tuple[Step, Generation]]:
     try:
         if run.stopped():
             return
-        eng = _engine_for_request(lm, len(gen.prompt_ids), run.n_steps, run.k)
+        eng = None if run.req.edits else _engine_for_request(lm, len(gen.prompt_ids), run.n_steps, run.k)
         backend = _local_steps(lm, run) if eng is None else _engine_steps(eng, lm, run)
         for raw in backend:
             step, reason = _record(lm.tokenizer, run, raw)
@@ -503,16 +507,18 @@ def _local_steps(lm, run: _Run) -> Iterator[_Raw]:
     overlap = dev.type == "cuda"
     cache = new_cache(lm)
     report = partial(kv_cache_report, lm, cache)
-    # Inference mode is thread-local and a generator may be resumed on another thread (Gradio
-    # streams through a thread pool), so it is entered per step and never held across a yield.
+    edited = _edit_scope(lm, run.req.edits)
+    # Inference mode (and the edits' recorder, a ContextVar) are per thread and a generator may be
+    # resumed on another thread (Gradio streams through a thread pool), so both are entered per
+    # step and never held across a yield.
     t0 = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode(), edited():
         logits = _forward(lm, ids[None, :n_prompt], cache)
     prefill = time.perf_counter() - t0
     for i in range(run.n_steps):
         t0 = time.perf_counter()
         n = n_prompt + i  # tokens before this step's
-        with torch.inference_mode():
+        with torch.inference_mode(), edited():
             if i and not overlap:  # the previous token, fed only once the consumer asked for more
                 logits = _forward(lm, ids[None, n - 1: n], cache)
             chosen, packed, final = sample_step(logits, settings, ids[:n] if use_rp else None, (gen.seed, i), run.k)
@@ -527,6 +533,16 @@ def _local_steps(lm, run: _Run) -> Iterator[_Raw]:
                        probs=torch.softmax(final, -1).cpu() if run.req.keep_probs else None)
         raw.seconds = time.perf_counter() - t0
         yield raw
+
+
+def _edit_scope(lm, edits: dict | None) -> Callable[[], contextlib.AbstractContextManager]:
+    """A context factory that makes `edits` active in the forwards run inside it (none: a no-op)."""
+    if not edits:
+        return contextlib.nullcontext
+    from model_core.hooks import Recorder, instrument, recording
+
+    instrument(lm.adapter)
+    return lambda: recording(Recorder(capture=False, edits=dict(edits)))
 
 
 def _engine_for_request(lm, n_prompt: int, n_steps: int, k: int):

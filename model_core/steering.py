@@ -195,3 +195,38 @@ def alpha_sweep(lm, prompt: str, vec: SteeringVector, alphas, *, targets: list[i
         rows.append(SweepRow(alpha=float(a), kl_from_unsteered=max(kl, 0.0), target_logprob=tgt,
                              top_tokens=[(lm.tokenizer.decode([int(t)]), float(q)) for t, q in zip(i, p)]))
     return rows
+
+
+def base_perplexity(lm, prompt_ids: list[int], new_ids: list[int]) -> float | None:
+    """Perplexity of `new_ids` after `prompt_ids` under the unedited model (one plain forward)."""
+    if not new_ids:
+        return None
+    ids = torch.tensor([list(prompt_ids) + list(new_ids)], device=lm.device)
+    with torch.inference_mode():
+        logits = lm.model(input_ids=ids, use_cache=False).logits[0, len(prompt_ids) - 1: -1].float()  # [N, V]
+    nll = -torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt_ids):, None])[:, 0]  # [N]
+    return float(torch.exp(nll.mean()))
+
+
+@dataclass(frozen=True)
+class SteeredRun:
+    """One generation with the vector at `alpha` (alpha 0: the unsteered run, same seed)."""
+
+    alpha: float
+    generation: object  # model_core.generate.Generation
+    base_perplexity: float | None  # of the generated tokens under the unsteered model
+
+
+def steered_generation(lm, prompt: str, vec: SteeringVector, alpha, *, from_position: int = 0,
+                       **options) -> SteeredRun:
+    """generate() with alpha * v added at vec.layer in every forward (options as generate's)."""
+    from model_core.generate import generate
+
+    gen = generate(lm, prompt, edits=steering_edits(lm, vec, alpha, from_position=from_position), **options)
+    return SteeredRun(alpha=check_alpha(alpha), generation=gen,
+                      base_perplexity=base_perplexity(lm, gen.prompt_ids, gen.token_ids))
+
+
+def steering_to_json(vec: SteeringVector) -> dict:
+    return {"model": vec.model_name, "layer": vec.layer, "n_pairs": vec.n_pairs, "position": vec.position,
+            "norm": round(vec.norm, 6)}

@@ -121,3 +121,43 @@ def test_malformed_pairs_file_is_reported_by_line_number():
     assert parse_pairs('{"positive": "good", "negative": "bad"}\n') == [SteeringPair("good", "bad")]
     with pytest.raises(SteeringError, match="no pairs"):
         parse_pairs("\n\n")
+
+
+def test_steered_generation_alpha_zero_is_plain_generate_and_steering_follows_the_edited_forward(default_lm, love):
+    from model_core.generate import generate
+    from model_core.steering import steered_generation
+
+    prompt = "Honestly, my neighbours are"
+    plain = generate(default_lm, prompt, max_new_tokens=6)  # greedy; equals transformers' generate (test_generate)
+    zero = steered_generation(default_lm, prompt, love, 0.0, max_new_tokens=6)
+    assert zero.generation.token_ids == plain.token_ids
+    steered = steered_generation(default_lm, prompt, love, 6.0, max_new_tokens=6)
+    # each steered token is the argmax of a full forward with the same edit over the text so far
+    ids = list(steered.generation.prompt_ids)
+    for tok in steered.generation.token_ids:
+        tr = trace(default_lm, token_ids=ids, edits=steering_edits(default_lm, love, 6.0))
+        assert int(tr.next_logits.argmax()) == tok
+        ids.append(tok)
+    assert steered.generation.token_ids != plain.token_ids
+    assert steered.base_perplexity > zero.base_perplexity > 1.0
+
+
+def test_cli_steered_generation_json(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"positive": "I love this", "negative": "I hate this"}\n'
+                     '{"positive": "What a lovely day", "negative": "What a horrible day"}\n')
+    r = subprocess.run([sys.executable, "-m", "app.cli", "generate", "Honestly, my neighbours are", "--steer-pairs",
+                        str(pairs), "--steer-layer", str(LAYER), "--alpha", "6", "--max-new-tokens", "4", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["steering"]["layer"] == LAYER and out["steering"]["n_pairs"] == 2
+    assert [run["alpha"] for run in out["runs"]] == [0.0, 6.0]
+    assert out["runs"][0]["token_ids"] != out["runs"][1]["token_ids"]
+    bad = subprocess.run([sys.executable, "-m", "app.cli", "generate", "hi", "--steer-pairs", str(pairs),
+                          "--alpha", "inf"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "alpha must be a finite number" in bad.stderr and "Traceback" not in bad.stderr
