@@ -642,12 +642,14 @@ def _callback(kind: str, total: int, emit: ProgressFn, stop: Callable[[], bool],
             for src, dst in {**_COMMON_KEYS, **_METRIC_KEYS[kind]}.items():
                 if logs.get(src) is not None:
                     row[dst] = float(logs[src])
+            if "tokens_seen" not in row and self.history:  # GRPO logs it only on steps that generate
+                row["tokens_seen"] = self.history[-1].get("tokens_seen")
             toks = row.get("tokens_seen")
             row["tokens_per_s"] = toks / self.train_time if toks and self.train_time > 0 else None
             elapsed = time.time() - self.t0
             row["elapsed_s"] = round(elapsed, 2)
             row["eta_s"] = round(elapsed / step * (total - step), 1) if step else None
-            if kind == "grpo" and self.trainer is not None:
+            if kind == "grpo" and self.trainer is not None and "reward_mean" in row:  # a step that generated
                 groups = _grpo_groups(self.trainer, group_size)
                 if groups:
                     row["groups"] = groups
@@ -661,13 +663,15 @@ def _callback(kind: str, total: int, emit: ProgressFn, stop: Callable[[], bool],
             self.t_last = time.time()
 
         def summary(self) -> dict:
-            last = self.history[-1] if self.history else {}
-            first = self.history[0] if self.history else {}
+            h = self.history
+            last = h[-1] if h else {}
             keys = ("loss", "accuracy", "margin", "reward_mean", "reward_std", "kl", "completion_length")
+            first_of = {k: next((r[k] for r in h if r.get(k) is not None), None) for k in keys}
+            last_of = {k: next((r[k] for r in reversed(h) if r.get(k) is not None), None) for k in keys}
             return {"steps": last.get("step", 0), "train_seconds": round(self.train_time, 2),
                     "tokens_seen": int(last.get("tokens_seen") or 0), "tokens_per_s": last.get("tokens_per_s"),
-                    **{f"first_{k}": first[k] for k in keys if k in first},
-                    **{f"final_{k}": last[k] for k in keys if k in last}}
+                    **{f"first_{k}": v for k, v in first_of.items() if v is not None},
+                    **{f"final_{k}": v for k, v in last_of.items() if v is not None}}
 
     return _Progress()
 
