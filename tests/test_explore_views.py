@@ -281,12 +281,15 @@ def test_the_lens_of_every_position_is_filled_in_while_the_server_is_idle(lm):
 
     tr = trace(lm, _prompt(150))
     T = tr.n_tokens
+    threads = torch.get_num_threads()
     with context.user_slot(None):  # a request is running: the filler waits
         views.FILLER.schedule(tr)
         time.sleep(4 * views.FILLER.IDLE_S + 0.5)
         assert views.lens_filled(tr) == 0
     assert views.FILLER.wait_idle(300)
     assert views.lens_filled(tr) == T
+    # it ran torch on one core of its own; every other thread keeps its thread count
+    assert views.FILLER.one_thread is True and torch.get_num_threads() == threads
     cols = views.lens_columns(tr, list(range(T)), compute=False)
     assert cols["missing"] == 0
     norm, head = lm.model.model.norm, lm.model.lm_head
