@@ -575,6 +575,7 @@ def _zoomed(tr, layer, head, query, scale, region, notice="", strip: bool = True
     state's "lens_missing" tells it how many). lens=False: the lens is left as it is. The token
     strip is sent again only when the prompt is longer than one strip holds and the zoom moved."""
     zoom = views.region_text(region, tr.n_tokens)
+    views.FILLER.focus(tr, *region[:2])  # the background lens fills the rows on screen first
     grid, big, bars = render_attention(tr, layer, head, query, region, scale)
     contrib, resid = render_residual(tr, query, region)
     neurons, nbars = render_neurons(tr, layer, query, region)

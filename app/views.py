@@ -415,6 +415,10 @@ class LensFiller:
                 self._thread.start()
             self._cv.notify_all()
 
+    def focus(self, tr: Trace, lo: int, hi: int) -> None:
+        """Positions lo..hi are on screen: fill them first."""
+        _vcache(tr)["fill_focus"] = (int(lo), int(hi))
+
     def pending(self) -> int:
         """Traces still queued (for tests and the benchmark)."""
         with self._cv:
@@ -443,7 +447,10 @@ class LensFiller:
                 order = _vcache(tr).get("fill_order")
                 if order is None:
                     order = _vcache(tr)["fill_order"] = fill_order(tr.n_tokens)
-                todo = [p for p in order if not done[p]][: self.CHUNK]
+                lo, hi = _vcache(tr).get("fill_focus") or (0, -1)
+                # the rows on screen first (the next zoom is most likely inside them), then the rest
+                todo = [p for p in order if lo <= p <= hi and not done[p]][: self.CHUNK]
+                todo = todo or [p for p in order if not done[p]][: self.CHUNK]
                 if todo:
                     self.working = True
                     return tr, todo

@@ -302,3 +302,29 @@ def test_the_lens_of_every_position_is_filled_in_while_the_server_is_idle(lm):
     # coarse to fine: every 32nd position first, so a region gets evenly spread columns early
     order = views.fill_order(100)
     assert sorted(order) == list(range(100)) and order[:3] == [31, 63, 95] and order[3:6] == [15, 47, 79]
+
+
+def test_the_filler_fills_the_rows_on_screen_first(lm, monkeypatch):
+    """A zoom says which rows are on screen: the background lens computes those first (a zoom into
+    them is the likely next step), coarse to fine within them, then the rest."""
+    import threading
+
+    from app import context
+
+    tr = trace(lm, _prompt(160))
+    calls = []
+    real = views.logit_lens
+
+    def watched(*a, **k):
+        if threading.current_thread().name == "lmscope-lens-filler":
+            calls.append(list(k["positions"]))
+        return real(*a, **k)
+    monkeypatch.setattr(views, "logit_lens", watched)
+    with context.user_slot(None):
+        views.FILLER.schedule(tr)
+        views.FILLER.focus(tr, 100, 119)
+    assert views.FILLER.wait_idle(300) and views.lens_filled(tr) == tr.n_tokens
+    done = [p for c in calls for p in c]
+    assert sorted(done) == list(range(tr.n_tokens))
+    assert sorted(done[:20]) == list(range(100, 120))
+    assert calls[0] == [103, 111]  # coarse to fine: the region's position on the 16-grid, then on the 8-grid
