@@ -391,7 +391,7 @@ class LensFiller:
     OpenMP teams never fight over two cores (on this machine under load a 2-thread team ran the lens
     4-16x slower than one thread)."""
 
-    CHUNK = 2  # positions per step (x 30 layers: ~35 ms on one core): what a request may wait for
+    CHUNK = 1  # positions per step (x 30 layers: ~20 ms on one core): what a request may find running
     IDLE_S = 0.25  # the server must have been idle this long (chained events of one click come faster)
     KEEP = 4  # traces queued at most
 
@@ -418,6 +418,12 @@ class LensFiller:
     def focus(self, tr: Trace, lo: int, hi: int) -> None:
         """Positions lo..hi are on screen: fill them first."""
         _vcache(tr)["fill_focus"] = (int(lo), int(hi))
+
+    def clear(self) -> None:
+        """Forget every queued trace (what is computed stays computed)."""
+        with self._cv:
+            self._queue = []
+            self._cv.notify_all()
 
     def pending(self) -> int:
         """Traces still queued (for tests and the benchmark)."""

@@ -140,6 +140,7 @@ def main() -> None:
             cold.append(zoom_and_lens())
         # the filler from the end of a first view, on an idle server
         fresh_lens()
+        filler.clear()
         filler.enabled = True
         t0 = time.perf_counter()
         filler.schedule(tr)
@@ -162,6 +163,7 @@ def main() -> None:
             busy.append(time.perf_counter() - t0)
         filler.enabled = False
         filler.wait_idle()
+        filler.clear()
         out = explore_tab.run_trace(lm.name, prompt, False, False, 0, 0, -1, "probability", *sampling)
         kb = (_bytes(out, skip={state_i}) + _bytes(explore_tab.overview(out[state_i], METRIC, 0, 0))) / 1024
 
