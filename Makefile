@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.lmscope-installed
 HOST   ?= 127.0.0.1
 PORT   ?= 7860
 
-.PHONY: setup run test bench browser clean
+.PHONY: setup run test test-fast lint bench browser clean
 
 setup: $(STAMP)
 	@$(BIN)/lmscope prepare
@@ -35,8 +35,17 @@ browser:
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) || \
 	    { echo "error: the browser tests need Debian's chromium (apt-get install chromium)"; exit 1; }; }
 
-test: setup browser
+# The layer rule (.importlinter) and ruff; `make test` runs it first, so CI does too.
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/lint-imports
+
+test: setup browser lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# The edit-run loop: unit and reference tiers, no Redis, worker or browser (CI runs everything).
+test-fast: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit tests/reference -m "not integration and not browser"
 
 # CPU benchmarks; each prints ratios against a baseline measured in the same run.
 bench: setup

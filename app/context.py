@@ -150,7 +150,7 @@ def echo(value, limit: int = ECHO_CHARS) -> str:
 _RUNNING: dict[str, int] = {}
 _RUNNING_LOCK = threading.Condition()
 # A page fires several panels at once: they wait this long for one of the user's slots. Bounded,
-# because a waiting request holds a place of its concurrency group (tests/test_safe_to_host.py).
+# because a waiting request holds a place of its concurrency group (tests/browser/test_safe_to_host.py).
 SLOT_WAIT_S = 10.0
 
 
@@ -231,7 +231,7 @@ def endpoint(fn=None, *, model: bool = False):
     - text and list inputs are capped before any work (check_inputs);
     - model=True: the request holds one of the user's model slots while it runs (user_slot);
     - every failure becomes one sentence for the page (never a traceback, a URL or a server path).
-    A test walks every event of the page and checks each is wrapped (tests/test_safe_to_host.py)."""
+    A test walks every event of the page and checks each is wrapped (tests/browser/test_safe_to_host.py)."""
     if fn is None:
         return functools.partial(endpoint, model=model)
 

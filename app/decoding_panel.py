@@ -11,7 +11,15 @@ import pandas as pd
 
 from app import generate_figures as F
 from app.context import Shared, endpoint, get_model, max_prompt_tokens
-from model_core.decoding import MAX_BEAMS, MAX_CONTRASTIVE_K, MAX_NEW_TOKENS, REPEAT_N, DecodingSettings, decode, decoding_to_json
+from model_core.decoding import (
+    MAX_BEAMS,
+    MAX_CONTRASTIVE_K,
+    MAX_NEW_TOKENS,
+    REPEAT_N,
+    DecodingSettings,
+    decode,
+    decoding_to_json,
+)
 from model_core.errors import LmscopeError
 
 METHODS = {"beam search": "beam", "diverse beam search": "diverse", "contrastive search": "contrastive"}

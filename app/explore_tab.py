@@ -15,6 +15,7 @@ import gradio as gr
 from app import figures, views
 from app import validation as V
 from app.context import Shared, endpoint, get_model, max_prompt_tokens, scratch_dir
+from app.explore_state import clamp, trace_for_state, where
 from app.trace_store import STORE
 from model_core.errors import LmscopeError
 from model_core.sampling import SamplingSettings
@@ -345,27 +346,8 @@ def _settings(temperature, top_k, top_p, min_p, rep) -> SamplingSettings:
         raise gr.Error(str(e)) from None
 
 
-def _get_trace(state: dict):
-    tr = STORE.get((state or {}).get("key"))
-    if tr is not None:
-        return tr
-    if not state or not state.get("prompt"):
-        raise gr.Error("Run a prompt first.")
-    # Evicted from the server's trace cache: re-run it transparently.
-    lm = get_model(state["model"])
-    tr = trace(lm, state["prompt"], chat=state.get("chat", False), truncate=state.get("truncate", False),
-               max_tokens=max_prompt_tokens())
-    state["key"] = STORE.put(tr)
-    views.FILLER.schedule(tr)
-    return tr
 
 
-def _clamp(v, hi) -> int:
-    try:
-        v = int(v)
-    except (TypeError, ValueError, OverflowError):
-        v = hi
-    return max(0, min(hi, v))
 
 
 def _view(view) -> tuple[str, str]:
@@ -478,7 +460,7 @@ def run_trace(model, prompt, chat, truncate, layer, head, query, lens_colour, te
     shape = lm.shape
     L, H, T = shape.n_layers, shape.n_heads, tr.n_tokens
     asked = {"layer": _asked(layer), "head": _asked(head), "query": _asked(query)}
-    layer, head = _clamp(layer, L - 1), _clamp(head, H - 1)
+    layer, head = clamp(layer, L - 1), clamp(head, H - 1)
     query = T - 1 if _int(query) is None or not 0 <= _int(query) < T else _int(query)
     # out-of-range values (a shared link's ?layer=999, another model's layer) are clamped, and said
     clamped = [str(view.get("notice"))[:300]] if view is not None and view.get("notice") else []
@@ -520,11 +502,6 @@ def _asked(v):
         return None
 
 
-def _where(state, layer, head, query):
-    """The stored trace and the layer, head and query clamped to it."""
-    tr = _get_trace(state)
-    s = tr.lm.shape
-    return tr, _clamp(layer, s.n_layers - 1), _clamp(head, s.n_heads - 1), _clamp(query, tr.n_tokens - 1)
 
 
 def _overview_fig(tr, metric, layer: int, head: int):
@@ -534,14 +511,14 @@ def _overview_fig(tr, metric, layer: int, head: int):
 
 @endpoint(model=True)
 def update_views(state, layer, head, query, lens_colour, view=None, metric=None, request: gr.Request = None):
-    tr, layer, head, query = _where(state, layer, head, query)
+    tr, layer, head, query = where(state, layer, head, query)
     scale, zoom = _view(view)
     return render_views(tr, layer, head, query, lens_colour, _region(tr, zoom)[0], scale)
 
 
 @endpoint(model=True)
 def update_layer_head(state, layer, head, query, lens_colour, view=None, metric=None, request: gr.Request = None):
-    tr, layer, head, query = _where(state, layer, head, query)
+    tr, layer, head, query = where(state, layer, head, query)
     scale, zoom = _view(view)
     figs = render_layer_head(tr, layer, head, query, _region(tr, zoom)[0], scale)
     return [*figs, _overview_fig(tr, metric, layer, head)]
@@ -553,14 +530,14 @@ def update_lens(state, query, lens_colour, view=None, request: gr.Request = None
     state says how many it lacked ("lens_missing"); none: nothing to send."""
     if isinstance(view, dict) and view.get("lens_missing") == 0:
         return gr.skip(), gr.skip()
-    tr = _get_trace(state)
-    query = _clamp(query, tr.n_tokens - 1)
+    tr = trace_for_state(state)
+    query = clamp(query, tr.n_tokens - 1)
     return render_lens(tr, query, lens_colour, _region(tr, _view(view)[1])[0])
 
 
 @endpoint(model=True)
 def set_scale(state, layer, head, query, scale, view=None, request: gr.Request = None):
-    tr, layer, head, query = _where(state, layer, head, query)
+    tr, layer, head, query = where(state, layer, head, query)
     scale = scale if isinstance(scale, str) and scale in views.SCALES else "linear"
     zoom = _view(view)[1]
     region, notice = _region(tr, zoom)
@@ -612,14 +589,14 @@ def strip_html(tr, region=None, lp=None, ppl=None) -> str:
 
 @endpoint(model=True)
 def set_zoom(state, layer, head, query, zoom, view=None, lens_colour=None, request: gr.Request = None):
-    tr, layer, head, query = _where(state, layer, head, query)
+    tr, layer, head, query = where(state, layer, head, query)
     region, notice = _region(tr, zoom)
     return _zoomed(tr, layer, head, query, _view(view)[0], region, notice, lens_colour=lens_colour)
 
 
 @endpoint(model=True)
 def reset_zoom(state, layer, head, query, view=None, lens_colour=None, request: gr.Request = None):
-    tr, layer, head, query = _where(state, layer, head, query)
+    tr, layer, head, query = where(state, layer, head, query)
     return _zoomed(tr, layer, head, query, _view(view)[0], views.whole(tr.n_tokens), lens_colour=lens_colour)
 
 
@@ -653,17 +630,17 @@ def on_action(state, action, layer, head, query, lens_colour, view=None, metric=
         msg = None
     if not isinstance(msg, dict) or not state or not isinstance(state, dict) or not state.get("key"):
         return [gr.skip()] * n_out
-    tr, layer, head, query = _where(state, layer, head, query)
+    tr, layer, head, query = where(state, layer, head, query)
     s, T = tr.lm.shape, tr.n_tokens
     scale, zoom = _view(view)
     region, notice = _region(tr, zoom)
     kind = msg.get("kind")
     if kind in ("query", "lens") and _int(msg.get("pos")) is not None:
-        query = _clamp(_int(msg["pos"]), T - 1)
+        query = clamp(_int(msg["pos"]), T - 1)
     if kind in ("head", "lens") and _int(msg.get("layer")) is not None:
-        layer = _clamp(_int(msg["layer"]), s.n_layers - 1)
+        layer = clamp(_int(msg["layer"]), s.n_layers - 1)
     if kind == "head" and _int(msg.get("head")) is not None:
-        head = _clamp(_int(msg["head"]), s.n_heads - 1)
+        head = clamp(_int(msg["head"]), s.n_heads - 1)
     if kind == "zoom":
         rows, cols = _range(msg.get("rows")), _range(msg.get("cols"))
         if rows is None:
@@ -692,7 +669,7 @@ def update_next(state, temperature, top_k, top_p, min_p, rep, epsilon=0.0, eta=0
             problems[name] = str(e)
     if problems:  # the distribution shown stays; the sentence stands under the settings
         return gr.skip(), gr.skip(), V.show(" ".join(problems.values()))
-    tr = _get_trace(state)
+    tr = trace_for_state(state)
     return (*next_outputs(tr, settings, float(epsilon or 0), float(eta or 0)), V.clear())
 
 
@@ -743,7 +720,7 @@ def cutoffs_from_url(request: gr.Request = None):
 def overview(state, metric, layer, head, request: gr.Request = None):
     if not state or not state.get("key"):
         return figures.empty_figure("Run a prompt to see every head.")
-    tr, layer, head, _ = _where(state, layer, head, 0)
+    tr, layer, head, _ = where(state, layer, head, 0)
     return _overview_fig(tr, metric, layer, head)
 
 
@@ -763,7 +740,7 @@ def export_stages(state, temperature, top_k, top_p, min_p, rep, epsilon=0.0, eta
             problems[name] = str(e)
     if problems:
         return gr.skip(), V.show(" ".join(problems.values()) + " Nothing was downloaded.")
-    tr = _get_trace(state)
+    tr = trace_for_state(state)
     eps, et = float(epsilon or 0), float(eta or 0)
     nv = views.next_token_view(tr, settings, epsilon=eps, eta=et)
     st = state if isinstance(state, dict) else {}
@@ -775,7 +752,7 @@ def export_stages(state, temperature, top_k, top_p, min_p, rep, epsilon=0.0, eta
 
 @endpoint
 def export(state):
-    tr = _get_trace(state)
+    tr = trace_for_state(state)
     d = scratch_dir("export")
     table = views.token_table(tr)
     table.to_csv(d / "tokens.csv", index=False)
@@ -798,7 +775,7 @@ def export_tensors(state, layer, head, query, view, lens_colour, temperature, to
     one sentence), with the view settings and the model id in its metadata."""
     from app.exports import trace_file
 
-    tr, layer, head, query = _where(state, layer, head, query)
+    tr, layer, head, query = where(state, layer, head, query)
     scale, zoom = _view(view)
 
     def num(v):

@@ -20,6 +20,7 @@ import gradio as gr
 
 from app import unit_figures as UF
 from app.context import endpoint, job_owner, job_viewer
+from app.explore_state import trace_for_state, where
 
 _UNIT = re.compile(r"^\s*(?:L\s*(\d+)\s*)?([NH])\s*(\d+)\s*$", re.I)
 JOB_POLL_S = 1.0
@@ -109,10 +110,9 @@ def contexts_for(lm, kind: str, layer: int, unit: int) -> tuple[str, dict]:
 
 def render(state: dict, text, layer_default) -> tuple:
     """(title, weights figure, activation figure, OV html, contexts html, compute button, unit text)."""
-    from app.explore_tab import _get_trace
     from model_core import neurons as N
 
-    tr = _get_trace(state)
+    tr = trace_for_state(state)
     lm = tr.lm
     kind, layer, unit = parse_unit(text, layer_default)
     name = _label(kind, layer, unit)
@@ -202,18 +202,16 @@ def open_unit(state, text, layer, request: gr.Request = None):
 
 @endpoint(model=True)
 def open_head(state, layer, head, request: gr.Request = None):
-    from app.explore_tab import _where
 
-    _, layer, head, _ = _where(state, layer, head, 0)
+    _, layer, head, _ = where(state, layer, head, 0)
     return render(state, f"L{layer}H{head}", layer)
 
 
 def _model_of(state) -> str:
     if not isinstance(state, dict) or not isinstance(state.get("model"), str):
         raise gr.Error("Run a prompt first.")
-    from app.explore_tab import _get_trace
 
-    return _get_trace(state).model_name  # a model this server loaded for the page, never a path
+    return trace_for_state(state).model_name  # a model this server loaded for the page, never a path
 
 
 @endpoint
@@ -243,11 +241,10 @@ def poll_scan(job_id, state, text, layer, request: gr.Request = None):
     if rec["state"] != "succeeded":
         return bar, f"<p class='unit-none'>The scan {rec['state']}: {rec.get('error') or ''}</p>", gr.skip(), \
             gr.Timer(active=False)
-    from app.explore_tab import _get_trace
 
     try:
         kind, lay, unit = parse_unit(text, int(layer or 0))
     except (gr.Error, TypeError, ValueError):  # no unit open yet: the contexts appear when one is
         return bar, gr.skip(), gr.update(visible=False), gr.Timer(active=False)
-    contexts, compute = contexts_for(_get_trace(state).lm, kind, lay, unit)
+    contexts, compute = contexts_for(trace_for_state(state).lm, kind, lay, unit)
     return bar, contexts, compute, gr.Timer(active=False)

@@ -2,7 +2,7 @@
 
 Everything here is read from the loaded model (its config, its modules and its weights) or
 recomputed from a Trace with the model's own modules; nothing about an architecture is typed
-in. tests/test_anatomy.py checks each step against the model's own forward.
+in. tests/reference/test_anatomy.py checks each step against the model's own forward.
 
 Pure PyTorch (+ pandas for tables); no gradio.
 """

@@ -14,7 +14,7 @@ not learned behaviour: every result carries RANDOM) or from closed formulas with
 Every hand computation here has a reference it is compared with: the model's own forward (cache
 tensors, hidden states, router outputs, aux loss, captured with hooks) or a transformers /
 torch function (LayerNorm, RMSNorm, Llama's rotary embedding, BLOOM's ALiBi, DistilBERT's
-sinusoidal table). tests/test_chapters.py checks them. Pure PyTorch + transformers; no gradio.
+sinusoidal table). tests/reference/test_chapters.py checks them. Pure PyTorch + transformers; no gradio.
 """
 
 from __future__ import annotations

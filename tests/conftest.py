@@ -29,8 +29,17 @@ def default_lm_eager():
 def server():
     """One `lmscope serve` (default settings, no job services) for every browser test module;
     modules that need other settings (sign-in, fuzzing) define their own `server`."""
-    from browser import LiveServer
+    from tests.helpers.browser import LiveServer
 
     s = LiveServer()
     yield s
     s.stop()
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test under tests/integration or tests/browser carries that tier's mark (so `-m "not
+    integration and not browser"` leaves out every test that needs services or Chromium)."""
+    for item in items:
+        tier = item.path.parent.name
+        if tier in ("integration", "browser"):
+            item.add_marker(getattr(pytest.mark, tier))

@@ -6,7 +6,7 @@ transformers 5 moved both methods out of the library to Hub repositories
 trust_remote_code and a network; lmscope runs neither. transformers 4.55.4 is the last release with both in
 core `generate` (`_group_beam_search` with BeamSearchScorer + HammingDiversityLogitsProcessor,
 `_contrastive_search` with `_ranking_fast`). This script runs them offline from the model's converted
-safetensors folder, so tests/test_decoding.py can compare lmscope's hand implementation
+safetensors folder, so tests/reference/test_decoding.py can compare lmscope's hand implementation
 (model_core/decoding.py) with a reference nobody here wrote.
 
 Two steps, because the reference needs an older transformers than lmscope's:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import zipfile
 
 import pytest
-from browser import (
+from tests.helpers.browser import (
     LiveServer,
     launch_browser,
     plot_data,
@@ -31,7 +31,7 @@ TINY_RUN = {"max_steps": 2, "batch_size": 2, "max_length": 256, "builtin_train_s
 
 @pytest.fixture(scope="module")
 def loop(tmp_path_factory):
-    from tests.jobs_helpers import LiveServices
+    from tests.helpers.services import LiveServices
 
     svc = LiveServices(tmp_path_factory.mktemp("loop") / "data", stale_s=60).start()
     server = LiveServer(extra_env=svc.env())

@@ -108,7 +108,7 @@ def test_check_dataset_and_option_parsing(tmp_path):
 
 @pytest.mark.integration
 def test_job_with_skip_bad_lines_records_and_trains_on_the_kept_lines(tmp_path):
-    from tests.jobs_helpers import LiveServices
+    from tests.helpers.services import LiveServices
 
     svc = LiveServices(tmp_path / "jobs-data", stale_s=6.0).start()
     try:

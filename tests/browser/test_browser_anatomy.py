@@ -7,7 +7,7 @@ import re
 import time
 
 import pytest
-from browser import ARTIFACTS, launch_browser, screenshot
+from tests.helpers.browser import ARTIFACTS, launch_browser, screenshot
 from playwright.sync_api import sync_playwright
 
 pytestmark = pytest.mark.browser

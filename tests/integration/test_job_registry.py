@@ -28,7 +28,7 @@ INVALID = {
 
 @pytest.fixture(scope="module")
 def svc(tmp_path_factory):
-    from tests.jobs_helpers import LiveServices
+    from tests.helpers.services import LiveServices
 
     s = LiveServices(tmp_path_factory.mktemp("job-registry"), stale_s=6.0).start()
     yield s

@@ -11,7 +11,7 @@ import torch
 
 from model_core import load_model, trace
 from model_core import neurons as N
-from tests.jobs_helpers import LiveServices
+from tests.helpers.services import LiveServices
 
 
 def test_promoted_tokens_equal_a_hand_computation(default_lm):

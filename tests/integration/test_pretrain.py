@@ -4,7 +4,7 @@ In process: the loop lowers held-out loss on a tiny config, its loss equals tran
 parameter counts are the hand formula, checkpoints register and load, a cancel registers nothing;
 the power-law fit recovers a known exponent (and agrees with numpy's polyfit). Then one real
 scaling sweep and one pretrain run through the CLI against a real Valkey and Celery worker
-(tests/jobs_helpers.py), the sweep's models opened with model_core.registry.load_model.
+(tests/helpers/services.py), the sweep's models opened with model_core.registry.load_model.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import torch
 
 from model_core import pretrain as pt
 from model_core.errors import LmscopeError
-from tests.jobs_helpers import LiveServices
+from tests.helpers.services import LiveServices
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = {"width": 32, "layers": 1, "context": 64, "batch_size": 8, "eval_tokens": 1024, "learning_rate": 3e-3}
 
 
@@ -136,7 +136,7 @@ def test_power_law_fit_recovers_exponent():
 
 class Services(LiveServices):
     # one torch thread in the worker: two spinning OpenMP threads on a shared 2-core machine make
-    # small training steps several times slower (see tests/test_patching_job.py)
+    # small training steps several times slower (see tests/integration/test_patching_job.py)
     def env(self) -> dict[str, str]:
         return {**super().env(), "OMP_NUM_THREADS": "1"}
 

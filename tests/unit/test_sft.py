@@ -214,7 +214,7 @@ def test_nan_loss_stops_with_a_clear_error(data_dir, tmp_path):
 
 @pytest.mark.integration
 def test_sft_job_through_a_real_worker(tmp_path):
-    from tests.jobs_helpers import LiveServices
+    from tests.helpers.services import LiveServices
 
     svc = LiveServices(tmp_path / "jobs-data", stale_s=6.0).start()
     try:
@@ -246,7 +246,7 @@ def test_sft_job_through_a_real_worker(tmp_path):
         out = subprocess.run([sys.executable, "-m", "app.cli", "jobs", "submit", "sft", "--model", TINY,
                               "--lora-rank", "4", "--max-steps", "3", "--batch-size", "4", "--output-name",
                               "tiny-cli", "--wait", "--timeout", "120", "--json"],
-                             capture_output=True, text=True, timeout=180, cwd=Path(__file__).resolve().parents[1])
+                             capture_output=True, text=True, timeout=180, cwd=Path(__file__).resolve().parents[2])
         rec = json.loads(out.stdout)
         assert out.returncode == 0 and rec["state"] == "succeeded", (out.stderr[-2000:], svc.worker_log())
         assert rec["params"]["method"] == "lora" and rec["sft"]["model_name"] == "tiny-cli"

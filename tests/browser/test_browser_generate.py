@@ -2,7 +2,7 @@
 clicked token opens its step, a changed setting regenerates differently."""
 
 import pytest
-from browser import launch_browser, plot_data, plot_title, screenshot, set_number, wait_until
+from tests.helpers.browser import launch_browser, plot_data, plot_title, screenshot, set_number, wait_until
 from playwright.sync_api import sync_playwright
 
 pytestmark = pytest.mark.browser
@@ -93,7 +93,7 @@ def test_generate_in_the_browser(server):
 def test_beam_search_panel_in_the_browser(server):
     """The 'Beam search and contrastive search' accordion: beams drawn as a tree with their scores, the
     table with greedy beside, both check lines green; contrastive search shows each step's candidates."""
-    from browser import ARTIFACTS
+    from tests.helpers.browser import ARTIFACTS
 
     with sync_playwright() as pw:
         browser = launch_browser(pw)

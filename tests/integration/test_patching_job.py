@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 from model_core.errors import LmscopeError
-from tests.jobs_helpers import LiveServices
+from tests.helpers.services import LiveServices
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CLEAN = "The Eiffel Tower is in the city of"
 CORRUPT = "The Colosseum is in the city of xy"  # same length in bytes (34 tokens)
 MODEL = "random-llama-tiny"

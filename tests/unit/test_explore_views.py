@@ -217,7 +217,7 @@ def test_clicks_from_the_page_move_the_settings(lm, monkeypatch):
     # view's sampled columns 289 and 299 (one per 10 positions); the 18 others are blank, said so
     lens = o[3 + 10]
     z = np.asarray(lens.data[0].z, dtype=float)
-    known = [list(lens.data[0].x).index(f"{p}:{views.labels(explore_tab._get_trace(state))[p]}") for p in (289, 299)]
+    known = [list(lens.data[0].x).index(f"{p}:{views.labels(explore_tab.trace_for_state(state))[p]}") for p in (289, 299)]
     assert o[4]["lens_missing"] == 18 and "computing 18 of 20 columns" in lens.layout.title.text
     assert np.isnan(z).sum(1).tolist() == [18] * z.shape[0] and not np.isnan(z[:, known]).any()
     # ... and the event chained after it fills them in

@@ -1,11 +1,11 @@
 """Safe to host: a live `lmscope serve` with sign-in (users user-a and user-b), a real Valkey and a
 real Celery worker, driven with raw `queue/join` requests the way an attacker with an account
-would (tests/raw_client.py), plus checks over every event of the page.
+would (tests/helpers/raw_client.py), plus checks over every event of the page.
 
 Each hole this module closes was open before (issue 13): a server file read through an upload
 slot, an owner taken from the browser, an uncapped prompt, one user filling the shared queue,
 downloads not bound to their owner, temporary folders left behind. Sign-in throttling and equal
-login cost: tests/test_auth.py; service supervision and /healthz: tests/test_supervision.py.
+login cost: tests/unit/test_auth.py; service supervision and /healthz: tests/integration/test_supervision.py.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import pytest
 
 from app import auth
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = "random-llama-tiny"  # the queue and ownership rules are the same for any model; this one is instant
 MODEL = "smollm2-135m-instruct"
 SECRET = f"SECRET-{uuid.uuid4().hex}"
@@ -151,8 +151,8 @@ def test_scratch_folders_are_bounded():
 def hosted(tmp_path_factory):
     """user-a and user-b on a live server with a real Valkey + worker; Gradio's temp folder and the
     data folder are this test's own, so a planted secret can be searched for afterwards."""
-    from tests.browser import LiveServer
-    from tests.jobs_helpers import LiveServices
+    from tests.helpers.browser import LiveServer
+    from tests.helpers.services import LiveServices
 
     base = tmp_path_factory.mktemp("hosted13")
     users = base / "users.txt"
@@ -172,7 +172,7 @@ def hosted(tmp_path_factory):
 
 
 def _client(hosted, user):
-    from tests.raw_client import RawClient
+    from tests.helpers.raw_client import RawClient
 
     return RawClient(hosted["server"].url, user, f"{user}-password")
 

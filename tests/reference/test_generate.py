@@ -43,7 +43,7 @@ from model_core.generate import (
 )
 from model_core.sampling import SamplingSettings, apply_sampling
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The capital of France is"
 
 

@@ -1,5 +1,5 @@
 """Concurrent traces batched into shared forwards (model_core.batching). Generation is batched by
-the engine (tests/test_engine.py).
+the engine (tests/reference/test_engine.py).
 
 References: transformers' own forward (hidden states and logits) of each prompt alone, and
 lmscope's solo trace of it. The batcher's counters prove the requests really were batched (the

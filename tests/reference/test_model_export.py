@@ -178,7 +178,7 @@ def test_zip_refuses_a_folder_without_weights(tmp_path):
 def test_download_route_serves_registered_finetuned_models_only(tuned, tmp_path):
     import httpx
 
-    from tests.browser import LiveServer
+    from tests.helpers.browser import LiveServer
 
     name = tuned["name"]
     (tuned["data"] / "models" / "not-a-model").mkdir()  # a folder without config.json is no model
@@ -219,7 +219,7 @@ def test_download_route_needs_sign_in_when_it_is_on(tuned, tmp_path):
     import httpx
 
     from app import auth
-    from tests.browser import LiveServer
+    from tests.helpers.browser import LiveServer
 
     users = tmp_path / "users.txt"
     auth.write_user(users, "user-a", "user-a-password", iterations=2000)
@@ -292,7 +292,7 @@ def test_sft_writes_tensorboard_scalars_equal_to_its_history(tuned):
 @pytest.mark.integration
 def test_sft_job_registers_tensorboard_zip(tmp_path):
     from tasks import config, jobs
-    from tests.jobs_helpers import LiveServices
+    from tests.helpers.services import LiveServices
 
     svc = LiveServices(tmp_path / "jobs-data", stale_s=6.0).start()
     try:

@@ -17,8 +17,8 @@ import pytest
 import redis
 
 from tasks import services, store
-from tests.browser import LiveServer, wait_until
-from tests.jobs_helpers import LiveServices, free_port
+from tests.helpers.browser import LiveServer, wait_until
+from tests.helpers.services import LiveServices, free_port
 
 pytestmark = pytest.mark.integration
 

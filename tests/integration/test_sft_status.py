@@ -19,7 +19,7 @@ TINY = "random-llama-tiny"
 
 @pytest.fixture(scope="module")
 def svc(tmp_path_factory):
-    from tests.jobs_helpers import LiveServices
+    from tests.helpers.services import LiveServices
 
     s = LiveServices(tmp_path_factory.mktemp("sft-status") / "data", stale_s=60).start()
     yield s

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from model_core.errors import LmscopeError
-from tests.jobs_helpers import LiveServices
+from tests.helpers.services import LiveServices
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = {"algorithm": "byte-level-bpe", "vocab_size": 500, "corpus_max_mb": 0.3}
 # Unigram on the whole built-in corpus takes >10 s here: long enough to cancel or kill mid-run.
 SLOW = {"algorithm": "unigram", "vocab_size": 8000}
@@ -239,7 +239,7 @@ def test_cli_submit_wait_json_end_to_end(svc, tmp_path):
 
 def test_ensure_services_embedded_reuse_and_url_file(tmp_path, monkeypatch):
     from tasks import services
-    from tests.jobs_helpers import free_port
+    from tests.helpers.services import free_port
 
     port = free_port()
     monkeypatch.delenv("REDIS_URL", raising=False)

@@ -214,7 +214,7 @@ def test_a_cancelled_run_leaves_no_checkpoint(data_dir):
 
 @pytest.mark.integration
 def test_job_record_gets_samples_while_it_runs(tmp_path, monkeypatch):
-    from tests.jobs_helpers import LiveServices
+    from tests.helpers.services import LiveServices
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the worker's torch: see one_thread
     svc = LiveServices(tmp_path / "jobs-data", stale_s=6.0).start()

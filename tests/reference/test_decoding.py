@@ -29,7 +29,7 @@ from model_core.decoding import (
 from model_core.errors import SettingsError
 from model_core.trace import encode_prompt
 
-REF = json.loads((Path(__file__).parent / "data" / "decoding_reference.json").read_text())
+REF = json.loads((Path(__file__).resolve().parents[1] / "data" / "decoding_reference.json").read_text())
 CASES = {c["name"]: c for c in REF["cases"]}
 CHAT_Q = "What is the capital of France? Answer in one word."
 

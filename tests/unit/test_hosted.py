@@ -15,7 +15,7 @@ import pytest
 from app import auth
 from model_core.settings import Settings, SettingsError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ----------------------------------------------------------------------------- settings + hashing
@@ -163,7 +163,7 @@ def users_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(users_file, tmp_path_factory):
-    from tests.browser import LiveServer
+    from tests.helpers.browser import LiveServer
 
     data = tmp_path_factory.mktemp("hosted-data")
     s = LiveServer(extra_env={"LMSCOPE_AUTH": "users", "LMSCOPE_USERS_FILE": str(users_file),
@@ -265,7 +265,7 @@ def test_concurrent_users_generations_share_forwards(server):
 def test_browser_sees_only_login_until_signed_in(server):
     from playwright.sync_api import sync_playwright
 
-    from tests.browser import launch_browser, screenshot
+    from tests.helpers.browser import launch_browser, screenshot
 
     with sync_playwright() as p:
         browser = launch_browser(p)
@@ -292,7 +292,7 @@ def test_browser_sees_only_login_until_signed_in(server):
 @pytest.mark.integration
 def test_jobs_belong_to_their_owner(tmp_path, monkeypatch):
     from model_core.errors import LmscopeError
-    from tests.jobs_helpers import LiveServices
+    from tests.helpers.services import LiveServices
 
     svc = LiveServices(tmp_path / "data").start()
     try:

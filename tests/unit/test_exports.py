@@ -35,7 +35,7 @@ def test_explore_stage_table_download_is_the_table_shown(tmp_path):
     out = explore_tab.run_trace("random-llama-tiny", "the quick brown fox", False, False, 0, 0, -1, "probability",
                                 0.8, 5, 0.9, 0.0, 1.0)
     state = out[0]
-    tr = explore_tab._get_trace(state)
+    tr = explore_tab.trace_for_state(state)
     files, msg = explore_tab.export_stages(state, 0.8, 5, 0.9, 0.0, 1.0, 0.0, 0.0)
     paths = [p for p in files["value"]]
     assert [p.rsplit("/", 1)[-1] for p in paths] == ["stages.csv", "stages.json"] and not msg.get("visible")

@@ -36,7 +36,7 @@ def test_after_a_run_the_cutoffs_apply_and_a_refused_value_is_said():
     out = explore_tab.run_trace(MODEL, "the quick brown fox jumps", False, False, 0, 0, -1, "probability",
                                 1.0, 0, 1.0, 0.0, 1.0)
     state = out[0]
-    tr = explore_tab._get_trace(state)
+    tr = explore_tab.trace_for_state(state)
     # nothing on, nothing refused: nothing to redraw
     assert all(isinstance(v, type(explore_tab.gr.skip())) for v in
                explore_tab.cutoffs_after_run(state, 1.0, 0, 1.0, 0.0, 1.0, 0, 0, "")[:3])

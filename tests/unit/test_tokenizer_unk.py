@@ -136,7 +136,7 @@ def test_jobs_tab_compare_with_a_real_unigram_job(tmp_path):
     """What the Jobs tab's "Tokenize prompt" button returns for a Unigram job and the default model."""
     from app import jobs_tab
     from tasks import jobs
-    from tests.jobs_helpers import LiveServices
+    from tests.helpers.services import LiveServices
 
     svc = LiveServices(tmp_path / "data").start()
     try:

@@ -4,7 +4,7 @@ ablate heads (multiselect), then run the starter patching example and read the h
 import time
 
 import pytest
-from browser import launch_browser, plot_data, screenshot, wait_title, wait_until
+from tests.helpers.browser import launch_browser, plot_data, screenshot, wait_title, wait_until
 from playwright.sync_api import sync_playwright
 
 pytestmark = pytest.mark.browser

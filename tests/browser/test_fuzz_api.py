@@ -6,7 +6,7 @@ request still works afterwards.
 - test_fuzz_public_api: /trace, /generate and /model_info through gradio_client on the real
   default model (200+ cases), plus raw HTTP without the sign-in cookie and with broken bodies.
 - test_fuzz_every_event: every event in the page's Gradio config, public or private, reached by
-  fn_index with raw `queue/join` requests (tests/raw_client.py): each input in turn replaced by
+  fn_index with raw `queue/join` requests (tests/helpers/raw_client.py): each input in turn replaced by
   hostile and wrong-typed values, the others at the page's own defaults.
 """
 
@@ -75,7 +75,7 @@ def _redact(v):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from tests.browser import LiveServer
+    from tests.helpers.browser import LiveServer
 
     s = LiveServer(extra_env={"LMSCOPE_AUTH": "token", "LMSCOPE_AUTH_TOKEN": TOKEN,
                               "LMSCOPE_DATA_DIR": str(tmp_path_factory.mktemp("fuzz-data")),
@@ -85,7 +85,7 @@ def server(tmp_path_factory):
 
 
 def _log(server) -> str:
-    from tests.browser import ROOT
+    from tests.helpers.browser import ROOT
 
     p = ROOT / "artifacts" / f"server-{server.port}.log"
     return p.read_text(errors="replace") if p.exists() else ""
@@ -213,7 +213,7 @@ def _one_sentence_problem(msg: str, sent=None) -> str | None:
 
 def test_fuzz_every_event(server):
     """Walk the config: one event per distinct (function, inputs), each input x WALK_VALUES."""
-    from tests.raw_client import RawClient
+    from tests.helpers.raw_client import RawClient
 
     c = RawClient(server.url, "walker", TOKEN, timeout=PER_CALL_S)
     seen, events = set(), []

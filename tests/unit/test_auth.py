@@ -19,7 +19,7 @@ import pytest
 from app import auth
 from model_core.settings import Settings, SettingsError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Clock:
@@ -300,7 +300,7 @@ def _post_login(url, user, pw):
 def test_live_login_throttle(tmp_path):
     import json
 
-    from tests.browser import LiveServer
+    from tests.helpers.browser import LiveServer
 
     users = tmp_path / "users.txt"
     auth.write_user(users, "alice", "alice-password", iterations=20_000)
