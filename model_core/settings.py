@@ -161,33 +161,27 @@ class Settings:
             v = env.get(name)
             return (v.strip() or None) if isinstance(v, str) else None
 
-        def integer(name, default, lo, hi):
+        def parsed(name, default, kind, what, in_range, bounds):
+            """The variable read as `kind`, else `default` with one sentence in `errors`."""
             raw = s(name)
             if raw is None:
                 return default
             try:
-                v = int(raw)
+                v = kind(raw)
             except ValueError:
-                errors.append(f"{name} must be a whole number, not '{raw}'.")
+                errors.append(f"{name} must be {what}, not '{raw}'.")
                 return default
-            if not lo <= v <= hi:
-                errors.append(f"{name} must be between {lo} and {hi}, not {v}.")
+            if not in_range(v):
+                errors.append(f"{name} must be {bounds}, not {raw}.")
                 return default
             return v
 
+        def integer(name, default, lo, hi):
+            return parsed(name, default, int, "a whole number", lambda v: lo <= v <= hi, f"between {lo} and {hi}")
+
         def number(name, default, lo, hi):
-            raw = s(name)
-            if raw is None:
-                return default
-            try:
-                v = float(raw)
-            except ValueError:
-                errors.append(f"{name} must be a number, not '{raw}'.")
-                return default
-            if not math.isfinite(v) or not lo < v <= hi:
-                errors.append(f"{name} must be more than {lo} and at most {hi}, not {raw}.")
-                return default
-            return v
+            return parsed(name, default, float, "a number", lambda v: math.isfinite(v) and lo < v <= hi,
+                          f"more than {lo} and at most {hi}")
 
         def flag(name, default):
             raw = s(name)
