@@ -109,11 +109,20 @@ class TrainSettings:
 
 @dataclass
 class RewardSettings(TrainSettings):
+    max_steps: int = 12  # the measured built-in run (bench/preference.py)
+    batch_size: int = 4
+    builtin_train_size: int = 48
+    eval_examples: int = 24
     center_rewards: float | None = None  # coefficient of mean((r_c + r_r)^2), keeps scores near 0
 
 
 @dataclass
 class DPOSettings(TrainSettings):
+    method: str = "lora"  # the defaults below are the measured built-in run (bench/preference.py)
+    max_steps: int = 12
+    batch_size: int = 4
+    builtin_train_size: int = 48
+    eval_examples: int = 24
     beta: float = 0.1  # strength of the implicit KL: higher keeps the policy nearer the reference
     loss_type: str = "sigmoid"  # "sigmoid" (DPO), "ipo", "hinge" (TRL's names)
     reference: str | None = None  # default: the starting model itself
@@ -121,19 +130,20 @@ class DPOSettings(TrainSettings):
 
 @dataclass
 class GRPOSettings(TrainSettings):
+    method: str = "lora"  # the defaults below are the measured built-in run (bench/preference.py)
     loss_type: str = "grpo"  # "grpo" | "dr_grpo" | "dapo" (GRPO_LOSS_TYPES)
     beta: float = 0.04  # KL penalty to the reference (0 = none, and no KL shown)
     num_generations: int = 8  # completions per prompt (the group)
     prompts_per_step: int = 2
-    max_completion_length: int = 16
-    temperature: float = 1.0
+    max_completion_length: int = 12
+    temperature: float = 0.7
     epsilon: float = 0.2  # PPO clip: ratio kept in [1 - epsilon, 1 + epsilon_high]
     epsilon_high: float | None = None  # default epsilon; DAPO's clip-higher: 0.28
     num_iterations: int = 1  # optimizer passes over each generated batch (mu); clipping acts only when > 1
     verifier: str | None = None  # for uploads whose lines name none
     builtin_train_size: int = 64
     eval_examples: int = 20
-    max_steps: int = 30
+    max_steps: int = 20
 
 
 SETTINGS_CLASSES = {"reward": RewardSettings, "dpo": DPOSettings, "grpo": GRPOSettings}
