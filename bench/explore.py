@@ -43,6 +43,7 @@ import torch  # noqa: E402
 from common import device_info, interleaved  # noqa: E402
 
 from app import explore_tab, views  # noqa: E402
+from app.explore_state import trace_for_state  # noqa: E402
 from model_core import load_model, trace  # noqa: E402
 
 METRIC = explore_tab.OVERVIEW_METRICS[2]
@@ -98,7 +99,7 @@ def main() -> None:
         n = len(lm.tokenizer(prompt)["input_ids"])
         last = n - 1
         state, view = box["state"], box["view"]
-        tr = explore_tab._get_trace(state)
+        tr = trace_for_state(state)
         ov = interleaved({"overview": lambda: _bytes(explore_tab.overview(state, METRIC, 0, 0))}, 1, warmup=0)
         step = iter(range(10**6))
 
