@@ -258,6 +258,11 @@ class GenerateTab:
         self.samples_df = gr.Dataframe(headers=["seed", "text", "tokens", "mean p", "finish"], interactive=False,
                                        wrap=True, elem_id="gen-samples")
         self.samples_plot = gr.Plot(F.samples_figure([]), elem_id="gen-samples-plot")
+        with gr.Row():
+            self.samples_export_btn = gr.Button("Download the samples (CSV + JSON)", size="sm", scale=0,
+                                                elem_id="gen-samples-export")
+            self.samples_files = gr.File(label="Samples", file_count="multiple", visible=False,
+                                         elem_id="gen-samples-files")
 
     def _kv_section(self) -> None:
         gr.Markdown("#### KV cache\nEach layer keeps the keys and values of every earlier token so a step only "
@@ -287,6 +292,8 @@ class GenerateTab:
         # Stop: cancelling closes the running generator, which ends generation at once (model_core
         # checks nothing more; the iterator is simply not advanced) and frees the model.
         self.stop_btn.click(None, None, None, cancels=[gen_event, samples_event])
+        self.samples_export_btn.click(self.export_samples, [self.samples_df, self.shared.model, self.shared.prompt],
+                                      [self.samples_files])
         self._wire_link()
         self.timing_btn.click(self.timing, [self.state], [self.timing_md])
 
@@ -431,6 +438,22 @@ class GenerateTab:
         if not isinstance(st, dict) or not st.get("steps"):
             raise gr.Error("Generate some text first; then its steps can be downloaded.")
         return gr.update(value=[str(p) for p in write_generation(st, scratch_dir("steps"))], visible=True)
+
+    @endpoint
+    def export_samples(self, table, model_name, prompt):
+        """samples.csv and samples.json of the samples table as shown (app/exports.write_samples)."""
+        from app.context import scratch_dir
+        from app.exports import samples_rows, write_samples
+
+        try:
+            drawn = samples_rows(table)[0] if isinstance(table, (list, dict)) or hasattr(table, "columns") else []
+        except (TypeError, ValueError, KeyError):
+            drawn = []  # not a table this page drew
+        if not drawn:
+            raise gr.Error("Draw some samples first; then they can be downloaded.")
+        meta = {"model": model_name if isinstance(model_name, str) else None,
+                "prompt": prompt if isinstance(prompt, str) else None}
+        return gr.update(value=[str(p) for p in write_samples(table, scratch_dir("samples"), meta)], visible=True)
 
     @endpoint(model=True)
     def samples(self, model_name, prompt, chat, n_new, t, k, p, m, r, sd, stop_text, n, request: gr.Request = None):

@@ -13,7 +13,7 @@ import functools
 import gradio as gr
 
 from app import jobs_figures as jf
-from app.context import Shared, endpoint, job_owner, job_viewer, uploaded_file
+from app.context import Shared, endpoint, job_owner, job_viewer, scratch_dir, uploaded_file
 from model_core.errors import LmscopeError
 
 REFRESH_S = 1.5
@@ -47,6 +47,15 @@ def _report(rec: dict | None) -> dict | None:
         return _jobs().read_report(rec)
     except (OSError, ValueError):
         return None
+
+
+@endpoint
+def export_jobs(request: gr.Request = None):
+    """jobs.csv and jobs.json of the jobs this viewer sees (app/exports.write_jobs)."""
+    from app.exports import write_jobs
+
+    recs = _jobs().list_jobs(owner=job_viewer(request), limit=100)
+    return gr.update(value=[str(p) for p in write_jobs(recs, scratch_dir("jobs"))], visible=True)
 
 
 @endpoint
@@ -192,6 +201,10 @@ def build(shared: Shared) -> None:
                 cancel_btn = gr.Button("Cancel job", variant="stop", size="sm", visible=False, elem_id="job-cancel")
             log = gr.Textbox(label="Log", lines=8, max_lines=16, interactive=False, elem_id="job-log")
             downloads = gr.HTML(jf.downloads_html(None), elem_id="job-files-out")
+            with gr.Row():
+                jobs_export_btn = gr.Button("Download the job list (CSV + JSON)", size="sm", scale=0,
+                                            elem_id="job-list-export")
+                jobs_files = gr.File(label="Job list", file_count="multiple", visible=False, elem_id="job-list-files")
     gr.Markdown("### Tokenizer report")
     summary = gr.Markdown(elem_id="job-summary")
     with gr.Row():
@@ -214,6 +227,7 @@ def build(shared: Shared) -> None:
     submit_btn.click(submit, [algorithm, vocab, min_freq, specials, corpus_kind, files, corpus_mb],
                      [selected, status], api_name="jobs_submit_tokenizer").then(refresh, [selected], tick_out)
     table.select(select_job, None, [selected])
+    jobs_export_btn.click(export_jobs, None, [jobs_files])
     selected.change(show_selected, [selected], detail_out).then(tokenizer_choices, None, [others]).then(
         None, [selected], None, js=JOB_URL_JS)
     if shared.page is not None:

@@ -11,7 +11,16 @@ from __future__ import annotations
 import gradio as gr
 
 from app import sft_figures as sf
-from app.context import Shared, default_model, endpoint, get_model, job_owner, job_viewer, uploaded_file
+from app.context import (
+    Shared,
+    default_model,
+    endpoint,
+    get_model,
+    job_owner,
+    job_viewer,
+    scratch_dir,
+    uploaded_file,
+)
 from app.jobs_tab import JOB_URL_JS
 from model_core import sft
 from model_core.errors import LmscopeError
@@ -107,9 +116,8 @@ def refresh(selected, known_choices, request: gr.Request = None):
             sf.accuracy_examples_html(rec), sf.samples_table_html((rec.get("sft") or {}).get("samples")), *menus]
 
 
-@endpoint
-def compare_runs(ids, request: gr.Request = None):
-    """Several runs' curves on one chart and their settings and results in one table."""
+def _runs_records(ids, request) -> list[dict]:
+    """The chosen runs' records that this viewer may read (at most 8; unknown ids skipped)."""
     ids = [i for i in (ids or []) if isinstance(i, str)][:8]
     viewer, recs = job_viewer(request), []
     for job_id in ids:
@@ -117,7 +125,25 @@ def compare_runs(ids, request: gr.Request = None):
             recs.append(_jobs().get_job(job_id, viewer))
         except LmscopeError:
             continue
+    return recs
+
+
+@endpoint
+def compare_runs(ids, request: gr.Request = None):
+    """Several runs' curves on one chart and their settings and results in one table."""
+    recs = _runs_records(ids, request)
     return sf.runs_figure(recs), sf.runs_table(recs)
+
+
+@endpoint
+def export_runs(ids, request: gr.Request = None):
+    """runs.csv and runs.json of the chosen runs (app/exports.write_runs), read from their records."""
+    from app.exports import write_runs
+
+    recs = _runs_records(ids, request)
+    if not recs:
+        raise gr.Error("Choose the runs to compare first.")
+    return gr.update(value=[str(p) for p in write_runs(recs, scratch_dir("runs"))], visible=True)
 
 
 @endpoint
@@ -273,6 +299,9 @@ def build(shared: Shared) -> None:
         runs_btn = gr.Button("Compare runs", scale=1, elem_id="sft-runs-compare")
     runs_plot = gr.Plot(sf.runs_figure([]), elem_id="sft-runs-plot")
     runs_df = gr.Dataframe(sf.runs_table([]), interactive=False, wrap=True, elem_id="sft-runs-table")
+    with gr.Row():
+        runs_export_btn = gr.Button("Download the runs (CSV + JSON)", size="sm", scale=0, elem_id="sft-runs-export")
+        runs_files = gr.File(label="Runs", file_count="multiple", visible=False, elem_id="sft-runs-files")
 
     gr.Markdown("### Compare a fine-tuned model with its base (the prompt box above)")
     with gr.Row():
@@ -307,6 +336,7 @@ def build(shared: Shared) -> None:
                                                         [info, progress, loss_plot, tput_plot, examples,
                                                          samples, known_jobs, job, runs])
     runs_btn.click(compare_runs, [runs], [runs_plot, runs_df], api_name="compare_runs")
+    runs_export_btn.click(export_runs, [runs], [runs_files])
     # a menu opened fetches its list at once (a tab not shown yet may have missed the timer's update)
     job.focus(job_choices, None, [job])
     runs.focus(job_choices, None, [runs])

@@ -7,8 +7,9 @@ import re
 import time
 
 import pytest
-from tests.helpers.browser import ARTIFACTS, launch_browser, screenshot
 from playwright.sync_api import sync_playwright
+
+from tests.helpers.browser import ARTIFACTS, launch_browser, screenshot
 
 pytestmark = pytest.mark.browser
 

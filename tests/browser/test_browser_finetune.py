@@ -9,6 +9,8 @@ from __future__ import annotations
 import zipfile
 
 import pytest
+from playwright.sync_api import sync_playwright
+
 from tests.helpers.browser import (
     LiveServer,
     launch_browser,
@@ -19,7 +21,6 @@ from tests.helpers.browser import (
     wait_title,
     wait_until,
 )
-from playwright.sync_api import sync_playwright
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration, pytest.mark.real_model]
 

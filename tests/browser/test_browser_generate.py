@@ -2,8 +2,9 @@
 clicked token opens its step, a changed setting regenerates differently."""
 
 import pytest
-from tests.helpers.browser import launch_browser, plot_data, plot_title, screenshot, set_number, wait_until
 from playwright.sync_api import sync_playwright
+
+from tests.helpers.browser import launch_browser, plot_data, plot_title, screenshot, set_number, wait_until
 
 pytestmark = pytest.mark.browser
 

@@ -4,8 +4,9 @@ ablate heads (multiselect), then run the starter patching example and read the h
 import time
 
 import pytest
-from tests.helpers.browser import launch_browser, plot_data, screenshot, wait_title, wait_until
 from playwright.sync_api import sync_playwright
+
+from tests.helpers.browser import launch_browser, plot_data, screenshot, wait_title, wait_until
 
 pytestmark = pytest.mark.browser
 HEADS = ["L0H1", "L3H2"]

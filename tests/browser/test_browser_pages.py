@@ -14,7 +14,15 @@ import pytest
 import torch
 from playwright.sync_api import sync_playwright
 
-from tests.helpers.browser import ARTIFACTS, launch_browser, plot_data, plot_title, screenshot, wait_title, wait_until
+from tests.helpers.browser import (
+    ARTIFACTS,
+    launch_browser,
+    plot_data,
+    plot_title,
+    screenshot,
+    wait_title,
+    wait_until,
+)
 
 pytestmark = pytest.mark.browser
 PROMPT = "The capital of France is"

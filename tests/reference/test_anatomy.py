@@ -9,8 +9,8 @@ import re
 
 import pytest
 import torch
-from conftest import DEFAULT
 
+from conftest import DEFAULT
 from model_core import anatomy as A
 from model_core import load_model, trace
 from model_core.errors import PromptError

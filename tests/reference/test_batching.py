@@ -10,8 +10,8 @@ import threading
 
 import pytest
 import torch
-from conftest import DEFAULT
 
+from conftest import DEFAULT
 from model_core import load_model, trace
 from model_core.batching import batcher_for
 from model_core.generate import generate

@@ -7,8 +7,8 @@ when what it compares is corrupted."""
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEFAULT
 
+from conftest import DEFAULT
 from model_core import chapters as C
 
 PROMPT = "The capital of France is Paris, and the capital of Italy is"

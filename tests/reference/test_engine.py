@@ -17,7 +17,6 @@ import time
 
 import pytest
 import torch
-from conftest import DEFAULT
 from transformers import (
     LogitsProcessorList,
     MinPLogitsWarper,
@@ -27,6 +26,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from conftest import DEFAULT
 from model_core import load_model
 from model_core.engine import EngineRequest, engine_for
 from model_core.generate import generate, iter_generate, sample_step

@@ -15,8 +15,8 @@ import threading
 
 import pytest
 import torch
-from conftest import DEFAULT
 
+from conftest import DEFAULT
 from model_core import load_model
 from model_core.attribution import direct_logit_attribution
 from model_core.errors import PromptError, SettingsError

@@ -9,10 +9,9 @@ probabilities, entropies, and the targets' probabilities and ranks.
 import pytest
 import torch
 
+from conftest import DEFAULT, RANDOM_MODELS
 from model_core import load_model, trace
 from model_core.lens import logit_lens
-
-from conftest import DEFAULT, RANDOM_MODELS
 
 PROMPT = "The animal didn't cross the street because it was too tired"
 

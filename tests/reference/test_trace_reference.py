@@ -10,8 +10,8 @@ References used:
 
 import pytest
 import torch
-from conftest import DEFAULT, RANDOM_MODELS
 
+from conftest import DEFAULT, RANDOM_MODELS
 from model_core import load_model, trace
 from model_core.lens import logit_lens
 

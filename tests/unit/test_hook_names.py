@@ -9,8 +9,8 @@ import re
 
 import pytest
 import torch
-from conftest import RANDOM_MODELS
 
+from conftest import RANDOM_MODELS
 from model_core import load_model, load_trace, save_trace, trace
 from model_core.hook_names import (
     KINDS,

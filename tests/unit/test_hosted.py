@@ -318,6 +318,14 @@ def test_jobs_belong_to_their_owner(tmp_path, monkeypatch):
         monkeypatch.setenv("LMSCOPE_USERS_FILE", str(tmp_path / "users.txt"))
         table, _, prog, log = jobs_tab.refresh(a["id"], Req("bob"))
         assert a["id"] not in table.to_string() and log == ""
+        # the job list download holds what each viewer's table holds (app/exports.write_jobs)
+        def listed(user):
+            files = {Path(f).name: Path(f) for f in jobs_tab.export_jobs(Req(user))["value"]}
+            return [j["id"] for j in json.loads(files["jobs.json"].read_text())["jobs"]], files["jobs.csv"].read_text()
+
+        alice_ids, alice_csv = listed("alice")
+        assert alice_ids == [a["id"]] and a["id"] in alice_csv
+        assert listed("bob")[0] == []
         import gradio as gr
 
         with pytest.raises(gr.Error):

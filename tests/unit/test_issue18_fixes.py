@@ -3,8 +3,8 @@ distribution each "mass kept" number refers to (fix 8), and where the default mo
 from (fix 9, against gguf-py's own dequantisation of the packaged file)."""
 
 import torch
-from conftest import DEFAULT
 
+from conftest import DEFAULT
 from model_core import load_model
 from model_core.generate import generate
 
