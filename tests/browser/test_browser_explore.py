@@ -5,7 +5,15 @@ import re
 import pytest
 from playwright.sync_api import sync_playwright
 
-from browser import launch_browser, plot_data, plot_title, screenshot, set_number, wait_title, wait_until
+from tests.helpers.browser import (
+    launch_browser,
+    plot_data,
+    plot_title,
+    screenshot,
+    set_number,
+    wait_title,
+    wait_until,
+)
 
 pytestmark = pytest.mark.browser
 PROMPT = "The animal didn't cross the street because it was too tired"
@@ -97,11 +105,12 @@ def test_every_script_and_bad_values_lose_nothing(server):
         strip = page.inner_text("#tokens")
         assert "<0x" not in strip and "\ufffd" not in strip
         glyphs = page.locator("#tokens .glyph-text").all_inner_texts()
-        assert "မ" in glyphs and len(glyphs) >= 30  # one per Burmese letter spelled by byte tokens
-        # every token keeps its own chip (with its byte values), under the letter it helps spell
+        # one per user-perceived character spelled by byte tokens: ma + medial ra is one, over 6 tokens
+        assert "မ" in glyphs and glyphs[0] == "မြ" and len(glyphs) >= 20
+        # every token keeps its own chip (with its byte values), under the character it helps spell
         n_tokens = int(page.inner_text("#tokens .token-legend").split(" tokens")[0])
         assert page.locator("#tokens [data-pos]").count() == n_tokens
-        assert page.locator("#tokens .glyph").first.locator(".tok-part").count() == 3
+        assert page.locator("#tokens .glyph").first.locator(".tok-part").count() == 6
         axis = plot_data(page, "head-bars")[0]["x"]  # position:token labels (the 123-token heatmaps are pooled)
         assert any("မ·1/3" in str(x) for x in axis) and not any("<0x" in str(x) for x in axis)
         screenshot(page, "explore-burmese-layer999")
@@ -129,6 +138,52 @@ def test_every_script_and_bad_values_lose_nothing(server):
         assert narrow.evaluate("() => { const t = document.querySelector('#tokens .tokens');"
                                " return t.scrollWidth <= t.clientWidth + 1; }")
         screenshot(narrow, "explore-burmese-420")
+        browser.close()
+
+
+def _download(page, elem_id: str, name: str) -> bytes:
+    """The bytes of the file `name` a gr.File output offers, fetched like the browser's link."""
+    sel = f'#{elem_id} a[data-testid="download-link"]'
+    wait_until(lambda: any(name in (a.get_attribute("href") or "") for a in page.locator(sel).all()), 60,
+               f"{name} in #{elem_id}")
+    href = next(a.get_attribute("href") for a in page.locator(sel).all() if name in a.get_attribute("href"))
+    r = page.request.get(href)
+    assert r.status == 200, (href, r.status)
+    return r.body()
+
+
+def test_cutoffs_in_the_link_the_stage_download_and_one_glyph_per_character(server):
+    """A link's epsilon goes into its box and into the stage table, a bad eta is refused with a
+    sentence under the settings (and leaves the URL); eta typed later travels in the URL; the stage
+    table downloads as CSV; a family emoji and a flag each stand as one character over their tokens."""
+    from urllib.parse import quote
+
+    text = "A family 👨\u200d👩\u200d👧 under the 🇲🇲 flag, and the"
+    with sync_playwright() as pw:
+        browser = launch_browser(pw)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(server.url + f"?prompt={quote(text)}&epsilon=0.0005&eta=1.5")
+        page.wait_for_selector("#head-big .js-plotly-plot", timeout=180_000)
+        wait_until(lambda: "epsilon" in page.inner_text("#explore-stages"), 60, "the epsilon stage in the table")
+        assert page.locator("#epsilon input").input_value() == "0.0005"
+        assert page.locator("#eta input").input_value() == "0"
+        wait_until(lambda: page.locator("#explore-sampling-msg").is_visible()
+                   and "eta=1.5 was not used" in page.inner_text("#explore-sampling-msg"), 30, "the refused eta")
+        wait_until(lambda: "epsilon=0.0005" in page.url and not re.search(r"[?&]eta=", page.url), 30,
+                   "the URL to keep epsilon and drop the refused eta")
+        glyphs = page.locator("#tokens .glyph-text").all_inner_texts()
+        assert "👨\u200d👩\u200d👧" in glyphs and any(g.endswith("🇲🇲") for g in glyphs), glyphs
+        family = page.locator("#tokens .glyph").nth(glyphs.index("👨\u200d👩\u200d👧"))
+        assert family.locator(".tok-part").count() > 5  # five code points, many byte tokens, one character
+        screenshot(page, "explore-cutoffs-link-emoji-flag")
+        # eta typed in the box: the distribution gets its stage, the link carries it
+        set_number(page, "eta", 0.001)
+        wait_until(lambda: "eta=0.001" in page.url, 30, "eta in the URL")
+        wait_until(lambda: re.search(r"(^|\s)eta(\s|$)", page.inner_text("#explore-stages")), 30, "the eta stage")
+        # the stage table as CSV: the rows shown
+        page.click("#export-stages")
+        rows = _download(page, "export-stages-files", "stages.csv").decode().splitlines()
+        assert rows[0] == "stage,removed,mass_kept" and [r.split(",")[0] for r in rows[1:]][-2:] == ["epsilon", "eta"]
         browser.close()
 
 
@@ -264,6 +319,9 @@ def test_long_prompt_whole_and_linked(server):
         assert big["y"][0].startswith(f"{q0}:") and len(big["y"]) == q1 - q0 + 1 and len(big["x"]) == k1 - k0 + 1
         wait_title(page, "lens", f"positions {q0}-{q1}, every position", 60)
         assert len(plot_data(page, "lens")[0]["text"][0]) == q1 - q0 + 1
+        # columns not computed yet are blank and said so; the chained event fills them all in
+        wait_until(lambda: "computing" not in plot_title(page, "lens"), 120, "the lens to be filled in")
+        assert all(v is not None for row in _z(page, "lens") for v in row)
 
         # the log scale; the link carries scale and zoom
         page.get_by_label("log").check()
