@@ -118,7 +118,7 @@ class RewardSettings(TrainSettings):
 
 @dataclass
 class DPOSettings(TrainSettings):
-    method: str = "lora"  # the defaults below are the measured built-in run (bench/preference.py)
+    # the defaults below are the measured built-in run (bench/preference.py); LoRA: see the bench too
     max_steps: int = 12
     batch_size: int = 4
     builtin_train_size: int = 48
