@@ -51,7 +51,6 @@ import os
 import re
 import shutil
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -59,6 +58,7 @@ from pathlib import Path
 import torch
 
 from model_core import paths, sft
+from model_core.checkpoints import staging_dir, sweep_staging, valid_output_name
 from model_core.errors import SettingsError
 from model_core.preference_data import (
     VERIFIERS,
@@ -170,7 +170,6 @@ GRPO_LOSS_TYPES = {
             "dynamic sampling: groups whose rewards are all equal get zero advantage and no gradient.",
 }
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")  # as SFT's output names
 
 
 def default_lr(kind: str, method: str) -> float:
@@ -226,7 +225,7 @@ def validate_settings(kind: str, raw: TrainSettings | dict | None) -> TrainSetti
     num("eval_fraction", float, 0.0, 0.5)
     if s.output_name is not None:
         s.output_name = str(s.output_name).strip() or None
-        if s.output_name and not _NAME_RE.match(s.output_name):
+        if s.output_name and not valid_output_name(s.output_name):
             raise SettingsError("The output name may use letters, digits, '.', '_' and '-' (max 100), and must "
                                 "start with a letter or digit.")
     if isinstance(s, RewardSettings):
@@ -570,29 +569,6 @@ _METRIC_KEYS = {
 _COMMON_KEYS = {"loss": "loss", "grad_norm": "grad_norm", "learning_rate": "lr", "num_tokens": "tokens_seen"}
 
 
-def _staging_root() -> Path:
-    p = paths.data_dir() / "preference-staging"
-    p.mkdir(parents=True, exist_ok=True)
-    return p
-
-
-def sweep_staging() -> int:
-    """Remove staging folders left by runs whose process died (the pid is in the folder name)."""
-    n = 0
-    for d in _staging_root().iterdir():
-        try:
-            pid = int(d.name.rsplit(".", 2)[-2])
-            os.kill(pid, 0)
-        except (ValueError, IndexError):
-            continue
-        except ProcessLookupError:
-            shutil.rmtree(d, ignore_errors=True)
-            n += 1
-        except PermissionError:
-            pass
-    return n
-
-
 def _grpo_groups(trainer, group_size: int) -> list[dict]:
     """This step's completions grouped by prompt, with TRL's rewards and advantages (read from the
     trainer's completion log, which holds the last generation batch)."""
@@ -734,8 +710,8 @@ def _run(kind: str, model_name: str, s: TrainSettings, data, progress: ProgressF
 
     if name in REGISTRY:
         raise PreferenceError(f"'{name}' is a built-in model name; choose another output name.")
-    sweep_staging()
-    staging = _staging_root() / f"{name}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
+    sweep_staging("preference")
+    staging = staging_dir(name, "preference")
     staging.mkdir(parents=True)
     t_start = time.time()
     try:
@@ -769,16 +745,7 @@ def _run(kind: str, model_name: str, s: TrainSettings, data, progress: ProgressF
             f"steps, lr {s.learning_rate:g}, on {dev}")
         if stop():
             raise TrainingCancelled()
-        try:
-            trainer.train()
-        except torch.cuda.OutOfMemoryError:
-            raise PreferenceError("Training ran out of GPU memory; lower the batch size or max length, or use "
-                                  "LoRA.") from None
-        if cb.nan_step is not None:
-            raise PreferenceError(f"The loss became NaN/inf at step {cb.nan_step}; training stopped. Lower the "
-                                  "learning rate (or check the data).")
-        if cb.cancelled or stop():
-            raise TrainingCancelled()
+        sft.train_checked(trainer, cb, stop, PreferenceError, TrainingCancelled)
         trained = trainer.model
         del trainer
         if hasattr(trained, "peft_config"):

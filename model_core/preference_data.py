@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from model_core.sft import DatasetError
+from model_core.sft import DatasetError, held_out_split, read_dataset_text
 
 BUILTIN = "builtin"
 PREFERENCE_SETS = ("date", "style")
@@ -402,12 +402,7 @@ def builtin_tasks(n_train: int = 64, n_test: int = 20, seed: int = 0,
 
 def _read_lines(path: str | os.PathLike) -> tuple[str, list[tuple[int, str]]]:
     p = Path(path)
-    if not p.is_file():
-        raise PreferenceDataError(f"Dataset file '{p.name}' does not exist.")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise PreferenceDataError(f"Dataset file '{p.name}' is not UTF-8 text (byte {e.start}).") from None
+    text = read_dataset_text(p, PreferenceDataError)
     return p.name, [(i, line) for i, line in enumerate(text.splitlines(), 1) if line.strip()]
 
 
@@ -496,21 +491,11 @@ def parse_task_lines(lines: list[tuple[int, str]], verifier: str | None, name: s
     return tasks
 
 
-def _split(rows: list, eval_fraction: float, seed: int) -> tuple[list, list]:
-    idx = list(range(len(rows)))
-    random.Random(seed).shuffle(idx)
-    n_eval = int(round(len(rows) * eval_fraction))
-    if eval_fraction > 0 and len(rows) >= 4:
-        n_eval = max(1, n_eval)
-    n_eval = min(n_eval, len(rows) - 1)
-    return [rows[i] for i in idx[n_eval:]], [rows[i] for i in idx[:n_eval]]
-
-
 def load_preference_jsonl(path: str | os.PathLike, eval_fraction: float = 0.1, seed: int = 0) -> PreferenceData:
     """A prompt/chosen/rejected JSONL file, split into train and held-out test (seeded)."""
     name, lines = _read_lines(path)
     pairs = parse_preference_lines(lines, name)
-    train, test = _split(pairs, eval_fraction, seed)
+    train, test = held_out_split(pairs, eval_fraction, seed)
     return PreferenceData(train, test, {"source": "upload", "file": name, "lines": len(lines),
                                         "eval_fraction": eval_fraction, "seed": seed})
 
@@ -520,7 +505,7 @@ def load_task_jsonl(path: str | os.PathLike, verifier: str | None = None, eval_f
     """A prompt/answer JSONL file checked by a built-in verifier, split into train and held-out test."""
     name, lines = _read_lines(path)
     tasks = parse_task_lines(lines, verifier, name)
-    train, test = _split(tasks, eval_fraction, seed)
+    train, test = held_out_split(tasks, eval_fraction, seed)
     return TaskData(train, test, {"source": "upload", "file": name, "lines": len(lines), "verifier": verifier,
                                   "eval_fraction": eval_fraction, "seed": seed})
 

@@ -48,7 +48,6 @@ import math
 import os
 import shutil
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -144,7 +143,7 @@ class PretrainSettings:
 
 def validate_settings(raw: dict | PretrainSettings) -> PretrainSettings:
     """Settings with every value checked; SettingsError (one sentence) otherwise."""
-    from model_core.sft import _NAME_RE
+    from model_core.checkpoints import valid_output_name
 
     if isinstance(raw, PretrainSettings):
         raw = asdict(raw)
@@ -181,7 +180,7 @@ def validate_settings(raw: dict | PretrainSettings) -> PretrainSettings:
         setattr(s, key, v)
     name = d.get("output_name")
     if name is not None:
-        if not isinstance(name, str) or not _NAME_RE.match(name):
+        if not valid_output_name(name):
             raise SettingsError("The model name may use letters, digits, '.', '_' and '-' (at most 100 characters).")
         s.output_name = name
     dev = d.get("device")
@@ -352,7 +351,8 @@ def run_pretrain(settings: PretrainSettings | dict, train_docs: list[str], heldo
     with eval_loss/eval_ppl (loss None) at step 0, every eval_every steps and at the end. Also
     {phase: 'saving'} and {phase: 'done'}. should_stop() is polled between steps (-> PretrainCancelled,
     nothing registered); a non-finite loss -> PretrainError."""
-    from model_core.sft import _registry_names, _staging_root, checkpoint_name, sweep_staging
+    from model_core.checkpoints import builtin_names, staging_dir, sweep_staging
+    from model_core.sft import checkpoint_name
 
     s = validate_settings(settings)
     say = log or (lambda m: None)
@@ -363,7 +363,7 @@ def run_pretrain(settings: PretrainSettings | dict, train_docs: list[str], heldo
     final = root / name
     if final.exists() and not s.overwrite:
         raise PretrainError(f"A model named '{name}' already exists; choose another output name.")
-    if name in _registry_names():
+    if name in builtin_names():
         raise PretrainError(f"'{name}' is a built-in model name; choose another output name.")
     max_steps = s.steps()
     c_steps = checkpoint_steps(max_steps, s.keep_checkpoints)
@@ -379,7 +379,7 @@ def run_pretrain(settings: PretrainSettings | dict, train_docs: list[str], heldo
     dev, _ = resolve_device(s.device)
     t_start = time.time()
     sweep_staging()
-    staging = _staging_root() / f"{name}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
+    staging = staging_dir(name)
     ckpt_dirs: dict[int, Path] = {}
     try:
         model, tok = build_model(s)
@@ -431,7 +431,7 @@ def run_pretrain(settings: PretrainSettings | dict, train_docs: list[str], heldo
             return ev
 
         def keep(step):
-            d = _staging_root() / f"{checkpoint_name(name, step)}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
+            d = staging_dir(checkpoint_name(name, step))
             ckpt_dirs[step] = d
             model.save_pretrained(d, safe_serialization=True)
             tok.save_pretrained(d)

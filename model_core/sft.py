@@ -42,7 +42,6 @@ import random
 import re
 import shutil
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -50,6 +49,7 @@ from pathlib import Path
 import torch
 
 from model_core import paths
+from model_core.checkpoints import builtin_names, staging_dir, sweep_staging, valid_output_name
 from model_core.errors import LmscopeError, SettingsError
 
 BUILTIN = "builtin"
@@ -85,7 +85,6 @@ def mfu(n_params: float, tokens_per_s: float, peak_flops: float) -> float:
 # =============================================================================================
 # Settings
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 MAX_SAMPLE_PROMPTS = 20
 MAX_KEEP_CHECKPOINTS = 20  # each one is a full copy of the model on disk
 
@@ -192,7 +191,7 @@ def validate_settings(raw: dict | SFTSettings) -> SFTSettings:
     )
     if not s.model:
         raise SettingsError("No model given to fine-tune.")
-    if s.output_name is not None and not _NAME_RE.match(s.output_name):
+    if s.output_name is not None and not valid_output_name(s.output_name):
         raise SettingsError("The output name may use letters, digits, '.', '_' and '-' (max 100), "
                             "and must start with a letter or digit.")
     if s.keep_checkpoints and s.output_name is not None and len(checkpoint_name(s.output_name, 10**7)) > 100:
@@ -250,15 +249,20 @@ def parse_example(obj, where: str = "example") -> list[dict]:
     raise DatasetError(f"{where}: needs 'messages', or 'prompt' and 'completion'.")
 
 
+def read_dataset_text(p: Path, error_cls: type = DatasetError) -> str:
+    """A dataset file's text; a missing or non-UTF-8 file is one sentence of `error_cls`."""
+    if not p.is_file():
+        raise error_cls(f"Dataset file '{p.name}' does not exist.")
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise error_cls(f"Dataset file '{p.name}' is not UTF-8 text (byte {e.start}).") from None
+
+
 def _scan_jsonl(p: Path) -> tuple[list[list[dict]], list[tuple[int, str]], int]:
     """(good conversations in file order, [(line number, reason)] for every bad line, number of
     non-blank lines). Raises DatasetError only for a missing or non-UTF-8 file."""
-    if not p.exists():
-        raise DatasetError(f"Dataset file '{p.name}' does not exist.")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise DatasetError(f"Dataset file '{p.name}' is not UTF-8 text (byte {e.start}).") from None
+    text = read_dataset_text(p)
     convs, bad, n = [], [], 0
     for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -708,41 +712,30 @@ class SFTResult:
 ProgressFn = Callable[[dict], None]
 
 
-def _staging_root() -> Path:
-    p = paths.data_dir() / "sft-staging"
-    p.mkdir(parents=True, exist_ok=True)
-    return p
-
-
-def sweep_staging() -> int:
-    """Remove staging dirs left by runs whose process died (their pid is in the dir name)."""
-    n = 0
-    for d in _staging_root().iterdir():
-        try:
-            pid = int(d.name.rsplit(".", 2)[-2])
-        except (ValueError, IndexError):
-            continue
-        try:
-            os.kill(pid, 0)
-            alive = True
-        except ProcessLookupError:
-            alive = False
-        except PermissionError:
-            alive = True
-        if not alive:
-            shutil.rmtree(d, ignore_errors=True)
-            n += 1
-    return n
-
-
-def _split(convs, eval_fraction: float, seed: int):
-    idx = list(range(len(convs)))
+def held_out_split(rows: list, eval_fraction: float, seed: int) -> tuple[list, list]:
+    """(train, held out): a seeded shuffle, at least one held-out row once there are 4 and a
+    fraction is asked for, never all of them."""
+    idx = list(range(len(rows)))
     random.Random(seed).shuffle(idx)
-    n_eval = int(round(len(convs) * eval_fraction))
-    if eval_fraction > 0 and len(convs) >= 4:
+    n_eval = int(round(len(rows) * eval_fraction))
+    if eval_fraction > 0 and len(rows) >= 4:
         n_eval = max(1, n_eval)
-    n_eval = min(n_eval, len(convs) - 1)
-    return [convs[i] for i in idx[n_eval:]], [convs[i] for i in idx[:n_eval]]
+    n_eval = min(n_eval, len(rows) - 1)
+    return [rows[i] for i in idx[n_eval:]], [rows[i] for i in idx[:n_eval]]
+
+
+def train_checked(trainer, callback, stop, error_cls: type, cancelled_cls: type) -> None:
+    """trainer.train(), then the endings every trainer here shares: out of GPU memory or a non-finite
+    loss (callback.nan_step) as one sentence of `error_cls`, a cancel as `cancelled_cls`."""
+    try:
+        trainer.train()
+    except torch.cuda.OutOfMemoryError:
+        raise error_cls("Training ran out of GPU memory; lower the batch size or max length, or use LoRA.") from None
+    if callback.nan_step is not None:
+        raise error_cls(f"The loss became NaN/inf at step {callback.nan_step}; training stopped. Lower the learning "
+                        "rate (or check the data).")
+    if callback.cancelled or stop():
+        raise cancelled_cls()
 
 
 def prepare_data(s: SFTSettings, tokenizer):
@@ -763,7 +756,7 @@ def _prepare_run_data(s: SFTSettings, tokenizer):
         convs = load_jsonl(s.dataset)
         held = None
         desc = {"source": "upload", "file": Path(s.dataset).name, "size": len(convs)}
-    train_c, eval_c = _split(convs, s.eval_fraction, s.seed)
+    train_c, eval_c = held_out_split(convs, s.eval_fraction, s.seed)
     if held is None:
         held = heldout_from_convs(eval_c)
     train = encode_dataset(tokenizer, train_c, s.max_length)
@@ -798,10 +791,10 @@ def run_sft(settings: SFTSettings | dict, progress: ProgressFn | None = None,
     final = paths.finetuned_dir() / name
     if final.exists() and not s.overwrite:
         raise SFTError(f"A model named '{name}' already exists; choose another output name.")
-    if name in _registry_names():
+    if name in builtin_names():
         raise SFTError(f"'{name}' is a built-in model name; choose another output name.")
     sweep_staging()
-    staging = _staging_root() / f"{name}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
+    staging = staging_dir(name)
     t_start = time.time()
     tb = None
     ckpts: dict[int, dict] = {}  # step -> {dir (staging), train_seconds, created}
@@ -856,7 +849,7 @@ def run_sft(settings: SFTSettings | dict, progress: ProgressFn | None = None,
             if (paths.finetuned_dir() / cname).exists() and not s.overwrite:
                 raise SFTError(f"A model named '{cname}' already exists (this run's checkpoint at step {st} would "
                                "take that name); choose another output name.")
-            if cname in _registry_names():
+            if cname in builtin_names():
                 raise SFTError(f"'{cname}' is a built-in model name; choose another output name.")
         if c_steps:
             say(f"keeping checkpoints at steps {', '.join(map(str, c_steps))} (registered when the run succeeds)")
@@ -873,7 +866,7 @@ def run_sft(settings: SFTSettings | dict, progress: ProgressFn | None = None,
                 emit({"phase": "samples", "step": step, "max_steps": max_steps, "samples": rows})
             if step in c_steps:
                 t0 = time.time()
-                d = _staging_root() / f"{checkpoint_name(name, step)}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
+                d = staging_dir(checkpoint_name(name, step))
                 ckpts[step] = {"dir": d, "train_seconds": cb.train_time, "created": time.time()}
                 save_plain(train_model, tok, d)
                 timing["checkpoint_seconds"] += time.time() - t0
@@ -900,15 +893,7 @@ def run_sft(settings: SFTSettings | dict, progress: ProgressFn | None = None,
             trainer.add_callback(tb)
         for c in (PrinterCallback, ProgressCallback):
             trainer.remove_callback(c)
-        try:
-            trainer.train()
-        except torch.cuda.OutOfMemoryError:
-            raise SFTError("Training ran out of GPU memory; lower the batch size or max length, or use LoRA.") from None
-        if cb.nan_step is not None:
-            raise SFTError(f"The loss became NaN/inf at step {cb.nan_step}; training stopped. Lower the learning "
-                           "rate (or check the data).")
-        if cb.cancelled or stop():
-            raise SFTCancelled()
+        train_checked(trainer, cb, stop, SFTError, SFTCancelled)
         model = trainer.model
         del trainer
         if s.method == "lora":
@@ -1015,12 +1000,6 @@ def _remove_checkpoints_of(name: str) -> None:
             continue
         if isinstance(info, dict) and info.get("checkpoint_of") == name:
             shutil.rmtree(d, ignore_errors=True)
-
-
-def _registry_names() -> set[str]:
-    from model_core.registry import REGISTRY
-
-    return set(REGISTRY)
 
 
 class _Callback:

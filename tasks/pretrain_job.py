@@ -78,9 +78,9 @@ def model_names(kind: str, p: dict) -> list[str]:
 
 def _check_names(names: list[str], overwrite: bool) -> None:
     from model_core import paths
-    from model_core.sft import _registry_names
+    from model_core.checkpoints import builtin_names
 
-    builtin = _registry_names()
+    builtin = builtin_names()
     for n in names:
         if len(n) > 100:
             raise SettingsError(f"The model name '{n[:40]}…' would be longer than 100 characters; shorten the name.")
