@@ -9,6 +9,8 @@ is narrower than 900 px and, once per figure Gradio draws:
 - turns on automargin for every axis, so tick labels such as "12:␣capital" are not cut;
 - shortens subplot titles that overlap (the head grid's "▶ head 3 · kv 1" becomes "▶ h3"), and wraps a
   lone message (an empty chart's hint) that is wider than the plot.
+Once the window is wide again, every figure it changed gets its own titles, sizes and margin back
+(unless Gradio drew that plot anew meanwhile).
 """
 
 NARROW_JS = """() => {
@@ -80,11 +82,31 @@ NARROW_JS = """() => {
       });
       gd.lmscopeNotes = overlap ? (fl.annotations || []).map((a, i) => upd['annotations[' + i + '].text'] || a.text).join('|') : texts;
     }
-    if (Object.keys(upd).length) window.Plotly.relayout(gd, upd);
+    if (Object.keys(upd).length) {
+      // what a wide window gets back (see `restore`): the first value of each text, size and margin changed
+      const was = {};
+      for (const k of Object.keys(upd)) {
+        if (k === 'title.text') was[k] = text;
+        else if (k === 'margin.t') was[k] = fl.margin.t;
+        else { const m = k.match(/^annotations\[(\d+)\]\.(text|font\.size)$/);
+               if (m) { const a = (gd.layout.annotations || [])[+m[1]] || {};
+                        was[k] = m[2] === 'text' ? a.text : ((a.font && a.font.size) || null); } }
+      }
+      gd.lmscopeWas = Object.assign(was, gd.lmscopeLayout === gd.layout ? gd.lmscopeWas : {});
+      window.Plotly.relayout(gd, upd);
+      gd.lmscopeLayout = gd.layout;
+    }
+  };
+  // Wide again (a phone turned, a window widened): a figure keeps the titles it was drawn with. Only
+  // while it still has the layout this script changed: a figure Gradio drew since is new.
+  const restore = (gd) => {
+    if (!gd.lmscopeWas) return;
+    if (gd.lmscopeLayout === gd.layout) window.Plotly.relayout(gd, gd.lmscopeWas);
+    gd.lmscopeWas = gd.lmscopeLayout = gd.lmscopeNotes = gd.lmscopeTitle = undefined;
   };
   setInterval(() => {
-    if (window.innerWidth >= 900) return;
-    for (const gd of document.querySelectorAll('.js-plotly-plot')) { try { fit(gd); } catch (e) {} }
+    const wide = window.innerWidth >= 900;
+    for (const gd of document.querySelectorAll('.js-plotly-plot')) { try { wide ? restore(gd) : fit(gd); } catch (e) {} }
   }, 400);
   return [];
 }"""

@@ -158,6 +158,17 @@ def test_narrow_screen_stacks_plots_and_keeps_headers(server):
             return t && t.getBoundingClientRect().right <= gd.getBoundingClientRect().right + 1; })"""),
                    20, "plot titles within their plots")
         screenshot(page, "narrow-400-explore")
+        # wide again: each figure gets back the titles it was drawn with (shortened ones included)
+        notes = """() => { const gd = document.querySelector('#head-grid .js-plotly-plot');
+                          return (gd.layout.annotations || []).map(a => a.text); }"""
+        narrow_notes = page.evaluate(notes)
+        changed = page.evaluate("() => [...document.querySelectorAll('.js-plotly-plot')].filter(g => g.lmscopeWas).length")
+        assert changed > 0 and not any("head " in n for n in narrow_notes), narrow_notes  # "▶ h3", not "▶ head 3 · kv 1"
+        page.set_viewport_size({"width": 1400, "height": 1000})
+        wait_until(lambda: page.evaluate("() => [...document.querySelectorAll('.js-plotly-plot')].every(g => !g.lmscopeWas)")
+                   and any("head " in n for n in page.evaluate(notes)), 20, "the wide titles back")
+        assert len(page.evaluate(notes)) == len(narrow_notes)
+        page.set_viewport_size({"width": 400, "height": 900})
         page.goto(server.url + "?tab=jobs")
         page.wait_for_selector("#job-table th", state="attached", timeout=60_000)
         wait_until(lambda: _line_height_ok(page, "#job-table", "progress") is not None, 30, "the jobs table header")
