@@ -152,6 +152,10 @@ def _download(page, elem_id: str, name: str) -> bytes:
     return r.body()
 
 
+def _search(page) -> str:
+    return page.evaluate("() => location.search")
+
+
 def test_cutoffs_in_the_link_the_stage_download_and_one_glyph_per_character(server):
     """A link's epsilon goes into its box and into the stage table, a bad eta is refused with a
     sentence under the settings (and leaves the URL); eta typed later travels in the URL; the stage
@@ -169,7 +173,8 @@ def test_cutoffs_in_the_link_the_stage_download_and_one_glyph_per_character(serv
         assert page.locator("#eta input").input_value() == "0"
         wait_until(lambda: page.locator("#explore-sampling-msg").is_visible()
                    and "eta=1.5 was not used" in page.inner_text("#explore-sampling-msg"), 30, "the refused eta")
-        wait_until(lambda: "epsilon=0.0005" in page.url and not re.search(r"[?&]eta=", page.url), 30,
+        # (location.search, read in the page: page.url is a cached value that a poll loop never refreshes)
+        wait_until(lambda: "epsilon=0.0005" in _search(page) and not re.search(r"[?&]eta=", _search(page)), 30,
                    "the URL to keep epsilon and drop the refused eta")
         glyphs = page.locator("#tokens .glyph-text").all_inner_texts()
         # each glyph spans its tokens' text: the leading space (shown ␣) belongs to the first token
@@ -180,7 +185,7 @@ def test_cutoffs_in_the_link_the_stage_download_and_one_glyph_per_character(serv
         screenshot(page, "explore-cutoffs-link-emoji-flag")
         # eta typed in the box: the distribution gets its stage, the link carries it
         set_number(page, "eta", 0.001)
-        wait_until(lambda: "eta=0.001" in page.url, 30, "eta in the URL")
+        wait_until(lambda: "eta=0.001" in _search(page), 30, "eta in the URL")
         wait_until(lambda: re.search(r"(^|\s)eta(\s|$)", page.inner_text("#explore-stages")), 30, "the eta stage")
         # the stage table as CSV: the rows shown
         page.click("#export-stages")
