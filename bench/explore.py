@@ -15,6 +15,8 @@ layer's pattern). page KB = everything the first view and the overview send to t
 The lens after a zoom, as the user sees it complete (the zoom's event + the chained update_lens):
   zoom+lens cold = onto 64 positions whose lens no one computed yet: before the background filler
                    existed this was every zoom (30 layers x 64 positions through the unembedding)
+  cold 1st picture = the same zooms until the chained event's first drawing (4 columns spread over
+                   the region; it then draws twice more, views.missing_batches)
   fill s         = the background filler computing the lens of every position of the prompt, from
                    the end of the first view, on an otherwise idle server (wall clock)
   zoom+lens warm = the same zooms once the filler is done (what a zoom costs from then on)
@@ -73,7 +75,7 @@ def main() -> None:
     print(f"# bench/explore.py  model={lm.name}  {device_info()}")
     print(f"{'T':>5} {'bare trace s':>12} {'first view':>11} {'ratio':>6} {'layer ms':>9} {'head ms':>8} "
           f"{'zoom ms':>8} {'query ms':>9} {'overview s':>11} {'page KB':>8} | {'zoom+lens cold ms':>17} "
-          f"{'fill s':>7} {'zoom+lens warm ms':>17} {'layer (filling) ms':>18}")
+          f"{'cold 1st picture ms':>19} {'fill s':>7} {'zoom+lens warm ms':>17} {'layer (filling) ms':>18}")
     words = ("the quick brown fox jumps over a lazy dog while seven curious otters watch from the river bank "
              "and a small bird sings ").split()
     state_i = explore_tab.RUN_OUTPUT_NAMES.index("state")
@@ -127,18 +129,22 @@ def main() -> None:
             views._vcache(tr).pop("lens", None)
             explore_tab.render_lens(tr, last, "probability")
 
-        def zoom_and_lens():
-            """A zoom and its chained lens event, as the page runs them: seconds until the lens is complete."""
+        def zoom_and_lens(first=None):
+            """A zoom and its chained lens event, as the page runs them: seconds until the lens is
+            complete (first: a list that gets the seconds until the chained event's first picture)."""
             t0 = time.perf_counter()
             out = explore_tab.set_zoom(state, 7, 1, last, region(), view, "probability")
             _bytes(out)
-            _bytes(explore_tab.update_lens(state, last, "probability", out[1]))
+            for i, drawn in enumerate(explore_tab.update_lens(state, last, "probability", out[1])):
+                _bytes(drawn)
+                if i == 0 and first is not None:
+                    first.append(time.perf_counter() - t0)
             return time.perf_counter() - t0
 
-        cold = []
+        cold, cold_first = [], []
         for _ in range(args.repeats):
             fresh_lens()
-            cold.append(zoom_and_lens())
+            cold.append(zoom_and_lens(cold_first))
         # the filler from the end of a first view, on an idle server
         fresh_lens()
         filler.clear()
@@ -172,7 +178,7 @@ def main() -> None:
             return f"{statistics.median(v) * 1e3:.0f}" if v else "-"
         print(f"{n:>5} {t['bare']:>12.3f} {t['first']:>10.3f}s {t['first'] / t['bare']:>5.2f}x"
               f" {s['layer'] * 1e3:>9.0f} {s['head'] * 1e3:>8.0f} {s['zoom'] * 1e3:>8.0f}"
-              f" {s['query'] * 1e3:>9.0f} {ov['overview']:>11.2f} {kb:>8.0f} | {ms(cold):>17} {fill:>7.2f}"
+              f" {s['query'] * 1e3:>9.0f} {ov['overview']:>11.2f} {kb:>8.0f} | {ms(cold):>17} {ms(cold_first):>19} {fill:>7.2f}"
               f" {ms(warm):>17} {ms(busy):>18}", flush=True)
 
 

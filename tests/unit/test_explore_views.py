@@ -220,15 +220,21 @@ def test_clicks_from_the_page_move_the_settings(lm, monkeypatch):
     known = [list(lens.data[0].x).index(f"{p}:{views.labels(explore_tab.trace_for_state(state))[p]}") for p in (289, 299)]
     assert o[4]["lens_missing"] == 18 and "computing 18 of 20 columns" in lens.layout.title.text
     assert np.isnan(z).sum(1).tolist() == [18] * z.shape[0] and not np.isnan(z[:, known]).any()
-    # ... and the event chained after it fills them in
-    lens, target = explore_tab.update_lens(state, 290, "probability", o[4])
+    # ... and the event chained after it fills them in, drawing as it goes: 4 columns spread over
+    # the region first, then 3x what it has, then the rest (views.missing_batches)
+    drawn = list(explore_tab.update_lens(state, 290, "probability", o[4]))
+    blank = [int(np.isnan(np.asarray(f.data[0].z, dtype=float)).sum(1).max()) for f, _ in drawn]
+    assert blank == [14, 2, 0], blank
+    assert "computing 14 of 20 columns" in drawn[0][0].layout.title.text
+    lens, target = drawn[-1]
     assert lens.layout.meta["lmscope"]["x"]["lo"] == 280 and list(lens.data[0].x)[-1].startswith("299:")
     assert not np.isnan(np.asarray(lens.data[0].z, dtype=float)).any() and "computing" not in lens.layout.title.text
     np.testing.assert_allclose(np.asarray(lens.data[0].z, dtype=float)[:, known], z[:, known])
     # the same zoom again: every column is known, the lens comes with the zoom and nothing follows
     o = send({"kind": "zoom", "rows": [280, 299], "cols": [200, 290]})
     assert o[4]["lens_missing"] == 0 and "computing" not in o[13].layout.title.text
-    assert all(isinstance(v, type(explore_tab.gr.skip())) for v in explore_tab.update_lens(state, 290, "probability", o[4]))
+    (again,) = explore_tab.update_lens(state, 290, "probability", o[4])
+    assert all(isinstance(v, type(explore_tab.gr.skip())) for v in again)
     # a head click leaves the lens as it is
     o = send({"kind": "head", "layer": 1, "head": 1})
     assert isinstance(o[13], type(explore_tab.gr.skip())) and o[4]["lens_missing"] == 0
@@ -328,3 +334,20 @@ def test_the_filler_fills_the_rows_on_screen_first(lm, monkeypatch):
     assert sorted(done) == list(range(tr.n_tokens))
     assert sorted(done[:20]) == list(range(100, 120))
     assert calls[:2] == [[111], [103]]  # coarse to fine: the region's position on the 16-grid, then the 8-grid
+
+
+def test_a_cold_zoom_is_drawn_in_growing_batches_spread_over_the_region(lm, monkeypatch):
+    """missing_batches: only columns not computed yet, coarse to fine over the region (the first
+    batch spread across it, not its left edge), each batch 3x everything before it."""
+    monkeypatch.setattr(views.FILLER, "enabled", False)
+    tr = trace(lm, _prompt(120))
+    positions = list(range(40, 104))  # a 64-column zoom
+    views.lens_columns(tr, [71, 72])  # two columns someone already computed
+    batches = views.missing_batches(tr, positions)
+    flat = [p for b in batches for p in b]
+    assert sorted(flat) == [p for p in positions if p not in (71, 72)]
+    assert [len(b) for b in batches] == [4, 12, 46]
+    assert batches[0] == [103, 55, 87, 47]  # index 63 of the 32-grid (31 is done), the 16-grid (15, 47), the 8-grid
+    assert max(batches[0]) - min(batches[0]) >= 40
+    views.lens_columns(tr, flat)
+    assert views.missing_batches(tr, positions) == []
