@@ -23,6 +23,9 @@ INVALID = {
     "pretrain": ({"width": 17, "max_steps": 2}, "multiple of 16"),
     "scaling": ({"widths": "sixty-four", "tokens": 4096}, "Widths must be whole numbers"),
     "neurons": ({"model": "random-llama-tiny", "tokens": 10}, "'tokens' must be between 64"),
+    "reward": ({"model": "random-llama-tiny", "max_steps": 0}, "'max_steps' must be between 1"),
+    "dpo": ({"model": "random-llama-tiny", "beta": 0}, "'beta' must be between"),
+    "grpo": ({"model": "random-llama-tiny", "loss_type": "ppo"}, "GRPO loss type must be one of"),
 }
 
 
@@ -51,7 +54,7 @@ def test_cli_service_and_worker_kinds_come_from_the_registry(svc):
     from tasks.lifecycle import JobTask
 
     names = kinds.names()
-    assert set(names) == {"tokenizer", "patching", "sft", "pretrain", "scaling", "neurons"}
+    assert set(names) == {"tokenizer", "patching", "sft", "pretrain", "scaling", "neurons", "reward", "dpo", "grpo"}
     assert _cli_kinds() == list(names)
     assert tuple(jobs.KINDS) == names
     for k in kinds.all_kinds():
@@ -66,8 +69,8 @@ def test_cli_service_and_worker_kinds_come_from_the_registry(svc):
     ours = {n for n in registered if not n.startswith("celery.")}
     assert ours == {k.task.name for k in kinds.all_kinds()}, (ours, svc.worker_log())
     with pytest.raises(LmscopeError) as e:
-        jobs.submit("reward", {})
-    assert "Unknown job kind 'reward'" in str(e.value) and "tokenizer" in str(e.value)
+        jobs.submit("ppo", {})
+    assert "Unknown job kind 'ppo'" in str(e.value) and "tokenizer" in str(e.value)
 
 
 def test_every_kind_refuses_a_bad_setting_before_queueing(svc):
