@@ -272,3 +272,33 @@ def contrastive_figure(candidates: list[list[dict]], alpha: float) -> go.Figure:
                       title=dict(text=f"Contrastive search: top-{k} candidates per step, score = (1−α)·p − α·max cos "
                                       f"(α = {alpha:g}); outlined = chosen", x=0.01))
     return fig
+
+
+def steering_sweep_figure(rows: list[dict], layer: int | None = None) -> go.Figure:
+    """The alpha sweep of a steering vector: three panels against alpha, one point per alpha.
+    rows: [{alpha, kl_from_unsteered, base_perplexity, target_logprob}] (steering.alpha_sweep's
+    rows as dicts; target_logprob / base_perplexity None when not measured)."""
+    if not rows:
+        return _hint(go.Figure(), "Run a sweep to see how the vector's strength changes the model.", 260)
+    rows = sorted(rows, key=lambda r: r["alpha"])
+    a = [r["alpha"] for r in rows]
+    panels = [("KL from unsteered (nats)", "kl_from_unsteered", "#1f77b4"),
+              ("perplexity of the output<br>under the unsteered model", "base_perplexity", "#ff7f0e"),
+              ("on-target score<br>(mean log p of the targets)", "target_logprob", "#2ca02c")]
+    fig = make_subplots(rows=1, cols=3, subplot_titles=[t for t, _, _ in panels], horizontal_spacing=0.09)
+    for j, (title, key, colour) in enumerate(panels, start=1):
+        ys = [r.get(key) for r in rows]
+        if all(y is None for y in ys):
+            note = "name target words" if key == "target_logprob" else "not measured"
+            fig.add_annotation(text=note, x=0.5, y=0.5, xref=f"x{j} domain", yref=f"y{j} domain",
+                               showarrow=False, font=dict(color="#666"))
+            continue
+        fig.add_trace(go.Scatter(x=a, y=ys, mode="lines+markers", marker=dict(color=colour), line=dict(color=colour),
+                                 name=title.split("<br>")[0], showlegend=False,
+                                 hovertemplate="α %{x:g}<br>%{y:.3f}<extra></extra>"), row=1, col=j)
+        fig.update_xaxes(title_text="α", row=1, col=j)
+    where = f" at layer {layer}" if layer is not None else ""
+    fig.update_layout(title=dict(text=f"Steering vector{where}: what α does (α = 0 is the unsteered model)", x=0.01),
+                      margin=dict(l=50, r=20, t=80, b=40), height=320)
+    fig.update_annotations(font_size=12)
+    return fig

@@ -301,6 +301,10 @@ class GenerateTab:
 
         decoding_panel.build(self.shared)
 
+        from app import steering_panel  # a steering vector: steered vs unsteered, and an alpha sweep
+
+        steering_panel.build(self.shared, self)
+
     def _wire_link(self) -> None:
         """The link: settings and chosen step mirrored into the URL, and read back on load."""
         shared = self.shared

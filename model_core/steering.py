@@ -179,21 +179,63 @@ class SweepRow:
     kl_from_unsteered: float  # KL(steered || unsteered) of the next-token distribution, nats
     target_logprob: float | None  # mean log-prob of the named target tokens (the on-target score)
     top_tokens: list[tuple[str, float]]  # (token text, probability), best first
+    text: str | None = None  # with generate options: the steered continuation
+    base_perplexity: float | None = None  # ... and its perplexity under the unsteered model
+
+
+MAX_SWEEP = 16  # alphas in one sweep (each is a forward, and with generate options a generation)
+MAX_TARGETS = 16
+
+
+def parse_alphas(text) -> list[float]:
+    """'-8, -4, 0, 4, 8' -> [-8.0, -4.0, 0.0, 4.0, 8.0] (each checked like any alpha; order kept,
+    repeats dropped)."""
+    parts = [t for t in str(text or "").replace(";", ",").replace(" ", ",").split(",") if t.strip()]
+    if not parts:
+        raise SteeringError("Give the alphas to sweep, separated by commas (e.g. -8, -4, 0, 4, 8).")
+    if len(parts) > MAX_SWEEP:
+        raise SteeringError(f"A sweep takes at most {MAX_SWEEP} alphas; got {len(parts)}.")
+    return list(dict.fromkeys(check_alpha(t) for t in parts))
+
+
+def target_ids(lm, text) -> list[tuple[str, int]]:
+    """'love, happy' -> [(' love', id), (' happy', id)]: each comma-separated word as it appears
+    after another word (with its leading space), and the first token it becomes (what the on-target
+    score reads). Empty text: no targets."""
+    words = [w.strip() for w in str(text or "").split(",") if w.strip()]
+    if len(words) > MAX_TARGETS:
+        raise SteeringError(f"Name at most {MAX_TARGETS} target words; got {len(words)}.")
+    out = []
+    for w in words:
+        ids = lm.tokenizer(" " + w, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise SteeringError(f"The target {w!r} is no token of this tokenizer.")
+        out.append((lm.tokenizer.decode([ids[0]]), int(ids[0])))
+    return out
 
 
 def alpha_sweep(lm, prompt: str, vec: SteeringVector, alphas, *, targets: list[int] | None = None,
-                chat: bool = False, top: int = 5) -> list[SweepRow]:
-    """Next-token distribution at the prompt's end under each alpha, against alpha = 0."""
+                chat: bool = False, top: int = 5, from_position: int = 0,
+                generate_options: dict | None = None) -> list[SweepRow]:
+    """Next-token distribution at the prompt's end under each alpha, against alpha = 0. With
+    generate_options (generate()'s keywords: max_new_tokens, settings, seed, ...), each alpha also
+    generates a continuation (same seed for all) and scores it under the unsteered model."""
     ids = torch.tensor([encode_prompt(lm, prompt, chat=chat)], device=lm.device)
     base = torch.log_softmax(last_logits(lm, ids)[0].float(), -1)  # [V]
     rows = []
     for a in alphas:
-        lp = torch.log_softmax(last_logits(lm, ids, steering_edits(lm, vec, a))[0].float(), -1)  # [V]
+        edits = steering_edits(lm, vec, a, from_position=from_position)
+        lp = torch.log_softmax(last_logits(lm, ids, edits)[0].float(), -1)  # [V]
         kl = float((lp.exp() * (lp - base)).sum())
         tgt = float(lp[targets].mean()) if targets else None
         p, i = lp.exp().topk(top)
+        text = ppl = None
+        if generate_options is not None:
+            run = steered_generation(lm, prompt, vec, a, from_position=from_position, chat=chat, **generate_options)
+            text, ppl = run.generation.text, run.base_perplexity
         rows.append(SweepRow(alpha=float(a), kl_from_unsteered=max(kl, 0.0), target_logprob=tgt,
-                             top_tokens=[(lm.tokenizer.decode([int(t)]), float(q)) for t, q in zip(i, p)]))
+                             top_tokens=[(lm.tokenizer.decode([int(t)]), float(q)) for t, q in zip(i, p)],
+                             text=text, base_perplexity=ppl))
     return rows
 
 

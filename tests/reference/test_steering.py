@@ -17,9 +17,11 @@ from model_core.steering import (
     SteeringPair,
     alpha_sweep,
     builtin_pairs,
+    parse_alphas,
     parse_pairs,
     steering_edits,
     steering_vector,
+    target_ids,
 )
 from model_core.trace import trace
 
@@ -161,3 +163,35 @@ def test_cli_steered_generation_json(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "app.cli", "generate", "hi", "--steer-pairs", str(pairs),
                           "--alpha", "inf"], capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "alpha must be a finite number" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_sweep_generations_alpha_zero_is_plain_generate_and_perplexity_is_transformers_loss(default_lm, love):
+    """Each sweep row's continuation: alpha 0 equals plain generate (the unsteered run, same seed);
+    its perplexity under the unsteered model equals exp of transformers' own causal-LM loss with the
+    prompt masked out (labels=-100), computed here from the model's forward with labels."""
+    from model_core.generate import generate
+
+    lm, prompt = default_lm, "Honestly, my neighbours are"
+    rows = alpha_sweep(lm, prompt, love, [0, 6], generate_options=dict(max_new_tokens=8, seed=3))
+    plain = generate(lm, prompt, max_new_tokens=8, seed=3)
+    assert rows[0].text == plain.text and rows[1].text != plain.text
+    full = torch.tensor([list(plain.prompt_ids) + list(plain.token_ids)])
+    labels = full.clone()
+    labels[0, : len(plain.prompt_ids)] = -100
+    with torch.inference_mode():
+        loss = lm.model(input_ids=full, labels=labels).loss
+    assert rows[0].base_perplexity == pytest.approx(math.exp(float(loss)), rel=1e-4)
+    assert rows[1].base_perplexity > rows[0].base_perplexity  # the steered text reads as less likely
+
+
+def test_alphas_and_targets_are_parsed_with_one_sentence(default_lm):
+    assert parse_alphas("-8, -4 0;4, 8, 4") == [-8.0, -4.0, 0.0, 4.0, 8.0]
+    for bad, msg in (("", "Give the alphas"), ("1,x", "must be a number"), ("nan", "finite"),
+                     (",".join(["1"] * 17), "at most 16")):
+        with pytest.raises(SteeringError, match=msg):
+            parse_alphas(bad)
+    tok = default_lm.tokenizer
+    got = target_ids(default_lm, " wonderful ,great")
+    assert got == [(" wonderful", tok(" wonderful", add_special_tokens=False).input_ids[0]),
+                   (" great", tok(" great", add_special_tokens=False).input_ids[0])]
+    assert target_ids(default_lm, "  ") == []
