@@ -141,3 +141,45 @@ def test_beam_search_panel_in_the_browser(server):
         assert "✓" in info.inner_text() and "✗" not in info.inner_text()
         page.locator("#gen-beams").screenshot(path=str(ARTIFACTS / "generate-contrastive.png"))
         browser.close()
+
+
+def test_steered_generation_in_the_browser(server):
+    """The 'Steering vector' accordion: the love-hate vector at layer 6, steered beside unsteered with
+    the same seed, the on-target shift in words; a bad alpha is a sentence beside the buttons and the
+    two texts stay; the alpha sweep draws its three panels."""
+    from tests.helpers.browser import ARTIFACTS
+
+    with sync_playwright() as pw:
+        browser = launch_browser(pw)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(server.url)
+        wait_until(lambda: "parameters" in page.inner_text("#model-info"), 60, "the page to load")
+        page.locator("#prompt textarea").fill("Honestly, my neighbours are")
+        page.get_by_role("tab", name="Generate").click()
+        page.locator("#gen-steer > button.label-wrap").click()
+        set_number(page, "gen-steer-max-new", 10)
+        page.click("#gen-steer-btn")
+        info = page.locator("#gen-steer-info")
+        wait_until(lambda: "On-target score" in info.inner_text(), 180, "the steered generation")
+        plain = page.locator("#gen-steer-plain textarea").input_value()
+        steered = page.locator("#gen-steer-steered textarea").input_value()
+        assert plain and steered and plain != steered
+        before, after = (float(x) for x in info.inner_text().split("On-target score ")[1].split(" (")[0].split(" → "))
+        assert after > before  # the love direction makes 'wonderful, great, lovely' likelier
+        page.locator("#gen-steer").screenshot(path=str(ARTIFACTS / "generate-steered.png"))
+
+        page.locator("#gen-steer-alpha input").fill("1e9")
+        page.click("#gen-steer-btn")
+        wait_until(lambda: page.locator("#gen-steer-msg").is_visible(), 30, "the message under the buttons")
+        assert "alpha must be a finite number" in page.inner_text("#gen-steer-msg")
+        assert page.locator("#gen-steer-steered textarea").input_value() == steered
+        assert page.locator(".error").count() == 0
+
+        page.locator("#gen-steer-alphas input, #gen-steer-alphas textarea").first.fill("-4, 0, 4")
+        page.click("#gen-steer-sweep-btn")
+        wait_until(lambda: "Steering vector at layer 6" in plot_title(page, "gen-steer-sweep"), 180, "the sweep")
+        assert not page.locator("#gen-steer-msg").is_visible()
+        panels = plot_data(page, "gen-steer-sweep")
+        assert len(panels) == 3 and all(list(p["x"]) == [-4, 0, 4] for p in panels)
+        screenshot(page, "generate-steering-sweep")
+        browser.close()
