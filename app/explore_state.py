@@ -6,23 +6,24 @@ from __future__ import annotations
 
 import gradio as gr
 
-from app import views
+from app import steering_panel, views
 from app.context import get_model, max_prompt_tokens
 from app.trace_store import STORE
 from model_core.trace import trace
 
 
 def trace_for_state(state: dict):
-    """The stored trace of an Explore state ({"key", "model", "prompt", "chat", "truncate"})."""
+    """The stored trace of an Explore state ({"key", "model", "prompt", "chat", "truncate", "steer"?})."""
     tr = STORE.get((state or {}).get("key"))
     if tr is not None:
         return tr
     if not state or not state.get("prompt"):
         raise gr.Error("Run a prompt first.")
-    # Evicted from the server's trace cache: re-run it transparently.
+    # Evicted from the server's trace cache: re-run it transparently (with its steering vector, if any).
     lm = get_model(state["model"])
+    edits = steering_panel.edits_for(lm, state["steer"])[0] if state.get("steer") else None
     tr = trace(lm, state["prompt"], chat=state.get("chat", False), truncate=state.get("truncate", False),
-               max_tokens=max_prompt_tokens())
+               max_tokens=max_prompt_tokens(), edits=edits)
     state["key"] = STORE.put(tr)
     views.FILLER.schedule(tr)
     return tr

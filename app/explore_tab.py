@@ -12,11 +12,12 @@ import re
 
 import gradio as gr
 
-from app import figures, views
+from app import figures, steering_panel, views
 from app import validation as V
 from app.context import Shared, endpoint, get_model, max_prompt_tokens, scratch_dir
 from app.explore_state import clamp, trace_for_state, where
 from app.trace_store import STORE
+from model_core import steering as St
 from model_core.errors import LmscopeError
 from model_core.sampling import SamplingSettings
 from model_core.trace import trace
@@ -153,6 +154,22 @@ class ExploreTab:
         self.export_files = gr.File(label="Exported data", file_count="multiple", visible=False)
         self.export_tensors_file = gr.File(label="Trace tensors: load with model_core.load_trace(path)",
                                            visible=False, elem_id="export-tensors-file")
+        with gr.Accordion("Steering vector: run this prompt with α·v added", open=False, elem_id="explore-steer"):
+            _md("The mean difference of the residual stream between positive and negative prompts at one layer, "
+                "added to that layer's input (the Generate tab's *Steering vector* panel explains it and sweeps α). "
+                "Every view below then shows the steered model: compare the logit lens and the next-token "
+                "distribution with a plain Run.")
+            with gr.Row():
+                self.steer_choice = gr.Radio([*St.BUILTIN_PAIRS, steering_panel.MY_PAIRS], value="love-hate",
+                                             label="pairs", elem_id="explore-steer-pairs")
+                self.steer_layer = gr.Number(value=6, precision=0, label="layer (its input gets α·v)",
+                                             elem_id="explore-steer-layer")
+                self.steer_alpha = gr.Number(value=4.0, label="α", elem_id="explore-steer-alpha")
+                self.steer_from = gr.Number(value=0, precision=0, label="from position", elem_id="explore-steer-from")
+            self.steer_pairs = gr.Textbox(label="my pairs: one {\"positive\": ..., \"negative\": ...} per line",
+                                          lines=2, elem_id="explore-steer-pairs-text")
+            self.steer_btn = gr.Button("Run with the vector", variant="primary", elem_id="explore-steer-btn")
+            self.steer_msg = V.field_message("explore-steer-msg")
 
         gr.Markdown("### Tokens")
         _md("The prompt as the model sees it: one chip per token. Colour is how surprised the model was by "
@@ -323,6 +340,10 @@ class ExploreTab:
         if s.page is not None:
             s.page.load(cutoffs_from_url, None, [self.epsilon, self.eta, self.sampling_msg, self.url_note]).then(
                 None, [self.epsilon, self.eta], None, js=CUTOFF_URL_JS).then(cutoffs_after_run, **after_io)
+        steer_inputs = [self.steer_choice, self.steer_pairs, self.steer_layer, self.steer_alpha, self.steer_from]
+        self.steer_btn.click(run_steered_trace, run_inputs + steer_inputs, run_outputs + [self.steer_msg],
+                             concurrency_id="model").then(
+            overview, [self.state, self.metric, self.layer, self.head], [self.overview])
         self.export_btn.click(export, [self.state], [self.export_files])
         self.stages_btn.click(export_stages, next_io["inputs"], [self.stages_files, self.sampling_msg])
         self.export_tensors_btn.click(export_tensors, [self.state, self.layer, self.head, self.query, self.view,
@@ -445,6 +466,27 @@ def run_trace(model, prompt, chat, truncate, layer, head, query, lens_colour, te
     """query: a position (out of range or -1: the last token), or the page's view settings
     {"scale", "zoom", "query"?} (the attention colour scale and the zoom, which is clamped to the
     prompt with a notice; from a link, the query too)."""
+    return _run(model, prompt, chat, truncate, layer, head, query, lens_colour, temperature, top_k, top_p, min_p, rep)
+
+
+@endpoint(model=True)
+def run_steered_trace(model, prompt, chat, truncate, layer, head, query, lens_colour, temperature, top_k, top_p,
+                      min_p, rep, choice, pairs_text, steer_layer, alpha, from_pos, request: gr.Request = None):
+    """run_trace with a steering vector added (app.steering_panel: alpha * v at steer_layer's input):
+    every view, the lens and the next-token distribution included, shows the steered model. Its
+    outputs: run_trace's, then the steering message (a bad value: that sentence, nothing else changes)."""
+    steer = steering_panel.steer_settings(choice, pairs_text, steer_layer, alpha, from_pos)
+    try:
+        edits, line = steering_panel.edits_for(get_model(model), steer)
+    except LmscopeError as e:
+        return [gr.skip()] * len(RUN_OUTPUT_NAMES) + [V.show(str(e))]
+    return [*_run(model, prompt, chat, truncate, layer, head, query, lens_colour, temperature, top_k, top_p, min_p,
+                  rep, steer=(steer, edits, line)), V.clear()]
+
+
+def _run(model, prompt, chat, truncate, layer, head, query, lens_colour, temperature, top_k, top_p, min_p, rep,
+         steer=None):
+    """run_trace's work; steer: (settings kept in the state, edits, the status line's words) or None."""
     view = query if isinstance(query, dict) else None
     query = view.get("query", -1) if view is not None else query
     # a bad sampling setting loses nothing: the views run, the distribution leaves that setting at
@@ -452,7 +494,8 @@ def run_trace(model, prompt, chat, truncate, layer, head, query, lens_colour, te
     settings, problems = V.check_settings(temperature, top_k, top_p, min_p, rep)
     lm = get_model(model)
     try:
-        tr = trace(lm, prompt, chat=bool(chat), truncate=bool(truncate), max_tokens=max_prompt_tokens())
+        tr = trace(lm, prompt, chat=bool(chat), truncate=bool(truncate), max_tokens=max_prompt_tokens(),
+                   edits=steer[1] if steer else None)
     except LmscopeError as e:  # an empty or too long prompt: every view keeps the last good one
         return [gr.skip()] * (len(RUN_OUTPUT_NAMES) - 2) + [V.show(str(e)), gr.skip()]
     key = STORE.put(tr)
@@ -471,10 +514,12 @@ def run_trace(model, prompt, chat, truncate, layer, head, query, lens_colour, te
     if view is not None and asked["query"] not in (None, -1) and asked["query"] != query:
         clamped.append(f"Query position {asked['query']} is outside the prompt's {T} tokens: showing the last.")
     state = {"key": key, "model": lm.name, "prompt": prompt, "chat": bool(chat), "truncate": bool(truncate)}
+    if steer:
+        state["steer"] = steer[0]
     ppl = tr.perplexity()
     lp = [None if i == 0 else float(v) for i, v in enumerate(tr.token_logprobs.tolist())]
     status = (f"**{lm.name}** · {T} tokens · {L} layers × {H} heads ({shape.n_kv_heads} key/value heads) · "
-              f"traced in {tr.seconds * 1000:.0f} ms on {lm.device}")
+              f"traced in {tr.seconds * 1000:.0f} ms on {lm.device}" + (f" · **{steer[2]}**" if steer else ""))
     scale, zoom = _view(view)
     region, notice = _region(tr, zoom)
     notice = " ".join([*clamped, notice] if notice else clamped)

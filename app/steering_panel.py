@@ -71,6 +71,27 @@ def vector_for(lm, pairs, layer: int, chat: bool) -> St.SteeringVector:
     return vec
 
 
+def steer_settings(choice, pairs_text, layer, alpha, from_pos) -> dict:
+    """The steering settings of an Explore trace as its state keeps them (checked again whenever
+    the trace is re-run: the state is data, not trust)."""
+    return {"choice": choice if isinstance(choice, str) else "", "pairs": pairs_text if isinstance(pairs_text, str) else "",
+            "layer": layer, "alpha": alpha, "from": from_pos}
+
+
+def edits_for(lm, steer: dict) -> tuple[dict, str]:
+    """({hook name: edit}, a line saying what was added) for steer_settings(...); one sentence
+    (SteeringError) for any bad value."""
+    layer = whole(steer.get("layer"), "steering layer", 0, lm.shape.n_layers - 1)
+    from_pos = whole(steer.get("from"), "'from position'", 0, 100_000)
+    alpha = St.check_alpha(steer.get("alpha"))
+    vec = vector_for(lm, pairs_from(steer.get("choice"), steer.get("pairs")), layer, False)
+    name = steer.get("choice") if steer.get("choice") in St.BUILTIN_PAIRS else "your pairs"
+    where = f"from position {from_pos}" if from_pos else "at every position"
+    return (St.steering_edits(lm, vec, alpha, from_position=from_pos),
+            f"steered: {alpha:g}·v ({name}, {vec.n_pairs} pairs, |v| {vec.norm:.2f}) added to layer {layer}'s input "
+            f"{where}")
+
+
 def _setup(model_name, prompt, chat, choice, pairs_text, layer, from_pos, targets_text, max_new, t, k, p, m, r, sd):
     """Everything both buttons need, checked: (lm, vector, options, targets, from_position, notes)."""
     if not isinstance(prompt, str) or not prompt.strip():

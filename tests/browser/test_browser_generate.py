@@ -182,4 +182,12 @@ def test_steered_generation_in_the_browser(server):
         panels = plot_data(page, "gen-steer-sweep")
         assert len(panels) == 3 and all(list(p["x"]) == [-4, 0, 4] for p in panels)
         screenshot(page, "generate-steering-sweep")
+
+        # Explore with the same vector: every view is the steered model's, and the status says so
+        page.get_by_role("tab", name="Explore").click()
+        page.locator("#explore-steer > button.label-wrap").click()
+        page.click("#explore-steer-btn")
+        wait_until(lambda: "steered: 4·v (love-hate" in page.inner_text("#explore-status"), 180, "the steered trace")
+        wait_until(lambda: "Logit lens" in plot_title(page, "lens"), 60, "the steered lens")
+        screenshot(page, "explore-steered")
         browser.close()

@@ -55,3 +55,39 @@ def test_sweep_plot_and_table_follow_alpha():
     kl = [t for t in fig.data if t.name.startswith("KL")][0]
     assert list(kl.x) == [-4.0, 0.0, 4.0] and np.allclose(kl.y, table["KL from unsteered"], atol=1e-4)
     assert len(fig.data) == 3  # KL, perplexity, on-target: every panel has its line
+
+
+def test_explore_with_the_vector_shows_the_steered_model(monkeypatch):
+    """Explore's 'Run with the vector': the stored trace is the steered forward (layer 6's input is
+    the plain run's plus alpha * v, earlier layers bit-identical, both read from the model's own
+    captured forward), the status says so, the next-token distribution moves, and a trace evicted
+    from the cache is re-run with the same vector."""
+    import torch
+
+    from app import explore_tab, views
+    from app.explore_state import trace_for_state
+    from app.trace_store import STORE
+
+    monkeypatch.setattr(views.FILLER, "enabled", False)
+    names = explore_tab.RUN_OUTPUT_NAMES
+    sampling = (1.0, 0, 1.0, 0.0, 1.0)
+    plain = explore_tab.run_trace(MODEL, PROMPT, False, False, 0, 0, -1, "probability", *sampling)
+    out = explore_tab.run_steered_trace(MODEL, PROMPT, False, False, 0, 0, -1, "probability", *sampling,
+                                        "love-hate", "", 6, 4.0, 0)
+    assert len(out) == len(names) + 1 and out[-1]["visible"] is False
+    state = out[names.index("state")]
+    assert state["steer"]["alpha"] == 4.0 and "steered: 4·v (love-hate, 5 pairs" in out[names.index("status")]
+    a, b = trace_for_state(plain[names.index("state")]), trace_for_state(state)
+    vec = P.vector_for(a.lm, P.pairs_from("love-hate", ""), 6, False).vector
+    for layer in range(6):
+        assert torch.equal(a.resid_pre[layer], b.resid_pre[layer])
+    torch.testing.assert_close(b.resid_pre[6], a.resid_pre[6] + 4.0 * vec, rtol=0, atol=1e-4)
+    assert not torch.allclose(a.next_logits, b.next_logits)
+    # evicted: re-run from the state, with the vector
+    STORE._items.pop(state["key"])
+    again = trace_for_state(state)
+    assert again is not b and torch.equal(again.next_logits, b.next_logits)
+    # a bad alpha: one sentence beside the button, nothing else replaced
+    bad = explore_tab.run_steered_trace(MODEL, PROMPT, False, False, 0, 0, -1, "probability", *sampling,
+                                        "love-hate", "", 6, "inf", 0)
+    assert all(o == {"__type__": "update"} for o in bad[:-1]) and "alpha must be" in bad[-1]["value"]
