@@ -138,7 +138,9 @@ def submit_preference(kind: str, params: dict, owner: str = "cli", files: list |
     p = dict(params or {})
     paths = [_file_path(f) for f in (files or [])]
     ds = str(p.get("dataset") or D.BUILTIN).strip()
-    if not paths and ds not in ("upload",) and not (ds == D.BUILTIN or ds.startswith(D.BUILTIN + ":")):
+    if not paths and ds != "upload" and not (ds == D.BUILTIN or ds.startswith(D.BUILTIN + ":")):
+        if owner != "cli":  # a server path is the CLI's to name; the web uploads a file
+            raise SettingsError(f"Dataset must be 'builtin', 'builtin:<set>' or an uploaded JSONL file, got {ds!r}.")
         paths = [Path(ds)]
     if len(paths) > 1:
         raise D.DatasetError("Upload one JSONL dataset file.")

@@ -169,12 +169,20 @@ def test_dpo_job_through_cli_registers_a_better_model(svc):
     assert meta["kind"] == "dpo" and meta["after"]["margin"] == pytest.approx(after["margin"])
     policy, ref = load_model("dpo-cli"), load_model(MODEL)
     assert policy.meta.get("kind") == "dpo"
-    # the record's held-out examples, recomputed from the registered weights and the parent's
-    for ex in after["examples"]:
-        lc, lr = _summed_logp(policy, ex["prompt"], ex["chosen"]), _summed_logp(policy, ex["prompt"], ex["rejected"])
-        assert lc == pytest.approx(ex["logp_chosen"], abs=2e-3) and lr == pytest.approx(ex["logp_rejected"], abs=2e-3)
-        rc, rr = _summed_logp(ref, ex["prompt"], ex["chosen"]), _summed_logp(ref, ex["prompt"], ex["rejected"])
-        assert beta * ((lc - rc) - (lr - rr)) == pytest.approx(ex["margin"], abs=5e-4)
+    # the record's held-out examples, recomputed from the registered weights and the parent's (one torch
+    # thread: small forwards, and the worker may still be spinning its OpenMP threads)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for ex in after["examples"]:
+            lc, lr = (_summed_logp(policy, ex["prompt"], ex["chosen"]),
+                      _summed_logp(policy, ex["prompt"], ex["rejected"]))
+            assert lc == pytest.approx(ex["logp_chosen"], abs=2e-3)
+            assert lr == pytest.approx(ex["logp_rejected"], abs=2e-3)
+            rc, rr = _summed_logp(ref, ex["prompt"], ex["chosen"]), _summed_logp(ref, ex["prompt"], ex["rejected"])
+            assert beta * ((lc - rc) - (lr - rr)) == pytest.approx(ex["margin"], abs=5e-4)
+    finally:
+        torch.set_num_threads(threads)
 
 
 # ---- a cancel registers nothing ---------------------------------------------------------------------
@@ -183,8 +191,8 @@ def test_dpo_job_through_cli_registers_a_better_model(svc):
 def test_cancelled_run_registers_nothing(svc):
     from tasks import jobs, store
 
-    rec = jobs.submit("dpo", {"model": MODEL, "max_steps": 40, "batch_size": 2, "builtin_train_size": 8,
-                              "eval_examples": 4, "max_length": 128, "output_name": "dpo-cancelled"}, owner="t-cancel")
+    rec = jobs.submit("dpo", {"model": MODEL, "max_steps": 40, "batch_size": 1, "builtin_train_size": 8,
+                              "eval_examples": 0, "max_length": 128, "output_name": "dpo-cancelled"}, owner="t-cancel")
     t0 = time.time()
     while True:  # wait for a training step, so the run is inside TRL's loop when it is cancelled
         cur = jobs.get_job(rec["id"])
@@ -251,7 +259,53 @@ def test_grpo_job_through_cli(svc):
     print(f"\nGRPO held-out mean reward {pref['before']['mean_reward']:.3f} -> {pref['after']['mean_reward']:.3f}; "
           f"step 1 sampled reward {row['reward_mean']:.3f}")
 
-    row = _registered("grpo-cli")
-    assert row is not None and row["source"] == "finetuned" and row["parent"] == MODEL
+    listed = _registered("grpo-cli")
+    assert listed is not None and listed["source"] == "finetuned" and listed["parent"] == MODEL
     meta = json.loads((svc.data_dir / "models" / "grpo-cli" / "lmscope.json").read_text())
     assert meta["kind"] == "grpo" and meta["training"]["loss_type"] == "dr_grpo"
+
+
+# ---- a reward model from an uploaded file -----------------------------------------------------------
+
+@pytest.mark.integration
+def test_reward_job_on_an_upload(svc, tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from tasks import jobs
+
+    facts = [("France", "Paris"), ("Spain", "Madrid"), ("Italy", "Rome"), ("Peru", "Lima"), ("Japan", "Tokyo"),
+             ("Egypt", "Cairo"), ("Kenya", "Nairobi"), ("Chile", "Santiago")]
+    f = tmp_path / "capitals.jsonl"
+    f.write_text("".join(json.dumps({"prompt": f"Capital of {c}?", "chosen": f"{x}.",
+                                     "rejected": f"Well, after some thought, I would say that it is {x}, I believe."})
+                         + "\n" for c, x in facts), encoding="utf-8")
+    t0 = time.time()
+    rec = jobs.submit("reward", {"model": MODEL, "max_steps": 1, "batch_size": 2, "eval_fraction": 0.25,
+                                 "max_length": 128, "output_name": "rm-upload"}, owner="t-reward", files=[f])
+    assert rec["params"]["dataset"] == "upload" and rec["params"]["dataset_file"] == "capitals.jsonl"
+    assert rec["preference"]["dataset"]["train"] == 6 and rec["preference"]["dataset"]["test"] == 2
+    done = jobs.wait_job(rec["id"], timeout=400, poll=0.5)
+    TIMES["reward (upload)"] = time.time() - t0
+    assert done["state"] == "succeeded", (done["log"], svc.worker_log())
+    pref = done["preference"]
+    assert [h["step"] for h in pref["history"]] == [1] and _finite(pref["history"][0]["loss"])
+    assert "reward model 'rm-upload' registered" in done["log"][-1]
+    # the held-out scores, recomputed from the registered folder with transformers alone: the score of
+    # the whole conversation (chat template) at its last token
+    folder = svc.data_dir / "models" / "rm-upload"
+    rm = AutoModelForSequenceClassification.from_pretrained(str(folder), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    after = pref["after"]
+    assert after["n"] == 2 and len(after["examples"]) == 2
+    for ex in after["examples"]:
+        for key, answer in (("score_chosen", ex["chosen"]), ("score_rejected", ex["rejected"])):
+            ids = tok.apply_chat_template([{"role": "user", "content": ex["prompt"]},
+                                           {"role": "assistant", "content": answer}], tokenize=True, return_dict=False)
+            with torch.no_grad():
+                score = float(rm(input_ids=torch.tensor([list(ids)])).logits[0, 0])
+            assert score == pytest.approx(ex[key], abs=1e-3), (key, ex)
+    margins = [e["score_chosen"] - e["score_rejected"] for e in after["examples"]]
+    assert after["margin"] == pytest.approx(sum(margins) / 2) and after["accuracy"] == sum(m > 0 for m in margins) / 2
+    print(f"\nreward model held-out: accuracy {pref['before']['accuracy']:.3f} -> {after['accuracy']:.3f}, margin "
+          f"{pref['before']['margin']:.3f} -> {after['margin']:.3f}")
+    assert json.loads((folder / "lmscope.json").read_text())["kind"] == "reward"

@@ -122,3 +122,12 @@ def test_malformed_upload_fails_before_the_queue(tmp_path):
         pj.submit_preference("dpo", {"model": MODEL}, files=[tmp_path / "missing.jsonl"])
     with pytest.raises(SettingsError, match="beta"):  # settings are checked before the file is read
         pj.submit_preference("dpo", {"model": MODEL, "beta": 0}, files=[f])
+
+
+def test_a_server_path_is_the_clis_only(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text("{oops\n")
+    with pytest.raises(SettingsError, match=r"^Dataset must be 'builtin', 'builtin:<set>' or an uploaded JSONL file"):
+        pj.submit_preference("dpo", {"model": MODEL, "dataset": str(f)}, owner="someone")
+    with pytest.raises(PreferenceDataError, match="Line 1: not valid JSON"):  # the CLI may name a file
+        pj.submit_preference("dpo", {"model": MODEL, "dataset": str(f)}, owner="cli")
