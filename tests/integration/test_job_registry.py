@@ -26,6 +26,7 @@ INVALID = {
     "reward": ({"model": "random-llama-tiny", "max_steps": 0}, "'max_steps' must be between 1"),
     "dpo": ({"model": "random-llama-tiny", "beta": 0}, "'beta' must be between"),
     "grpo": ({"model": "random-llama-tiny", "loss_type": "ppo"}, "GRPO loss type must be one of"),
+    "heads": ({"model": "random-llama-tiny", "prompts": 0}, "'prompts' must be between 1"),
 }
 
 
@@ -54,7 +55,8 @@ def test_cli_service_and_worker_kinds_come_from_the_registry(svc):
     from tasks.lifecycle import JobTask
 
     names = kinds.names()
-    assert set(names) == {"tokenizer", "patching", "sft", "pretrain", "scaling", "neurons", "reward", "dpo", "grpo"}
+    assert set(names) == {"tokenizer", "patching", "sft", "pretrain", "scaling", "neurons", "reward", "dpo", "grpo",
+                          "heads"}
     assert _cli_kinds() == list(names)
     assert tuple(jobs.KINDS) == names
     for k in kinds.all_kinds():
@@ -91,3 +93,35 @@ def test_every_kind_refuses_a_bad_setting_before_queueing(svc):
         assert words in msg and "\n" not in msg and msg.endswith("."), (name, msg)
     assert set(store.list_ids(None, 10_000, r)) == ids_before  # no record
     assert set(config.jobs_dir().iterdir()) == dirs_before  # no job folder
+
+
+def test_a_head_search_runs_on_the_worker_through_the_cli(svc):
+    """A kind end to end through the registry's door: `lmscope jobs submit heads --wait --json` on
+    the real worker; its heads.json equals model_core.head_search run here on the same prompts (the
+    held-out split of the built-in corpus), and the induction test's strongest head is in its log."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from model_core import head_search as HS
+    from model_core import load_model
+    from tasks.corpus import builtin_docs
+    from tasks.lifecycle import artifact_path
+
+    out = subprocess.run([sys.executable, "-m", "app.cli", "jobs", "submit", "heads", "--model", "random-llama-tiny",
+                          "--prompts", "3", "--prompt-tokens", "24", "--wait", "--json"],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, **svc.env()})
+    assert out.returncode == 0, out.stderr[-2000:] + svc.worker_log()
+    rec = json.loads(out.stdout)
+    assert rec["state"] == "succeeded" and "strongest induction head L" in rec["log"][-1], rec
+    got = json.loads(artifact_path(rec, "heads.json").read_text())
+    want = HS.search_heads(load_model("random-llama-tiny"), builtin_docs("heldout"), 3, 24)
+    assert got["prompts"] == want["prompts"]
+    for m in HS.METRICS:
+        assert got["metrics"][m]["top"] == want["metrics"][m]["top"], m
+        np.testing.assert_allclose(np.array(got["metrics"][m]["mean"], float), np.array(want["metrics"][m]["mean"], float),
+                                   atol=1e-5, err_msg=m)  # None (no repeated token) -> NaN on both sides
+    np.testing.assert_allclose(got["induction_repeated"], want["induction_repeated"], atol=1e-5)
