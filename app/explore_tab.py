@@ -232,6 +232,9 @@ class ExploreTab:
         from app.unit_page import UnitPage  # a neuron or head on its own page (click a neuron above)
 
         self.unit_page = UnitPage(self)
+        from app.head_search_panel import HeadSearchPanel  # every head scored over the corpus (a job)
+
+        self.head_search = HeadSearchPanel(self)
 
         gr.Markdown("### Next token")
         _md("The model's distribution for the token after the prompt, and what your sampling settings do to "
@@ -340,6 +343,7 @@ class ExploreTab:
         if s.page is not None:
             s.page.load(cutoffs_from_url, None, [self.epsilon, self.eta, self.sampling_msg, self.url_note]).then(
                 None, [self.epsilon, self.eta], None, js=CUTOFF_URL_JS).then(cutoffs_after_run, **after_io)
+        self.head_search.wire(run_trace, run_inputs, run_outputs)
         steer_inputs = [self.steer_choice, self.steer_pairs, self.steer_layer, self.steer_alpha, self.steer_from]
         self.steer_btn.click(run_steered_trace, run_inputs + steer_inputs, run_outputs + [self.steer_msg],
                              concurrency_id="model").then(

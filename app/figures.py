@@ -231,6 +231,33 @@ def head_overview(values: np.ndarray, metric: str, selected: tuple[int, int] | N
                    meta={"lmscope": {"kind": "overview"}})
 
 
+def head_search_map(mean, std, metric: str, n_prompts: int, model: str, snippets=None) -> go.Figure:
+    """A head search over a corpus (model_core.head_search): mean [L][H] of one metric over the
+    prompts (None where undefined), its spread std [L][H] (None for a single-number test) and, per
+    head, the start of the prompt where it scored highest (snippets [L][H] or None)."""
+    if mean is None:
+        fig = go.Figure()
+        fig.add_annotation(text="No head search for this model yet: score every head over the corpus above.",
+                           x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False, font=dict(size=14, color="#666"))
+        fig.update_xaxes(visible=False)
+        fig.update_yaxes(visible=False)
+        return fig.update_layout(height=220, margin=dict(l=40, r=20, t=30, b=30))
+    z = np.array(mean, dtype=np.float32)  # None -> NaN
+    L, H = z.shape
+    sd = np.array(std, dtype=np.float32) if std is not None else np.full_like(z, np.nan)
+    snip = snippets or [[""] * H for _ in range(L)]
+    custom = np.dstack([sd, np.array([[html.escape(t) for t in row] for row in snip], dtype=object)])
+    spread = "± %{customdata[0]:.3f} (spread over prompts)<br>top prompt: %{customdata[1]}" if std is not None else ""
+    trace = go.Heatmap(z=z, x=[f"h{h}" for h in range(H)], y=[f"L{l}" for l in range(L)], customdata=custom,
+                       colorscale="Viridis", colorbar=dict(title=metric.split(" ")[0][:12]),
+                       hovertemplate="layer %{y} head %{x}<br>" + metric + " %{z:.3f} " + spread + "<extra></extra>")
+    over = f"mean over {n_prompts} corpus prompts" if std is not None else "repeated random tokens, r r"
+    return _figure([trace], f"Head search, {model}: {metric}<br><sub>{over} · hover for the spread and the "
+                            f"prompt where the head scored highest</sub>",
+                   height=max(380, 16 * L + 140), yaxis=dict(autorange="reversed"),
+                   meta={"lmscope": {"kind": "head-search"}})
+
+
 def residual_norms(norms: np.ndarray, ax: dict) -> go.Figure:
     """norms [L+1, bins]: row 0 = embeddings, row l+1 = after layer l; bins from app.views.axis."""
     rows = ["embed"] + [f"after L{l}" for l in range(norms.shape[0] - 1)]
