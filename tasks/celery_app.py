@@ -27,7 +27,8 @@ QUEUE = "lmscope"
 # The worker imports them (Celery's include) and so does the registry (tasks.kinds.load); the
 # order is the CLI's. A new kind is a new module and a line here.
 KIND_MODULES = ("tasks.tokenizer_job", "tasks.patching_job", "tasks.sft_job", "tasks.pretrain_job",
-                "tasks.neuron_job", "tasks.preference_job", "tasks.head_search_job")
+                "tasks.neuron_job", "tasks.preference_job", "tasks.head_search_job",
+                "tasks.features_job")
 
 app = Celery("lmscope", include=list(KIND_MODULES))
 app.conf.update(

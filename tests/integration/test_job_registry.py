@@ -27,6 +27,7 @@ INVALID = {
     "dpo": ({"model": "random-llama-tiny", "beta": 0}, "'beta' must be between"),
     "grpo": ({"model": "random-llama-tiny", "loss_type": "ppo"}, "GRPO loss type must be one of"),
     "heads": ({"model": "random-llama-tiny", "prompts": 0}, "'prompts' must be between 1"),
+    "features": ({"model": "random-llama-tiny", "layer": 1, "k": 0}, "'k' must be a whole number from 1"),
 }
 
 
@@ -56,7 +57,7 @@ def test_cli_service_and_worker_kinds_come_from_the_registry(svc):
 
     names = kinds.names()
     assert set(names) == {"tokenizer", "patching", "sft", "pretrain", "scaling", "neurons", "reward", "dpo", "grpo",
-                          "heads"}
+                          "heads", "features"}
     assert _cli_kinds() == list(names)
     assert tuple(jobs.KINDS) == names
     for k in kinds.all_kinds():
