@@ -700,7 +700,8 @@ def build(shared: Shared) -> None:
         _md(INFO_TEXT)
         with gr.Row():
             i_temp = gr.Slider(0.1, 5, value=2.0, step=0.1, label="Q = P at temperature T", elem_id="info-temp")
-            i_other = gr.Dropdown([r["name"] for r in list_models() if r.get("source") == "finetuned"], value=None,
+            i_other = gr.Dropdown([r["name"] for r in list_models() if r.get("source") == "finetuned"
+                                   and r.get("kind") != "reward"], value=None,
                                   label="or Q = a fine-tuned model (empty: temperature T)", elem_id="info-other")
             i_btn = gr.Button("Compute", variant="primary", elem_id="info-go")
         i_info = _md("")

@@ -56,8 +56,9 @@ TAB_IDS = ["explore"] + [_tab_id(t) for _, t in OTHER_TABS]
 def model_choices(source: str | None = None) -> list[tuple[str, str]]:
     """(label, name) for every model this server may load; `source` keeps only one kind ("finetuned")."""
     allowed = allowed_models()
+    # reward models score responses and have no next-token head: never in a language-model picker
     rows = [r for r in list_models(include_random=True) if (allowed is None or r["name"] in allowed)
-            and (source is None or r["source"] == source)]
+            and (source is None or r["source"] == source) and r.get("kind") != "reward"]
     out = []
     for r in rows:
         size = f"{r['parameters'] / 1e6:.0f}M" if r.get("parameters") and r["parameters"] >= 1e6 else (

@@ -406,6 +406,9 @@ def load_uncached(name: str, dev: torch.device, dt: torch.dtype, attn_implementa
             if info:
                 meta["weights"] = weights_sentence(info, entry.package, dt)
         elif (ft := finetuned_path(name)) is not None:
+            if _is_reward_model(ft):
+                raise ModelLoadError(f"'{name}' is a reward model: it scores a response with one number and has no "
+                                     f"next-token head to explore.")
             _check_local_dir(ft)
             model, tok = _load_dir(ft, dev, dt, attn_implementation, split)
             source = "finetuned"
@@ -466,6 +469,14 @@ def _load_hub(name, dev, dt, attn_implementation):
     return model.to(dev), tok
 
 
+def _is_reward_model(folder: Path) -> bool:
+    """A registered reward model (model_core.preference writes kind 'reward' into its lmscope.json)."""
+    try:
+        return json.loads((folder / "lmscope.json").read_text()).get("kind") == "reward"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def list_models(include_random: bool = True) -> list[dict]:
     """Registry listing for `lmscope models` and the UI picker (no model is loaded)."""
     rows = []
@@ -485,7 +496,7 @@ def list_models(include_random: bool = True) -> list[dict]:
             rows.append({"name": d.name, "source": "finetuned", "architecture": arch,
                          "parameters": info.get("parameters"), "ready": True, "installed": True,
                          "description": info.get("description") or f"fine-tuned from {info.get('parent', '?')}",
-                         "parent": info.get("parent")})
+                         "parent": info.get("parent"), "kind": info.get("kind")})
     return rows
 
 
