@@ -353,6 +353,9 @@ def build(shared: Shared) -> None:
     from app import pretrain_tab  # training from scratch and the scaling sweep: a self-contained accordion
 
     pretrain_tab.build(shared)
+    from app import preference_panel  # reward models, DPO and GRPO: a self-contained accordion
+
+    preference_panel.build(shared)
 
 
 @endpoint
