@@ -235,6 +235,9 @@ class ExploreTab:
         from app.head_search_panel import HeadSearchPanel  # every head scored over the corpus (a job)
 
         self.head_search = HeadSearchPanel(self)
+        from app.features_panel import FeaturesPanel  # sparse-autoencoder features trained in the app
+
+        self.features = FeaturesPanel(self)
 
         gr.Markdown("### Next token")
         _md("The model's distribution for the token after the prompt, and what your sampling settings do to "
@@ -344,6 +347,7 @@ class ExploreTab:
             s.page.load(cutoffs_from_url, None, [self.epsilon, self.eta, self.sampling_msg, self.url_note]).then(
                 None, [self.epsilon, self.eta], None, js=CUTOFF_URL_JS).then(cutoffs_after_run, **after_io)
         self.head_search.wire(run_trace, run_inputs, run_outputs)
+        self.features.wire()
         steer_inputs = [self.steer_choice, self.steer_pairs, self.steer_layer, self.steer_alpha, self.steer_from]
         self.steer_btn.click(run_steered_trace, run_inputs + steer_inputs, run_outputs + [self.steer_msg],
                              concurrency_id="model").then(

@@ -1,0 +1,61 @@
+"""Explore's sparse-autoencoder panel on a small feature set trained here on the real default model
+(model_core.features, 512 tokens): the menu at the chosen token lists the features that fire there,
+largest first, with the activation the autoencoder gives on the model's own captured activation;
+a feature's page shows its activation on every position (equal to encoding that position's captured
+activation by hand), its top contexts and its promoted tokens; bad values are one sentence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app import explore_tab, views
+from app import features_panel as P
+from model_core import features as F
+
+SMALL = dict(max_tokens=512, num_latents=1152, k=16, batch_size=4, context=32, eval_tokens=256, context_tokens=256)
+PROMPT = "The capital of France is Paris, and the capital of Italy is"
+
+
+@pytest.fixture(scope="module")
+def trained(default_lm, tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("LMSCOPE_DATA_DIR", str(tmp_path_factory.mktemp("features-panel")))
+    mp.setattr(views.FILLER, "enabled", False)
+    F.train_features(default_lm.name, 6, "resid_post", "builtin", name="panel-l6", seed=2, **SMALL)
+    out = explore_tab.run_trace(default_lm.name, PROMPT, False, False, 0, 0, -1, "probability", 1.0, 0, 1.0, 0.0, 1.0)
+    yield out[explore_tab.RUN_OUTPUT_NAMES.index("state")]
+    mp.undo()
+
+
+def test_features_at_the_chosen_token_and_a_feature_page(default_lm, trained):
+    state = trained
+    sets, msg = P.refresh_sets(state)
+    assert sets["choices"] == ["panel-l6"] and msg["visible"] is False
+    quality, strip, menu, msg = P.on_prompt(state, "panel-l6", 5)
+    assert "CE loss recovered" in quality and "blocks.6.hook_resid_post" in quality
+    assert "features at token 5" in menu["label"] and menu["choices"]
+    # the menu's activations are the autoencoder's on the model's own captured activation at position 5
+    feats = F.load_features("panel-l6")
+    ids = default_lm.tokenizer(PROMPT)["input_ids"]
+    x = F.capture(default_lm, feats.point(default_lm), torch.tensor([ids]))[0]  # [T, d]
+    with torch.no_grad():
+        pre = torch.relu(feats.sae.encoder(x[5] - feats.sae.b_dec))  # the library's encoder, by hand
+    top = torch.topk(pre, feats.sae.cfg.k)
+    want = [(int(i), float(v)) for v, i in zip(top.values, top.indices) if v > 0][:5]
+    got = [(f, float(label.split("(")[1].split(")")[0])) for label, f in menu["choices"]]
+    assert [f for f, _ in got] == [f for f, _ in want]
+    assert [a for _, a in got] == pytest.approx([round(a, 2) for _, a in want], abs=0.006)
+    f = menu["value"]
+    title, contexts, acts, weights, msg = P.open_feature(state, "panel-l6", f)
+    assert f"Feature #{f}" in title and "Label (automatic)" in title and msg["visible"] is False
+    assert acts.data[0].y[5] == pytest.approx(dict(want)[f], abs=1e-4)
+    assert len(acts.data[0].y) == len(ids) and "promotes" in weights.layout.title.text
+    # bad values: one sentence, nothing replaced
+    for bad in ("abc", -1, 10**9):
+        out = P.open_feature(state, "panel-l6", bad)
+        assert out[0] == {"__type__": "update"} and out[-1]["visible"] is True
+    out = P.on_prompt(state, "../../etc", 5)
+    assert "Choose a feature set" in out[-1]["value"]
+    assert P.on_prompt(state, None, 5) == tuple([{"__type__": "update"}] * 4) or \
+        list(P.on_prompt(state, None, 5)) == [{"__type__": "update"}] * 4
