@@ -167,7 +167,7 @@ def open_feature(state, name, feature, request: gr.Request = None):
     lab = labels[f] if f < len(labels) else {"label": "", "contexts": len(ctx)}
     title = (f"### Feature #{f} of {name}\n**Label (automatic):** {html.escape(lab['label'])} · "
              f"{lab.get('contexts', len(ctx))} top contexts kept from the corpus scan")
-    return (title, contexts_html(ctx), activation_figure(dense, tr.tokens, f),
+    return (title, contexts_html(ctx), activation_figure(dense, [t["display"] for t in tr.tokens], f),
             UF.weights_figure(top, f"Feature #{f}: tokens its decoder direction promotes / suppresses (W_dec·W_U)"),
             V.clear())
 

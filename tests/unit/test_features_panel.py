@@ -51,6 +51,7 @@ def test_features_at_the_chosen_token_and_a_feature_page(default_lm, trained):
     assert f"Feature #{f}" in title and "Label (automatic)" in title and msg["visible"] is False
     assert acts.data[0].y[5] == pytest.approx(dict(want)[f], abs=1e-4)
     assert len(acts.data[0].y) == len(ids) and "promotes" in weights.layout.title.text
+    assert acts.data[0].x[1] == "1:␣capital"  # token labels, byte-safe, as every other view
     # bad values: one sentence, nothing replaced
     for bad in ("abc", -1, 10**9):
         out = P.open_feature(state, "panel-l6", bad)
