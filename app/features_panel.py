@@ -7,6 +7,7 @@ job, model_core.features) read on the current prompt, and a page per feature.
 - a feature's page: its automatic label, top-activating corpus contexts with the activating token
   marked, its activation on every position of the prompt, and the tokens its decoder direction
   promotes and suppresses through the unembedding;
+- feature steering: the next token with the feature clamped (0 ablates it), against the plain run;
 - search: features whose label or top contexts mention a text.
 
 Built inside ExploreTab.__init__; `wire()` after the tab's components exist."""
@@ -179,6 +180,40 @@ def _dense(feats, x, f: int) -> list[float]:
     return [float(a[i == f].sum()) for a, i in zip(acts, idx)]
 
 
+@endpoint(model=True)
+def clamp_feature(state, name, feature, value, request: gr.Request = None):
+    """[figure, summary, message]: the next token after the prompt with the feature clamped to
+    `value` at every position from 1 (0 ablates it), against the model as it runs."""
+    from model_core.feature_steering import feature_edits
+    from model_core.interventions import last_logits
+
+    try:
+        feats, _, _ = open_set(name)
+        f = _feature_number(feature)
+        tr = trace_for_state(state)
+        lm = tr.lm
+        edits = feature_edits(lm, feats, f, value)
+    except (gr.Error, FT.FeatureError) as e:
+        return gr.skip(), gr.skip(), V.show(str(e))
+    ids = torch.tensor([tr.token_ids], device=lm.device)
+    base = torch.log_softmax(last_logits(lm, ids)[0].float(), -1)  # [V]
+    after = torch.log_softmax(last_logits(lm, ids, edits)[0].float(), -1)  # [V]
+    kl = float((after.exp() * (after - base)).sum())
+    union = list(dict.fromkeys(base.topk(8).indices.tolist() + after.topk(8).indices.tolist()))
+    union.sort(key=lambda i: -float(base[i]))
+    from model_core.tokenization import describe_tokens
+
+    names = [r["display"] for r in describe_tokens(lm.tokenizer, union)]
+    rows = [{"token": n, "before": float(base[i].exp()), "after": float(after[i].exp())} for n, i in zip(names, union)]
+    v = float(value)
+    what = "ablated (0)" if v == 0 else f"clamped to {v:g}"
+    title = f"Feature #{f} {what} from position 1: the next token"
+    return (UF.clamp_figure(rows, title),
+            f"KL(clamped ‖ as it runs) of the next-token distribution: **{max(kl, 0.0):.4f} nats**. The edit adds "
+            f"(value − the feature's activation) × its decoder row at `{feats.point(lm).edit_name}`; the "
+            f"autoencoder's reconstruction error is kept, so only this feature's direction moves.", V.clear())
+
+
 @endpoint
 def search(name, text, request: gr.Request = None):
     """Features whose automatic label or top-context n-grams contain the text (case-insensitive)."""
@@ -222,6 +257,12 @@ class FeaturesPanel:
             with gr.Row():
                 self.acts = gr.Plot(label="On this prompt", elem_id="features-acts")
                 self.weights = gr.Plot(label="Through the unembedding", elem_id="features-weights")
+            with gr.Row():
+                self.clamp_value = gr.Number(value=0, label="clamp the feature to (0 = ablate)",
+                                             elem_id="features-clamp-value", scale=1)
+                self.clamp_btn = gr.Button("Clamp it: the next token", elem_id="features-clamp", scale=1)
+            self.clamp_note = gr.Markdown(elem_id="features-clamp-note")
+            self.clamp_plot = gr.Plot(label="Feature steering", elem_id="features-clamp-plot")
 
     def wire(self) -> None:
         tab = self.tab
@@ -235,3 +276,5 @@ class FeaturesPanel:
         self.search_text.submit(search, [self.set, self.search_text], [self.here, self.msg])
         page = [self.title, self.contexts, self.acts, self.weights, self.msg]
         self.open_btn.click(open_feature, [tab.state, self.set, self.number], page, concurrency_id="views")
+        self.clamp_btn.click(clamp_feature, [tab.state, self.set, self.number, self.clamp_value],
+                             [self.clamp_plot, self.clamp_note, self.msg], concurrency_id="model")

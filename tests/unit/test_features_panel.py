@@ -52,6 +52,19 @@ def test_features_at_the_chosen_token_and_a_feature_page(default_lm, trained):
     assert acts.data[0].y[5] == pytest.approx(dict(want)[f], abs=1e-4)
     assert len(acts.data[0].y) == len(ids) and "promotes" in weights.layout.title.text
     assert acts.data[0].x[1] == "1:␣capital"  # token labels, byte-safe, as every other view
+    # feature steering: ablating it moves the next-token distribution by the KL the page states,
+    # recomputed here from the model's forward with the same clamp (model_core.feature_steering)
+    from model_core.feature_steering import feature_edits
+    from model_core.interventions import last_logits
+
+    fig, note, msg = P.clamp_feature(state, "panel-l6", f, 0)
+    t = torch.tensor([ids])
+    base = torch.log_softmax(last_logits(default_lm, t)[0].float(), -1)
+    after = torch.log_softmax(last_logits(default_lm, t, feature_edits(default_lm, feats, f, 0.0))[0].float(), -1)
+    kl = float((after.exp() * (after - base)).sum())
+    assert f"{max(kl, 0.0):.4f} nats" in note and msg["visible"] is False
+    assert "ablated (0)" in fig.layout.title.text and len(fig.data) == 2
+    assert P.clamp_feature(state, "panel-l6", f, "inf")[-1]["visible"] is True
     # bad values: one sentence, nothing replaced
     for bad in ("abc", -1, 10**9):
         out = P.open_feature(state, "panel-l6", bad)
