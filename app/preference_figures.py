@@ -62,7 +62,7 @@ def _line(fig, history, key, name, colour, row, col, dash=None, **kw):
 # ---- live curves ---------------------------------------------------------------------------------
 
 PANEL_TITLES = {
-    "dpo": ("loss", "log-prob margin: log π(chosen) − log π(rejected)", "implicit-reward accuracy",
+    "dpo": ("loss", "log-prob margin log π(chosen) − log π(rejected), batch mean", "implicit-reward accuracy",
             "drift from the reference: log π/π_ref per pair (= reward / β)"),
     "reward": ("loss (−log σ(r_chosen − r_rejected))", "score margin r_chosen − r_rejected", "accuracy (r_c > r_r)",
                "mean score (band: min to max)"),
@@ -117,6 +117,7 @@ def curves_figure(kind: str | None, history: list[dict] | None, beta: float | No
             fig.add_annotation(text="β = 0: no KL term", showarrow=False, x=0.78, y=0.2, xref="paper",
                                yref="paper", font=dict(color=GREY))
     fig.update_xaxes(title_text="step", row=2)
+    _integer_steps(fig, history)
     for ann in fig.layout.annotations:
         ann.font = dict(size=12)
     return _layout(fig, f"{KIND_LABELS[kind]}: training curves", 560)
@@ -130,12 +131,19 @@ def _band(fig, history, lo_key, hi_key, row, col, name):
                                  line=dict(width=0), name=name, hoverinfo="skip"), row=row, col=col)
 
 
+def _integer_steps(fig: go.Figure, history: list[dict]) -> None:
+    """Whole steps on the x axes (a 2-step run is not drawn at step 1.5)."""
+    last = max((int(r["step"]) for r in history or [] if r.get("step") is not None), default=1)
+    fig.update_xaxes(tickmode="linear", tick0=0, dtick=max(1, math.ceil(last / 8)))
+
+
 def throughput_figure(history: list[dict] | None) -> go.Figure:
     x, y = _series(history or [], "tokens_per_s")
     if not x:
         return empty_figure("Tokens per second appear with the first step.", 260)
     fig = go.Figure(go.Scatter(x=x, y=y, mode="lines+markers", line=dict(color=BLUE), name="tokens/s"))
     fig.update_xaxes(title_text="step")
+    _integer_steps(fig, history)
     fig.update_yaxes(title_text="tokens / s", rangemode="tozero")
     return _layout(fig, "throughput (tokens seen / training time)", 260, showlegend=False)
 
@@ -270,7 +278,7 @@ def logratio_html(tokens: list[dict] | None) -> str:
 def logratio_headline(r: dict, check: dict, policy: str, reference: str) -> str:
     """The sum of the per-token values, the sequence log-ratio from separate forwards, and the check."""
     ok = check["max_abs_diff"] <= check["tolerance"]
-    mark = "✅" if ok else "❌"
+    mark = "✓" if ok else "✗"
     return (f"**{html.escape(policy)}** vs **{html.escape(reference)}** on {len(r['tokens'])} completion tokens: "
             f"Σ_t log π/π_ref = **{r['total']:+.4f}** (log π(y|x) = {r['logp']:.4f}, log π_ref(y|x) = "
             f"{r['logp_ref']:.4f}).\n\n{mark} sum of per-token = sequence log-ratio (a plain transformers forward of "

@@ -149,9 +149,21 @@ def _views(rec: dict | None) -> list:
             pf.groups_table(pr.get("groups")), pf.eval_table(rec["kind"], pr.get("before"), pr.get("after"))]
 
 
+def view_signature(rec: dict | None) -> str:
+    """What the views of a record depend on: a tick whose record has not changed redraws nothing
+    (a finished run's plots stay still instead of being re-sent every two seconds)."""
+    if rec is None:
+        return ""
+    pr = rec.get("preference") or {}
+    g = pr.get("groups") if isinstance(pr.get("groups"), dict) else {}
+    return "|".join(str(x) for x in (rec["id"], rec["state"], len(pr.get("history") or []),
+                                      (rec.get("progress") or {}).get("stage"), g.get("step"),
+                                      bool(pr.get("after")), rec.get("error")))
+
+
 @endpoint
-def refresh(selected, known, request: gr.Request = None):
-    """Timer tick: the selected run's views; the job menu when its list changed."""
+def refresh(selected, known, shown=None, request: gr.Request = None):
+    """Timer tick: the selected run's views when its record changed; the job menu when its list changed."""
     from app import jobs_figures as jf
 
     recs = _records(request)
@@ -161,14 +173,20 @@ def refresh(selected, known, request: gr.Request = None):
     same = [list(c) for c in choices] == [list(c) if isinstance(c, (list, tuple)) else c for c in known]
     menu = [gr.skip(), gr.skip()] if same else [choices, gr.update(choices=choices)]
     if not selected:
-        return [jf.progress_html(None), *_views(None), *menu, gr.update(visible=False)]
+        if shown == "":
+            return [gr.skip()] * 7 + [*menu, gr.skip(), gr.skip()]
+        return [jf.progress_html(None), *_views(None), *menu, gr.update(visible=False), ""]
     rec = next((r for r in recs if r["id"] == selected), None)
     if rec is None:
         try:
             rec = _jobs().get_job(selected, job_viewer(request))
         except LmscopeError as e:
-            return [jf.progress_html(None), f"⚠️ {e}", *[gr.skip()] * 5, *menu, gr.update(visible=False)]
-    return [jf.progress_html(rec), *_views(rec), *menu, gr.update(visible=rec["state"] in ("queued", "running"))]
+            return [jf.progress_html(None), f"⚠️ {e}", *[gr.skip()] * 5, *menu, gr.update(visible=False), None]
+    sig = view_signature(rec)
+    live = rec["state"] in ("queued", "running")
+    if sig == shown:  # nothing new: only a running job's progress line (its ETA) moves
+        return [jf.progress_html(rec) if live else gr.skip(), *[gr.skip()] * 6, *menu, gr.skip(), gr.skip()]
+    return [jf.progress_html(rec), *_views(rec), *menu, gr.update(visible=live), sig]
 
 
 @endpoint
@@ -194,10 +212,13 @@ def kind_changed(kind):
     """The dataset menu, method default and the fields that belong to the kind."""
     kind = kind if kind in KINDS else "dpo"
     grpo = kind == "grpo"
-    return (gr.update(choices=DATASETS[kind], value="builtin"), gr.update(value="lora" if grpo else "full"),
-            gr.update(visible=kind != "reward", label="β: KL penalty (0 = none; default 0.04)" if grpo
-                      else "β: implicit KL strength (default 0.1)"),
-            gr.update(visible=grpo), gr.update(visible=grpo), gr.update(visible=False), gr.update(visible=False))
+    s = P.SETTINGS_CLASSES[kind]()
+    return (gr.update(choices=DATASETS[kind], value="builtin"), gr.update(value=s.method),
+            gr.update(visible=kind != "reward", value=getattr(s, "beta", None),
+                      label="β: KL penalty to the reference (0 = none)" if grpo
+                      else "β: implicit KL strength (higher: nearer the reference)"),
+            gr.update(visible=grpo), gr.update(visible=grpo), gr.update(visible=False), gr.update(visible=False),
+            gr.update(value=s.max_steps))
 
 
 @endpoint
@@ -350,15 +371,17 @@ def build(shared: Shared) -> None:
                 verifier = gr.Dropdown(VERIFIER_CHOICES, value="number", label="Verifier (for lines that name none)",
                                        visible=False, elem_id="pref-verifier")
                 method = gr.Radio(["full", "lora"], value="full", label="Method", elem_id="pref-method")
-                beta = gr.Number(None, label="β: implicit KL strength (default 0.1)", elem_id="pref-beta")
+                beta = gr.Number(P.DPOSettings.beta, label="β: implicit KL strength (higher: nearer the reference)",
+                                 elem_id="pref-beta")
                 loss_type = gr.Radio(LOSS_TYPE_CHOICES, value="grpo", label="GRPO loss", visible=False,
                                      elem_id="pref-loss-type")
-                group_size = gr.Number(None, label="Group size: completions per prompt (default 8)", precision=0,
+                group_size = gr.Number(P.GRPOSettings.num_generations, label="Group size: completions per prompt",
+                                       precision=0,
                                        visible=False, elem_id="pref-group-size")
                 with gr.Row():
-                    steps = gr.Number(None, label="Max steps (empty: the kind's default)", precision=0,
+                    steps = gr.Number(P.DPOSettings.max_steps, label="Max steps", precision=0,
                                       elem_id="pref-steps")
-                    lr = gr.Number(None, label="Learning rate (empty: per kind and method)", elem_id="pref-lr")
+                    lr = gr.Number(0, label="Learning rate (0: the default per kind and method)", elem_id="pref-lr")
                 submit_btn = gr.Button("Start training", variant="primary", elem_id="pref-submit")
                 msg = V.field_message("pref-msg")
                 status = gr.Markdown(elem_id="pref-status")
@@ -399,14 +422,15 @@ def build(shared: Shared) -> None:
         rm_out = gr.Markdown(elem_id="pref-rm-out")
 
     shared.pickers.extend([(model, "all"), (reference, "all")])  # kept current by app/ui.py
-    kind.change(kind_changed, [kind], [dataset, method, beta, loss_type, group_size, upload, verifier])
+    kind.change(kind_changed, [kind], [dataset, method, beta, loss_type, group_size, upload, verifier, steps])
     dataset.change(dataset_changed, [kind, dataset], [upload, verifier])
-    outs = [progress, info, curves, tput, groups_note, groups, evals, known, job, cancel_btn]
+    shown = gr.State(None)
+    outs = [progress, info, curves, tput, groups_note, groups, evals, known, job, cancel_btn, shown]
     submit_btn.click(submit, [kind, model, dataset, upload, verifier, method, beta, loss_type, group_size, steps, lr],
                      [selected, job, status, msg])
     job.change(pick_job, [job], [selected])
     job.focus(job_choices, None, [job])
-    gr.Timer(REFRESH_S).tick(refresh, [selected, known], outs, show_progress="hidden", queue=False)
+    gr.Timer(REFRESH_S).tick(refresh, [selected, known, shown], outs, show_progress="hidden", queue=False)
     cancel_btn.click(cancel, [selected], [status]).then(refresh, [selected, known], outs)
     tuned.focus(trained_menu, None, [tuned])
     tuned.change(trained_picked, [tuned], [reference, ex_prompt, ex_completion])

@@ -84,6 +84,12 @@ def test_status_eval_and_empty_states():
     assert (row["before"], row["after"], row["change"]) == (0.0, 0.75, "+0.7500")
     assert len(t) == 4
     assert pf.eval_table("dpo", None, None).empty
+    # the timer redraws only when the record changed (a finished run's plots are not re-sent every tick)
+    sig = pp.view_signature(rec)
+    assert sig == pp.view_signature(_dpo_record()) and sig != pp.view_signature(done)
+    more = _dpo_record()
+    more["preference"]["history"].append(_dpo_row(3, 4, 0.5, 1.0, -50.0, -80.0, 1.0, -2.0))
+    assert pp.view_signature(more) != sig and pp.view_signature(None) == ""
     # nothing yet: a figure with a sentence, not an error
     assert not pf.curves_figure("dpo", [], BETA).data and not pf.curves_figure(None, None).data
 
@@ -207,7 +213,7 @@ def test_logratio_view_sums_to_the_sequence_logratio(perturbed):
     assert len(per_token) == n
     assert abs(lp - lr) > 0.05  # the perturbation moved the sequence: the check below is not 0 = 0
     assert sum(per_token) == pytest.approx(lp - lr, abs=1e-3)
-    assert f"{lp - lr:+.4f}" in head and "✅" in head and "random-llama-tiny" in head
+    assert f"{lp - lr:+.4f}" in head and "✓ sum of per-token" in head and "random-llama-tiny" in head
     assert chips.count("class='pref-tok'") == n
     # the check can fail: a per-token view that does not add up is flagged
     r = {"tokens": [{"logratio": v} for v in per_token], "logp": lp, "logp_ref": lr}
