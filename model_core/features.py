@@ -16,10 +16,11 @@ reconstruction is spliced back in with a `Recorder` edit):
   resid_post  blocks.{l}.hook_resid_post  (= blocks.{l+1}.hook_resid_pre, edited there; not the last layer)
   attn_out    blocks.{l}.hook_attn_out, mlp_out  blocks.{l}.hook_mlp_out  (edit points)
 
-Streaming and memory: the corpus is tokenized text by text into windows of `context` tokens; each
-forward pass runs `batch_size` windows and STOPS at the hook point (the blocks above it never run),
-so at most batch_size x context activation vectors of width d_model exist at once (plus the
-encoder's batch_size x context x latents pre-activations during a step). `ActivationBuffer` counts
+Streaming and memory: the corpus (its documents in a seeded random order) is tokenized text by text
+into windows of `context` tokens; each forward pass runs `batch_size` windows and STOPS at the hook
+point (the blocks above it never run), so at most batch_size x context activation vectors of width
+d_model exist at once (plus the encoder's batch_size x context x latents pre-activations during a
+step). `ActivationBuffer` counts
 what it held (`peak_rows`, never above `limit_rows`). Position 0 of every window is left out of
 training and of every metric (the attention sink: its residual norm is several times the others'),
 and the splices below leave it clean.
@@ -50,6 +51,7 @@ import io
 import json
 import math
 import os
+import random
 import shutil
 import sys
 import sysconfig
@@ -459,7 +461,11 @@ def train_features(model_name: str | None = None, layer: int = 6, hook: str = "r
     since_fired = torch.zeros(M, dtype=torch.long, device=lm.device)
     total_steps = max(1, -(-(s.max_tokens // s.context) // s.batch_size))
     history: list[dict] = []
+    # documents in a seeded random order: the corpus is sorted by file, and a run that meets one module's
+    # docstrings after another drifts towards the latest (held-out FVU 0.19 after 60k tokens, 0.28
+    # after 100k in file order, layer 6 of SmolLM2)
     texts = dataset_texts(dataset, "train")
+    random.Random(s.seed).shuffle(texts)
     say(f"training {M} features (k={s.k}) on {hp.name} of {lm.name}: {buf.describe()['statement']}")
     t0 = time.time()
     tokens = corpus_tokens = 0
@@ -545,6 +551,7 @@ def train_features(model_name: str | None = None, layer: int = 6, hook: str = "r
         "device": str(lm.device),
         "dead_share": round(float((since_fired > dead_after).float().mean()), 6),
         "history": history, "quality": quality, "created": time.time(),
+        "order": f"training documents shuffled with seed {s.seed}",
         "skipped": "position 0 of each window (attention sink): not trained on, not scored, never spliced",
     }
     feats.record = record

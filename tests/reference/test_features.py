@@ -51,32 +51,36 @@ def by_hand(sae, x: torch.Tensor) -> torch.Tensor:
     return z @ W_dec + b_dec
 
 
-def ce_by_hand(lm, ids, edits=None) -> tuple[float, int]:
-    """Sum of -log p(next token) over every prediction of the batch, from a transformers forward."""
-    instrument(lm.adapter)
-    with torch.no_grad(), recording(Recorder(capture=False, edits=edits or {})):
-        logits = lm.model(input_ids=ids, use_cache=False).logits.float()
-    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+def nll_sum(logits, ids) -> tuple[float, int]:
+    """Sum of -log p(next token) over every prediction of the batch, and how many."""
+    lp = torch.log_softmax(logits.float()[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
     return float(-lp.sum()), lp.numel()
+
+
+def ce_by_hand(lm, ids, edits) -> tuple[float, int]:
+    """nll_sum of a transformers forward with the edits active."""
+    instrument(lm.adapter)
+    with torch.no_grad(), recording(Recorder(capture=False, edits=edits)):
+        return nll_sum(lm.model(input_ids=ids, use_cache=False).logits, ids)
 
 
 @pytest.fixture(scope="module")
 def held_out(default_lm, run):
-    """Per held-out batch: the windows and transformers' hidden state after block LAYER."""
+    """Per held-out batch: the windows, transformers' hidden state after block LAYER, the clean NLL sum."""
     windows = F.eval_windows(default_lm.tokenizer, "builtin", SMALL["eval_tokens"], SMALL["context"])
     out = []
     for b0 in range(0, windows.shape[0], SMALL["batch_size"]):
         ids = windows[b0:b0 + SMALL["batch_size"]]
         with torch.no_grad():
-            hs = default_lm.model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
-        out.append((ids, hs[LAYER + 1].float()))
+            o = default_lm.model(input_ids=ids, output_hidden_states=True, use_cache=False)
+        out.append((ids, o.hidden_states[LAYER + 1].float(), nll_sum(o.logits, ids)[0]))
     return out
 
 
 def test_the_autoencoder_reads_transformers_resid_post(default_lm, run, held_out):
     hp = F.hook_point(default_lm, LAYER, "resid_post")
     assert (hp.name, hp.edit_name) == (act_name("resid_post", LAYER), act_name("resid_pre", LAYER + 1))
-    ids, hs = held_out[0]
+    ids, hs, _ = held_out[0]
     assert torch.equal(F.capture(default_lm, hp, ids).float(), hs)
     x = hs[:, 1:].reshape(-1, hs.shape[-1])
     torch.testing.assert_close(F.reconstruct(run.features.sae, x), by_hand(run.features.sae, x),
@@ -97,9 +101,9 @@ def test_reported_ce_equals_a_transformers_forward_with_the_reconstruction_splic
 
     tot = {"clean": 0.0, "sae": 0.0, "zero": 0.0}
     n = 0
-    for ids, _ in held_out:
-        for key, edits in (("clean", None), ("sae", splice(lambda v: by_hand(sae, v))),
-                           ("zero", splice(torch.zeros_like))):
+    for ids, _, clean in held_out:
+        tot["clean"] += clean
+        for key, edits in (("sae", splice(lambda v: by_hand(sae, v))), ("zero", splice(torch.zeros_like))):
             s, c = ce_by_hand(default_lm, ids, edits)
             tot[key] += s
         n += c
@@ -112,7 +116,7 @@ def test_reported_ce_equals_a_transformers_forward_with_the_reconstruction_splic
 
 def test_reported_fvu_equals_fvu_from_the_hidden_states(run, held_out):
     sae = run.features.sae
-    xs = torch.cat([hs[:, 1:].reshape(-1, hs.shape[-1]) for _, hs in held_out]).double()
+    xs = torch.cat([hs[:, 1:].reshape(-1, hs.shape[-1]) for _, hs, _ in held_out]).double()
     err = (xs - by_hand(sae, xs.float()).double()).pow(2).sum()
     fvu = float(err / (xs - xs.mean(0)).pow(2).sum())
     q = run.record["quality"]
