@@ -127,8 +127,9 @@ def _band(fig, history, lo_key, hi_key, row, col, name):
     xl, lo = _series(history, lo_key)
     xh, hi = _series(history, hi_key)
     if xl and xl == xh:
-        fig.add_trace(go.Scatter(x=xl + xl[::-1], y=hi + lo[::-1], fill="toself", fillcolor="rgba(22,163,74,0.15)",
-                                 line=dict(width=0), name=name, hoverinfo="skip"), row=row, col=col)
+        fig.add_trace(go.Scatter(x=xl + xl[::-1], y=hi + lo[::-1], mode="lines", fill="toself",
+                                 fillcolor="rgba(22,163,74,0.15)", line=dict(width=0), name=name, hoverinfo="skip"),
+                      row=row, col=col)
 
 
 def _integer_steps(fig: go.Figure, history: list[dict]) -> None:

@@ -223,3 +223,38 @@ def test_logratio_view_sums_to_the_sequence_logratio(perturbed):
     bad = pp.check_logratios(r, seq)
     assert bad["max_abs_diff"] == pytest.approx(0.5, abs=1e-3)
     assert "failed" in pf.logratio_headline({**r, "total": sum(t["logratio"] for t in r["tokens"])}, bad, "a", "b")
+
+
+def test_reward_score_of_a_typed_response(perturbed):
+    """A reward model (random-llama-tiny's body + a seeded score head) registered in the same data
+    folder: the panel's score equals the score head applied by hand to the last hidden state."""
+    import os
+    from pathlib import Path
+
+    from transformers import AutoModelForSequenceClassification
+
+    from model_core import preference as P
+    from model_core import sft
+
+    model, tok, _ = sft.load_trainable("random-llama-tiny", "cpu")
+    sft.ensure_chat_template(tok)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    out = Path(os.environ["LMSCOPE_DATA_DIR"]) / "models" / "tiny-reward"
+    P.init_reward_model(model, tok, seed=1).save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    (out / "lmscope.json").write_text(json.dumps({"kind": "reward", "parent": "random-llama-tiny"}))
+    assert pp.reward_choices() == ["tiny-reward"] and "tiny-reward" not in {v for _, v in pp.trained_choices()}
+    prompt, response = "What is 2 + 3?", "5."
+    md = pp.score_response("tiny-reward", prompt, response)
+    rm = AutoModelForSequenceClassification.from_pretrained(out).eval()
+    ids = torch.tensor([tok.apply_chat_template([{"role": "user", "content": prompt},
+                                                 {"role": "assistant", "content": response}],
+                                                tokenize=True, return_dict=False)])
+    with torch.no_grad():
+        h = rm.model(input_ids=ids).last_hidden_state[0, -1]
+        want = float(rm.score.weight[0] @ h)
+    got = float(md.split("**")[3])
+    assert abs(want) > 1e-3 and got == pytest.approx(want, abs=1e-4)
+    with pytest.raises(Exception, match="registered reward model"):
+        pp.score_response("/etc/passwd", prompt, response)
