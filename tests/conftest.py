@@ -36,6 +36,23 @@ def server():
     s.stop()
 
 
+@pytest.fixture(scope="session")
+def feature_set(default_lm):
+    """A small sparse-autoencoder feature set on the real default model (512 tokens of the built-in
+    corpus, layer 6 resid_post), trained once per session into the default data folder, where the
+    session's `lmscope serve` also finds it; removed at the end."""
+    import shutil
+
+    from model_core import features as F
+
+    name = "tests-small-l6"
+    shutil.rmtree(F.features_dir() / name, ignore_errors=True)
+    F.train_features(default_lm.name, 6, "resid_post", "builtin", name=name, seed=4, max_tokens=512,
+                     num_latents=1152, k=16, batch_size=4, context=32, eval_tokens=256, context_tokens=512)
+    yield name
+    shutil.rmtree(F.features_dir() / name, ignore_errors=True)
+
+
 def pytest_collection_modifyitems(config, items):
     """A test under tests/integration or tests/browser carries that tier's mark (so `-m "not
     integration and not browser"` leaves out every test that needs services or Chromium)."""

@@ -177,50 +177,40 @@ def test_narrow_screen_stacks_plots_and_keeps_headers(server):
         browser.close()
 
 
-def test_a_feature_page_opens_from_a_token(server, default_lm):
-    """Issue 19: a sparse-autoencoder feature set trained here (512 tokens of the built-in corpus at
-    layer 6, into the server's own data folder), read in Explore: a click on a token chip moves the
-    query and the features menu follows it; the feature opens on its page with its label, top corpus
+def test_a_feature_page_opens_from_a_token(server, feature_set):
+    """Issue 19: a sparse-autoencoder feature set trained here (tests/conftest.feature_set: 512 tokens
+    of the built-in corpus at layer 6, in the server's own data folder), read in Explore: a click on a token
+    chip moves the query and the features menu follows it; the feature opens on its page with its label, top corpus
     contexts (the activating token marked), its activation on the prompt and its promoted tokens."""
-    import shutil
-
-    from model_core import features as F
-
-    name = "browser-l6"
-    shutil.rmtree(F.features_dir() / name, ignore_errors=True)
-    F.train_features(default_lm.name, 6, "resid_post", "builtin", name=name, seed=4, max_tokens=512,
-                     num_latents=1152, k=16, batch_size=4, context=32, eval_tokens=256, context_tokens=512)
-    try:
-        with sync_playwright() as pw:
-            browser = launch_browser(pw)
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(server.url)
-            wait_until(lambda: "parameters" in page.inner_text("#model-info"), 120, "the page to load")
-            page.locator("#prompt textarea").fill("The capital of France is Paris, and the capital of Italy is")
-            page.click("#run")
-            wait_until(lambda: "traced in" in page.inner_text("#explore-status"), 180, "the trace")
-            page.locator("#features > button.label-wrap").click()
-            page.click("#features-refresh")
-            wait_until(lambda: name in page.locator("#features-set input").input_value(), 60, "the set chosen")
-            page.click("#features-show")
-            wait_until(lambda: "CE loss recovered" in page.inner_text("#features-quality"), 120, "the set's quality")
-            page.locator('#tokens [data-pos="6"]').click()  # ","
-            wait_until(lambda: "features at token 6" in page.inner_text("#features"), 60, "the menu at token 6")
-            page.locator("#features-here input").click()
-            page.keyboard.press("ArrowDown")
-            page.keyboard.press("Enter")
-            wait_until(lambda: page.locator("#features-number input").input_value() not in ("", "0"), 30,
-                       "the feature number from the menu")
-            feature = page.locator("#features-number input").input_value()
-            page.click("#features-open")
-            wait_until(lambda: f"Feature #{feature} of {name}" in page.inner_text("#features-title"), 120,
-                       "the feature page")
-            assert "Label (automatic)" in page.inner_text("#features-title")
-            assert page.locator("#features-contexts b").count() >= 1  # activating tokens marked
-            acts = plot_data(page, "features-acts")[0]
-            assert acts["x"][6].startswith("6:") and acts["y"][6] > 0  # it fires on the clicked token
-            assert "promotes" in plot_title(page, "features-weights")
-            _shot(page, "#features", "explore-feature-page")
-            browser.close()
-    finally:
-        shutil.rmtree(F.features_dir() / name, ignore_errors=True)
+    name = feature_set
+    with sync_playwright() as pw:
+        browser = launch_browser(pw)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(server.url)
+        wait_until(lambda: "parameters" in page.inner_text("#model-info"), 120, "the page to load")
+        page.locator("#prompt textarea").fill("The capital of France is Paris, and the capital of Italy is")
+        page.click("#run")
+        wait_until(lambda: "traced in" in page.inner_text("#explore-status"), 180, "the trace")
+        page.locator("#features > button.label-wrap").click()
+        page.click("#features-refresh")
+        wait_until(lambda: name in page.locator("#features-set input").input_value(), 60, "the set chosen")
+        page.click("#features-show")
+        wait_until(lambda: "CE loss recovered" in page.inner_text("#features-quality"), 120, "the set's quality")
+        page.locator('#tokens [data-pos="6"]').click()  # ","
+        wait_until(lambda: "features at token 6" in page.inner_text("#features"), 60, "the menu at token 6")
+        page.locator("#features-here input").click()
+        page.keyboard.press("ArrowDown")
+        page.keyboard.press("Enter")
+        wait_until(lambda: page.locator("#features-number input").input_value() not in ("", "0"), 30,
+                   "the feature number from the menu")
+        feature = page.locator("#features-number input").input_value()
+        page.click("#features-open")
+        wait_until(lambda: f"Feature #{feature} of {name}" in page.inner_text("#features-title"), 120,
+                   "the feature page")
+        assert "Label (automatic)" in page.inner_text("#features-title")
+        assert page.locator("#features-contexts b").count() >= 1  # activating tokens marked
+        acts = plot_data(page, "features-acts")[0]
+        assert acts["x"][6].startswith("6:") and acts["y"][6] > 0  # it fires on the clicked token
+        assert "promotes" in plot_title(page, "features-weights")
+        _shot(page, "#features", "explore-feature-page")
+        browser.close()

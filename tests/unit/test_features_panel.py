@@ -13,16 +13,15 @@ from app import explore_tab, views
 from app import features_panel as P
 from model_core import features as F
 
-SMALL = dict(max_tokens=512, num_latents=1152, k=16, batch_size=4, context=32, eval_tokens=256, context_tokens=256)
 PROMPT = "The capital of France is Paris, and the capital of Italy is"
+SET = "tests-small-l6"  # tests/conftest.feature_set
 
 
 @pytest.fixture(scope="module")
-def trained(default_lm, tmp_path_factory):
+def trained(default_lm, feature_set):
+    """The Explore state of PROMPT; the set is tests/conftest.feature_set (shared with the browser test)."""
     mp = pytest.MonkeyPatch()
-    mp.setenv("LMSCOPE_DATA_DIR", str(tmp_path_factory.mktemp("features-panel")))
     mp.setattr(views.FILLER, "enabled", False)
-    F.train_features(default_lm.name, 6, "resid_post", "builtin", name="panel-l6", seed=2, **SMALL)
     out = explore_tab.run_trace(default_lm.name, PROMPT, False, False, 0, 0, -1, "probability", 1.0, 0, 1.0, 0.0, 1.0)
     yield out[explore_tab.RUN_OUTPUT_NAMES.index("state")]
     mp.undo()
@@ -31,12 +30,12 @@ def trained(default_lm, tmp_path_factory):
 def test_features_at_the_chosen_token_and_a_feature_page(default_lm, trained):
     state = trained
     sets, msg = P.refresh_sets(state)
-    assert sets["choices"] == ["panel-l6"] and msg["visible"] is False
-    quality, strip, menu, msg = P.on_prompt(state, "panel-l6", 5)
+    assert SET in sets["choices"] and msg["visible"] is False
+    quality, strip, menu, msg = P.on_prompt(state, SET, 5)
     assert "CE loss recovered" in quality and "blocks.6.hook_resid_post" in quality
     assert "features at token 5" in menu["label"] and menu["choices"]
     # the menu's activations are the autoencoder's on the model's own captured activation at position 5
-    feats = F.load_features("panel-l6")
+    feats = F.load_features(SET)
     ids = default_lm.tokenizer(PROMPT)["input_ids"]
     x = F.capture(default_lm, feats.point(default_lm), torch.tensor([ids]))[0]  # [T, d]
     with torch.no_grad():
@@ -47,7 +46,7 @@ def test_features_at_the_chosen_token_and_a_feature_page(default_lm, trained):
     assert [f for f, _ in got] == [f for f, _ in want]
     assert [a for _, a in got] == pytest.approx([round(a, 2) for _, a in want], abs=0.006)
     f = menu["value"]
-    title, contexts, acts, weights, msg = P.open_feature(state, "panel-l6", f)
+    title, contexts, acts, weights, msg = P.open_feature(state, SET, f)
     assert f"Feature #{f}" in title and "Label (automatic)" in title and msg["visible"] is False
     assert acts.data[0].y[5] == pytest.approx(dict(want)[f], abs=1e-4)
     assert len(acts.data[0].y) == len(ids) and "promotes" in weights.layout.title.text
@@ -57,17 +56,17 @@ def test_features_at_the_chosen_token_and_a_feature_page(default_lm, trained):
     from model_core.feature_steering import feature_edits
     from model_core.interventions import last_logits
 
-    fig, note, msg = P.clamp_feature(state, "panel-l6", f, 0)
+    fig, note, msg = P.clamp_feature(state, SET, f, 0)
     t = torch.tensor([ids])
     base = torch.log_softmax(last_logits(default_lm, t)[0].float(), -1)
     after = torch.log_softmax(last_logits(default_lm, t, feature_edits(default_lm, feats, f, 0.0))[0].float(), -1)
     kl = float((after.exp() * (after - base)).sum())
     assert f"{max(kl, 0.0):.4f} nats" in note and msg["visible"] is False
     assert "ablated (0)" in fig.layout.title.text and len(fig.data) == 2
-    assert P.clamp_feature(state, "panel-l6", f, "inf")[-1]["visible"] is True
+    assert P.clamp_feature(state, SET, f, "inf")[-1]["visible"] is True
     # bad values: one sentence, nothing replaced
     for bad in ("abc", -1, 10**9):
-        out = P.open_feature(state, "panel-l6", bad)
+        out = P.open_feature(state, SET, bad)
         assert out[0] == {"__type__": "update"} and out[-1]["visible"] is True
     out = P.on_prompt(state, "../../etc", 5)
     assert "Choose a feature set" in out[-1]["value"]
