@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=32)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--context", type=int, default=128)
-    ap.add_argument("--eval-tokens", type=int, default=16_384)
+    ap.add_argument("--eval-tokens", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     ap.add_argument("--json", action="store_true", help="print the whole record as JSON")
     a = ap.parse_args()

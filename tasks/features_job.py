@@ -4,8 +4,8 @@ docstrings), evaluated on its held-out split, saved under <data dir>/features/<n
 
 Params: model, layer, hook (resid_pre, resid_post, attn_out, mlp_out; default resid_post), dataset
 ('builtin'), max_tokens (default 100,000), expansion_factor (default 8) or num_latents, k (default 32),
-batch_size (windows per step, default 8), context (tokens per window, default 128), lr (default:
-sparsify's rule), auxk_alpha, seed, eval_tokens, context_tokens (tokens scanned for top contexts),
+batch_size (windows per step, default 8), context (tokens per window, default 128), optimizer (adam
+or signum), lr (default: 1e-3 for Adam, sparsify's rule for signum), auxk_alpha, seed, eval_tokens, context_tokens (tokens scanned for top contexts),
 name (default '<model>-L<layer>-<hook>-<latents>x<k>', numbered when taken). Checked before queueing.
 
 Progress: 'loading model' (0-3 %), 'training' (3-85 %, per step: loss, FVU, dead-feature share,
@@ -82,6 +82,7 @@ def run_features(self, job: Job) -> Done:
     run = F.train_features(p["model"], p["layer"], p["hook"], p["dataset"], p["max_tokens"],
                            expansion_factor=p["expansion_factor"], num_latents=p["num_latents"], k=p["k"],
                            batch_size=p["batch_size"], context=p["context"], lr=p["lr"], auxk_alpha=p["auxk_alpha"],
+                           optimizer=p["optimizer"],
                            dead_tokens=p["dead_tokens"], seed=p["seed"], eval_tokens=p["eval_tokens"],
                            context_tokens=p["context_tokens"], name=p["name"], progress=job.progress.on_step,
                            should_stop=job.cancelled, log=job.say)
