@@ -282,7 +282,8 @@ def test_output_step_is_the_models_output(lm_tr):
     lm, tr = lm_tr
     o = A.output_step(tr, top_k=5)
     torch.testing.assert_close(o["logits"], tr.next_logits.float(), atol=1e-4, rtol=1e-5)
-    assert o["probs"].sum() == pytest.approx(1, abs=1e-5)
+    # an fp32 sum of 49,152 probabilities: rounding alone is ~sqrt(V) * 6e-8 = 1.3e-5 (1.0000107 seen)
+    assert o["probs"].sum() == pytest.approx(1, abs=1e-4)
     assert o["top"][0]["id"] == int(tr.next_logits.argmax())
     if lm.name == DEFAULT:
         assert o["top"][0]["token"] == "␣France" or o["top"][0]["token"].startswith("␣")
