@@ -36,7 +36,7 @@ DEFAULT_PEAK = next(iter(PEAKS))
 
 def entropy_of(logits: torch.Tensor, k: int = 10) -> dict:
     """Entropy of softmax(logits) [V]: nats, bits, and the k tokens contributing most (-p log p)."""
-    logits = logits.detach().float().reshape(-1)
+    logits = logits.detach().double().reshape(-1)  # float64: a 49k-term fp32 sum drifts ~1e-5 nats
     logp = torch.log_softmax(logits, -1)
     p = logp.exp()
     terms = -(p * logp).nan_to_num(0.0)  # 0 log 0 = 0
@@ -67,8 +67,9 @@ def prompt_cross_entropy(lm, ids: list[int]) -> dict:
 def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> dict:
     """KL(P||Q), KL(Q||P), H(P), CE(P,Q) for P = softmax(p_logits), Q = softmax(q_logits) [V], by
     hand, with torch's kl_div of the same pair as the reference."""
-    lp = torch.log_softmax(p_logits.detach().float().reshape(-1), -1)
-    lq = torch.log_softmax(q_logits.detach().float().reshape(-1), -1)
+    # float64 for the same reason as entropy_of: the sums run over the whole vocabulary
+    lp = torch.log_softmax(p_logits.detach().double().reshape(-1), -1)
+    lq = torch.log_softmax(q_logits.detach().double().reshape(-1), -1)
     if lp.numel() != lq.numel():
         raise SettingsError(f"The two distributions have different vocabularies ({lp.numel():,} vs {lq.numel():,} "
                             "tokens); KL needs the same tokens on both sides.")
