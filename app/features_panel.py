@@ -4,9 +4,10 @@ job, model_core.features) read on the current prompt, and a page per feature.
 - the set: which hook it reads, its size and its measured quality (variance explained, CE loss
   recovered with its reconstruction spliced into the forward pass, on held-out text);
 - on this prompt: per token, the features that fire (the chosen token's in a menu to open);
-- a feature's page: its automatic label, top-activating corpus contexts with the activating token
-  marked, its activation on every position of the prompt, and the tokens its decoder direction
-  promotes and suppresses through the unembedding;
+- a feature's page: its automatic label, how often it fires over the corpus scan (density and a
+  histogram of its activations), top-activating corpus contexts with the activating token marked,
+  its activation on every position of the prompt, and the tokens its decoder direction promotes and
+  suppresses through the unembedding;
 - feature steering: the next token with the feature clamped (0 ablates it), against the plain run;
 - search: features whose label or top contexts mention a text.
 
@@ -22,6 +23,7 @@ import gradio as gr
 import plotly.graph_objects as go
 import torch
 
+from app import figures
 from app import unit_figures as UF
 from app import validation as V
 from app.context import endpoint
@@ -151,7 +153,8 @@ def on_prompt(state, name, query, request: gr.Request = None):
 
 @endpoint(model=True)
 def open_feature(state, name, feature, request: gr.Request = None):
-    """[title, contexts HTML, activation on the prompt, promoted/suppressed tokens, message]."""
+    """[title, contexts HTML, activation on the prompt, promoted/suppressed tokens, histogram over
+    the corpus scan, message]."""
     try:
         feats, index, labels = open_set(name)
         f = _feature_number(feature)
@@ -164,13 +167,18 @@ def open_feature(state, name, feature, request: gr.Request = None):
         dense = _dense(feats, x, f)
         ctx = FT.top_contexts(index, lm.tokenizer, f) if index is not None else []
     except (gr.Error, FT.FeatureError) as e:
-        return gr.skip(), gr.skip(), gr.skip(), gr.skip(), V.show(str(e))
+        return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), V.show(str(e))
     lab = labels[f] if f < len(labels) else {"label": "", "contexts": len(ctx)}
-    title = (f"### Feature #{f} of {name}\n**Label (automatic):** {html.escape(lab['label'])} · "
+    d = FT.density(index, f) if index is not None else {}
+    fires = (f"fires on **{d['density']:.3%}** of the {d['scanned']:,} tokens scanned ({d['fired']:,})"
+             if d else "density not recorded (this set was saved before lmscope kept it)")
+    title = (f"### Feature #{f} of {name}\n**Label (automatic):** {html.escape(lab['label'])} · {fires} · "
              f"{lab.get('contexts', len(ctx))} top contexts kept from the corpus scan")
+    hist = (UF.density_figure(d, f"Feature #{f} over the corpus scan: {d['fired']:,} of {d['scanned']:,} tokens")
+            if d and d["fired"] else figures.empty_figure("This feature never fired in the corpus scan."))
     return (title, contexts_html(ctx), activation_figure(dense, [t["display"] for t in tr.tokens], f),
             UF.weights_figure(top, f"Feature #{f}: tokens its decoder direction promotes / suppresses (W_dec·W_U)"),
-            V.clear())
+            hist, V.clear())
 
 
 def _dense(feats, x, f: int) -> list[float]:
@@ -256,6 +264,7 @@ class FeaturesPanel:
             self.contexts = gr.HTML(elem_id="features-contexts")
             with gr.Row():
                 self.acts = gr.Plot(label="On this prompt", elem_id="features-acts")
+                self.hist = gr.Plot(label="Over the corpus", elem_id="features-hist")
                 self.weights = gr.Plot(label="Through the unembedding", elem_id="features-weights")
             with gr.Row():
                 self.clamp_value = gr.Number(value=0, label="clamp the feature to (0 = ablate)",
@@ -274,7 +283,7 @@ class FeaturesPanel:
                          show_progress="hidden")
         self.here.input(None, [self.here], [self.number], js="(f) => f")
         self.search_text.submit(search, [self.set, self.search_text], [self.here, self.msg])
-        page = [self.title, self.contexts, self.acts, self.weights, self.msg]
+        page = [self.title, self.contexts, self.acts, self.weights, self.hist, self.msg]
         self.open_btn.click(open_feature, [tab.state, self.set, self.number], page, concurrency_id="views")
         self.clamp_btn.click(clamp_feature, [tab.state, self.set, self.number, self.clamp_value],
                              [self.clamp_plot, self.clamp_note, self.msg], concurrency_id="model")

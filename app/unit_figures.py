@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import math
 
 import plotly.graph_objects as go
 
@@ -91,4 +92,23 @@ def clamp_figure(rows: list[dict], title: str) -> go.Figure:
     fig.update_layout(barmode="group", title=title, height=320, margin=dict(l=40, r=20, t=60, b=80),
                       legend=dict(orientation="h", y=1.02, x=1, xanchor="right", yanchor="bottom"),
                       xaxis=dict(tickangle=-45), yaxis=dict(title="probability"))
+    return fig
+
+
+def density_figure(d: dict, title: str) -> go.Figure:
+    """A feature's activations over the corpus scan: counts per log-spaced bin (d from
+    model_core.features.density: counts [B], edges [B + 1]), bars spanning their bins."""
+    edges, counts = d["edges"], d["counts"]
+    lo, hi = edges[:-1], edges[1:]
+    mid = [(a * b) ** 0.5 for a, b in zip(lo, hi)]  # geometric centre: the middle of a log bin
+    fig = go.Figure(go.Bar(x=mid, y=counts, width=[b - a for a, b in zip(lo, hi)], marker_color="#e4572e",
+                           customdata=list(zip(lo, hi)),
+                           hovertemplate="activation %{customdata[0]:.3g}-%{customdata[1]:.3g}<br>"
+                                         "%{y:,} tokens<extra></extra>"))
+    used = [i for i, c in enumerate(counts) if c]
+    rng = [edges[used[0]], edges[used[-1] + 1]] if used else [edges[0], edges[-1]]
+    fig.update_layout(title=title, height=300, margin=dict(l=50, r=20, t=60, b=50), bargap=0.05,
+                      xaxis=dict(type="log", title="activation (log scale)",
+                                 range=[math.log10(rng[0]), math.log10(rng[1])]),
+                      yaxis=dict(title="tokens"))
     return fig

@@ -35,7 +35,8 @@ Quality on held-out windows (the built-in corpus's held-out split):
   CE recovered = (CE_zero - CE_sae) / (CE_zero - CE_clean).
 
 Reading features: `feature_activations` (per position, the features that fire), `context_index` /
-`top_contexts` (the largest activations of every feature over a bounded token stream),
+`top_contexts` (the largest activations of every feature over a bounded token stream, and every
+activation binned on a log scale: `density`, how often each feature fires),
 `promoted_tokens` (the decoder row through the final norm's gain and the unembedding, as
 model_core.neurons reads a neuron), `label` (most frequent n-grams ending at the top contexts'
 activating token, and the top promoted tokens).
@@ -711,16 +712,26 @@ class FeatureContexts:
     tokens: torch.Tensor  # [N, W] int64
     vals: torch.Tensor  # [M, K] float32, largest first (-inf: no context)
     idx: torch.Tensor  # [M, K] int64 (-1: none)
+    # every activation of the scan, binned: [M, HIST_BINS] counts over log10(activation) in
+    # HIST_LOG10 (values beyond fall in the end bins); None in sets saved before it was kept
+    hist: torch.Tensor | None = None
 
     @property
     def window(self) -> int:
         return int(self.tokens.shape[1])
 
+    @property
+    def scanned(self) -> int:
+        """Tokens the scan read (position 0 of each window skipped)."""
+        return int(self.tokens.shape[0]) * (self.window - 1)
+
     def save(self, path) -> Path:
         from safetensors.torch import save_file
 
-        save_file({"tokens": self.tokens.contiguous(), "vals": self.vals.contiguous(), "idx": self.idx.contiguous()},
-                  str(path), metadata={"format": FORMAT + "-contexts"})
+        t = {"tokens": self.tokens.contiguous(), "vals": self.vals.contiguous(), "idx": self.idx.contiguous()}
+        if self.hist is not None:
+            t["hist"] = self.hist.contiguous()
+        save_file(t, str(path), metadata={"format": FORMAT + "-contexts"})
         return Path(path)
 
     @classmethod
@@ -728,6 +739,34 @@ class FeatureContexts:
         from safetensors.torch import load_file
 
         return cls(**load_file(str(path)))
+
+
+HIST_BINS = 48
+HIST_LOG10 = (-3.0, 3.0)  # activations from 0.001 to 1000, 8 bins a decade
+
+
+def hist_edges() -> list[float]:
+    """The HIST_BINS + 1 bin edges of FeatureContexts.hist, as activations."""
+    lo, hi = HIST_LOG10
+    return [10 ** (lo + (hi - lo) * i / HIST_BINS) for i in range(HIST_BINS + 1)]
+
+
+def _hist_bins(acts: torch.Tensor) -> torch.Tensor:
+    """Bin numbers of positive activations (log10 bins of HIST_LOG10, the ends open)."""
+    lo, hi = HIST_LOG10
+    b = ((torch.log10(acts) - lo) * (HIST_BINS / (hi - lo))).floor()
+    return b.clamp(0, HIST_BINS - 1).long()
+
+
+def density(index: FeatureContexts, feature: int) -> dict:
+    """How often a feature fired over the scan: {fired, scanned, density, counts [HIST_BINS], edges},
+    or {} for a set saved without the histogram."""
+    if index.hist is None:
+        return {}
+    counts = index.hist[feature]
+    fired = int(counts.sum())
+    return {"fired": fired, "scanned": index.scanned, "density": fired / max(index.scanned, 1),
+            "counts": counts.tolist(), "edges": hist_edges()}
 
 
 def context_index(lm, feats: Features, windows: torch.Tensor, *, k: int = TOP_K, batch_size: int = DEFAULT_BATCH,
@@ -740,13 +779,18 @@ def context_index(lm, feats: Features, windows: torch.Tensor, *, k: int = TOP_K,
     k = max(1, min(int(k), N * (W - 1)))
     vals = torch.full((M, k), float("-inf"))
     idx = torch.full((M, k), -1, dtype=torch.int64)
+    hist = torch.zeros(M * HIST_BINS, dtype=torch.int64)  # [M * HIST_BINS], viewed [M, HIST_BINS] at the end
     for b0 in range(0, N, batch_size):
         if should_stop is not None and should_stop():
             raise FeaturesCancelled()
         ids = windows[b0:b0 + batch_size]
         B = ids.shape[0]
         acts, top_i = _encode(feats.sae, capture(lm, hp, ids))  # [B*W, kk]
-        dense = torch.zeros(B * W, M).scatter_(1, top_i.cpu(), acts.cpu())
+        acts, top_i = acts.cpu(), top_i.cpu()
+        fired = acts.view(B, W, -1)[:, 1:] > 0  # [B, W-1, kk]: position 0 skipped, as in the contexts
+        a, f = acts.view(B, W, -1)[:, 1:][fired], top_i.view(B, W, -1)[:, 1:][fired]  # [n] each
+        hist.index_add_(0, f * HIST_BINS + _hist_bins(a), torch.ones_like(f))
+        dense = torch.zeros(B * W, M).scatter_(1, top_i, acts)
         dense.view(B, W, M)[:, 0] = float("-inf")
         dense[dense <= 0] = float("-inf")
         places = b0 * W + torch.arange(B * W)
@@ -755,7 +799,7 @@ def context_index(lm, feats: Features, windows: torch.Tensor, *, k: int = TOP_K,
         t = torch.topk(v, k, dim=1)
         vals, idx = t.values, torch.gather(i, 1, t.indices)
     idx[~torch.isfinite(vals)] = -1
-    return FeatureContexts(tokens=windows.cpu(), vals=vals, idx=idx)
+    return FeatureContexts(tokens=windows.cpu(), vals=vals, idx=idx, hist=hist.view(M, HIST_BINS))
 
 
 def top_contexts(index: FeatureContexts, tokenizer, feature: int, *, before: int = 16, after: int = 4) -> list[dict]:

@@ -251,17 +251,22 @@ def test_fuzz_every_event(server):
         if not hasattr(local, "session"):
             local.session = uuid.uuid4().hex[:12]
         i, pos, value, data, event_data = case
+        t_call = time.time()
         out = c.call(i, data, session=local.session, event_data=event_data)
+        spent[i] = spent.get(i, 0.0) + time.time() - t_call
         problem = _one_sentence_problem(out["error"], value) if "error" in out else None
         return (c.deps[i].get("api_name"), pos, _redact(value), problem, out.get("error", "")[:200]) if problem else None
 
     from concurrent.futures import ThreadPoolExecutor
 
+    spent: dict[int, float] = {}  # seconds of calls per event: what to trim when the walk grows
     t0 = time.time()
     with ThreadPoolExecutor(6) as pool:  # the server answers many at once; the walk waits on latency, not CPU
         results = list(pool.map(run, cases))
     bad, n = [r for r in results if r], len(cases)
     print(f"\nwalk: {len(events)} distinct events of {len(c.deps)}, {n} calls in {time.time() - t0:.0f} s")
+    for i, s in sorted(spent.items(), key=lambda x: -x[1])[:10]:
+        print(f"  {s:6.1f} s in calls of event {i} ({c.deps[i].get('api_name')})")
     assert len(events) > 40 and n >= 400
     assert not bad, "\n".join(map(str, bad[:30]))
     unexpected = _unexpected(server)

@@ -193,6 +193,38 @@ def test_feature_activations_top_contexts_and_promoted_tokens_by_hand(default_lm
     assert lab["promotes"][0] == lm.tokenizer.decode([want[0]]) and lab["contexts"] == len(ctx)
 
 
+def test_density_and_histogram_count_every_activation_of_the_scan(default_lm, run):
+    """The feature page's density and histogram against the encoder formula applied by hand to
+    transformers' hidden_states over the scanned windows (top-k of relu pre-activations, position 0
+    of each window skipped), binned with numpy."""
+    import numpy as np
+
+    lm, sae = default_lm, run.features.sae
+    index = F.FeatureContexts.load(run.path / "contexts.safetensors")
+    assert index.hist is not None and index.hist.shape == (SMALL["num_latents"], F.HIST_BINS)
+    with torch.no_grad():
+        h = lm.model(input_ids=index.tokens, output_hidden_states=True).hidden_states[LAYER + 1][:, 1:]
+    pre = torch.relu((h - sae.b_dec) @ sae.encoder.weight.T + sae.encoder.bias).detach()  # [N, W-1, M]
+    top = torch.topk(pre, sae.cfg.k, dim=-1)
+    kept = torch.zeros_like(pre).scatter_(-1, top.indices, top.values)  # [N, W-1, M]: what the encoder keeps
+    fired = (kept > 0).sum((0, 1))  # [M]
+    assert index.hist.sum(1).tolist() == fired.tolist()
+    assert index.scanned == index.tokens.shape[0] * (index.tokens.shape[1] - 1)
+    f = int(fired.argmax())
+    d = F.density(index, f)
+    assert d["fired"] == int(fired[f]) and d["density"] == pytest.approx(int(fired[f]) / index.scanned)
+    v = kept[..., f][kept[..., f] > 0].numpy()
+    edges = np.array(d["edges"])
+    # a value within 1e-4 (log10) of an edge may fall either side (the encoder sums in another order)
+    near = np.abs(np.log10(v)[:, None] - np.log10(edges)[None]).min(1) <= 1e-4
+    want = np.histogram(np.clip(v, edges[0], edges[-1]), edges)[0]
+    assert np.abs(np.array(d["counts"]) - want).sum() <= 2 * int(near.sum()), (d["counts"], want.tolist())
+    assert np.bincount(F._hist_bins(torch.tensor(v[~near])).numpy(), minlength=F.HIST_BINS).tolist() == \
+        np.histogram(np.clip(v[~near], edges[0], edges[-1]), edges)[0].tolist()
+    assert sum(d["counts"]) == d["fired"] and len(d["counts"]) == len(edges) - 1
+    assert F.density(F.FeatureContexts(index.tokens, index.vals, index.idx), f) == {}  # an older set
+
+
 def test_bad_layer_hook_and_width_are_one_sentence(default_lm):
     lm = default_lm
     cases = [lambda: F.hook_point(lm, 99, "resid_post"), lambda: F.hook_point(lm, 29, "resid_post"),

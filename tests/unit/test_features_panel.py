@@ -46,8 +46,16 @@ def test_features_at_the_chosen_token_and_a_feature_page(default_lm, trained):
     assert [f for f, _ in got] == [f for f, _ in want]
     assert [a for _, a in got] == pytest.approx([round(a, 2) for _, a in want], abs=0.006)
     f = menu["value"]
-    title, contexts, acts, weights, msg = P.open_feature(state, SET, f)
+    title, contexts, acts, weights, hist, msg = P.open_feature(state, SET, f)
     assert f"Feature #{f}" in title and "Label (automatic)" in title and msg["visible"] is False
+    # density and histogram: the counts the corpus scan kept for this feature (checked against the
+    # encoder by hand in tests/reference/test_features.py), every bar of them drawn
+    d = F.density(P.open_set(SET)[1], f)
+    assert f"fires on **{d['density']:.3%}** of the {d['scanned']:,} tokens scanned" in title
+    if d["fired"]:
+        assert sum(hist.data[0].y) == d["fired"] and f"{d['fired']:,} of {d['scanned']:,}" in hist.layout.title.text
+    else:
+        assert "never fired" in str(hist.layout.annotations[0].text)
     assert acts.data[0].y[5] == pytest.approx(dict(want)[f], abs=1e-4)
     assert len(acts.data[0].y) == len(ids) and "promotes" in weights.layout.title.text
     assert acts.data[0].x[1] == "1:␣capital"  # token labels, byte-safe, as every other view
