@@ -192,21 +192,19 @@ def _dense(feats, x, f: int) -> list[float]:
 def clamp_feature(state, name, feature, value, request: gr.Request = None):
     """[figure, summary, message]: the next token after the prompt with the feature clamped to
     `value` at every position from 1 (0 ablates it), against the model as it runs."""
-    from model_core.feature_steering import feature_edits
-    from model_core.interventions import last_logits
+    from model_core.feature_steering import check_set_fits, feature_edits, next_token_shift
 
     try:
         feats, _, _ = open_set(name)
         f = _feature_number(feature)
         tr = trace_for_state(state)
         lm = tr.lm
+        check_set_fits(lm, feats)
         edits = feature_edits(lm, feats, f, value)
     except (gr.Error, FT.FeatureError) as e:
         return gr.skip(), gr.skip(), V.show(str(e))
-    ids = torch.tensor([tr.token_ids], device=lm.device)
-    base = torch.log_softmax(last_logits(lm, ids)[0].float(), -1)  # [V]
-    after = torch.log_softmax(last_logits(lm, ids, edits)[0].float(), -1)  # [V]
-    kl = float((after.exp() * (after - base)).sum())
+    shift = next_token_shift(lm, torch.tensor([tr.token_ids], device=lm.device), edits)
+    base, after, kl = shift["base"], shift["after"], shift["kl"]
     union = list(dict.fromkeys(base.topk(8).indices.tolist() + after.topk(8).indices.tolist()))
     union.sort(key=lambda i: -float(base[i]))
     from model_core.tokenization import describe_tokens
@@ -217,7 +215,7 @@ def clamp_feature(state, name, feature, value, request: gr.Request = None):
     what = "ablated (0)" if v == 0 else f"clamped to {v:g}"
     title = f"Feature #{f} {what} from position 1: the next token"
     return (UF.clamp_figure(rows, title),
-            f"KL(clamped ‖ as it runs) of the next-token distribution: **{max(kl, 0.0):.4f} nats**. The edit adds "
+            f"KL(clamped ‖ as it runs) of the next-token distribution: **{kl:.4f} nats**. The edit adds "
             f"(value − the feature's activation) × its decoder row at `{feats.point(lm).edit_name}`; the "
             f"autoencoder's reconstruction error is kept, so only this feature's direction moves.", V.clear())
 

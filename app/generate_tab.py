@@ -305,6 +305,10 @@ class GenerateTab:
 
         steering_panel.build(self.shared, self)
 
+        from app import feature_clamp_panel  # one autoencoder feature clamped: clamped vs as it runs
+
+        feature_clamp_panel.build(self.shared, self)
+
     def _wire_link(self) -> None:
         """The link: settings and chosen step mirrored into the URL, and read back on load."""
         shared = self.shared

@@ -10,15 +10,20 @@ k), d_f its decoder row. value = a_f(x) changes nothing; value = 0 ablates the f
 value pushes along what the feature writes. The reconstruction error x - x_hat is untouched, so the
 edit moves the model only along d_f. Position 0 (the attention sink, never trained on) is left
 alone by default. Shapes: x [B, T, d_model]; d_f [d_model].
+
+`next_token_shift` is what the clamp does to the next token after a prompt (both distributions and
+their KL); `clamped_generation` is generate() with the clamp in every forward, the output's
+perplexity under the unedited model next to it.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from model_core.features import FeatureError, Features, _encode
+from model_core.features import FeatureError, Features, _encode, check_width
 
 MAX_VALUE = 1000.0
 
@@ -61,3 +66,44 @@ def feature_edits(lm, feats: Features, feature, value, *, from_position: int = 1
         return out
 
     return {hp.edit_name: clamp}
+
+
+def check_set_fits(lm, feats: Features) -> None:
+    """One sentence when a feature set was trained on another model."""
+    if feats.model != lm.name:
+        raise FeatureError(f"The feature set '{feats.name}' was trained on {feats.model}, not {lm.name}: "
+                           "pick a set of this model.")
+    check_width(lm, feats.sae, feats.point(lm))
+
+
+def next_token_shift(lm, ids: torch.Tensor, edits: dict) -> dict:
+    """ids [1, T] -> the next-token log-probabilities as the model runs and with `edits` ([V] each,
+    float32) and KL(edited || as it runs) in nats."""
+    from model_core.interventions import last_logits
+
+    base = torch.log_softmax(last_logits(lm, ids)[0].float(), -1)  # [V]
+    after = torch.log_softmax(last_logits(lm, ids, edits)[0].float(), -1)  # [V]
+    kl = float((after.double().exp() * (after.double() - base.double())).sum())
+    return {"base": base, "after": after, "kl": max(kl, 0.0)}
+
+
+@dataclass(frozen=True)
+class ClampedRun:
+    """One generation with a feature clamped (and, with the same seed, the plain run to compare)."""
+
+    value: float
+    generation: object  # model_core.generate.Generation
+    base_perplexity: float | None  # of the generated tokens under the unedited model
+
+
+def clamped_generation(lm, prompt: str, feats: Features, feature, value, *, from_position: int = 1,
+                       **options) -> ClampedRun:
+    """generate() with `feature` clamped to `value` in every forward (options as generate's)."""
+    from model_core.generate import generate
+    from model_core.steering import base_perplexity
+
+    check_set_fits(lm, feats)
+    edits = feature_edits(lm, feats, feature, value, from_position=from_position)
+    gen = generate(lm, prompt, edits=edits, **options)
+    return ClampedRun(value=check_value(value), generation=gen,
+                      base_perplexity=base_perplexity(lm, gen.prompt_ids, gen.token_ids))

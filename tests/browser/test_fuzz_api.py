@@ -174,7 +174,7 @@ _PATH_LEAK = re.compile(r"(/(root|home|tmp|work|usr|etc|var|opt)/\S+)|redis://|T
 
 # Baseline values that keep each call cheap (the walk is about the answers, not the work).
 BASELINE = {"gen-max-new": 2, "gen-n-samples": 2, "sft-mask-index": 0, "gen-steer-max-new": 2, "gen-steer-layer": 0,
-            "explore-steer-layer": 0}
+            "explore-steer-layer": 0, "gen-clamp-max-new": 2}
 
 
 def _is_model_picker(comp) -> bool:
