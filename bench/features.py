@@ -22,7 +22,9 @@ held-out: 4,064 predictions of the built-in corpus's held-out split; CE clean 3.
 On 60k cached activations of the same hook (file order), held-out FVU after one pass (59 steps):
 sign-SGD lr 9.4e-3 0.192, lr 2e-3 0.236; Adam lr 1e-3 0.196, lr 3.8e-4 0.389; schedule-free AdamW
 1e-3 0.273. After two passes (118 steps): sign-SGD 0.325 (drifts), Adam 1e-3 0.153 (keeps improving).
-Not run on a GPU: the default model's weights (~270 MB) exceed what travels to the GPU machine.
+On an H200 (the real model's GGUF carried in two halves; docs/PERFORMANCE.md), Adam, the whole
+built-in corpus (337,920 tokens), 16,256 held-out predictions: batch 8 15,405 tokens/s, explained
+0.907, CE recovered 0.989; batch 32 48,993 tokens/s, explained 0.876, CE recovered 0.976.
 """
 
 from __future__ import annotations

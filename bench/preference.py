@@ -5,6 +5,7 @@ held-out numbers before and after a short built-in run, training tokens/s and wa
   python bench/preference.py --kinds dpo --dpo-method lora
   python bench/preference.py --kinds grpo --grpo-loss dr_grpo --grpo-steps 40
   python bench/preference.py --kinds reward
+  python bench/preference.py --device cuda          # on a GPU (bf16 autocast through TRL)
 
 Each run goes through the same functions the jobs call (model_core.preference.train_*), registers
 its model in a scratch data folder (removed at the end unless --keep), and prints:
@@ -31,6 +32,9 @@ tokens/s varied 3-7x with the machine's load, so compare within a run):
     last 5 steps 0.41 -> 0.76; train 1076 s, 16 tokens/s (loaded); wall 1143 s
   GRPO as above with loss dr_grpo: 0.550 -> 1.000; sampled 0.40 -> 0.80; ~8 s a step (~100 tokens/s)
     while the machine was idle; train 524 s, 32 tokens/s; wall 563 s
+Measured (H200, `--device cuda`, torch 2.11, transformers 5.17, same defaults): DPO full 17 s, 375
+  tokens/s, implicit accuracy 0.000 -> 1.000, margin 0 -> 2.11; GRPO LoRA 32 s, 528 tokens/s
+  (generation included), greedy reward 0.550 -> 1.000 (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -183,15 +187,16 @@ def main() -> None:
     ap.add_argument("--prompts-per-step", type=int, default=2)
     ap.add_argument("--completion-tokens", type=int, default=12)
     ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the jobs' own default picks cuda when present)")
     ap.add_argument("--json", help="also write the numbers to this file")
     ap.add_argument("--keep", action="store_true", help="keep the scratch data folder with the registered models")
     args = ap.parse_args()
 
-    os.environ.setdefault("LMSCOPE_DEVICE", "cpu")
+    os.environ["LMSCOPE_DEVICE"] = args.device
     torch.set_num_threads(args.threads)
     scratch = Path(tempfile.mkdtemp(prefix="lmscope-bench-pref-"))
     os.environ["LMSCOPE_DATA_DIR"] = str(scratch)
-    print(f"{device_info()}; data folder {scratch}")
+    print(f"{device_info()}; running on {args.device}; data folder {scratch}")
     import trl
 
     print(f"trl {trl.__version__}")
