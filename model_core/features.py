@@ -858,8 +858,13 @@ def _ngrams(index: FeatureContexts, feature: int, n_max: int = 3) -> Counter:
 def label(lm, feats: Features, index: FeatureContexts, feature: int, promoted: list[int] | None = None) -> dict:
     """An automatic label: the most frequent n-grams ending at the activating token of the top
     contexts (a longer one kept when it is as frequent), and the top promoted tokens."""
+    from model_core.tokenization import byte_safe_decode
+
     c = _ngrams(index, feature)
-    dec = lm.tokenizer.decode
+
+    def dec(ids):  # a context cut inside a character shows its stray bytes as <0xNN>, not "�"
+        return byte_safe_decode(lm.tokenizer, ids)
+
     grams = sorted(c.items(), key=lambda kv: (-kv[1], -len(kv[0])))
     picked: list[tuple] = []
     for g, cnt in grams:

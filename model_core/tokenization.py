@@ -19,6 +19,7 @@ spans' texts concatenate back to the decoded text exactly.
 
 from __future__ import annotations
 
+import codecs
 import functools
 import re
 import unicodedata
@@ -358,6 +359,25 @@ def describe_raw(ids, raws: list[bytes], texts: list[str] | None = None) -> list
                 "glyph": glyph, "glyph_text": text, "span": [s, e], "part": k - s + 1, "parts": e - s,
             })
     return rows
+
+
+def _hex_bytes(err: UnicodeDecodeError) -> tuple[str, int]:
+    """codecs error handler: each byte that makes no whole character as <0xNN>, as the views show it."""
+    return "".join(f"<0x{b:02X}>" for b in err.object[err.start:err.end]), err.end
+
+
+codecs.register_error("lmscope-hex", _hex_bytes)
+
+
+def byte_safe_decode(tokenizer, ids) -> str:
+    """The tokenizer's decode of ids, unless it holds a replacement character the bytes do not (a
+    token sequence cut inside a character): then the bytes, each stray byte as <0xNN>."""
+    ids = [int(t) for t in ids]
+    text = tokenizer.decode(ids)
+    if "\ufffd" not in text:
+        return text
+    raw = b"".join(token_bytes(tokenizer, t) for t in ids)
+    return raw.decode("utf-8", errors="lmscope-hex")
 
 
 def describe_tokens(tokenizer, ids) -> list[dict]:

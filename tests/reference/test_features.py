@@ -190,7 +190,11 @@ def test_feature_activations_top_contexts_and_promoted_tokens_by_hand(default_lm
     want = torch.topk(logits, 5).indices.tolist()
     assert [r["id"] for r in F.promoted_tokens(lm, feats, f, 5)["promoted"]] == want
     lab = F.label(lm, feats, index, f)
-    assert lab["promotes"][0] == lm.tokenizer.decode([want[0]]) and lab["contexts"] == len(ctx)
+    from model_core.tokenization import byte_safe_decode
+
+    # the tokenizer's decode, or <0xNN> for a token that is part of a character (this set's top one is)
+    assert lab["promotes"][0] == byte_safe_decode(lm.tokenizer, [want[0]]) and lab["contexts"] == len(ctx)
+    assert "\ufffd" not in lab["label"]
 
 
 def test_density_and_histogram_count_every_activation_of_the_scan(default_lm, run):
@@ -223,6 +227,31 @@ def test_density_and_histogram_count_every_activation_of_the_scan(default_lm, ru
         np.histogram(np.clip(v[~near], edges[0], edges[-1]), edges)[0].tolist()
     assert sum(d["counts"]) == d["fired"] and len(d["counts"]) == len(edges) - 1
     assert F.density(F.FeatureContexts(index.tokens, index.vals, index.idx), f) == {}  # an older set
+
+
+def test_labels_of_contexts_cut_inside_a_character_show_bytes_not_replacement_marks(default_lm, run):
+    """Burmese: SmolLM2 spells each character in 3 byte tokens, so an n-gram ending at the activating
+    token often starts or ends inside one. The label shows those bytes as <0xNN> (as the views do);
+    whole characters decode as the tokenizer decodes them."""
+    from model_core.tokenization import byte_safe_decode
+
+    lm = default_lm
+    ids = lm.tokenizer("မြန်မာ စာ", add_special_tokens=False)["input_ids"]
+    assert "\ufffd" in lm.tokenizer.decode(ids[:2])  # the reason for this test
+    assert byte_safe_decode(lm.tokenizer, ids[:2]) == "<0xE1><0x80>"
+    assert byte_safe_decode(lm.tokenizer, ids) == lm.tokenizer.decode(ids) == "မြန်မာ စာ"
+    W = 8
+    windows = torch.tensor([(ids + ids)[:W], (ids[1:] + ids)[:W]])  # [2, W]
+    M = run.features.num_latents
+    vals = torch.full((M, 2), float("-inf"))
+    idx = torch.full((M, 2), -1, dtype=torch.int64)
+    vals[0], idx[0] = torch.tensor([2.0, 1.0]), torch.tensor([4, W + 4])  # two contexts, each mid-character
+    index = F.FeatureContexts(tokens=windows, vals=vals, idx=idx)
+    lab = F.label(lm, run.features, index, 0, promoted=[ids[0]])
+    assert "\ufffd" not in lab["label"] and "<0x" in lab["label"], lab
+    assert lab["promotes"] == ["<0xE1>"]
+    for r in lab["reads"]:
+        assert r["text"].encode("utf-8") and "\ufffd" not in r["text"]
 
 
 def test_bad_layer_hook_and_width_are_one_sentence(default_lm):
