@@ -174,7 +174,7 @@ def open_feature(state, name, feature, request: gr.Request = None):
              if d else "density not recorded (this set was saved before lmscope kept it)")
     title = (f"### Feature #{f} of {name}\n**Label (automatic):** {html.escape(lab['label'])} · {fires} · "
              f"{lab.get('contexts', len(ctx))} top contexts kept from the corpus scan")
-    hist = (UF.density_figure(d, f"Feature #{f} over the corpus scan: {d['fired']:,} of {d['scanned']:,} tokens")
+    hist = (UF.density_figure(d, f"#{f} over the corpus: {d['fired']:,} of {d['scanned']:,} tokens")
             if d and d["fired"] else figures.empty_figure("This feature never fired in the corpus scan."))
     return (title, contexts_html(ctx), activation_figure(dense, [t["display"] for t in tr.tokens], f),
             UF.weights_figure(top, f"Feature #{f}: tokens its decoder direction promotes / suppresses (W_dec·W_U)"),
