@@ -88,6 +88,22 @@ def jobs_table(records: list[dict]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=JOB_COLUMNS)
 
 
+def features_line(rec: dict) -> str:
+    """A features job's latest training step (loss, FVU, dead share, tokens/s) and, once evaluated,
+    its held-out quality: what the run is doing, read from the record the worker pushes."""
+    f = rec.get("features") or {}
+    row, q = f.get("latest") or {}, f.get("quality") or {}
+    parts = []
+    if row:
+        fvu = float(row.get("fvu", float("nan")))
+        parts.append(f"step {row.get('step', '?')}: loss {float(row.get('loss', float('nan'))):.4g}, "
+                     f"FVU {fvu:.3f} (explained {1 - fvu:.1%}), dead features {float(row.get('dead_share', 0)):.1%}, "
+                     f"{float(row.get('tokens_per_s', 0)):,.0f} tokens/s")
+    if q:
+        parts.append(f"held-out: explained {float(q['explained']):.3f}, CE loss recovered {float(q['ce_recovered']):.3f}")
+    return " · ".join(parts)
+
+
 def progress_html(rec: dict | None) -> str:
     if not rec:
         return "<div class='lmscope-job-progress'><em>Select a job in the list.</em></div>"
@@ -99,6 +115,8 @@ def progress_html(rec: dict | None) -> str:
         bits.append(eta_text(rec))
     if rec.get("started") and rec.get("finished"):
         bits.append(f"ran {rec['finished'] - rec['started']:.1f} s")
+    if rec.get("kind") == "features" and features_line(rec):
+        bits.append(html.escape(features_line(rec)))
     err = f"<div style='color:#dc2626'>{html.escape(rec['error'])}</div>" if rec.get("error") else ""
     if rec.get("warning") and rec["state"] == "queued":
         err += f"<div class='lmscope-job-warning' style='color:#a16207'>{html.escape(rec['warning'])}</div>"

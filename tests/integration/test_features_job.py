@@ -49,6 +49,12 @@ def test_features_job_through_the_cli_saves_what_it_reports(svc):
     assert [h["step"] for h in f["history"]] == list(range(1, saved["steps"] + 1)) and saved["steps"] == 8
     assert {"loss", "fvu", "dead_share"} <= set(f["latest"])
     assert f["memory"]["peak_rows"] <= f["memory"]["limit_rows"] == 8 * 32
+    # the Jobs tab's progress panel reads the same record: the last step's numbers and the quality
+    from app.jobs_figures import progress_html
+
+    shown = progress_html(rec)
+    assert f"step 8: loss {f['latest']['loss']:.4g}, FVU {f['latest']['fvu']:.3f}" in shown
+    assert f"CE loss recovered {f['quality']['ce_recovered']:.3f}" in shown
 
     lm = load_model(MODEL)
     feats = F.load_features("tiny-l1")
