@@ -42,6 +42,7 @@ LOSS_TYPE_CHOICES = [
     ("Dr. GRPO: no std scaling of A, no per-sequence length normalisation (a constant instead)", "dr_grpo"),
     ("DAPO: clip-higher ε_high = 0.28 > ε = 0.2, token-level normalisation over the batch", "dapo"),
 ]
+DPO_LOSS_CHOICES = [(text, key) for key, text in P.DPO_LOSS_TYPES.items()]
 VERIFIER_CHOICES = [(f"{k}: {v.description}", k) for k, v in D.VERIFIERS.items()]
 CHECK_TOLERANCE = {"float32": 1e-3, "other": 5e-2}  # |sum per-token - sequence log-ratio| (nats)
 
@@ -95,12 +96,17 @@ def _num(v):
     return v
 
 
-def form_params(kind, model, dataset, verifier, method, beta, loss_type, group_size, steps, lr) -> dict:
-    """The job's params from the form (only the settings the kind has)."""
+def form_params(kind, model, dataset, verifier, method, beta, loss_type, group_size, steps, lr,
+                lora_rank=None) -> dict:
+    """The job's params from the form (only the settings the kind has; the LoRA rank with LoRA only)."""
     p = {"model": model or default_model(), "dataset": dataset or D.BUILTIN, "method": method or None,
          "max_steps": _num(steps) or None, "learning_rate": _num(lr) or None}
+    if method == "lora":
+        p["lora_rank"] = _num(lora_rank)
     if kind in ("dpo", "grpo"):
         p["beta"] = _num(beta)
+    if kind == "dpo":
+        p["loss_type"] = loss_type or "sigmoid"
     if kind == "grpo":
         p.update(loss_type=loss_type or "grpo", num_generations=_num(group_size),
                  verifier=verifier if dataset == "upload" else None)
@@ -108,7 +114,7 @@ def form_params(kind, model, dataset, verifier, method, beta, loss_type, group_s
 
 
 @endpoint
-def submit(kind, model, dataset, upload, verifier, method, beta, loss_type, group_size, steps, lr,
+def submit(kind, model, dataset, upload, verifier, method, beta, loss_type, group_size, steps, lr, lora_rank=None,
            request: gr.Request = None):
     """Check everything (settings, model name, every line of an upload) before queueing; a bad value
     answers one sentence beside the form and leaves the rest of the panel as it was."""
@@ -117,7 +123,7 @@ def submit(kind, model, dataset, upload, verifier, method, beta, loss_type, grou
     skip = [gr.skip(), gr.skip(), gr.skip()]
     if kind not in KINDS:
         return [*skip, V.show("Choose reward model, DPO or GRPO.")]
-    params = form_params(kind, model, dataset, verifier, method, beta, loss_type, group_size, steps, lr)
+    params = form_params(kind, model, dataset, verifier, method, beta, loss_type, group_size, steps, lr, lora_rank)
     files = []
     try:
         if dataset == "upload":
@@ -217,8 +223,16 @@ def kind_changed(kind):
             gr.update(visible=kind != "reward", value=getattr(s, "beta", None),
                       label="β: KL penalty to the reference (0 = none)" if grpo
                       else "β: implicit KL strength (higher: nearer the reference)"),
-            gr.update(visible=grpo), gr.update(visible=grpo), gr.update(visible=False), gr.update(visible=False),
-            gr.update(value=s.max_steps))
+            gr.update(visible=kind != "reward", choices=LOSS_TYPE_CHOICES if grpo else DPO_LOSS_CHOICES,
+                      value=s.loss_type if kind != "reward" else None, label="GRPO loss" if grpo else "DPO loss"),
+            gr.update(visible=grpo), gr.update(visible=False), gr.update(visible=False),
+            gr.update(value=s.max_steps), gr.update(visible=s.method == "lora"))
+
+
+@endpoint
+def method_changed(method):
+    """The LoRA rank belongs to the LoRA method."""
+    return gr.update(visible=method == "lora")
 
 
 @endpoint
@@ -373,7 +387,9 @@ def build(shared: Shared) -> None:
                 method = gr.Radio(["full", "lora"], value="full", label="Method", elem_id="pref-method")
                 beta = gr.Number(P.DPOSettings.beta, label="β: implicit KL strength (higher: nearer the reference)",
                                  elem_id="pref-beta")
-                loss_type = gr.Radio(LOSS_TYPE_CHOICES, value="grpo", label="GRPO loss", visible=False,
+                lora_rank = gr.Number(P.DPOSettings.lora_rank, label="LoRA rank (adapter width; LoRA only)",
+                                      precision=0, visible=P.DPOSettings.method == "lora", elem_id="pref-lora-rank")
+                loss_type = gr.Radio(DPO_LOSS_CHOICES, value=P.DPOSettings.loss_type, label="DPO loss",
                                      elem_id="pref-loss-type")
                 group_size = gr.Number(P.GRPOSettings.num_generations, label="Group size: completions per prompt",
                                        precision=0,
@@ -422,11 +438,14 @@ def build(shared: Shared) -> None:
         rm_out = gr.Markdown(elem_id="pref-rm-out")
 
     shared.pickers.extend([(model, "all"), (reference, "all")])  # kept current by app/ui.py
-    kind.change(kind_changed, [kind], [dataset, method, beta, loss_type, group_size, upload, verifier, steps])
+    kind.change(kind_changed, [kind], [dataset, method, beta, loss_type, group_size, upload, verifier, steps,
+                                        lora_rank])
+    method.change(method_changed, [method], [lora_rank])
     dataset.change(dataset_changed, [kind, dataset], [upload, verifier])
     shown = gr.State(None)
     outs = [progress, info, curves, tput, groups_note, groups, evals, known, job, cancel_btn, shown]
-    submit_btn.click(submit, [kind, model, dataset, upload, verifier, method, beta, loss_type, group_size, steps, lr],
+    submit_btn.click(submit, [kind, model, dataset, upload, verifier, method, beta, loss_type, group_size, steps, lr,
+                              lora_rank],
                      [selected, job, status, msg])
     job.change(pick_job, [job], [selected])
     job.focus(job_choices, None, [job])

@@ -118,8 +118,25 @@ def test_form_params_map_onto_the_kind_settings():
     assert (v["loss_type"], v["num_generations"], v["max_steps"], v["beta"], v["method"]) == ("dr_grpo", 4, 2, 0.0,
                                                                                                "lora")
     assert v["verifier"] is None  # the verifier only goes with an upload
-    p = pp.form_params("reward", "random-llama-tiny", "builtin", None, "full", 0.5, "grpo", 8, 3, 1e-4)
+    p = pp.form_params("reward", "random-llama-tiny", "builtin", None, "full", 0.5, "grpo", 8, 3, 1e-4, 16)
     assert "beta" not in p and "loss_type" not in p and pj.validate_params("reward", p)["learning_rate"] == 1e-4
+    assert "lora_rank" not in p  # the rank goes with LoRA only
+    # DPO: its loss type (TRL's names) and the LoRA rank reach the job's settings
+    p = pp.form_params("dpo", "random-llama-tiny", "builtin", None, "lora", 0.2, "ipo", None, 3, None, 16)
+    v = pj.validate_params("dpo", p)
+    assert (v["loss_type"], v["lora_rank"], v["method"], v["beta"]) == ("ipo", 16, "lora", 0.2)
+    assert [k for _, k in pp.DPO_LOSS_CHOICES] == ["sigmoid", "ipo", "hinge"]
+    # the kind switch offers the kind's own loss types; the method switch shows the rank with LoRA
+    out = pp.kind_changed("grpo")
+    assert [k for _, k in out[3]["choices"]] == ["grpo", "dr_grpo", "dapo"] and out[3]["value"] == "grpo"
+    assert out[8]["visible"] is True  # GRPO's default method is LoRA
+    out = pp.kind_changed("dpo")
+    assert out[3]["value"] == "sigmoid" and out[3]["label"] == "DPO loss" and out[8]["visible"] is False
+    assert pp.kind_changed("reward")[3]["visible"] is False
+    assert pp.method_changed("lora")["visible"] is True and pp.method_changed("full")["visible"] is False
+    with pytest.raises(Exception, match="(?i)lora_rank|rank"):
+        pj.validate_params("dpo", pp.form_params("dpo", "random-llama-tiny", "builtin", None, "lora", 0.1, "sigmoid",
+                                                 None, 2, None, 0.5))
 
 
 def _upload(tmp_path_factory, text: str):
@@ -138,15 +155,18 @@ def test_submit_refuses_a_malformed_upload_by_line(tmp_path, tmp_path_factory, m
     monkeypatch.setenv("LMSCOPE_DATA_DIR", str(tmp_path))
     good = json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"})
     f = _upload(tmp_path_factory, good + "\n" + '{"prompt": "p", "chosen": "a"}\n' + good + "\n")
-    out = pp.submit("dpo", "random-llama-tiny", "upload", f, None, "full", 0.1, "grpo", None, 2, None)
+    out = pp.submit("dpo", "random-llama-tiny", "upload", f, None, "full", 0.1, "sigmoid", None, 2, None)
     assert out[:3] == [pp.gr.skip()] * 3  # no job id, the menu and status untouched
     msg = out[3]["value"]
     assert out[3]["visible"] and "Line 2: missing 'rejected'" in msg and "nothing was run" in msg
     assert not (tmp_path / "jobs").exists() or not any((tmp_path / "jobs").iterdir())
     # a bad value: one sentence beside the form, nothing else changes
-    out = pp.submit("dpo", "random-llama-tiny", "builtin", None, None, "full", -1, "grpo", None, 2, None)
+    out = pp.submit("dpo", "random-llama-tiny", "builtin", None, None, "full", -1, "sigmoid", None, 2, None)
     assert out[:3] == [pp.gr.skip()] * 3
     assert out[3]["value"] == "⚠️ Setting 'beta' must be between 0.0001 and 100.0, got -1."
+    # a GRPO loss type sent with DPO (a stale form): one sentence naming DPO's own
+    out = pp.submit("dpo", "random-llama-tiny", "builtin", None, None, "full", 0.1, "dr_grpo", None, 2, None)
+    assert out[:3] == [pp.gr.skip()] * 3 and "DPO loss type must be one of sigmoid, ipo, hinge" in out[3]["value"]
     out = pp.submit("grpo", "random-llama-tiny", "upload", None, "number", "lora", None, "dapo", 4, 2, None)
     assert "Upload a .jsonl" in out[3]["value"]
 
