@@ -66,6 +66,30 @@ def _registered(name: str) -> dict | None:
     return next((r for r in list_models(include_random=False) if r["name"] == name), None)
 
 
+def _opens_in_the_compare_view(name: str, parent: str, changed: bool = True) -> None:
+    """A model a CLI run registered is in the Fine-tune tab's compare menu and its compare view runs
+    against its parent; the mean next-token KL the headline states is recomputed here from both
+    models' plain transformers forwards of the same tokens."""
+    from app import sft_tab
+    from app.ui import finetuned_choices
+    from model_core.registry import load_model
+    from model_core.trace import encode_prompt
+
+    assert name in [v for _, v in finetuned_choices()]
+    prompt = "Convert 2024-03-15 to DD/MM/YYYY."
+    headline = sft_tab.compare(None, name, prompt, False)[0]
+    assert f"**{name}** vs **{parent}**" in headline, headline
+    base, tuned = load_model(parent), load_model(name)
+    ids = torch.tensor([encode_prompt(base, prompt, chat=False)])
+    with torch.no_grad():
+        lb = torch.log_softmax(base.model(input_ids=ids).logits[0].double(), -1)
+        lt = torch.log_softmax(tuned.model(input_ids=ids).logits[0].double(), -1)
+    kl = (lt.exp() * (lt - lb)).sum(-1)  # [T]
+    assert f"**{float(kl.mean()):.4f}** nats on average" in headline, (float(kl.mean()), headline)
+    if changed:  # the run changed the model, or the view compares a model with itself
+        assert float(kl.max()) > 0
+
+
 def _summed_logp(lm, prompt: str, completion: str) -> float:
     """log p(completion | prompt) summed over the completion's tokens, one plain forward pass of the
     unpadded conversation; the completion starts where the chat template's prompt (with the
@@ -181,6 +205,7 @@ def test_dpo_job_through_cli_registers_a_better_model(svc):
             assert lr == pytest.approx(ex["logp_rejected"], abs=2e-3)
             rc, rr = _summed_logp(ref, ex["prompt"], ex["chosen"]), _summed_logp(ref, ex["prompt"], ex["rejected"])
             assert beta * ((lc - rc) - (lr - rr)) == pytest.approx(ex["margin"], abs=5e-4)
+        _opens_in_the_compare_view("dpo-cli", MODEL)
     finally:
         torch.set_num_threads(threads)
 
@@ -263,6 +288,8 @@ def test_grpo_job_through_cli(svc):
     assert listed is not None and listed["source"] == "finetuned" and listed["parent"] == MODEL
     meta = json.loads((svc.data_dir / "models" / "grpo-cli" / "lmscope.json").read_text())
     assert meta["kind"] == "grpo" and meta["training"]["loss_type"] == "dr_grpo"
+    # one LoRA step may leave the weights as they were (a group of equal rewards has no advantage)
+    _opens_in_the_compare_view("grpo-cli", MODEL, changed=False)
 
 
 # ---- a reward model from an uploaded file -----------------------------------------------------------
