@@ -15,6 +15,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from app.figures import empty_figure
+
 KIND_LABELS = {"reward": "reward model", "dpo": "DPO", "grpo": "GRPO"}
 BLUE, RED, GREEN, GREY, ORANGE = "#2563eb", "#dc2626", "#16a34a", "#6b7280", "#ea580c"
 GROUP_COLUMNS = ["group", "prompt", "completion", "reward", "advantage"]
@@ -26,15 +28,6 @@ def _layout(fig: go.Figure, title: str, height: int = 360, **kw) -> go.Figure:
                       margin=dict(l=56, r=20, t=56, b=70), template="plotly_white",
                       legend=dict(orientation="h", y=-0.16, x=0, xanchor="left", font=dict(size=11)), **kw)
     return fig
-
-
-def empty_figure(message: str, height: int = 300) -> go.Figure:
-    fig = go.Figure()
-    fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper",
-                       font=dict(size=13, color=GREY))
-    fig.update_xaxes(visible=False)
-    fig.update_yaxes(visible=False)
-    return _layout(fig, "", height)
 
 
 def _num(v) -> float | None:
