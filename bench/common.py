@@ -31,7 +31,9 @@ def interleaved(fns: dict, repeats: int, device="cpu", warmup: int = 1) -> dict[
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def device_info() -> str:
-    if torch.cuda.is_available():
+def device_info(device=None) -> str:
+    """What a run is measured on: `device` (a name or torch.device; default: CUDA when present)."""
+    kind = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind == "cuda":
         return f"cuda: {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
     return f"cpu: {torch.get_num_threads()} threads, torch {torch.__version__}"

@@ -72,7 +72,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     lm = load_model("smollm2-135m-instruct")
-    print(f"# bench/explore.py  model={lm.name}  {device_info()}")
+    print(f"# bench/explore.py  model={lm.name}  {device_info(lm.device)}")
     print(f"{'T':>5} {'bare trace s':>12} {'first view':>11} {'ratio':>6} {'layer ms':>9} {'head ms':>8} "
           f"{'zoom ms':>8} {'query ms':>9} {'overview s':>11} {'page KB':>8} | {'zoom+lens cold ms':>17} "
           f"{'cold 1st picture ms':>19} {'fill s':>7} {'zoom+lens warm ms':>17} {'layer (filling) ms':>18}")

@@ -63,8 +63,7 @@ def main() -> None:
     from bench.common import device_info
     from model_core import features as F
 
-    print(f"device: {device_info() if device.startswith('cuda') else f'cpu: {torch.get_num_threads()} threads'}",
-          flush=True)
+    print(f"device: {device_info(device)}", flush=True)
     t0 = time.time()
     last = [0.0]
 

@@ -196,7 +196,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     scratch = Path(tempfile.mkdtemp(prefix="lmscope-bench-pref-"))
     os.environ["LMSCOPE_DATA_DIR"] = str(scratch)
-    print(f"{device_info()}; running on {args.device}; data folder {scratch}")
+    print(f"{device_info(args.device)}; data folder {scratch}")
     import trl
 
     print(f"trl {trl.__version__}")
@@ -206,7 +206,7 @@ def main() -> None:
             out.append({"dpo": run_dpo, "grpo": run_grpo, "reward": run_reward}[kind](args))
     finally:
         if args.json:
-            Path(args.json).write_text(json.dumps({"device": device_info(), "runs": out}, indent=1))
+            Path(args.json).write_text(json.dumps({"device": device_info(args.device), "runs": out}, indent=1))
         if not args.keep:
             shutil.rmtree(scratch, ignore_errors=True)
 

@@ -126,7 +126,7 @@ def main() -> None:
         peak, peak_note = sft.H100_BF16_PEAK, "989 TFLOP/s dense bf16 (H100/H200 datasheet)"
     else:
         peak, peak_note = cpu_peak_estimate()
-    print(f"# {device_info()} · model {a.model} · {str(dtype).replace('torch.', '')} · peak {peak / 1e12:.3f} "
+    print(f"# {device_info(a.device)} · model {a.model} · {str(dtype).replace('torch.', '')} · peak {peak / 1e12:.3f} "
           f"TFLOP/s ({peak_note})")
     print(f"{'mode':5s} {'compile':7s} {'shape':>8s} {'s/step':>8s} {'tokens/s':>10s} {'MFU':>7s} {'trainable':>12s}"
           f" {'GPU GiB':>8s}")

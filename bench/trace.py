@@ -59,7 +59,7 @@ def main() -> None:
     lm = load_model(name, device=args.device, dtype=args.dtype)
     eager = load_model(name, device=args.device, dtype=args.dtype, attn_implementation="eager")
     dev = lm.device
-    print(f"# bench/trace.py  model={name}  {device_info()}  dtype={lm.dtype}")
+    print(f"# bench/trace.py  model={name}  {device_info(lm.device)}  dtype={lm.dtype}")
     if not args.no_load:
         cold, warm = load_times(name) if dev.type == "cpu" else (None, (lm.load_seconds, lm.load_seconds))
         c = "n/a" if cold is None else f"{cold[0]:.2f} s ({cold[1]:.2f} s in load_model)"
