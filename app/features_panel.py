@@ -99,7 +99,7 @@ def contexts_html(ctx: list[dict], tokenizer=None) -> str:
         toks = "".join(f"<b style='background:#fde68a'>{html.escape(t)}</b>" if i == c["at"] else html.escape(t)
                        for i, t in enumerate(c["tokens"]))
         rows.append(f"<tr><td style='text-align:right;padding-right:8px'>{c['value']:.2f}</td>"
-                    f"<td style='font-family:monospace;white-space:pre-wrap'>{toks}</td></tr>")
+                    f"<td style='font-family:monospace;white-space:pre-wrap;overflow-wrap:anywhere'>{toks}</td></tr>")
     return ("<table class='ft-contexts'><tr><th>activation</th><th>context (the activating token marked)</th></tr>"
             + "".join(rows) + "</table>")
 
