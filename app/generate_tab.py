@@ -6,6 +6,7 @@ figures come from app.generate_figures (pure functions)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import gradio as gr
@@ -36,7 +37,8 @@ from model_core.tokenization import (
 
 MAX_SAMPLES = 8
 SAMPLE_TOKENS_CAP = 64  # each of the N samples is at most this long (N x tokens of CPU time)
-TIMELINE_EVERY = 4  # redraw the timeline every few streamed steps (and at the end)
+TIMELINE_EVERY = 4  # redraw the timeline every few streamed updates (and at the end)
+STREAM_EVERY_S = 0.1  # streamed updates at most this often (text, chips; the timeline every TIMELINE_EVERY)
 
 
 def parse_stop(text: str | None) -> list[str]:
@@ -356,33 +358,48 @@ class GenerateTab:
         lm = get_model(model_name)
         settings = SamplingSettings.from_values(t, k, p, m, r)  # a SettingsError: endpoint shows it
         steps_json: list[dict] = []
+        pending: list = []  # steps not turned into JSON yet
         gen = lab = None
-        try:
-            for step, gen in iter_generate(lm, prompt, max_new_tokens=n_new, settings=settings, seed=sd,
-                                           chat=bool(chat), stop=parse_stop(stop_text),
-                                           max_prompt_tokens=max_prompt_tokens()):
+        last_yield, updates = 0.0, 0
+
+        def flush():
+            nonlocal lab
+            for step in pending:
                 lab = lab or _Labeller(lm.tokenizer, gen.prompt_ids)
                 sj = step_to_json(lm, step)
                 lab.add(sj)
                 steps_json.append(sj)
-                if not gen.finished:
-                    yield self._streaming(steps_json, gen, lab, colour)
+            pending.clear()
+
+        try:
+            for step, gen in iter_generate(lm, prompt, max_new_tokens=n_new, settings=settings, seed=sd,
+                                           chat=bool(chat), stop=parse_stop(stop_text),
+                                           max_prompt_tokens=max_prompt_tokens()):
+                pending.append(step)
+                # this thread's Python (step JSON, text, chips) holds the GIL that the engine thread's
+                # decode step needs: do it in batches, at most every STREAM_EVERY_S (docs/PERFORMANCE.md)
+                if not gen.finished and time.monotonic() - last_yield >= STREAM_EVERY_S:
+                    flush()
+                    last_yield = time.monotonic()
+                    yield self._streaming(steps_json, gen, lab, colour, timeline=updates % TIMELINE_EVERY == 0)
+                    updates += 1
         except LmscopeError as e:
+            flush()
             out = self._messages({V.field_of(e) or "prompt": str(e)})
             if steps_json:
                 out[self.status] = f"Stopped after {len(steps_json)} tokens: {e}"
             yield out
             return
+        flush()
         yield self._finished(lm, gen, steps_json, lab, colour)
 
-    def _streaming(self, steps_json: list[dict], gen, lab: _Labeller, colour) -> dict:
+    def _streaming(self, steps_json: list[dict], gen, lab: _Labeller, colour, timeline: bool = True) -> dict:
         lab.label(steps_json)
         out = {self.out_text: gen.text, self.tokens: _highlight(steps_json),
                self.status: f"Generating… {len(steps_json)} tokens"}
-        if len(steps_json) % TIMELINE_EVERY == 1:
+        if timeline:
             out[self.timeline] = F.timeline_figure(steps_json, colour)
-        if len(steps_json) == 1:
-            out.update(self._messages())
+            out.update(self._messages())  # the first update clears what an earlier run left
         return out
 
     def _finished(self, lm, gen, steps_json: list[dict], lab: _Labeller | None, colour) -> dict:

@@ -376,25 +376,10 @@ def _server_busy() -> bool:
 
 
 def _one_openmp_thread() -> bool:
-    """Make this thread's torch CPU work (ATen's OpenMP regions and MKL's matrix products) use one
-    thread, leaving every other thread's count as it is (OpenMP's thread count is per thread; torch's
-    set_num_threads is process-wide). False where torch does not use libgomp."""
-    import ctypes
-    import glob
-    import os
+    """This thread's torch CPU work on one thread (model_core.cpu_threads)."""
+    from model_core.cpu_threads import limit_this_thread
 
-    try:
-        torch.ones(8, 8) @ torch.ones(8, 8)  # ATen sets this thread's OpenMP count on its first op
-        libs = glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*")) + ["libgomp.so.1"]
-        for path in libs:
-            try:
-                ctypes.CDLL(path).omp_set_num_threads(1)
-                return True
-            except (OSError, AttributeError):
-                continue
-    except Exception:  # noqa: BLE001 - another platform: the filler shares the cores like any request
-        pass
-    return False
+    return limit_this_thread(1)
 
 
 class LensFiller:

@@ -9,6 +9,7 @@ For greedy and sampled settings, in the same run and on the same model:
   - the KV-cache on/off ratio (greedy decoding with and without the cache).
 
 CPU:  .venv/bin/python bench/generate.py            (the real default model)
+      .venv/bin/python bench/generate.py --server   (and through a live server's /generate)
       .venv/bin/python bench/generate.py --random   (random-smollm2-135m, same architecture)
 GPU:  PYTHONPATH=. python bench/generate.py --device cuda   (random-smollm2-135m in bf16;
       no gguf needed). Prints one line per measurement and a JSON summary at the end.
@@ -69,6 +70,39 @@ def _time_pair(a, b, dev, repeats):
     return ta, tb
 
 
+def _server_vs_script(model: str, prompt: str, n: int, script_tok_s: float, repeats: int) -> dict:
+    """The greedy generation above through a live server on loopback, as a browser asks for it (one
+    request, the reply once every view is built), best of `repeats` after two warm-ups. The server
+    runs alone on the machine's cores while it is timed (this process waits on the socket)."""
+    import re
+
+    from gradio_client import Client
+
+    from tests.helpers.browser import LiveServer
+
+    server = LiveServer(extra_env={"LMSCOPE_MAX_NEW_TOKENS": str(max(n, 256)), "REDIS_URL": "redis://127.0.0.1:1/0"})
+    try:
+        c = Client(server.url, verbose=False)
+        args = [model, prompt, False, n, 0.0, 0, 1.0, 0.0, 1.0, 0, None, "prob"]  # greedy, as the script's
+        best, steps = float("inf"), None
+        for i in range(repeats + 2):
+            t0 = time.perf_counter()
+            out = c.predict(*args, api_name="/generate")
+            dt = time.perf_counter() - t0
+            m = re.search(r"(\d+) tokens", str(out[2]))  # the status line says how many were generated
+            steps = int(m.group(1)) if m else n
+            if i >= 2:
+                best = min(best, dt)
+    finally:
+        server.stop()
+    row = {"server_tok_s": steps / best, "server_tokens": steps, "script_tok_s": script_tok_s,
+           "server_vs_script": (steps / best) / script_tok_s}
+    print(f"server   {row['server_tok_s']:8.1f} tok/s through /generate ({steps} tokens, reply with every view) | "
+          f"script {script_tok_s:8.1f} tok/s | server/script {row['server_vs_script']:.3f} "
+          f"(target: within 10%)")
+    return row
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
@@ -81,6 +115,9 @@ def main(argv=None) -> int:
                     help="CPU threads (default 1: on a shared 2-core machine more threads spin and slow down)")
     ap.add_argument("--hf-static", action="store_true", help="also time transformers with the static cache (CUDA)")
     ap.add_argument("--no-cache-tokens", type=int, default=16, help="new tokens for the cache on/off ratio")
+    ap.add_argument("--server", action="store_true",
+                    help="also time the same greedy generation through a live `lmscope serve` (the Generate "
+                         "tab's /generate endpoint: streamed, every view built), against this script's")
     args = ap.parse_args(argv)
 
     dev_name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -133,6 +170,9 @@ def main(argv=None) -> int:
               + (f" | hf static {row['hf_static_tok_s']:.1f} tok/s, ratio {row['ratio_vs_hf_static']:.3f}"
                  if "hf_static_tok_s" in row else "")
               + (f" | greedy == hf: {row['greedy_equals_hf']}" if "greedy_equals_hf" in row else ""))
+    if args.server:
+        results["server"] = _server_vs_script(name, args.prompt, n, results["settings"]["greedy"]["lmscope_tok_s"],
+                                              args.repeats)
     c = time_cache_vs_no_cache(lm, ids_list, new_tokens=args.no_cache_tokens, repeats=max(1, args.repeats - 1))
     results["cache"] = c
     print(f"cache    on {c['with_cache_tok_s']:8.1f} tok/s | off {c['without_cache_tok_s']:8.1f} tok/s | "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import queue
 import sys
 import threading
@@ -204,6 +205,10 @@ class Engine:
 
     # --- the engine thread ----------------------------------------------------------------------
     def _main(self) -> None:
+        if self.device.type == "cpu":  # the decode step on part of the cores: see engine_threads
+            from model_core.cpu_threads import limit_this_thread
+
+            limit_this_thread(engine_threads())
         try:
             t0 = time.perf_counter()
             with torch.inference_mode():
@@ -496,6 +501,15 @@ getattr(threading, "_register_atexit", atexit.register)(_stop_all)
 def slots_from_env(device) -> int:
     """LMSCOPE_MAX_BATCH (default 32): the most rows of one decode step (the memory budget may allow fewer)."""
     return settings.current().max_batch
+
+
+def engine_threads() -> int:
+    """OpenMP threads of the engine thread's torch work on a CPU: LMSCOPE_ENGINE_THREADS, else half the
+    cores (at least 1). On 2 cores a one-token decode step of the default model ran 19.5 tokens/s with
+    a 2-thread team beside the web side's work and 21 with one (docs/PERFORMANCE.md)."""
+    from model_core import settings
+
+    return settings.current().engine_threads or max(1, (os.cpu_count() or 2) // 2)
 
 
 def kv_budget_bytes(device, kv_cache_mb: int | None = None) -> int:

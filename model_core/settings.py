@@ -40,6 +40,7 @@ parameters and fall back to `current()` only for a default.
 | LMSCOPE_MAX_BATCH | 32 | Rows of one generation step (engine slots) and traces per shared forward; 1 = no batching. |
 | LMSCOPE_ENGINE | 1 | 0: generation runs each request's own forwards instead of the shared engine. |
 | LMSCOPE_KV_CACHE_MB | (a quarter of free GPU memory, or 512 on a CPU) | Memory for the engine's preallocated KV slots (fewer slots than LMSCOPE_MAX_BATCH if it runs out). |
+| LMSCOPE_ENGINE_THREADS | half the CPU cores (at least 1) | CPU: threads of the engine's own torch work (the rest of the cores serve the web side's traces and views). |
 | LMSCOPE_COMPILE | 0 | 1: compile the engine's decode step with torch.compile before capturing it (CUDA; ~30 s per batch bucket at start). |
 | LMSCOPE_PATCH_TOKENS | 65536 on CUDA, else 1024 | Tokens per batch of an activation-patching sweep (rows = this / prompt length). |
 | LMSCOPE_JOB_STALE_SECONDS | 30 | A running job whose worker sent no heartbeat for this long is marked failed ("worker lost"). |
@@ -77,7 +78,7 @@ VARIABLES = (
     "LMSCOPE_MAX_PROMPT_TOKENS", "LMSCOPE_MAX_NEW_TOKENS", "LMSCOPE_MAX_CONCURRENT_PER_USER",
     "LMSCOPE_JOBS_PER_HOUR", "LMSCOPE_UPLOAD_MAX_MB", "LMSCOPE_QUEUE_CONCURRENCY",
     "LMSCOPE_GENERATE_CONCURRENCY", "LMSCOPE_QUEUE_MAX", "LMSCOPE_TRACE_CACHE_ITEMS", "LMSCOPE_MAX_BATCH",
-    "LMSCOPE_ENGINE", "LMSCOPE_KV_CACHE_MB", "LMSCOPE_COMPILE", "LMSCOPE_PATCH_TOKENS",
+    "LMSCOPE_ENGINE", "LMSCOPE_ENGINE_THREADS", "LMSCOPE_KV_CACHE_MB", "LMSCOPE_COMPILE", "LMSCOPE_PATCH_TOKENS",
     "LMSCOPE_JOB_STALE_SECONDS", "LMSCOPE_VISIBILITY_TIMEOUT",
 )
 _WATCHED = VARIABLES + ("XDG_CACHE_HOME",)
@@ -128,6 +129,7 @@ class Settings:
     max_batch: int = 32
     engine: bool = True
     kv_cache_mb: int | None = None  # None: a quarter of free GPU memory, or 512 on a CPU
+    engine_threads: int | None = None  # None: half the CPU cores, at least 1
     compile: bool = False
     patch_tokens: int | None = None  # None: 65536 on CUDA, else 1024
     # jobs
@@ -260,6 +262,7 @@ class Settings:
             max_batch=integer("LMSCOPE_MAX_BATCH", 32, 1, 1024),
             engine=flag("LMSCOPE_ENGINE", True),
             kv_cache_mb=kv_mb or None,
+            engine_threads=integer("LMSCOPE_ENGINE_THREADS", 0, 0, 4096) or None,
             compile=flag("LMSCOPE_COMPILE", False),
             patch_tokens=patch_tokens or None,
             job_stale_seconds=number("LMSCOPE_JOB_STALE_SECONDS", 30.0, 0, 10**7),
