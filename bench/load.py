@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     url = args.url
     auth = tuple(args.auth.split(":", 1)) if args.auth else None
     if url is None:
-        from tests.browser import LiveServer
+        from tests.helpers.browser import LiveServer
 
         t0 = time.time()
         server = LiveServer(extra_env={"REDIS_URL": "redis://127.0.0.1:1/0"})
