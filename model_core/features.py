@@ -858,7 +858,7 @@ def _ngrams(index: FeatureContexts, feature: int, n_max: int = 3) -> Counter:
 def label(lm, feats: Features, index: FeatureContexts, feature: int, promoted: list[int] | None = None) -> dict:
     """An automatic label: the most frequent n-grams ending at the activating token of the top
     contexts (a longer one kept when it is as frequent), and the top promoted tokens."""
-    from model_core.tokenization import byte_safe_decode
+    from model_core.tokenization import byte_safe_decode, display_bytes, token_bytes
 
     c = _ngrams(index, feature)
 
@@ -880,7 +880,12 @@ def label(lm, feats: Features, index: FeatureContexts, feature: int, promoted: l
     n_ctx = int((index.idx[feature] >= 0).sum())
     reads = [{"text": dec(list(g)), "count": cnt} for g, cnt in picked]
     writes = [dec([i]) for i in promoted]
-    text = (" / ".join(repr(r["text"]) for r in reads) or "(never fires)") + " → " + ", ".join(repr(w) for w in writes)
+
+    def shown(ids) -> str:  # as every view shows tokens: ␣ for a space, ↵ for a newline, <0xNN> for a stray byte
+        return "“" + display_bytes(b"".join(token_bytes(lm.tokenizer, t) for t in ids)) + "”"
+
+    text = ((" / ".join(shown(g) for g, _ in picked) or "(never fires)") + " → "
+            + ", ".join(shown([i]) for i in promoted))
     return {"feature": feature, "label": text, "reads": reads, "promotes": writes, "contexts": n_ctx}
 
 

@@ -195,6 +195,10 @@ def test_feature_activations_top_contexts_and_promoted_tokens_by_hand(default_lm
     # the tokenizer's decode, or <0xNN> for a token that is part of a character (this set's top one is)
     assert lab["promotes"][0] == byte_safe_decode(lm.tokenizer, [want[0]]) and lab["contexts"] == len(ctx)
     assert "\ufffd" not in lab["label"]
+    # the label shows tokens as the views do (␣ for a space, <0xNN> for a stray byte), each quoted
+    from model_core.tokenization import display_bytes, token_bytes
+
+    assert f"“{display_bytes(token_bytes(lm.tokenizer, want[0]))}”" in lab["label"].split(" → ")[1]
 
 
 def test_density_and_histogram_count_every_activation_of_the_scan(default_lm, run):
