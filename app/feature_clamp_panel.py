@@ -15,7 +15,7 @@ import torch
 from app import validation as V
 from app.context import Shared, endpoint, get_model
 from app.features_panel import open_set, sets_for
-from app.steering_panel import whole
+from app.steering_panel import perplexity_text, whole
 from model_core import feature_steering as FS
 from model_core.errors import LmscopeError
 from model_core.generate import check_seed, generate, generation_to_json
@@ -38,10 +38,6 @@ def refresh_sets(model_name, request: gr.Request = None):
     return gr.update(choices=names, value=names[-1]), V.clear()
 
 
-def _ppl(x) -> str:
-    return "n/a" if x is None else f"{x:.2f}"
-
-
 @endpoint(model=True)
 def run_clamped(model_name, prompt, chat, set_name, feature, value, from_pos, max_new, t, k, p, m, r, sd,
                 request: gr.Request = None):
@@ -54,27 +50,27 @@ def run_clamped(model_name, prompt, chat, set_name, feature, value, from_pos, ma
             raise FS.FeatureError(" ".join(problems.values()))
         feats, _, labels = open_set(set_name)
         lm = get_model(model_name)
-        FS.check_set_fits(lm, feats)
+        FS.check_set_fits(lm, feats)  # before the feature number is checked against the set's size
         f = whole(feature, "feature number", 0, feats.num_latents - 1)
         v = FS.check_value(value)
         from_pos = whole(from_pos, "'from position'", 0, 100_000)
         options = dict(max_new_tokens=whole(max_new, "number of new tokens", 1, MAX_NEW), settings=settings,
                        seed=check_seed(sd), chat=bool(chat))
-        plain = generate(lm, prompt, **options)
-        clamped = FS.clamped_generation(lm, prompt, feats, f, v, from_position=from_pos, **options)
         edits = FS.feature_edits(lm, feats, f, v, from_position=from_pos)
+        plain = generate(lm, prompt, **options)
+        clamped = generate(lm, prompt, edits=edits, **options)
         shift = FS.next_token_shift(lm, torch.tensor([plain.prompt_ids], device=lm.device), edits)
     except (LmscopeError, gr.Error) as e:
         return gr.skip(), gr.skip(), gr.skip(), V.show(str(e))
-    a, b = generation_to_json(lm, plain), generation_to_json(lm, clamped.generation)
+    a, b = generation_to_json(lm, plain), generation_to_json(lm, clamped)
     label = labels[f]["label"] if f < len(labels) else ""
     what = "ablated (0)" if v == 0 else f"clamped to {v:g}"
     lines = [f"Feature **#{f}** of `{feats.name}` ({label or 'no label'}) {what} at "
              f"`{feats.point(lm).edit_name}`{', from position ' + str(from_pos) if from_pos else ', every position'}.",
              f"KL(clamped ‖ as it runs) of the next-token distribution after the prompt: **{shift['kl']:.4f} nats**.",
              f"Perplexity of each continuation under the unedited model: "
-             f"{_ppl(base_perplexity(lm, plain.prompt_ids, plain.token_ids))} (as it runs) and "
-             f"{_ppl(clamped.base_perplexity)} (clamped)."]
+             f"{perplexity_text(base_perplexity(lm, plain.prompt_ids, plain.token_ids))} (as it runs) and "
+             f"{perplexity_text(base_perplexity(lm, clamped.prompt_ids, clamped.token_ids))} (clamped)."]
     return ("\n\n".join(lines), gr.update(value=a["text"], label=f"as it runs, {len(a['steps'])} tokens"),
             gr.update(value=b["text"], label=f"feature #{f} {what}, {len(b['steps'])} tokens"), V.clear())
 

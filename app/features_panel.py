@@ -192,15 +192,14 @@ def _dense(feats, x, f: int) -> list[float]:
 def clamp_feature(state, name, feature, value, request: gr.Request = None):
     """[figure, summary, message]: the next token after the prompt with the feature clamped to
     `value` at every position from 1 (0 ablates it), against the model as it runs."""
-    from model_core.feature_steering import check_set_fits, feature_edits, next_token_shift
+    from model_core.feature_steering import feature_edits, next_token_shift
 
     try:
         feats, _, _ = open_set(name)
         f = _feature_number(feature)
         tr = trace_for_state(state)
         lm = tr.lm
-        check_set_fits(lm, feats)
-        edits = feature_edits(lm, feats, f, value)
+        edits = feature_edits(lm, feats, f, value)  # one sentence for a set of another model
     except (gr.Error, FT.FeatureError) as e:
         return gr.skip(), gr.skip(), V.show(str(e))
     shift = next_token_shift(lm, torch.tensor([tr.token_ids], device=lm.device), edits)

@@ -114,7 +114,7 @@ def _setup(model_name, prompt, chat, choice, pairs_text, layer, from_pos, target
     return lm, vec, options, targets, from_pos, note
 
 
-def _ppl(x) -> str:
+def perplexity_text(x) -> str:
     return "n/a" if x is None else f"{x:.2f}"
 
 
@@ -139,8 +139,8 @@ def run_pair(model_name, prompt, chat, choice, pairs_text, layer, alpha, from_po
         shift = sweep[-1].target_logprob - sweep[0].target_logprob
         lines.append(f"On-target score {sweep[0].target_logprob:.2f} → {sweep[-1].target_logprob:.2f} "
                      f"({shift:+.2f} nats).")
-    lines.append(f"Perplexity of each continuation under the unsteered model: {_ppl(base.base_perplexity)} "
-                 f"(unsteered) and {_ppl(steered.base_perplexity)} (steered).")
+    lines.append(f"Perplexity of each continuation under the unsteered model: {perplexity_text(base.base_perplexity)} "
+                 f"(unsteered) and {perplexity_text(steered.base_perplexity)} (steered).")
     return ("\n\n".join(lines), gr.update(value=b["text"], label=f"unsteered (α = 0), {len(b['steps'])} tokens"),
             gr.update(value=s["text"], label=f"steered (α = {alpha:g}), {len(s['steps'])} tokens"), V.clear())
 

@@ -12,14 +12,12 @@ edit moves the model only along d_f. Position 0 (the attention sink, never train
 alone by default. Shapes: x [B, T, d_model]; d_f [d_model].
 
 `next_token_shift` is what the clamp does to the next token after a prompt (both distributions and
-their KL); `clamped_generation` is generate() with the clamp in every forward, the output's
-perplexity under the unedited model next to it.
+their KL); a clamped generation is generate(..., edits=feature_edits(...)).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
@@ -49,6 +47,7 @@ def feature_activation(feats: Features, x: torch.Tensor, feature: int) -> torch.
 def feature_edits(lm, feats: Features, feature, value, *, from_position: int = 1) -> dict:
     """{hook name: edit} clamping `feature` to `value` at positions >= from_position of every forward
     (a decode step's single position always counts as later)."""
+    check_set_fits(lm, feats)
     hp = feats.point(lm)
     M = feats.num_latents
     if isinstance(feature, bool) or not isinstance(feature, int) or not 0 <= feature < M:
@@ -85,25 +84,3 @@ def next_token_shift(lm, ids: torch.Tensor, edits: dict) -> dict:
     after = torch.log_softmax(last_logits(lm, ids, edits)[0].float(), -1)  # [V]
     kl = float((after.double().exp() * (after.double() - base.double())).sum())
     return {"base": base, "after": after, "kl": max(kl, 0.0)}
-
-
-@dataclass(frozen=True)
-class ClampedRun:
-    """One generation with a feature clamped (and, with the same seed, the plain run to compare)."""
-
-    value: float
-    generation: object  # model_core.generate.Generation
-    base_perplexity: float | None  # of the generated tokens under the unedited model
-
-
-def clamped_generation(lm, prompt: str, feats: Features, feature, value, *, from_position: int = 1,
-                       **options) -> ClampedRun:
-    """generate() with `feature` clamped to `value` in every forward (options as generate's)."""
-    from model_core.generate import generate
-    from model_core.steering import base_perplexity
-
-    check_set_fits(lm, feats)
-    edits = feature_edits(lm, feats, feature, value, from_position=from_position)
-    gen = generate(lm, prompt, edits=edits, **options)
-    return ClampedRun(value=check_value(value), generation=gen,
-                      base_perplexity=base_perplexity(lm, gen.prompt_ids, gen.token_ids))
