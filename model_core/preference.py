@@ -57,7 +57,7 @@ from pathlib import Path
 
 import torch
 
-from model_core import paths, sft
+from model_core import data_parallel, paths, sft
 from model_core.checkpoints import staging_dir, sweep_staging, valid_output_name
 from model_core.errors import SettingsError
 from model_core.preference_data import (
@@ -614,7 +614,7 @@ def _callback(kind: str, total: int, emit: ProgressFn, stop: Callable[[], bool],
             now = time.time()
             self.train_time += now - self.t_last
             self.t_last = now
-            if stop():
+            if data_parallel.agreed(stop()):  # every process stops after the same step
                 self.cancelled = True
                 control.should_training_stop = True
                 control.should_log = False
@@ -673,7 +673,7 @@ def _lora_config(s: TrainSettings, task_type: str):
 def _common_args(s: TrainSettings, staging: Path, dev: torch.device) -> dict:
     use_cuda = dev.type == "cuda"
     return dict(
-        output_dir=str(staging / "trainer"), max_steps=s.max_steps, per_device_train_batch_size=s.batch_size,
+        output_dir=str(staging / "trainer"), max_steps=s.max_steps, per_device_train_batch_size=data_parallel.per_process_batch(s.batch_size),
         gradient_accumulation_steps=1, learning_rate=s.learning_rate, lr_scheduler_type="constant_with_warmup",
         warmup_steps=s.warmup_steps, weight_decay=0.0, max_grad_norm=1.0, seed=s.seed, data_seed=s.seed,
         logging_steps=1, logging_nan_inf_filter=False, save_strategy="no", report_to="none", eval_strategy="no",
@@ -730,8 +730,9 @@ def _run(kind: str, model_name: str, s: TrainSettings, data, progress: ProgressF
         if stop():
             raise TrainingCancelled()
 
+        main = data_parallel.is_main_process()  # with several GPUs, the one process that evaluates and saves
         emit(0, s.max_steps, {"phase": "evaluating before"})
-        before = evaluate("before", model, tok, None)
+        before = evaluate("before", model, tok, None) if main else None
         if before is not None:
             say(f"held-out before: {_headline(kind, before)}")
         group = s.num_generations if isinstance(s, GRPOSettings) else None
@@ -748,6 +749,8 @@ def _run(kind: str, model_name: str, s: TrainSettings, data, progress: ProgressF
         sft.train_checked(trainer, cb, stop, PreferenceError, TrainingCancelled)
         trained = trainer.model
         del trainer
+        if not main:
+            return None
         if hasattr(trained, "peft_config"):
             trained = trained.merge_and_unload()
         trained.eval()
@@ -957,3 +960,31 @@ def train_grpo(model: str, dataset: str | TaskData = "builtin", settings: GRPOSe
     return _run("grpo", model, s, data, progress, should_stop, log, build, evaluate,
                 extra_info=lambda: {"loss_label": GRPO_LOSS_TYPES[s.loss_type],
                                     "verifiers": {v: VERIFIERS[v].description for v in data.describe()["verifiers"]}})
+
+
+# =============================================================================================
+# Every GPU of the machine
+
+def train_on_gpus(kind: str, model: str, dataset: str = "builtin", settings: TrainSettings | dict | None = None,
+                  progress: ProgressFn | None = None, should_stop: Callable[[], bool] | None = None,
+                  log: Callable[[str], None] | None = None, processes: int | None = None) -> TrainResult:
+    """train_reward / train_dpo / train_grpo on every GPU of the machine, one process each
+    (model_core.data_parallel), or in this process with fewer than two GPUs. processes: how many
+    (default data_parallel.processes_for; the tests ask for 2 on the CPU). batch_size stays the
+    whole step's (GRPO: prompts_per_step x num_generations completions)."""
+    train = {"reward": train_reward, "dpo": train_dpo, "grpo": train_grpo}[kind]
+    s = validate_settings(kind, settings)
+    n = processes or data_parallel.processes_for(s.device, s.batch_size)
+    if n <= 1:
+        return train(model, dataset, s, progress=progress, should_stop=should_stop, log=log)
+    if s.batch_size % n:
+        raise PreferenceError(f"Batch size {s.batch_size} does not split over {n} processes; use a multiple of {n}.")
+    if not isinstance(dataset, str):
+        raise PreferenceError("A run in several processes reads its data from 'builtin' or a file path.")
+    raw = asdict(s)
+    if torch.cuda.is_available() and raw.get("device") in (None, "", "auto"):
+        raw["device"] = "cuda"  # each process's own GPU (data_parallel sets it)
+    if log:
+        log(f"training in {n} processes, {s.batch_size // n} examples each per step (data parallel)")
+    return data_parallel.run(f"model_core.preference:{train.__name__}", (model, dataset, raw), {}, n,
+                             progress=progress, should_stop=should_stop, log=log, error_cls=PreferenceError)

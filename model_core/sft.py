@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from model_core import paths
+from model_core import data_parallel, paths, train_speed
 from model_core.checkpoints import builtin_names, staging_dir, sweep_staging, valid_output_name
 from model_core.errors import LmscopeError, SettingsError
 
@@ -109,7 +109,7 @@ class SFTSettings:
     builtin_train_size: int = 64  # 1 epoch at batch 8 = 8 steps: ~100 s on an idle 2-core CPU, 0/40 -> 40/40
     accuracy_examples: int = 40  # held-out prompts generated before/after (0 = skip)
     device: str | None = None
-    torch_compile: bool = False
+    torch_compile: bool | None = None  # None: on for a GPU (each decoder layer compiled), off for the CPU
     overwrite: bool = False
     sample_every: int | None = None  # steps between sample generations; default ~4 points per run; 0 = off
     sample_prompts: int = 3  # held-out prompts generated greedily at step 0, every sample_every steps, and at the end
@@ -184,7 +184,8 @@ def validate_settings(raw: dict | SFTSettings) -> SFTSettings:
         builtin_train_size=setting_number(d, "builtin_train_size", int, 8, 100_000),
         accuracy_examples=setting_number(d, "accuracy_examples", int, 0, 10_000),
         device=(str(d["device"]) if d.get("device") else None),
-        torch_compile=bool(d.get("torch_compile")), overwrite=bool(d.get("overwrite")),
+        torch_compile=(None if d.get("torch_compile") is None else bool(d.get("torch_compile"))),
+        overwrite=bool(d.get("overwrite")),
         sample_every=setting_number(d, "sample_every", int, 0, 10**7, allow_none=True),
         sample_prompts=setting_number(d, "sample_prompts", int, 0, MAX_SAMPLE_PROMPTS),
         keep_checkpoints=setting_number(d, "keep_checkpoints", int, 0, MAX_KEEP_CHECKPOINTS),
@@ -815,8 +816,10 @@ def run_sft(settings: SFTSettings | dict, progress: ProgressFn | None = None,
         if stop():
             raise SFTCancelled()
         n_params = sum(p.numel() for p in model.parameters())
+        main = data_parallel.is_main_process()  # with several GPUs, the one process that evaluates and saves
+        per_process = data_parallel.per_process_batch(s.batch_size)
         acc_before = None
-        if test:
+        if test and main:
             emit({"phase": "accuracy before", "step": 0})
             acc_before = evaluate_accuracy(model, tok, test, should_stop=stop)
             say(f"held-out accuracy before: {acc_before['correct']}/{acc_before['n']}")
@@ -873,18 +876,21 @@ def run_sft(settings: SFTSettings | dict, progress: ProgressFn | None = None,
                 say(f"checkpoint at step {step} kept (registered as '{checkpoint_name(name, step)}' when the run "
                     "succeeds)")
 
-        cb = _Callback(emit, stop, max_steps, t_start, at_step if (s_steps or c_steps) else None)
+        cb = _Callback(emit, stop, max_steps, t_start, at_step if (s_steps or c_steps) and main else None)
         use_cuda = dev.type == "cuda"
+        speed, speed_notes = train_speed.speed_options(model, dev, s.torch_compile)
+        for note in speed_notes:
+            say(note)
         args = TrainingArguments(
-            output_dir=str(staging / "trainer"), max_steps=max_steps, per_device_train_batch_size=s.batch_size,
-            per_device_eval_batch_size=s.batch_size, learning_rate=s.lr(), lr_scheduler_type="linear",
+            output_dir=str(staging / "trainer"), max_steps=max_steps, per_device_train_batch_size=per_process,
+            per_device_eval_batch_size=per_process, learning_rate=s.lr(), lr_scheduler_type="linear",
             warmup_steps=s.warmup_steps, weight_decay=0.0, max_grad_norm=1.0, seed=s.seed, data_seed=s.seed,
             logging_steps=1, logging_nan_inf_filter=False, save_strategy="no", report_to="none",
             eval_strategy="steps" if ev else "no", eval_steps=eval_every if ev else None,
             disable_tqdm=True, dataloader_num_workers=0, remove_unused_columns=False,
             use_cpu=not use_cuda, bf16=use_cuda and torch.cuda.is_bf16_supported(),
-            torch_compile=s.torch_compile, include_num_input_tokens_seen="non_padding",
-            optim="adamw_torch",
+            include_num_input_tokens_seen="non_padding", optim="adamw_torch_fused" if use_cuda else "adamw_torch",
+            **speed,
         )
         trainer = Trainer(model=model, args=args, train_dataset=_ListDataset(train.examples),
                           eval_dataset=_ListDataset(ev.examples) if ev else None,
@@ -896,6 +902,8 @@ def run_sft(settings: SFTSettings | dict, progress: ProgressFn | None = None,
         train_checked(trainer, cb, stop, SFTError, SFTCancelled)
         model = trainer.model
         del trainer
+        if not main:
+            return None
         if s.method == "lora":
             model = model.merge_and_unload()
         model.eval()
@@ -966,6 +974,28 @@ def run_sft(settings: SFTSettings | dict, progress: ProgressFn | None = None,
             shutil.rmtree(c["dir"], ignore_errors=True)
 
 
+def run_sft_on_gpus(settings: SFTSettings | dict, progress: ProgressFn | None = None,
+                    should_stop: Callable[[], bool] | None = None, log: Callable[[str], None] | None = None,
+                    tensorboard_dir: str | os.PathLike | None = None, processes: int | None = None) -> SFTResult:
+    """run_sft on every GPU of the machine, one process each (data_parallel), or in this process
+    when there are fewer than two GPUs. processes: how many (default data_parallel.processes_for;
+    the tests ask for 2 on the CPU). The step's batch_size is the whole step's either way."""
+    s = validate_settings(settings)
+    n = processes or data_parallel.processes_for(s.device, s.batch_size)
+    if n <= 1:
+        return run_sft(s, progress, should_stop, log, tensorboard_dir)
+    if s.batch_size % n:
+        raise SFTError(f"Batch size {s.batch_size} does not split over {n} processes; use a multiple of {n}.")
+    raw = asdict(s)
+    if torch.cuda.is_available() and raw["device"] in (None, "", "auto"):
+        raw["device"] = "cuda"  # each process's own GPU (data_parallel sets it)
+    if log:
+        log(f"training in {n} processes, {s.batch_size // n} examples each per step (data parallel)")
+    return data_parallel.run("model_core.sft:run_sft", (raw,),
+                             {"tensorboard_dir": str(tensorboard_dir) if tensorboard_dir else None}, n,
+                             progress=progress, should_stop=should_stop, log=log, error_cls=SFTError)
+
+
 def tensorboard_callback(log_dir: str | os.PathLike, s: SFTSettings, say: Callable[[str], None] | None = None):
     """transformers' TensorBoardCallback writing event files into log_dir through tensorboardX (a
     small writer; the tensorboard package is only needed to view them): train/loss, train/grad_norm,
@@ -1031,7 +1061,7 @@ class _Callback:
                 now = time.time()
                 self.train_time += now - self.t_last
                 self.t_last = now
-                if self.stop():
+                if data_parallel.agreed(self.stop()):  # every process stops after the same step
                     self.cancelled = True
                     control.should_training_stop = True
                     control.should_evaluate = False

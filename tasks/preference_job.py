@@ -237,8 +237,8 @@ def run_preference(job: Job, kind: str) -> Done:
     if dataset == "upload":
         dataset = str(job.dir / "input" / dataset_file)
     settings = P.validate_settings(kind, params)
-    train = {"reward": P.train_reward, "dpo": P.train_dpo, "grpo": P.train_grpo}[kind]
-    res = train(model, dataset, settings, progress=job.progress.on_step, should_stop=job.cancelled, log=job.say)
+    res = P.train_on_gpus(kind, model, dataset, settings, progress=job.progress.on_step, should_stop=job.cancelled,
+                          log=job.say)
     job.progress.report(before=res.before, after=res.after, metrics=res.metrics, model_name=res.name,
                         model_path=str(res.path), data=res.info.get("dataset"),
                         **({"groups_by_step": res.info["groups"]} if res.info.get("groups") else {}))

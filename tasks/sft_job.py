@@ -203,7 +203,7 @@ def run_sft_job(self, job: Job) -> Done:
     params.pop("dataset_file", None)
     params.pop("skip_bad_lines", None)  # applied at submit: input/ holds the good lines only
     settings = sft.validate_settings(params)
-    res = sft.run_sft(settings, progress=job.progress.on_row, should_stop=job.cancelled, log=job.say,
+    res = sft.run_sft_on_gpus(settings, progress=job.progress.on_row, should_stop=job.cancelled, log=job.say,
                       tensorboard_dir=job.dir / TB_DIR / (settings.output_name or "run"))
     info = res.info
     job.progress.report(data=info["data"], accuracy_before=info["accuracy_before"],
