@@ -53,6 +53,15 @@ def per_process_batch(batch_size: int) -> int:
     return batch_size // n
 
 
+def one_gpu_each(args):
+    """Trainer wraps the model in torch.nn.DataParallel when one process sees several GPUs (one
+    Python thread per GPU, slower than one GPU here, and refused by TRL's trainers): every lmscope
+    training process keeps to one GPU; several GPUs mean several processes (run). Returns args."""
+    if args.n_gpu > 1:  # n_gpu sets the device up first
+        args._n_gpu = 1
+    return args
+
+
 def agreed(flag: bool) -> bool:
     """True in every process when it is true in any (an all-reduce of max); `flag` itself when
     training in one process. Every process must call it at the same point of every step."""

@@ -853,8 +853,8 @@ def train_reward(model: str, dataset: str | PreferenceData = "builtin", settings
 
         rm = state.pop("rm", None) or init_reward_model(m, tok, s.seed)
         del m
-        args = RewardConfig(max_length=s.max_length, center_rewards_coefficient=s.center_rewards,
-                            **_common_args(s, staging, dev))
+        args = data_parallel.one_gpu_each(RewardConfig(
+            max_length=s.max_length, center_rewards_coefficient=s.center_rewards, **_common_args(s, staging, dev)))
         trainer = RewardTrainer(model=rm, args=args, train_dataset=_dataset([p.conversational() for p in data.train]),
                                 processing_class=tok, callbacks=[cb],
                                 peft_config=_lora_config(s, "SEQ_CLS") if s.method == "lora" else None)
@@ -907,7 +907,8 @@ def train_dpo(model: str, dataset: str | PreferenceData = "builtin", settings: D
             ref = state.get("ref") or named_reference(tok)
         else:  # LoRA: TRL switches the adapter off for the reference; full: a frozen copy of the start
             ref = None if lora else copy.deepcopy(m).requires_grad_(False).eval()
-        args = DPOConfig(beta=s.beta, loss_type=s.loss_type, max_length=s.max_length, **_common_args(s, staging, dev))
+        args = data_parallel.one_gpu_each(DPOConfig(beta=s.beta, loss_type=s.loss_type, max_length=s.max_length,
+                                                    **_common_args(s, staging, dev)))
         trainer = DPOTrainer(model=m, ref_model=ref, args=args,
                              train_dataset=_dataset([p.conversational() for p in data.train]), processing_class=tok,
                              callbacks=[cb], peft_config=_lora_config(s, "CAUSAL_LM") if lora else None)
@@ -945,12 +946,12 @@ def train_grpo(model: str, dataset: str | TaskData = "builtin", settings: GRPOSe
             ref_dir = staging / "reference"
             m.save_pretrained(ref_dir, safe_serialization=True)
             m.config._name_or_path = str(ref_dir)
-        args = GRPOConfig(
+        args = data_parallel.one_gpu_each(GRPOConfig(
             num_generations=s.num_generations, max_completion_length=s.max_completion_length,
             temperature=s.temperature, top_p=1.0, top_k=0, beta=s.beta, loss_type=s.loss_type,
             scale_rewards="none" if s.loss_type == "dr_grpo" else "group", epsilon=s.epsilon,
             epsilon_high=s.epsilon_high, num_iterations=s.num_iterations, mask_truncated_completions=False,
-            log_completions=False, **_common_args(s, staging, dev))
+            log_completions=False, **_common_args(s, staging, dev)))
         trainer = GRPOTrainer(model=m, reward_funcs=[verifiable_reward], args=args,
                               train_dataset=_dataset([t.conversational() for t in data.train]),
                               processing_class=tok, callbacks=[cb],

@@ -881,7 +881,7 @@ def run_sft(settings: SFTSettings | dict, progress: ProgressFn | None = None,
         speed, speed_notes = train_speed.speed_options(model, dev, s.torch_compile)
         for note in speed_notes:
             say(note)
-        args = TrainingArguments(
+        args = data_parallel.one_gpu_each(TrainingArguments(
             output_dir=str(staging / "trainer"), max_steps=max_steps, per_device_train_batch_size=per_process,
             per_device_eval_batch_size=per_process, learning_rate=s.lr(), lr_scheduler_type="linear",
             warmup_steps=s.warmup_steps, weight_decay=0.0, max_grad_norm=1.0, seed=s.seed, data_seed=s.seed,
@@ -891,7 +891,7 @@ def run_sft(settings: SFTSettings | dict, progress: ProgressFn | None = None,
             use_cpu=not use_cuda, bf16=use_cuda and torch.cuda.is_bf16_supported(),
             include_num_input_tokens_seen="non_padding", optim="adamw_torch_fused" if use_cuda else "adamw_torch",
             **speed,
-        )
+        ))
         trainer = Trainer(model=model, args=args, train_dataset=_ListDataset(train.examples),
                           eval_dataset=_ListDataset(ev.examples) if ev else None,
                           data_collator=Collator(tok.pad_token_id), callbacks=[cb])

@@ -10,7 +10,6 @@ from __future__ import annotations
 import uuid
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from model_core import preference as P
@@ -81,7 +80,7 @@ def test_dpo_in_two_processes_follows_the_one_process_curve(data_dir):
     for n in (1, 2):
         rows = []
         res = P.train_on_gpus("dpo", TINY, "builtin", {**settings, "output_name": _name(f"dpo{n}")},
-                              progress=lambda step, total, m: rows.append(m), processes=n)
+                              progress=lambda step, total, m, rows=rows: rows.append(m), processes=n)
         runs[n] = ([r["loss"] for r in rows if r.get("loss") is not None], res)
     assert len(runs[1][0]) == 3
     assert runs[2][0] == pytest.approx(runs[1][0], rel=1e-4)
