@@ -110,7 +110,8 @@ def run(target: str, args: tuple, kwargs: dict, processes: int,
                                                             os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         stderr = open(spec / "stderr.txt", "w+b")
-        proc = subprocess.Popen(cmd, env=env, stdout=stderr, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, env=env, stdout=stderr, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=_die_with_parent)
         try:
             with open(events) as ev:
                 while True:
@@ -139,6 +140,18 @@ def run(target: str, args: tuple, kwargs: dict, processes: int,
         tail = [ln for ln in stderr.read().decode(errors="replace").splitlines() if ln.strip()]
         why = next((ln for ln in reversed(tail) if "Error" in ln), tail[-1] if tail else f"exit code {proc.returncode}")
         raise error_cls(f"Training on {processes} processes failed: {why.strip()[:300]}")
+
+
+def _die_with_parent() -> None:
+    """In the launcher, before it starts: SIGTERM it when the process that started it dies (a worker
+    killed mid-job), so its training processes stop instead of training on and registering a model
+    for a job that ended. Linux's prctl(PR_SET_PDEATHSIG); elsewhere nothing."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def _deliver(event: dict, progress, log) -> None:

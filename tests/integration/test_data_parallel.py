@@ -7,7 +7,12 @@ nothing; an error raised in the processes reaches the caller as itself."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 import uuid
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
@@ -85,3 +90,40 @@ def test_dpo_in_two_processes_follows_the_one_process_curve(data_dir):
     assert len(runs[1][0]) == 3
     assert runs[2][0] == pytest.approx(runs[1][0], rel=1e-4)
     assert runs[2][1].info["kind"] == "dpo" and runs[2][1].path.exists()
+
+
+def _processes_running(marker: str) -> list[int]:
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if marker in (d / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(d.name))
+            except OSError:
+                continue
+    return pids
+
+
+def test_a_killed_caller_takes_its_training_processes_down(data_dir, tmp_path):
+    """The worker process dies mid-run (SIGKILL: no Python cleanup runs): the launcher it started gets
+    SIGTERM from the kernel (PR_SET_PDEATHSIG) and stops the training processes, so they neither keep
+    training nor register a model for a job that ended."""
+    name = _name("orphan")
+    started = tmp_path / "started"
+    script = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})\n"
+              "from pathlib import Path\nfrom model_core import sft\n"
+              f"sft.run_sft_on_gpus({{**{RUN!r}, 'max_steps': 100000, 'output_name': {name!r}}}, processes=2,\n"
+              f"    progress=lambda r: Path({str(started)!r}).touch())\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "LMSCOPE_DATA_DIR": str(data_dir)})
+    deadline = time.time() + 240
+    while not started.exists() and time.time() < deadline and parent.poll() is None:
+        time.sleep(0.5)
+    assert started.exists(), "training never started"
+    assert _processes_running("model_core.data_parallel")
+    parent.kill()
+    parent.wait()
+    deadline = time.time() + 60
+    while _processes_running("model_core.data_parallel") and time.time() < deadline:
+        time.sleep(0.5)
+    assert not _processes_running("model_core.data_parallel")
+    assert not (data_dir / "models" / name).exists()

@@ -167,6 +167,31 @@ def test_tiny_full_sft_registers_a_loadable_model(data_dir):
         sft.run_sft({**TINY_RUN, "max_steps": 1, "output_name": "tiny-full"})
 
 
+def test_the_trainers_first_loss_is_transformers_loss_on_the_assistant_tokens(data_dir):
+    """SFTTrainer trains on our labels as they are: its first logged loss (one step over the whole
+    8-example set, so the batch is known whatever the shuffle) equals transformers' own `labels=` loss
+    of the untrained model on that batch with -100 outside the assistant turns, and not the loss over
+    every token (what a trainer that rebuilt the labels from input_ids would log)."""
+    run = {**TINY_RUN, "builtin_train_size": 8, "eval_fraction": 0.0, "accuracy_examples": 0, "sample_every": 0,
+           "max_steps": 1, "learning_rate": 1e-6, "output_name": "tiny-first-loss"}
+    rows = []
+    sft.run_sft(run, progress=rows.append)
+    logged = next(r["loss"] for r in rows if r.get("loss") is not None)
+    model, tok, _ = sft.load_trainable(TINY, "cpu")
+    sft.ensure_chat_template(tok)
+    train, _ev, _test, _desc = sft.prepare_data(sft.validate_settings(run), tok)
+    assert len(train.examples) == 8
+    T = max(len(e["input_ids"]) for e in train.examples)
+    ids = torch.tensor([e["input_ids"] + [tok.pad_token_id] * (T - len(e["input_ids"])) for e in train.examples])
+    labels = torch.tensor([e["labels"] + [-100] * (T - len(e["labels"])) for e in train.examples])
+    att = (torch.arange(T)[None, :] < torch.tensor([len(e["input_ids"]) for e in train.examples])[:, None]).long()
+    model.eval()
+    with torch.no_grad():
+        masked = float(model(input_ids=ids, attention_mask=att, labels=labels).loss)
+        every = float(model(input_ids=ids, attention_mask=att, labels=ids.masked_fill(att == 0, -100)).loss)
+    assert abs(logged - masked) < 1e-5 < 1e-3 < abs(every - masked)  # a random model's losses are close: told apart
+
+
 def test_tiny_lora_is_merged_into_a_plain_checkpoint(data_dir):
     from model_core import load_model
 
