@@ -682,15 +682,6 @@ def _common_args(s: TrainSettings, staging: Path, dev: torch.device) -> dict:
     )
 
 
-def _quiet_datasets() -> None:
-    try:
-        from datasets.utils.logging import disable_progress_bar
-
-        disable_progress_bar()
-    except ImportError:  # pragma: no cover - datasets comes with trl
-        pass
-
-
 def _run(kind: str, model_name: str, s: TrainSettings, data, progress: ProgressFn | None,
          should_stop: Callable[[], bool] | None, log: Callable[[str], None] | None,
          build: Callable, evaluate: Callable, extra_info: Callable[[], dict] | None = None) -> TrainResult:
@@ -716,7 +707,7 @@ def _run(kind: str, model_name: str, s: TrainSettings, data, progress: ProgressF
     t_start = time.time()
     try:
         emit(0, s.max_steps, {"phase": "loading model"})
-        _quiet_datasets()
+        sft.quiet_datasets()
         set_seed(s.seed)
         try:
             model, tok, dev = sft.load_trainable(model_name, s.device)
