@@ -20,6 +20,7 @@ import importlib
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -109,15 +110,19 @@ def run(target: str, args: tuple, kwargs: dict, processes: int,
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent),
                                                             os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        stderr = open(spec / "stderr.txt", "w+b")
+        stderr = open(spec / "stderr.txt", "w+b")  # noqa: SIM115 - read back below, closed with the folder
         proc = subprocess.Popen(cmd, env=env, stdout=stderr, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=_die_with_parent)
         try:
             with open(events) as ev:
+                pending = ""  # a line the writer has not finished yet
                 while True:
                     done = proc.poll() is not None
-                    for line in ev.readlines():
-                        _deliver(json.loads(line), progress, log)
+                    pending += ev.read()
+                    *lines, pending = pending.split("\n")
+                    for line in lines:
+                        if line:
+                            _deliver(json.loads(line), progress, log)
                     if done:
                         break
                     if stop() and not (spec / "stop").exists():
@@ -131,14 +136,17 @@ def run(target: str, args: tuple, kwargs: dict, processes: int,
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
         outcome = spec / "outcome.pkl"
+        stderr.seek(0)
+        tail = [ln for ln in stderr.read().decode(errors="replace").splitlines() if ln.strip()]
+        stderr.close()
         if outcome.exists():
             kind, value = pickle.loads(outcome.read_bytes())
             if kind == "error":
                 raise value
             return value
-        stderr.seek(0)
-        tail = [ln for ln in stderr.read().decode(errors="replace").splitlines() if ln.strip()]
-        why = next((ln for ln in reversed(tail) if "Error" in ln), tail[-1] if tail else f"exit code {proc.returncode}")
+        # The last "SomethingError: message" line of a process's traceback, not torchrun's own summary.
+        why = next((ln for ln in reversed(tail) if re.match(r"\s*[\w.]*(Error|Exception): ", ln)
+                    and "ChildFailedError" not in ln), tail[-1] if tail else f"exit code {proc.returncode}")
         raise error_cls(f"Training on {processes} processes failed: {why.strip()[:300]}")
 
 
