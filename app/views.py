@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from model_core.cpu_threads import limit_this_thread
 from model_core.lens import logit_lens
 from model_core.sampling import SamplingSettings, apply_sampling
 from model_core.trace import Trace
@@ -375,13 +376,6 @@ def _server_busy() -> bool:
     return bool(running)
 
 
-def _one_openmp_thread() -> bool:
-    """This thread's torch CPU work on one thread (model_core.cpu_threads)."""
-    from model_core.cpu_threads import limit_this_thread
-
-    return limit_this_thread(1)
-
-
 class LensFiller:
     """Computes the logit lens of every position of recent traces in the background, a few
     positions at a time and only while no request is running, so that a zoom finds its columns
@@ -475,7 +469,7 @@ class LensFiller:
             time.sleep(0.02)
 
     def _run(self) -> None:
-        self.one_thread = _one_openmp_thread()
+        self.one_thread = limit_this_thread(1)  # this thread's torch work on one core
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: any(r() is not None for r in self._queue) and self.enabled)

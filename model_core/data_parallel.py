@@ -90,8 +90,28 @@ def processes_for(device: str | None, batch_size: int) -> int:
     return max(1, n)
 
 
-class DataParallelFailed(RuntimeError):
-    """The training processes ended without a result or an exception of their own."""
+def train(target: str, settings: dict, *, before: tuple = (), kwargs: dict | None = None,
+          processes: int | None = None, progress: Callable | None = None,
+          should_stop: Callable[[], bool] | None = None, log: Callable[[str], None] | None = None,
+          error_cls: type = RuntimeError):
+    """target(*before, settings, progress=..., should_stop=..., log=..., **kwargs) in this process, or
+    in one process per GPU (processes: how many; default processes_for(settings' device and
+    batch_size); the tests ask for 2 on the CPU). settings["batch_size"] is the whole step's."""
+    kwargs = kwargs or {}
+    batch, device = int(settings["batch_size"]), settings.get("device")
+    n = processes or processes_for(device, batch)
+    if n <= 1:
+        module, name = target.split(":")
+        fn = getattr(importlib.import_module(module), name)
+        return fn(*before, settings, progress=progress, should_stop=should_stop, log=log, **kwargs)
+    if batch % n:
+        raise error_cls(f"Batch size {batch} does not split over {n} processes; use a multiple of {n}.")
+    if torch.cuda.is_available() and device in (None, "", "auto"):
+        settings = {**settings, "device": "cuda"}  # each process's own GPU (_child sets it)
+    if log:
+        log(f"training in {n} processes, {batch // n} examples each per step (data parallel)")
+    return run(target, (*before, settings), kwargs, n, progress=progress, should_stop=should_stop, log=log,
+               error_cls=error_cls)
 
 
 def run(target: str, args: tuple, kwargs: dict, processes: int,
@@ -102,7 +122,11 @@ def run(target: str, args: tuple, kwargs: dict, processes: int,
     stop = should_stop or (lambda: False)
     with tempfile.TemporaryDirectory(prefix="lmscope-dp-") as tmp:
         spec = Path(tmp)
-        (spec / "spec.json").write_text(json.dumps({"target": target, "args": list(args), "kwargs": kwargs}))
+        try:
+            (spec / "spec.json").write_text(json.dumps({"target": target, "args": list(args), "kwargs": kwargs}))
+        except TypeError:
+            raise error_cls("A run in several processes takes its data by name or file path ('builtin' or a "
+                            "JSONL file), not as objects in memory.") from None
         events = spec / "events.jsonl"
         events.touch()
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",

@@ -960,23 +960,10 @@ def train_grpo(model: str, dataset: str | TaskData = "builtin", settings: GRPOSe
 def train_on_gpus(kind: str, model: str, dataset: str = "builtin", settings: TrainSettings | dict | None = None,
                   progress: ProgressFn | None = None, should_stop: Callable[[], bool] | None = None,
                   log: Callable[[str], None] | None = None, processes: int | None = None) -> TrainResult:
-    """train_reward / train_dpo / train_grpo on every GPU of the machine, one process each
-    (model_core.data_parallel), or in this process with fewer than two GPUs. processes: how many
-    (default data_parallel.processes_for; the tests ask for 2 on the CPU). batch_size stays the
-    whole step's (GRPO: prompts_per_step x num_generations completions)."""
+    """train_reward / train_dpo / train_grpo on every GPU of the machine, one process each, or in this
+    process with fewer than two GPUs (data_parallel.train). batch_size stays the whole step's (GRPO:
+    prompts_per_step x num_generations completions)."""
     train = {"reward": train_reward, "dpo": train_dpo, "grpo": train_grpo}[kind]
-    s = validate_settings(kind, settings)
-    n = processes or data_parallel.processes_for(s.device, s.batch_size)
-    if n <= 1:
-        return train(model, dataset, s, progress=progress, should_stop=should_stop, log=log)
-    if s.batch_size % n:
-        raise PreferenceError(f"Batch size {s.batch_size} does not split over {n} processes; use a multiple of {n}.")
-    if not isinstance(dataset, str):
-        raise PreferenceError("A run in several processes reads its data from 'builtin' or a file path.")
-    raw = asdict(s)
-    if torch.cuda.is_available() and raw.get("device") in (None, "", "auto"):
-        raw["device"] = "cuda"  # each process's own GPU (data_parallel sets it)
-    if log:
-        log(f"training in {n} processes, {s.batch_size // n} examples each per step (data parallel)")
-    return data_parallel.run(f"model_core.preference:{train.__name__}", (model, dataset, raw), {}, n,
-                             progress=progress, should_stop=should_stop, log=log, error_cls=PreferenceError)
+    return data_parallel.train(f"model_core.preference:{train.__name__}", asdict(validate_settings(kind, settings)),
+                               before=(model, dataset), processes=processes, progress=progress,
+                               should_stop=should_stop, log=log, error_cls=PreferenceError)

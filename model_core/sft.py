@@ -992,23 +992,12 @@ def run_sft(settings: SFTSettings | dict, progress: ProgressFn | None = None,
 def run_sft_on_gpus(settings: SFTSettings | dict, progress: ProgressFn | None = None,
                     should_stop: Callable[[], bool] | None = None, log: Callable[[str], None] | None = None,
                     tensorboard_dir: str | os.PathLike | None = None, processes: int | None = None) -> SFTResult:
-    """run_sft on every GPU of the machine, one process each (data_parallel), or in this process
-    when there are fewer than two GPUs. processes: how many (default data_parallel.processes_for;
-    the tests ask for 2 on the CPU). The step's batch_size is the whole step's either way."""
-    s = validate_settings(settings)
-    n = processes or data_parallel.processes_for(s.device, s.batch_size)
-    if n <= 1:
-        return run_sft(s, progress, should_stop, log, tensorboard_dir)
-    if s.batch_size % n:
-        raise SFTError(f"Batch size {s.batch_size} does not split over {n} processes; use a multiple of {n}.")
-    raw = asdict(s)
-    if torch.cuda.is_available() and raw["device"] in (None, "", "auto"):
-        raw["device"] = "cuda"  # each process's own GPU (data_parallel sets it)
-    if log:
-        log(f"training in {n} processes, {s.batch_size // n} examples each per step (data parallel)")
-    return data_parallel.run("model_core.sft:run_sft", (raw,),
-                             {"tensorboard_dir": str(tensorboard_dir) if tensorboard_dir else None}, n,
-                             progress=progress, should_stop=should_stop, log=log, error_cls=SFTError)
+    """run_sft on every GPU of the machine, one process each, or in this process with fewer than two
+    GPUs (data_parallel.train). The step's batch_size is the whole step's either way."""
+    return data_parallel.train("model_core.sft:run_sft", asdict(validate_settings(settings)),
+                               kwargs={"tensorboard_dir": str(tensorboard_dir) if tensorboard_dir else None},
+                               processes=processes, progress=progress, should_stop=should_stop, log=log,
+                               error_cls=SFTError)
 
 
 def tensorboard_callback(log_dir: str | os.PathLike, s: SFTSettings, say: Callable[[str], None] | None = None):

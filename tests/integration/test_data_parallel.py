@@ -18,6 +18,7 @@ import pytest
 from safetensors.torch import load_file
 
 from model_core import preference as P
+from model_core import preference_data as D
 from model_core import sft
 
 TINY = "random-llama-tiny"
@@ -90,6 +91,9 @@ def test_dpo_in_two_processes_follows_the_one_process_curve(data_dir):
     assert len(runs[1][0]) == 3
     assert runs[2][0] == pytest.approx(runs[1][0], rel=1e-4)
     assert runs[2][1].info["kind"] == "dpo" and runs[2][1].path.exists()
+    data = D.builtin_preferences(8, 2, seed=0)  # in memory: cannot travel to the processes; one sentence
+    with pytest.raises(P.PreferenceError, match="by name or file path"):
+        P.train_on_gpus("dpo", TINY, data, {**settings, "output_name": _name("mem")}, processes=2)
 
 
 def _processes_running(marker: str) -> list[int]:
