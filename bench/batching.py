@@ -119,6 +119,9 @@ def main(argv=None) -> int:
     from model_core.generate import eos_ids
 
     eng = engine_for(lm)
+    t0 = time.perf_counter()
+    eng.wait_compiled(900)  # measured as it serves once started (compiled on CUDA)
+    print(f"# engine compiled: {eng.compile_state} (waited {time.perf_counter() - t0:.0f} s more)", flush=True)
     eos = set(eos_ids(lm))
     hf_name = "hf static" if static else "hf dynamic"
     print(f"{'users':>5} {'engine tok/s':>12} {hf_name + ' tok/s':>16} {'ratio':>6} {'ttft p50/p95 ms':>16}  differ  batch sizes")

@@ -1,5 +1,6 @@
-"""What one engine decode step costs on a GPU, by part: the whole captured step, the model's forward
-alone, and the sampling + records alone, each as a CUDA graph replayed 200 times, per batch size.
+"""What one engine decode step costs on a GPU: the captured step uncompiled and compiled (each a CUDA
+graph replayed 200 times) per rows and stage set, the sampling + records alone, and with --host
+where a served step's wall time goes.
 
 GPU:  PYTHONPATH=. python bench/engine_step.py   (random-smollm2-135m in bf16)
 """
@@ -7,6 +8,7 @@ GPU:  PYTHONPATH=. python bench/engine_step.py   (random-smollm2-135m in bf16)
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -37,27 +39,48 @@ def replay_ms(fn, n=200) -> float:
     return 1000 * (time.perf_counter() - t0) / n
 
 
+def graph_ms(g, n=200) -> float:
+    g.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        g.replay()
+    torch.cuda.synchronize()
+    return 1000 * (time.perf_counter() - t0) / n
+
+
 def main() -> int:
+    from model_core.engine import ALL_STAGES, GREEDY_ONLY, Engine, max_len_from_env
+
     lm = load_model("random-smollm2-135m", device="cuda")
-    eng = engine_for(lm)
     print(f"# {torch.cuda.get_device_name(0)}, {lm.name} {lm.dtype}")
-    print(f"{'rows':>4} {'L':>5} {'whole step ms':>14} {'sampling+records ms':>20} {'step tok/s':>11}")
+    # the uncompiled graphs first, on an engine of their own (nothing compiling beside them)
+    plain = Engine(lm, 32, max_len_from_env(lm), compile=False)
+    plain.ready.wait()
+    times = {}
+    for B in (1, 8, 32):
+        for st in (GREEDY_ONLY, ALL_STAGES):
+            times[("graphs", B, st)] = graph_ms(plain._graphs[(B, 512, st)])
+    plain.close()
+    del plain
+    t0 = time.perf_counter()
+    eng = engine_for(lm)
+    ok = eng.wait_compiled(900)
+    print(f"compiled: {eng.compile_state} after {time.perf_counter() - t0:.0f} s", flush=True)
+    if ok:
+        for B in (1, 8, 32):
+            for st in (GREEDY_ONLY, ALL_STAGES):
+                times[("compiled", B, st)] = graph_ms(eng._graphs[(B, 512, st)])
+    print(f"{'step':>9} {'rows':>4} {'stages':>7} {'ms/step at 512 positions':>25} {'tok/s':>8}")
+    for (kind, B, st), ms in times.items():
+        print(f"{kind:>9} {B:>4} {'all' if st else 'greedy':>7} {ms:>25.3f} {B / ms * 1000:>8.0f}", flush=True)
     with torch.inference_mode():
         for B in (1, 8, 32):
-            for L in (512,):
-                g = eng._graphs[(B, L)]
-                g.replay()
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(200):
-                    g.replay()
-                torch.cuda.synchronize()
-                whole = 1000 * (time.perf_counter() - t0) / 200
-                logits = torch.randn(B, lm.shape.vocab_size, device="cuda")
-                st = eng.row_settings.rows(slice(0, B))
-                seen = eng.seen[:B]
-                samp = replay_ms(lambda: sample_rows(logits, st, seen, RECORDED))
-                print(f"{B:>4} {L:>5} {whole:>14.3f} {samp:>20.3f} {B / whole * 1000:>11.0f}", flush=True)
+            logits = torch.randn(B, lm.shape.vocab_size, device="cuda")
+            st = eng.live.row_settings.rows(slice(0, B))
+            seen = eng.live.seen[:B]
+            samp = replay_ms(lambda: sample_rows(logits, st, seen, RECORDED))
+            print(f"uncompiled sampling + records alone, {B:>2} rows, all stages: {samp:.3f} ms", flush=True)
     if "--host" in sys.argv:  # where a served step's wall time goes: host work per step vs the whole
         from model_core.engine import EngineRequest
         from model_core.sampling import SamplingSettings
@@ -76,6 +99,21 @@ def main() -> int:
                 return call
             for name in spent:
                 setattr(eng, name, timed(name))
+            samples: dict = {}
+            sampling = threading.Event()
+            sampling.set()
+
+            def sample_engine_stack():  # a poor man's py-spy: where the engine thread is, every 0.2 ms
+                while sampling.is_set():
+                    f = sys._current_frames().get(eng._thread.ident)
+                    here = []
+                    while f is not None and len(here) < 4:
+                        here.append(f"{f.f_code.co_name}:{f.f_lineno}")
+                        f = f.f_back
+                    samples[" < ".join(here)] = samples.get(" < ".join(here), 0) + 1
+                    time.sleep(0.0002)
+            sampler = threading.Thread(target=sample_engine_stack, daemon=True)
+            sampler.start()
             steps0 = eng.stats.steps
             reqs = [EngineRequest(ids=list(range(10, 34)), n_steps=256, settings=SamplingSettings(temperature=0),
                                   seed=0, eos=set()) for _ in range(B)]
@@ -87,39 +125,22 @@ def main() -> int:
                 while r.out.get() is not None:
                     pass
             wall = time.perf_counter() - t0
+            sampling.clear()
+            sampler.join()
+            total = sum(samples.values())
+            for where, c in sorted(samples.items(), key=lambda kv: -kv[1])[:12]:
+                print(f"  {100 * c / total:5.1f}%  {where}")
             n = eng.stats.steps - steps0
             for name in spent:
                 setattr(eng, name, originals[name])
             print(f"served {B:>3} rows: {1000 * wall / n:.3f} ms/step wall, host " +
                   ", ".join(f"{k} {1000 * v / n:.3f}" for k, v in spent.items()) + " ms/step", flush=True)
-    if "--compile" in sys.argv:  # the model's forward compiled by inductor, then captured with the rest
-        import traceback
-
-        from model_core.cache_api import cache_kwarg
-        from model_core.slot_cache import step_mask
-
-        fwd = torch.compile(lm.model, dynamic=False)
-        for B in (1, 32):
-            t0 = time.perf_counter()
-            tok, pos = eng.tok_in[:B], eng.pos[:B]
-
-            def forward(B=B, tok=tok, pos=pos):
-                eng._cache.window(B, 512, pos)
-                return fwd(input_ids=tok[:, None], position_ids=pos[:, None], attention_mask=step_mask(pos, 512, lm.dtype),
-                           use_cache=True, logits_to_keep=1, **{cache_kwarg(lm.model): eng._cache}).logits
-            try:
-                with torch.inference_mode():
-                    ms = replay_ms(forward)
-                print(f"compiled forward {B:>4} rows: {ms:.3f} ms/step, {B / ms * 1000:.0f} tok/s "
-                      f"(compile + capture {time.perf_counter() - t0:.0f} s)", flush=True)
-            except Exception:  # noqa: BLE001
-                print("compile failed:", traceback.format_exc()[-3000:], flush=True)
-                break
+        print("engine:", eng.stats_dict(), flush=True)
     with torch.inference_mode(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         logits = torch.randn(1, lm.shape.vocab_size, device="cuda")
-        st = eng.row_settings.rows(slice(0, 1))
+        st = eng.live.row_settings.rows(slice(0, 1))
         for _ in range(5):
-            sample_rows(logits, st, eng.seen[:1], RECORDED)
+            sample_rows(logits, st, eng.live.seen[:1], RECORDED)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
     return 0

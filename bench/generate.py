@@ -134,6 +134,14 @@ def main(argv=None) -> int:
     name = args.model or ("random-smollm2-135m" if (args.random or dev_name == "cuda") else "smollm2-135m-instruct")
     lm = load_model(name, device=dev_name)
     dev = lm.device
+    from model_core.engine import can_use_engine, engine_for
+
+    engine_state = None
+    if can_use_engine(lm):  # measure the engine as it serves once started (compiled on CUDA)
+        t0 = time.perf_counter()
+        eng = engine_for(lm)
+        eng.wait_compiled(900)
+        engine_state = f"{eng.compile_state} ({time.perf_counter() - t0:.0f} s to start)"
     ids_list = lm.tokenizer(args.prompt)["input_ids"]
     ids = torch.tensor([ids_list], device=dev)
     import transformers
@@ -141,7 +149,8 @@ def main(argv=None) -> int:
     info = {"model": name, "device": str(dev), "dtype": str(lm.dtype).replace("torch.", ""),
             "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
             "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "prompt_tokens": len(ids_list), "new_tokens": n, "repeats": args.repeats}
+            "prompt_tokens": len(ids_list), "new_tokens": n, "repeats": args.repeats,
+            "engine_compiled": engine_state}
     print("bench/generate.py", json.dumps(info))
     results = {"info": info, "settings": {}}
     for label, s in [("greedy", SamplingSettings(temperature=0)),

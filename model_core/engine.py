@@ -11,9 +11,16 @@ from a queue; they never run the model themselves. The engine thread loops:
   3. hand each row its packed record (one small host copy per step for the whole batch).
 
 The KV cache is `model_core.slot_cache.SlotCache`, preallocated. On CUDA the decode step (forward
-+ sampling + records + advancing each row) is captured once per (rows, length) bucket as a CUDA
-graph at start, so a step is one graph launch instead of ~1,500 kernel launches from Python, and
-the host processes step n's records while the GPU runs step n+1.
++ sampling + records + advancing each row) is captured once per (rows, length, stages) bucket as a
+CUDA graph at start, so a step is one graph launch instead of ~1,500 kernel launches from Python,
+and the host processes step n's records while the GPU runs the next steps. "stages" is either
+every sampling stage or none (every running row greedy without a repetition penalty): the records
+are the same, the sorts and draws of unused filters are skipped.
+
+Compiled (LMSCOPE_COMPILE, on by default on CUDA): a background thread compiles the forward and the
+sampling with inductor (one graph for one row, one for any other number of rows and any length,
+on scratch buffers of the live ones' shapes) while the graphs above serve; the engine thread then
+re-captures every bucket from the compiled step, one per loop, and swaps it in.
 
 Run alone instead (`model_core.generate` keeps its own path for these): edits or a recorder active
 in the caller's context, sliding-window models, models split over several GPUs, a non-default
@@ -29,20 +36,23 @@ import queue
 import sys
 import threading
 import time
+import traceback
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 
-from model_core import hooks, settings
+from model_core import decode_attention, hooks, settings
 from model_core.cache_api import cache_kwarg, new_cache
 from model_core.row_sampling import ALL_STAGES, RowSettings, packed_width, sample_rows, stages_in_use
-from model_core.slot_cache import SlotCache, step_mask
+from model_core.slot_cache import SlotCache
 
 RECORDED = 10  # candidates recorded per step (generate.TOP_K_RECORDED)
 PREFILL_BUDGET = 2048  # prompt tokens admitted per engine loop
 MIN_LENGTH_BUCKET = 128
 SWITCH_INTERVAL = 0.0005  # seconds (sys.setswitchinterval)
+LOOKAHEAD = 2  # steps launched ahead of the one whose records are handed out (CUDA)
+GREEDY_ONLY = frozenset()  # the stages when every running row is greedy without a penalty
 
 
 @dataclass
@@ -80,6 +90,7 @@ class _Row:
     req: EngineRequest
     slot: int
     emitted: int = 0  # records handed out
+    launched: int = 0  # records produced or on their way (the prefill's first token included)
     tokens: int = 0  # tokens in the cache once the pending step is done
     t_last: float = 0.0
     done: bool = False
@@ -93,8 +104,13 @@ class EngineStats:
     batch_sizes: dict = field(default_factory=dict)  # rows per step -> count
     queue_wait_s: float = 0.0
     graphs: int = 0
+    compiled_graphs: int = 0
     warmup_s: float = 0.0
+    compile_s: float = 0.0
     busy_s: float = 0.0
+    launch_s: float = 0.0  # host time launching steps
+    wait_s: float = 0.0  # host time waiting for the device's records (the host ahead of the device)
+    hand_out_s: float = 0.0  # host time turning records into each request's queue
     started: float = field(default_factory=time.perf_counter)
 
     def as_dict(self, engine: Engine) -> dict:
@@ -105,8 +121,20 @@ class EngineStats:
                 "mean_queue_wait_s": round(self.queue_wait_s / self.admitted, 4) if self.admitted else 0.0,
                 "tokens_per_s_busy": round(self.tokens / self.busy_s, 1) if self.busy_s else 0.0,
                 "slots": engine.slots, "slots_in_use": len(engine._rows), "waiting": len(engine._pending),
-                "cuda_graphs": self.graphs, "compiled": engine.compiled, "warmup_s": round(self.warmup_s, 1),
+                "cuda_graphs": self.graphs, "compiled": engine.compile_state,
+                "compiled_graphs": self.compiled_graphs, "warmup_s": round(self.warmup_s, 1),
+                "compile_s": round(self.compile_s, 1),
+                "host_ms_per_step": {k: round(1000 * getattr(self, k + "_s") / self.steps, 3) if self.steps else 0.0
+                                     for k in ("launch", "wait", "hand_out")},
                 "uptime_s": round(up, 1)}
+
+
+def _mark_dynamic(*dims) -> None:
+    """(tensor, dim) pairs a compiled step treats as sizes that vary (rows, positions). A size of 1 is
+    left alone: one row gets its own graph (torch specializes sizes 0 and 1 anyway)."""
+    for t, d in dims:
+        if t.shape[d] > 1:
+            torch._dynamo.maybe_mark_dynamic(t, d)
 
 
 def _buckets(limit: int) -> list[int]:
@@ -117,22 +145,52 @@ def _buckets(limit: int) -> list[int]:
     return out + [limit]
 
 
+@dataclass
+class StepBuffers:
+    """Everything a decode step reads and writes, preallocated once: a captured graph holds these
+    addresses. The engine has the live set; a compile warms up on a scratch set of the same shapes."""
+
+    cache: SlotCache
+    tok_in: torch.Tensor  # [S] int64: each slot's next input token
+    pos: torch.Tensor  # [S] int64: where that token goes
+    active: torch.Tensor  # [S] bool: the slot advances at the next step
+    seen: torch.Tensor  # [S, V] bool: tokens in the slot's context (repetition penalty)
+    row_settings: RowSettings
+    out_packed: torch.Tensor  # [S, packed_width(RECORDED)]
+    out_logits: torch.Tensor  # [S, V]
+    out_final: torch.Tensor  # [S, V]
+
+    @classmethod
+    def allocate(cls, shapes, slots: int, max_len: int, vocab: int, dtype, device) -> StepBuffers:
+        return cls(SlotCache(shapes, slots, max_len, dtype, device),
+                   torch.zeros(slots, dtype=torch.long, device=device), torch.zeros(slots, dtype=torch.long, device=device),
+                   torch.zeros(slots, dtype=torch.bool, device=device),
+                   torch.zeros(slots, vocab, dtype=torch.bool, device=device), RowSettings.empty(slots, device),
+                   torch.zeros(slots, packed_width(RECORDED), device=device), torch.zeros(slots, vocab, device=device),
+                   torch.zeros(slots, vocab, device=device))
+
+
 class Engine:
     """Owns a model's generation work on one thread. Create through `engine_for(lm)`."""
 
-    def __init__(self, lm, slots: int, max_len: int, use_graphs: bool | None = None, compile: bool = False,
+    def __init__(self, lm, slots: int, max_len: int, use_graphs: bool | None = None, compile: bool | None = None,
                  kv_cache_mb: int | None = None):
         self._lm = weakref.ref(lm)
+        self.name = lm.name
         self.device, self.dtype = lm.device, lm.dtype
         self.slots, self.max_len = slots, max_len
         self.vocab = lm.shape.vocab_size
         self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
-        # compile (LMSCOPE_COMPILE=1, CUDA): the forward compiled by inductor before it is captured, one
-        # shape per batch bucket at full slot length (about 30 s each at start; a step ~1.9x faster)
-        self.compiled = self.use_graphs and bool(compile)
+        # compile (None: on with CUDA graphs): see the module docstring
+        self.compile = self.use_graphs if compile is None else bool(compile)
+        self.compile_state = "compiling" if self.compile else "off"  # -> capturing -> ready | failed: ...
         self._kv_cache_mb = kv_cache_mb  # None: LMSCOPE_KV_CACHE_MB (kv_budget_bytes)
-        self._forward = torch.compile(lm.model, dynamic=False) if self.compiled else lm.model
-        self.lookahead = self.use_graphs  # process step n's records while step n+1 runs
+        self._fast_forward = None  # compiled callables, once the compile thread has them
+        self._fast_sample: dict[frozenset, object] = {}  # stage set -> compiled sample_rows
+        self._fast_ready = threading.Event()
+        self._scratch: StepBuffers | None = None
+        self._to_capture: list[tuple] = []  # buckets left to re-capture from the compiled step
+        self.lookahead = LOOKAHEAD if self.use_graphs else 0
         self.stats = EngineStats()
         self._cv = threading.Condition()
         self._pending: list[EngineRequest] = []
@@ -140,8 +198,8 @@ class Engine:
         self._stop = False
         self._held = False
         self._idle = threading.Event()
-        self._cache: SlotCache | None = None
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.live: StepBuffers | None = None
+        self._graphs: dict[tuple[int, int, frozenset], torch.cuda.CUDAGraph] = {}
         # Request threads turn records into text while this thread launches steps: with Python's
         # default 5 ms GIL switch interval a waiting thread can stall a whole decode step.
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL))
@@ -175,6 +233,16 @@ class Engine:
     def waiting(self) -> int:
         with self._cv:
             return len(self._pending)
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait until the compiled step serves every bucket (or compiling failed or is off);
+        True when it serves."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.compile_state in ("compiling", "capturing"):
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return self.compile_state == "ready"
 
     def quiesce(self, timeout: float = 5.0) -> bool:
         """Cancel every request and wait until the thread waits for work (nothing of torch running),
@@ -218,13 +286,17 @@ class Engine:
             self.stats.warmup_s = time.perf_counter() - t0
         except BaseException as e:  # noqa: BLE001 - requests run on the plain path instead
             self.start_error = e
-            print(f"lmscope: the inference engine for {self._lm().name} could not start "
+            self.compile_state = "off"
+            print(f"lmscope: the inference engine for {self.name} could not start "
                   f"({type(e).__name__}: {e}); generation runs one request at a time", file=sys.stderr)
+        if self.start_error is None and self.compile:
+            threading.Thread(target=self._compile, name=f"lmscope-compile-{self.name}", daemon=True).start()
         self.ready.set()
         pipeline: list = []  # launched steps whose records are not yet handed out
         while True:
             with self._cv:
-                while not self._stop and not (self._pending and not self._held) and not self._rows and not pipeline:
+                while not self._stop and not (self._pending and not self._held) and not self._rows \
+                        and not pipeline and not self._capture_due():
                     self._idle.set()
                     self._cv.wait()
                 self._idle.clear()
@@ -238,18 +310,21 @@ class Engine:
             t0 = time.perf_counter()
             try:
                 with torch.inference_mode():
+                    if self._capture_due():
+                        self._capture_next()
                     self._drop_cancelled()
                     if new:
                         self._admit_all(new)
-                    if self._live_rows():
+                    if self._launchable():
                         pipeline.append(self._launch())
-                    # with lookahead, the records of the step before the one just launched
-                    while pipeline and (len(pipeline) > 1 or not self.lookahead or not self._live_rows()):
+                    # the records of the step `lookahead` steps before the one just launched
+                    while pipeline and (len(pipeline) > self.lookahead or not self._launchable()):
                         self._hand_out(pipeline.pop(0))
             except BaseException as e:  # noqa: BLE001 - a failed step fails the rows in it, not the engine
                 pipeline.clear()
                 for row in list(self._rows.values()):
                     self._fail(row.req, e)
+                    self._free(row)
                 self._rows.clear()
             self.stats.busy_s += time.perf_counter() - t0
         for row in list(self._rows.values()):
@@ -267,8 +342,9 @@ class Engine:
             taken.append(r)
         return taken
 
-    def _live_rows(self) -> list[_Row]:
-        return [r for r in self._rows.values() if not r.done]
+    def _launchable(self) -> list[_Row]:
+        """Rows that need another step: not finished, and not all their tokens already launched."""
+        return [r for r in self._rows.values() if not r.done and r.launched < r.req.n_steps]
 
     def _fail(self, req: EngineRequest, e: BaseException) -> None:
         req.error = e
@@ -279,25 +355,16 @@ class Engine:
         probe = new_cache(lm)
         lm.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device), use_cache=True,
                  logits_to_keep=1, **{cache_kwarg(lm.model): probe})
-        shapes = [(l.keys.shape[1], l.keys.shape[3]) for l in probe.layers]
-        per_slot = sum(2 * h * d for h, d in shapes) * self.max_len * torch.empty((), dtype=self.dtype).element_size()
+        self._shapes = [(l.keys.shape[1], l.keys.shape[3]) for l in probe.layers]
+        per_slot = sum(2 * h * d for h, d in self._shapes) * self.max_len * torch.empty((), dtype=self.dtype).element_size()
         self.slots = max(1, min(self.slots, kv_budget_bytes(self.device, self._kv_cache_mb) // per_slot))
-        self._cache = SlotCache(shapes, self.slots, self.max_len, self.dtype, self.device)
-        self.layer_bytes_per_token = self._cache.layer_bytes_per_token()
+        self.live = StepBuffers.allocate(self._shapes, self.slots, self.max_len, self.vocab, self.dtype, self.device)
+        self.layer_bytes_per_token = self.live.cache.layer_bytes_per_token()
         S, dev = self.slots, self.device
-        self.tok_in = torch.zeros(S, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(S, dtype=torch.long, device=dev)
-        self.active = torch.zeros(S, dtype=torch.bool, device=dev)
-        self.seen = torch.zeros(S, self.vocab, dtype=torch.bool, device=dev)
-        self.row_settings = RowSettings.empty(S, dev)
-        self.out_packed = torch.zeros(S, packed_width(RECORDED), device=dev)
-        self.out_logits = torch.zeros(S, self.vocab, device=dev)
-        self.out_final = torch.zeros(S, self.vocab, device=dev)
-        self._pinned = [torch.zeros(S, packed_width(RECORDED), pin_memory=dev.type == "cuda") for _ in range(2)]
+        self._pinned = [torch.zeros(S, packed_width(RECORDED), pin_memory=dev.type == "cuda")
+                        for _ in range(self.lookahead + 2)]
         self._rows_buckets = _buckets(S)
         self._length_buckets = [b for b in _buckets(self.max_len) if b >= MIN_LENGTH_BUCKET] or [self.max_len]
-        if self.compiled:  # one compiled shape per batch bucket: attend over the whole slot
-            self._length_buckets = [self.max_len]
 
     # --- admission: prefill + the first token ----------------------------------------------------
     def _admit_all(self, reqs: list[EngineRequest]) -> None:
@@ -329,59 +396,72 @@ class Engine:
                 self._fail(r, e)
 
     def _prefill(self, reqs: list[EngineRequest]) -> None:
-        lm = self._lm()
+        lm, b = self._lm(), self.live
         t0 = time.perf_counter()
         free = sorted(set(range(self.slots)) - set(self._rows))
         slots = free[: len(reqs)]
         lens = [len(r.ids) for r in reqs]
-        ids = torch.zeros(len(reqs), max(lens), dtype=torch.long, device=self.device)
-        for i, r in enumerate(reqs):
-            ids[i, : lens[i]] = torch.as_tensor(r.ids, dtype=torch.long)
+        ids = torch.tensor([r.ids + [0] * (max(lens) - n) for r, n in zip(reqs, lens)]).to(self.device)  # [N, T]
         pre = new_cache(lm)
         keep = sorted({n - 1 for n in lens})
         out = lm.model(input_ids=ids, use_cache=True, logits_to_keep=keep, **{cache_kwarg(lm.model): pre}).logits
         logits = torch.stack([out[i, keep.index(n - 1)] for i, n in enumerate(lens)]).float()  # [N, V]
-        for i, (slot, n) in enumerate(zip(slots, lens)):
-            self._cache.load(slot, pre, row=i, tokens=n)
-            self.row_settings.set_row(slot, reqs[i].settings, reqs[i].seed)
-            self.seen[slot].zero_()
-            self.seen[slot, ids[i, :n]] = True
-        del pre
+        # every row at once (one copy per layer and per settings field: 32 users arriving together
+        # would otherwise be ~2,000 small copies before anyone's first token)
         idx = torch.tensor(slots, device=self.device)
-        st = RowSettings(*(getattr(self.row_settings, f)[idx] for f in RowSettings.__dataclass_fields__))
-        chosen, packed, final = sample_rows(logits, st, self.seen[idx], RECORDED,
+        b.cache.load_rows(idx, pre, max(lens))
+        del pre
+        b.row_settings.set_rows(idx, [r.settings for r in reqs], [r.seed for r in reqs])
+        in_prompt = (torch.arange(ids.shape[1], device=self.device)[None, :]
+                     < torch.tensor(lens, device=self.device)[:, None])  # [N, T]: not padding
+        b.seen[idx] = torch.zeros(len(reqs), self.vocab, dtype=torch.int32, device=self.device).scatter_add_(
+            1, ids, in_prompt.int()) > 0
+        st = RowSettings(*(getattr(b.row_settings, f)[idx] for f in RowSettings.__dataclass_fields__))
+        chosen, packed, final = sample_rows(logits, st, b.seen[idx], RECORDED,
                                             stages_in_use(r.settings for r in reqs))
-        self.tok_in[idx] = chosen
-        self.pos[idx] = torch.tensor(lens, device=self.device)
-        self.row_settings.step[idx] = 1
+        b.tok_in[idx] = chosen
+        b.pos[idx] = torch.tensor(lens, device=self.device)
+        b.row_settings.step[idx] = 1
         host = packed.tolist()
         now = time.perf_counter()
+        going_on = []
         for i, (r, slot, n) in enumerate(zip(reqs, slots, lens)):
-            row = _Row(req=r, slot=slot, tokens=n, t_last=t0)
+            row = _Row(req=r, slot=slot, launched=1, tokens=n, t_last=t0)
             self._rows[slot] = row
             r.first_token_at = now
             self._emit(row, host[i], logits[i], final[i])
-            if not row.done:
-                self.active[slot] = True
+            if not row.done and row.launched < r.n_steps:
+                going_on.append(slot)
+        if going_on:
+            b.active[torch.tensor(going_on, device=self.device)] = True
 
     # --- one decode step for every running row ---------------------------------------------------
-    def _step(self, B: int, L: int) -> None:
-        """Everything one decode step does, on the first B slots, attending over L positions.
-        Only tensor operations on preallocated buffers (a CUDA graph replays exactly this)."""
+    def _step(self, B: int, L: int, b: StepBuffers, stages: frozenset, fast: bool = False) -> None:
+        """Everything one decode step does, on the first B slots of `b`, attending over L positions,
+        running the sampling stages `stages` (the records are complete either way). Only tensor
+        operations on preallocated buffers (a CUDA graph replays exactly this). fast: the compiled
+        forward and sampling."""
         lm = self._lm()
-        tok, pos, act, seen = self.tok_in[:B], self.pos[:B], self.active[:B], self.seen[:B]
+        tok, pos, act, seen = b.tok_in[:B], b.pos[:B], b.active[:B], b.seen[:B]
         # the token going in joins the context the repetition penalty sees
         seen.scatter_(1, tok[:, None], seen.gather(1, tok[:, None]) | act[:, None])
-        self._cache.window(B, L, pos)
-        logits = self._forward(input_ids=tok[:, None], position_ids=pos[:, None], attention_mask=step_mask(pos, L, self.dtype),
-                          use_cache=True, logits_to_keep=1, **{cache_kwarg(lm.model): self._cache}).logits[:, -1].float()
-        st = self.row_settings.rows(slice(0, B))
-        # eager: only the stages some running row uses; a captured graph must serve any row
-        stages = ALL_STAGES if self.use_graphs else stages_in_use(r.req.settings for r in self._live_rows())
-        chosen, packed, final = sample_rows(logits, st, seen, RECORDED, stages)
-        self.out_packed[:B].copy_(packed)
-        self.out_logits[:B].copy_(logits)
-        self.out_final[:B].copy_(final)
+        mask = b.cache.window(B, L, pos)
+        input_ids, position_ids = tok[:, None], pos[:, None]  # [B, 1]
+        forward, sample, extra = lm.model, sample_rows, {}
+        if fast:
+            forward, sample = self._fast_forward, self._fast_sample.get(stages, sample_rows)
+            extra = {decode_attention.SLOT_DECODE: True}
+            _mark_dynamic((input_ids, 0), (position_ids, 0), (mask, 0), (mask, 3), (b.cache.write_pos, 0),
+                          (b.cache.span, 0))
+        logits = forward(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
+                         logits_to_keep=1, **{cache_kwarg(lm.model): b.cache}, **extra).logits[:, -1].float()
+        st = b.row_settings.rows(slice(0, B))
+        if fast:
+            _mark_dynamic((logits, 0), (seen, 0), *((getattr(st, f), 0) for f in RowSettings.__dataclass_fields__))
+        chosen, packed, final = sample(logits, st, seen, RECORDED, stages)
+        b.out_packed[:B].copy_(packed)
+        b.out_logits[:B].copy_(logits)
+        b.out_final[:B].copy_(final)
         tok.copy_(torch.where(act, chosen, tok))
         st.step.add_(act.long())
         pos.copy_(torch.where(act, (pos + 1).clamp(max=self.max_len - 1), pos))
@@ -389,44 +469,60 @@ class Engine:
     def _bucket(self, rows: list[_Row]) -> tuple[int, int]:
         top = max(r.slot for r in rows) + 1
         B = next(b for b in self._rows_buckets if b >= top)
-        need = max(r.tokens for r in rows) + 1  # the positions the step attends over
+        need = min(max(r.tokens for r in rows) + 1, self.max_len)  # the positions the step attends over
         if not self.use_graphs:
             return B, need  # eager: exactly the positions in use
         return B, next(b for b in self._length_buckets if b >= need)
 
+    def _stages(self, rows: list[_Row]) -> frozenset:
+        used = stages_in_use(r.req.settings for r in rows)
+        if not self.use_graphs and self.compile_state != "ready":
+            return used  # eager: exactly the stages in use (compiled: the two sets it was compiled for)
+        return GREEDY_ONLY if not used else ALL_STAGES
+
     def _launch(self):
-        rows = self._live_rows()
+        t0 = time.perf_counter()
+        rows = self._launchable()
         B, L = self._bucket(rows)
-        graph = self._graphs.get((B, L))
+        stages = self._stages(rows)
+        graph = self._graphs.get((B, L, stages))
         if graph is not None:
             graph.replay()
         else:
-            self._step(B, L)
-        buf = self._pinned[self.stats.steps % 2]
-        buf[:B].copy_(self.out_packed[:B], non_blocking=True)
+            self._step(B, L, self.live, stages, fast=self.compile_state == "ready")
+        buf = self._pinned[self.stats.steps % len(self._pinned)]
+        buf[:B].copy_(self.live.out_packed[:B], non_blocking=True)
         event = torch.cuda.Event() if self.device.type == "cuda" else None
         if event is not None:
             event.record()
         want = [r for r in rows if r.req.keep_logits or r.req.keep_probs]
-        extra = {r.slot: (self.out_logits[r.slot].to("cpu", copy=True), self.out_final[r.slot].to("cpu", copy=True))
+        extra = {r.slot: (self.live.out_logits[r.slot].to("cpu", copy=True), self.live.out_final[r.slot].to("cpu", copy=True))
                  for r in want}
         for r in rows:
             r.tokens += 1
+            r.launched += 1
+            if r.launched >= r.req.n_steps:  # its last token is on its way: later steps leave it alone
+                self.live.active[r.slot] = False
         self.stats.steps += 1
         self.stats.tokens += len(rows)
         self.stats.batch_sizes[len(rows)] = self.stats.batch_sizes.get(len(rows), 0) + 1
-        return rows, buf, event, extra
+        self.stats.launch_s += time.perf_counter() - t0
+        return rows, B, buf, event, extra
 
     def _hand_out(self, launched) -> None:
-        rows, buf, event, extra = launched
+        rows, B, buf, event, extra = launched
+        t0 = time.perf_counter()
         if event is not None:
             event.synchronize()
-        host = buf.tolist()
+        t1 = time.perf_counter()
+        host = buf[:B].tolist()
         for r in rows:
             if r.done:
-                continue  # finished at the step before (seen only now, with lookahead)
+                continue  # finished at a step before (seen only now, with lookahead)
             lg, fin = extra.get(r.slot, (None, None))
             self._emit(r, host[r.slot], lg, fin)
+        self.stats.wait_s += t1 - t0
+        self.stats.hand_out_s += time.perf_counter() - t1
 
     def _emit(self, row: _Row, packed: list[float], logits=None, final=None) -> None:
         req, now = row.req, time.perf_counter()
@@ -448,8 +544,8 @@ class Engine:
 
     def _free(self, row: _Row) -> None:
         row.done = True
-        self.active[row.slot] = False
-        self.pos[row.slot] = 0
+        self.live.active[row.slot] = False
+        self.live.pos[row.slot] = 0
         self._rows.pop(row.slot, None)
 
     def _drop_cancelled(self) -> None:
@@ -459,25 +555,122 @@ class Engine:
                 row.req.out.put(None)
 
     # --- CUDA graphs -----------------------------------------------------------------------------
+    def _buckets_all(self) -> list[tuple[int, int, frozenset]]:
+        """Every (rows, length, stages) bucket, largest first."""
+        return [(B, L, st) for B in reversed(self._rows_buckets) for L in reversed(self._length_buckets)
+                for st in (ALL_STAGES, GREEDY_ONLY)]
+
     def _capture_all(self) -> None:
-        """Capture the decode step for every (rows, length) bucket, all slots idle (so the warm-up
-        runs change no one's state), sharing one memory pool."""
-        pool = torch.cuda.graph_pool_handle()
+        """Capture the decode step for every bucket, all slots idle (so the warm-up runs change no
+        one's state), sharing one memory pool."""
+        self._pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for B in self._rows_buckets:
-                for L in self._length_buckets:
-                    self._step(B, L)  # warm-up: allocations and lazy inits happen outside the capture
+            for B, L, st in self._buckets_all():
+                self._step(B, L, self.live, st)  # warm-up: allocations and lazy inits happen outside the capture
         torch.cuda.current_stream().wait_stream(stream)
-        for B in reversed(self._rows_buckets):
-            for L in reversed(self._length_buckets):
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
-                    self._step(B, L)
-                self._graphs[(B, L)] = g
-                self.stats.graphs += 1
+        for B, L, st in self._buckets_all():
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self._pool):
+                self._step(B, L, self.live, st)
+            self._graphs[(B, L, st)] = g
+            self.stats.graphs += 1
         torch.cuda.synchronize()
+
+    # --- compiling (its own thread), then re-capturing (this thread, one bucket per loop) ----------
+    def _compile(self) -> None:
+        """Compile the forward and the sampling with inductor on scratch buffers (the live ones stay
+        the graphs' and the rows'), one row and two rows for each stage set: two forward graphs
+        (one row; any rows and length) and four small sampling graphs. Then ask the engine thread to
+        re-capture every bucket."""
+        t0 = time.perf_counter()
+        try:
+            lm = self._lm()
+            if self.device.type == "cpu":  # the engine thread's thread count (a compiled graph guards on it)
+                from model_core.cpu_threads import limit_this_thread
+
+                limit_this_thread(engine_threads())
+            decode_attention.install()
+            # rows and length vary (marked in _step); the weights, the cache and the vocabulary don't
+            self._fast_forward = torch.compile(lm.model, dynamic=False)
+            self._fast_sample = {GREEDY_ONLY: sample_rows, ALL_STAGES: sample_rows}  # compiled below
+            stream = torch.cuda.Stream() if self.device.type == "cuda" else None
+            with torch.inference_mode(), (torch.cuda.stream(stream) if stream else contextlib.nullcontext()):
+                # inference tensors like the live ones (a compiled graph guards on the difference)
+                scratch = StepBuffers.allocate(self._shapes, self.slots, self.max_len, self.vocab, self.dtype,
+                                               self.device)
+                shapes = [(B, st) for B in sorted({1, min(2, self.slots)}) for st in (ALL_STAGES, GREEDY_ONLY)]
+                for B, st in shapes:
+                    self._step(B, self._length_buckets[0], scratch, st, fast=True)
+                # split_reductions off: with one row, inductor splits each reduction over the vocabulary
+                # in two kernels and then trips an assertion fusing them (torch 2.11; bench/sampling.py)
+                compiled = torch.compile(sample_rows, dynamic=False, options={"split_reductions": False})
+                for st in (GREEDY_ONLY, ALL_STAGES):
+                    self._fast_sample[st] = compiled
+                    try:
+                        for B in sorted({1, min(2, self.slots)}):
+                            self._step(B, self._length_buckets[0], scratch, st, fast=True)
+                    except Exception as e:  # noqa: BLE001 - an inductor failure: this stage set stays uncompiled
+                        self._fast_sample[st] = sample_rows
+                        print(f"lmscope: compiling the sampling of {self.name} for {'all stages' if st else 'greedy rows'} "
+                              f"failed ({type(e).__name__}: {str(e)[:300]}); it runs uncompiled in the compiled step",
+                              file=sys.stderr)
+                # every bucket once more, here: anything the two shapes above did not cover compiles
+                # now, off the engine thread (capturing there refuses to compile)
+                for B, L, st in self._buckets_all() if self.use_graphs else []:
+                    self._step(B, L, scratch, st, fast=True)
+            if stream is not None:
+                stream.synchronize()
+            self._scratch = scratch
+            self.stats.compile_s = time.perf_counter() - t0
+            if self.use_graphs:
+                self._to_capture = self._buckets_all()
+                self._capture_pool = torch.cuda.graph_pool_handle()
+                self.compile_state = "capturing"
+            else:
+                self._scratch = None
+                self.compile_state = "ready"
+        except BaseException as e:  # noqa: BLE001 - the uncompiled graphs go on serving
+            self.compile_state = f"failed: {type(e).__name__}: {str(e)[:200]}"
+            self._scratch = None
+            print(f"lmscope: compiling the decode step of {self.name} failed ({type(e).__name__}: {e}); "
+                  "the uncompiled step goes on serving", file=sys.stderr)
+            traceback.print_exc(file=sys.stderr)
+        with self._cv:
+            self._cv.notify_all()
+
+    def _capture_due(self) -> bool:
+        return self.compile_state == "capturing" and bool(self._to_capture)
+
+    def _capture_next(self) -> None:
+        """Re-capture one bucket from the compiled step: warm it up on the scratch buffers (so running
+        it changes no row), capture it on the live ones (capturing runs nothing), swap it in. A
+        recompile here would mean the compiled graphs do not cover this bucket: give up on them."""
+        B, L, st = self._to_capture.pop(0)
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                with torch.cuda.stream(stream):
+                    self._step(B, L, self._scratch, st, fast=True)
+                torch.cuda.current_stream().wait_stream(stream)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self._capture_pool, capture_error_mode="thread_local"):
+                    self._step(B, L, self.live, st, fast=True)
+            self._graphs[(B, L, st)] = g
+            self.stats.compiled_graphs += 1
+        except BaseException as e:  # noqa: BLE001 - the uncompiled graphs go on serving
+            self._to_capture.clear()
+            self.compile_state = f"failed: {type(e).__name__}: {str(e)[:200]}"
+            print(f"lmscope: capturing the compiled decode step of {self.name} failed ({type(e).__name__}: {e}); "
+                  "the uncompiled step goes on serving", file=sys.stderr)
+            traceback.print_exc(file=sys.stderr)
+        if not self._to_capture:
+            self._scratch = None
+            if self.compile_state == "capturing":
+                self.compile_state = "ready"
+                self.stats.compile_s = time.perf_counter() - self.stats.started - self.stats.warmup_s
 
 
 # ---------------------------------------------------------------------------------------------

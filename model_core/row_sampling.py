@@ -62,17 +62,24 @@ class RowSettings:
     def rows(self, sl: slice) -> RowSettings:
         return RowSettings(*(getattr(self, f)[sl] for f in self.__dataclass_fields__))
 
+    def set_rows(self, idx: torch.Tensor, settings_list, seeds) -> None:
+        """Write requests' SamplingSettings into rows idx: one host -> device copy per field."""
+        values = [_row_values(s, seed) for s, seed in zip(settings_list, seeds)]
+        for f, column in zip(self.__dataclass_fields__, zip(*values)):
+            t = getattr(self, f)
+            t[idx] = torch.tensor(column, dtype=t.dtype).to(t.device, non_blocking=True)
+
     def set_row(self, i: int, settings, seed: int) -> None:
         """Write one request's SamplingSettings into row i (host -> device, a few scalars)."""
-        greedy = bool(settings.greedy)
-        self.temperature[i] = 1.0 if greedy else float(settings.temperature)
-        self.top_k[i] = 0 if greedy else int(settings.top_k)
-        self.top_p[i] = 1.0 if greedy else float(settings.top_p)
-        self.min_p[i] = 0.0 if greedy else float(settings.min_p)
-        self.repetition_penalty[i] = float(settings.repetition_penalty)
-        self.greedy[i] = greedy
-        self.seed[i] = int(seed)
-        self.step[i] = 0
+        for f, v in zip(self.__dataclass_fields__, _row_values(settings, seed)):
+            getattr(self, f)[i] = v
+
+def _row_values(settings, seed: int) -> tuple:
+    """One request's row, in RowSettings' field order."""
+    greedy = bool(settings.greedy)
+    return (1.0 if greedy else float(settings.temperature), 0 if greedy else int(settings.top_k),
+            1.0 if greedy else float(settings.top_p), 0.0 if greedy else float(settings.min_p),
+            float(settings.repetition_penalty), greedy, int(seed), 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,7 +182,10 @@ def sample_rows(logits: torch.Tensor, st: RowSettings, seen: torch.Tensor, k: in
     sampled = ~st.greedy
     if "sampled" in stages:
         x = torch.where(sampled[:, None], x / st.temperature[:, None], x)
-    chain = [x]
+    # chain[j]: the logits after stage j (0: penalty + temperature, 1: top-k, 2: top-p, 3: min-p,
+    # 4: greedy); a skipped stage repeats its input, and same[j] says so (its counts are reused,
+    # by position: no id() here, which a compiled version would have to guard on)
+    chain, same = [x], [False]
     if "top_k" in stages or "top_p" in stages:
         # One sort serves top-k and top-p: top-k removes a prefix of x's ascending order (the values
         # below the k-th largest), so the top-k output sorted ascending is that order with the prefix
@@ -187,13 +197,18 @@ def sample_rows(logits: torch.Tensor, st: RowSettings, seen: torch.Tensor, k: in
         kth = sorted_x.gather(-1, (V - torch.where(k_on > 0, k_on.clamp(max=V), torch.full_like(k_on, V)))[:, None])
         sorted_k = sorted_x.masked_fill((sorted_x < kth) & (k_on > 0)[:, None], FILTER_VALUE)
         chain.append(top_p_rows(chain[-1], torch.where(sampled, st.top_p, torch.ones_like(st.top_p)), sorted_k, idx))
+        same += [False, False]
     else:
         chain += [x, x]
+        same += [True, True]
     if "min_p" in stages:
         chain.append(min_p_rows(chain[-1], torch.where(sampled, st.min_p, torch.zeros_like(st.min_p))))
+        same.append(False)
     else:
         chain.append(chain[-1])
+        same.append(True)
     chain.append(greedy_rows(chain[-1], st.greedy))
+    same.append(False)
     cur = chain[-1]
     probs = torch.softmax(cur, -1)
 
@@ -213,23 +228,21 @@ def sample_rows(logits: torch.Tensor, st: RowSettings, seen: torch.Tensor, k: in
         before, after = chain[code - 1], chain[code]
         gone = torch.isneginf(after.gather(-1, top_i)) & ~torch.isneginf(before.gather(-1, top_i))
         removed_by = torch.where(gone, torch.full_like(removed_by, float(code)), removed_by)
-    memo: dict[int, tuple] = {}  # skipped stages repeat a tensor: reduce it once
-    for t in chain:
-        if id(t) not in memo:
-            memo[id(t)] = ((t > FILTER_VALUE).sum(-1).float(), torch.logsumexp(t, -1))
-    finite = [memo[id(t)][0] for t in chain]
-    lses = [memo[id(t)][1] for t in chain]
+    finite, lses = [], []
+    for t, repeat in zip(chain, same):  # a skipped stage's counts are its input's
+        finite.append(finite[-1] if repeat else (t > FILTER_VALUE).float().sum(-1))
+        lses.append(lses[-1] if repeat else torch.logsumexp(t, -1))
     n_removed = [finite[j] - finite[j + 1] for j in range(4)]
     kept = [torch.exp(lses[j + 1] - lses[j]) for j in range(4)]
     c = chosen[:, None]
     raw_c = raw.gather(-1, c)
-    rank = (raw > raw_c).sum(-1).float() + 1
+    rank = (raw > raw_c).float().sum(-1) + 1
     head = torch.stack([
         chosen.float(), rank, base.gather(-1, c)[:, 0], probs.gather(-1, c)[:, 0],
         # entropy H = logsumexp(x) - sum(p * x)
         torch.logsumexp(raw, -1) - (base * raw).sum(-1),
         lses[-1] - (probs * cur.nan_to_num(neginf=0.0)).sum(-1),
-        (probs > 0).sum(-1).float(), *n_removed, *kept,
+        (probs > 0).float().sum(-1), *n_removed, *kept,
     ], -1)  # [B, HEAD]
     packed = torch.cat([head, top_i.float(), top_p_, removed_by, aft_i.float(), aft_p], -1)
     return chosen, packed, cur

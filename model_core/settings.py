@@ -41,7 +41,7 @@ parameters and fall back to `current()` only for a default.
 | LMSCOPE_ENGINE | 1 | 0: generation runs each request's own forwards instead of the shared engine. |
 | LMSCOPE_KV_CACHE_MB | (a quarter of free GPU memory, or 512 on a CPU) | Memory for the engine's preallocated KV slots (fewer slots than LMSCOPE_MAX_BATCH if it runs out). |
 | LMSCOPE_ENGINE_THREADS | half the CPU cores (at least 1) | CPU: threads of the engine's own torch work (the rest of the cores serve the web side's traces and views). |
-| LMSCOPE_COMPILE | 0 | 1: compile the engine's decode step with torch.compile before capturing it (CUDA; ~30 s per batch bucket at start). |
+| LMSCOPE_COMPILE | on with CUDA | 1: compile the engine's decode step with torch.compile (in the background, the uncompiled CUDA graphs serving meanwhile; about a minute) and re-capture it; 0: never. |
 | LMSCOPE_PATCH_TOKENS | 65536 on CUDA, else 1024 | Tokens per batch of an activation-patching sweep (rows = this / prompt length). |
 | LMSCOPE_JOB_STALE_SECONDS | 30 | A running job whose worker sent no heartbeat for this long is marked failed ("worker lost"). |
 | LMSCOPE_VISIBILITY_TIMEOUT | 21600 | Seconds before the broker redelivers an unacknowledged job message (longer than any job). |
@@ -130,7 +130,7 @@ class Settings:
     engine: bool = True
     kv_cache_mb: int | None = None  # None: a quarter of free GPU memory, or 512 on a CPU
     engine_threads: int | None = None  # None: half the CPU cores, at least 1
-    compile: bool = False
+    compile: bool | None = None  # None: on where the engine captures CUDA graphs
     patch_tokens: int | None = None  # None: 65536 on CUDA, else 1024
     # jobs
     job_stale_seconds: float = 30.0
@@ -263,7 +263,7 @@ class Settings:
             engine=flag("LMSCOPE_ENGINE", True),
             kv_cache_mb=kv_mb or None,
             engine_threads=integer("LMSCOPE_ENGINE_THREADS", 0, 0, 4096) or None,
-            compile=flag("LMSCOPE_COMPILE", False),
+            compile=flag("LMSCOPE_COMPILE", None),
             patch_tokens=patch_tokens or None,
             job_stale_seconds=number("LMSCOPE_JOB_STALE_SECONDS", 30.0, 0, 10**7),
             visibility_timeout_s=integer("LMSCOPE_VISIBILITY_TIMEOUT", 6 * 3600, 1, 10**8),

@@ -22,8 +22,11 @@ class SlotCache:
         self.slots, self.max_len = slots, max_len
         self.keys = [torch.zeros(slots, h, max_len, d, dtype=dtype, device=device) for h, d in layer_shapes]
         self.values = [torch.zeros_like(k) for k in self.keys]
-        self.rows, self.length = slots, max_len  # the window a step works on
+        self.positions = torch.arange(max_len, device=device)  # [max_len]; a step's window is a prefix
+        # The window a step works on is carried by tensor shapes, not Python ints, so a compiled
+        # forward sees the rows and the length as sizes (one compiled graph serves every bucket).
         self.write_pos: torch.Tensor | None = None  # [rows] int64
+        self.span: torch.Tensor = self.positions  # [length]
 
     def layer_bytes_per_token(self) -> list[int]:
         """Bytes one token's key and value take in each layer's tensors (read off the tensors)."""
@@ -34,20 +37,31 @@ class SlotCache:
     def allocated_bytes(self) -> int:
         return sum(k.numel() * k.element_size() * 2 for k in self.keys)
 
-    def window(self, rows: int, length: int, write_pos: torch.Tensor) -> None:
-        """The next forward runs slots [0, rows) and attends over positions [0, length)."""
-        self.rows, self.length, self.write_pos = rows, length, write_pos
+    def window(self, rows: int, length: int, write_pos: torch.Tensor) -> torch.Tensor:
+        """The next forward runs slots [0, rows) and attends over positions [0, length); returns its
+        attention mask (`step_mask`)."""
+        self.write_pos, self.span = write_pos[:rows], self.positions[:length]
+        return step_mask(self.write_pos, self.span, self.keys[0].dtype)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key, value [rows, kv_heads, 1, head_dim] -> every row's keys/values [rows, kv_heads, length, head_dim]."""
-        K, V = self.keys[layer_idx][: self.rows], self.values[layer_idx][: self.rows]
+        rows, length = self.write_pos.shape[0], self.span.shape[0]
+        K, V = self.keys[layer_idx][:rows], self.values[layer_idx][:rows]
         idx = self.write_pos.view(-1, 1, 1, 1).expand(-1, K.shape[1], 1, K.shape[3])
         K.scatter_(2, idx, key.to(K.dtype))
         V.scatter_(2, idx, value.to(V.dtype))
-        return K[:, :, : self.length], V[:, :, : self.length]
+        return K[:, :, :length], V[:, :, :length]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions are always passed explicitly
+
+    def load_rows(self, slots: torch.Tensor, prefill_cache, tokens: int) -> None:
+        """Copy every row of a prefill's DynamicCache (row i -> slot slots[i]), its first `tokens`
+        positions, with one copy per layer. Positions past a row's own prompt hold the padding's
+        keys: never attended (a row writes position p before it attends over 0..p)."""
+        for l, layer in enumerate(prefill_cache.layers):
+            self.keys[l][slots, :, :tokens] = layer.keys[:, :, :tokens].to(self.keys[l].dtype)
+            self.values[l][slots, :, :tokens] = layer.values[:, :, :tokens].to(self.values[l].dtype)
 
     def load(self, slot: int, prefill_cache, row: int = 0, tokens: int | None = None) -> int:
         """Copy row `row`'s first `tokens` positions of a prefill's DynamicCache into a slot;
@@ -61,9 +75,9 @@ class SlotCache:
         return n
 
 
-def step_mask(write_pos: torch.Tensor, length: int, dtype) -> torch.Tensor:
-    """[rows] positions -> additive attention mask [rows, 1, 1, length]: row b sees keys 0..write_pos[b]."""
-    j = torch.arange(length, device=write_pos.device)
-    allowed = j[None, :] <= write_pos[:, None]
+def step_mask(write_pos: torch.Tensor, span: torch.Tensor, dtype) -> torch.Tensor:
+    """write_pos [rows], span [length] (0..length-1) -> additive attention mask [rows, 1, 1, length]:
+    row b sees keys 0..write_pos[b]."""
+    allowed = span[None, :] <= write_pos[:, None]  # [rows, length]
     mask = torch.zeros(allowed.shape, dtype=dtype, device=write_pos.device)
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None, None, :]
