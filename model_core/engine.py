@@ -105,6 +105,7 @@ class EngineStats:
     queue_wait_s: float = 0.0
     graphs: int = 0
     compiled_graphs: int = 0
+    compiled_steps: int = 0  # steps run by the compiled step (a re-captured graph, or compiled eagerly)
     warmup_s: float = 0.0
     compile_s: float = 0.0
     busy_s: float = 0.0
@@ -122,7 +123,7 @@ class EngineStats:
                 "tokens_per_s_busy": round(self.tokens / self.busy_s, 1) if self.busy_s else 0.0,
                 "slots": engine.slots, "slots_in_use": len(engine._rows), "waiting": len(engine._pending),
                 "cuda_graphs": self.graphs, "compiled": engine.compile_state,
-                "compiled_graphs": self.compiled_graphs, "warmup_s": round(self.warmup_s, 1),
+                "compiled_graphs": self.compiled_graphs, "compiled_steps": self.compiled_steps, "warmup_s": round(self.warmup_s, 1),
                 "compile_s": round(self.compile_s, 1),
                 "host_ms_per_step": {k: round(1000 * getattr(self, k + "_s") / self.steps, 3) if self.steps else 0.0
                                      for k in ("launch", "wait", "hand_out")},
@@ -190,6 +191,7 @@ class Engine:
         self._fast_ready = threading.Event()
         self._scratch: StepBuffers | None = None
         self._to_capture: list[tuple] = []  # buckets left to re-capture from the compiled step
+        self._compiled_keys: set[tuple] = set()  # buckets whose graph is the compiled step's
         self.lookahead = LOOKAHEAD if self.use_graphs else 0
         self.stats = EngineStats()
         self._cv = threading.Condition()
@@ -486,10 +488,12 @@ class Engine:
         B, L = self._bucket(rows)
         stages = self._stages(rows)
         graph = self._graphs.get((B, L, stages))
+        fast = (B, L, stages) in self._compiled_keys if graph is not None else self.compile_state == "ready"
         if graph is not None:
             graph.replay()
         else:
-            self._step(B, L, self.live, stages, fast=self.compile_state == "ready")
+            self._step(B, L, self.live, stages, fast=fast)
+        self.stats.compiled_steps += fast
         buf = self._pinned[self.stats.steps % len(self._pinned)]
         buf[:B].copy_(self.live.out_packed[:B], non_blocking=True)
         event = torch.cuda.Event() if self.device.type == "cuda" else None
@@ -659,6 +663,7 @@ class Engine:
                 with torch.cuda.graph(g, pool=self._capture_pool, capture_error_mode="thread_local"):
                     self._step(B, L, self.live, st, fast=True)
             self._graphs[(B, L, st)] = g
+            self._compiled_keys.add((B, L, st))
             self.stats.compiled_graphs += 1
         except BaseException as e:  # noqa: BLE001 - the uncompiled graphs go on serving
             self._to_capture.clear()

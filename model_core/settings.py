@@ -41,7 +41,7 @@ parameters and fall back to `current()` only for a default.
 | LMSCOPE_ENGINE | 1 | 0: generation runs each request's own forwards instead of the shared engine. |
 | LMSCOPE_KV_CACHE_MB | (a quarter of free GPU memory, or 512 on a CPU) | Memory for the engine's preallocated KV slots (fewer slots than LMSCOPE_MAX_BATCH if it runs out). |
 | LMSCOPE_ENGINE_THREADS | half the CPU cores (at least 1) | CPU: threads of the engine's own torch work (the rest of the cores serve the web side's traces and views). |
-| LMSCOPE_COMPILE | on with CUDA | 1: compile the engine's decode step with torch.compile (in the background, the uncompiled CUDA graphs serving meanwhile; about a minute) and re-capture it; 0: never. |
+| LMSCOPE_COMPILE | on with CUDA | The engine's decode step compiled by torch.compile in the background (a few minutes once; the inductor cache keeps it) and re-captured, the uncompiled CUDA graphs serving meanwhile; 0: never; 1 on a CPU: compiled, no graphs. |
 | LMSCOPE_PATCH_TOKENS | 65536 on CUDA, else 1024 | Tokens per batch of an activation-patching sweep (rows = this / prompt length). |
 | LMSCOPE_JOB_STALE_SECONDS | 30 | A running job whose worker sent no heartbeat for this long is marked failed ("worker lost"). |
 | LMSCOPE_VISIBILITY_TIMEOUT | 21600 | Seconds before the broker redelivers an unacknowledged job message (longer than any job). |
