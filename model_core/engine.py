@@ -588,6 +588,12 @@ class Engine:
         the graphs' and the rows'), one row and two rows for each stage set: two forward graphs
         (one row; any rows and length) and four small sampling graphs. Then ask the engine thread to
         re-capture every bucket."""
+        with _COMPILING:  # one engine compiles or captures at a time (dynamo's config is the process's)
+            self._compile_locked()
+        with self._cv:
+            self._cv.notify_all()
+
+    def _compile_locked(self) -> None:
         t0 = time.perf_counter()
         try:
             lm = self._lm()
@@ -641,8 +647,6 @@ class Engine:
             print(f"lmscope: compiling the decode step of {self.name} failed ({type(e).__name__}: {e}); "
                   "the uncompiled step goes on serving", file=sys.stderr)
             traceback.print_exc(file=sys.stderr)
-        with self._cv:
-            self._cv.notify_all()
 
     def _capture_due(self) -> bool:
         return self.compile_state == "capturing" and bool(self._to_capture)
@@ -651,6 +655,9 @@ class Engine:
         """Re-capture one bucket from the compiled step: warm it up on the scratch buffers (so running
         it changes no row), capture it on the live ones (capturing runs nothing), swap it in. A
         recompile here would mean the compiled graphs do not cover this bucket: give up on them."""
+        if not _COMPILING.acquire(blocking=False):  # another engine is compiling: capture later
+            time.sleep(0.01)
+            return
         B, L, st = self._to_capture.pop(0)
         try:
             stream = torch.cuda.Stream()
@@ -671,6 +678,8 @@ class Engine:
             print(f"lmscope: capturing the compiled decode step of {self.name} failed ({type(e).__name__}: {e}); "
                   "the uncompiled step goes on serving", file=sys.stderr)
             traceback.print_exc(file=sys.stderr)
+        finally:
+            _COMPILING.release()
         if not self._to_capture:
             self._scratch = None
             if self.compile_state == "capturing":
@@ -682,6 +691,7 @@ class Engine:
 # one engine per loaded model
 
 _LOCK = threading.Lock()
+_COMPILING = threading.Lock()  # see Engine._compile
 _ALL: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 

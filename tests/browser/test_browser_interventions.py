@@ -13,8 +13,11 @@ HEADS = ["L0H1", "L3H2"]
 
 
 def _pick(page, elem_id, option):
-    """Gradio multiselect: type into its input to filter the options, then Enter takes the match."""
+    """Gradio multiselect: type into its input to filter the options, then Enter takes the match.
+    Focus leaves the box first, as a user's click elsewhere does: since gradio 6.31 a click into a box
+    that kept focus after Escape does not open its list again."""
     box = page.locator(f"#{elem_id} input").first
+    box.blur()
     box.click()
     box.fill(option)
     page.wait_for_selector(f'ul[role=listbox] li[role=option][aria-label="{option}"]', timeout=10_000)
