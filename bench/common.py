@@ -37,3 +37,28 @@ def device_info(device=None) -> str:
     if kind == "cuda":
         return f"cuda: {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
     return f"cpu: {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def graph_ms(g, n: int = 200) -> float:
+    """Milliseconds per replay of a captured CUDA graph (one replay first, then n timed)."""
+    g.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        g.replay()
+    torch.cuda.synchronize()
+    return 1000 * (time.perf_counter() - t0) / n
+
+
+def captured_ms(fn, n: int = 200) -> float:
+    """fn run once on a side stream (lazy inits outside the capture), captured as a CUDA graph,
+    then graph_ms of it."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return graph_ms(g, n)

@@ -15,38 +15,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from common import captured_ms, graph_ms  # noqa: E402
 
 from model_core import load_model  # noqa: E402
 from model_core.engine import RECORDED, engine_for  # noqa: E402
 from model_core.row_sampling import sample_rows  # noqa: E402
-
-
-def replay_ms(fn, n=200) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        g.replay()
-    torch.cuda.synchronize()
-    return 1000 * (time.perf_counter() - t0) / n
-
-
-def graph_ms(g, n=200) -> float:
-    g.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        g.replay()
-    torch.cuda.synchronize()
-    return 1000 * (time.perf_counter() - t0) / n
 
 
 def main() -> int:
@@ -79,7 +52,7 @@ def main() -> int:
             logits = torch.randn(B, lm.shape.vocab_size, device="cuda")
             st = eng.live.row_settings.rows(slice(0, B))
             seen = eng.live.seen[:B]
-            samp = replay_ms(lambda: sample_rows(logits, st, seen, RECORDED))
+            samp = captured_ms(lambda: sample_rows(logits, st, seen, RECORDED))
             print(f"uncompiled sampling + records alone, {B:>2} rows, all stages: {samp:.3f} ms", flush=True)
     if "--host" in sys.argv:  # where a served step's wall time goes: host work per step vs the whole
         from model_core.engine import EngineRequest

@@ -16,6 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import captured_ms  # noqa: E402
+
 VOCAB = 49152  # SmolLM2's
 
 
@@ -39,16 +41,8 @@ def one(rows: int, stages: str, options: dict | None, n: int = 200) -> dict:
         torch.cuda.current_stream().wait_stream(s)
         compile_s = time.perf_counter() - t0
         same = bool(torch.equal(ref[0], out[0])) and bool(torch.allclose(ref[1], out[1], atol=1e-4, rtol=1e-4))
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn(logits, st, seen, 10, st_set)
-        g.replay()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            g.replay()
-        torch.cuda.synchronize()
-    return {"ms": 1000 * (time.perf_counter() - t0) / n, "compile_s": compile_s, "same_as_eager": same}
+        ms = captured_ms(lambda: fn(logits, st, seen, 10, st_set), n)
+    return {"ms": ms, "compile_s": compile_s, "same_as_eager": same}
 
 
 def main() -> int:

@@ -63,17 +63,6 @@ class SlotCache:
             self.keys[l][slots, :, :tokens] = layer.keys[:, :, :tokens].to(self.keys[l].dtype)
             self.values[l][slots, :, :tokens] = layer.values[:, :, :tokens].to(self.values[l].dtype)
 
-    def load(self, slot: int, prefill_cache, row: int = 0, tokens: int | None = None) -> int:
-        """Copy row `row`'s first `tokens` positions of a prefill's DynamicCache into a slot;
-        returns the number of tokens."""
-        n = 0
-        for l, layer in enumerate(prefill_cache.layers):
-            k, v = layer.keys, layer.values  # [rows, kv_heads, T, head_dim]
-            n = k.shape[2] if tokens is None else tokens
-            self.keys[l][slot, :, :n].copy_(k[row, :, :n])
-            self.values[l][slot, :, :n].copy_(v[row, :, :n])
-        return n
-
 
 def step_mask(write_pos: torch.Tensor, span: torch.Tensor, dtype) -> torch.Tensor:
     """write_pos [rows], span [length] (0..length-1) -> additive attention mask [rows, 1, 1, length]:

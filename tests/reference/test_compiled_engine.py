@@ -55,7 +55,7 @@ def test_a_decode_step_with_slot_decode_equals_transformers_sdpa(monkeypatch):
         for slot, ids in enumerate(prompts):
             pre = new_cache(lm)
             lm.model(input_ids=torch.tensor([ids]), use_cache=True, **{cache_kwarg(lm.model): pre})
-            cache.load(slot, pre)
+            cache.load_rows(torch.tensor([slot]), pre, len(ids))
         tok = torch.tensor([[40], [41], [42]])
         pos = torch.tensor([len(p) for p in prompts])
         out = {}
