@@ -103,7 +103,12 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-traces", action="store_true")
+    ap.add_argument("--lookahead", type=int, default=None, help="the engine's steps of lookahead (default: its own)")
     args = ap.parse_args(argv)
+    if args.lookahead is not None:
+        import model_core.engine
+
+        model_core.engine.LOOKAHEAD = args.lookahead
     lm = load_model("random-smollm2-135m" if args.random else "smollm2-135m-instruct", device=args.device)
     b = batcher_for(lm)
     static = lm.device.type == "cuda"

@@ -64,7 +64,10 @@ class EngineRequest:
     eos: set[int]
     keep_logits: bool = False
     keep_probs: bool = False
-    out: queue.Queue = field(default_factory=queue.Queue)  # records, then None
+    # records, then None. A C-level queue: a put and a get cost 0.15 us against queue.Queue's 3.3 us
+    # on 2 cores, and one of each happens per token. Unbounded, yet never longer than n_steps
+    # records, so a slow reader never blocks the engine.
+    out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     submitted: float = field(default_factory=time.perf_counter)
