@@ -104,11 +104,15 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-traces", action="store_true")
     ap.add_argument("--lookahead", type=int, default=None, help="the engine's steps of lookahead (default: its own)")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="seconds between the interpreter's thread switches (default: the engine's)")
     args = ap.parse_args(argv)
-    if args.lookahead is not None:
-        import model_core.engine
+    import model_core.engine
 
+    if args.lookahead is not None:
         model_core.engine.LOOKAHEAD = args.lookahead
+    if args.switch_interval is not None:
+        model_core.engine.SWITCH_INTERVAL = args.switch_interval
     lm = load_model("random-smollm2-135m" if args.random else "smollm2-135m-instruct", device=args.device)
     b = batcher_for(lm)
     static = lm.device.type == "cuda"
