@@ -58,7 +58,9 @@ def captured_ms(fn, n: int = 200) -> float:
     with torch.cuda.stream(s):
         fn()
     torch.cuda.current_stream().wait_stream(s)
+    from model_core.engine import own_cublas_workspace
+
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with own_cublas_workspace(), torch.cuda.graph(g):  # the graph's cuBLAS workspace in its own pool
         fn()
     return graph_ms(g, n)

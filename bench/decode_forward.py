@@ -41,8 +41,10 @@ def _kernels(fn, n: int = 20) -> str:
     """The kernels of one replay of fn captured as a CUDA graph: how many, and the costliest."""
     from torch.profiler import ProfilerActivity, profile
 
+    from model_core.engine import own_cublas_workspace
+
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with own_cublas_workspace(), torch.cuda.graph(g):
         fn()
     g.replay()
     torch.cuda.synchronize()

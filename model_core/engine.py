@@ -579,7 +579,7 @@ class Engine:
         torch.cuda.current_stream().wait_stream(stream)
         for B, L, st in self._buckets_all():
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self._pool):
+            with own_cublas_workspace(), torch.cuda.graph(g, pool=self._pool):
                 self._step(B, L, self.live, st)
             self._graphs[(B, L, st)] = g
             self.stats.graphs += 1
@@ -670,7 +670,8 @@ class Engine:
                     self._step(B, L, self._scratch, st, fast=True)
                 torch.cuda.current_stream().wait_stream(stream)
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self._capture_pool, capture_error_mode="thread_local"):
+                with own_cublas_workspace(), \
+                        torch.cuda.graph(g, pool=self._capture_pool, capture_error_mode="thread_local"):
                     self._step(B, L, self.live, st, fast=True)
             self._graphs[(B, L, st)] = g
             self._compiled_keys.add((B, L, st))
@@ -688,6 +689,27 @@ class Engine:
             if self.compile_state == "capturing":
                 self.compile_state = "ready"
                 self.stats.compile_s = time.perf_counter() - self.stats.started - self.stats.warmup_s
+
+
+@contextlib.contextmanager
+def own_cublas_workspace():
+    """Around a capture: cuBLAS keeps one persistent workspace per (handle, stream), and a capture
+    bakes its address into the graph. Allocated before the capture (or inside an earlier capture,
+    in another graph's pool), it can be freed while this graph still uses it: the uncompiled graphs'
+    pool goes once the compiled ones replace them, and anything that clears the workspaces (inductor's
+    cudagraph trees do, e.g. transformers' static-cache `generate` in the same process) frees it for
+    other tensors (the likely cause of the "unspecified launch failure" the engine died of twice on an
+    H200, each time after HF's compiled `generate` had run in the same process). Cleared before, the capture allocates its workspace in its
+    own pool, like any intermediate of the graph; cleared after, no later work shares it (the way
+    inductor's cudagraph trees record)."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    try:
+        yield
+    finally:
+        if clear is not None:
+            clear()
 
 
 # ---------------------------------------------------------------------------------------------
