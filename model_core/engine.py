@@ -366,8 +366,13 @@ class Engine:
         self.live = StepBuffers.allocate(self._shapes, self.slots, self.max_len, self.vocab, self.dtype, self.device)
         self.layer_bytes_per_token = self.live.cache.layer_bytes_per_token()
         S, dev = self.slots, self.device
+        # a ring of host buffers for the steps in flight, with a numpy view and an event each: every
+        # torch call on this thread lets the request threads take the interpreter (they hold it
+        # while turning records into text), so a step makes as few as it can
         self._pinned = [torch.zeros(S, packed_width(RECORDED), pin_memory=dev.type == "cuda")
                         for _ in range(self.lookahead + 2)]
+        self._pinned_np = [b.numpy() for b in self._pinned]
+        self._events = [torch.cuda.Event() if dev.type == "cuda" else None for _ in self._pinned]
         self._rows_buckets = _buckets(S)
         self._length_buckets = [b for b in _buckets(self.max_len) if b >= MIN_LENGTH_BUCKET] or [self.max_len]
 
@@ -497,9 +502,9 @@ class Engine:
         else:
             self._step(B, L, self.live, stages, fast=fast)
         self.stats.compiled_steps += fast
-        buf = self._pinned[self.stats.steps % len(self._pinned)]
-        buf[:B].copy_(self.live.out_packed[:B], non_blocking=True)
-        event = torch.cuda.Event() if self.device.type == "cuda" else None
+        ring = self.stats.steps % len(self._pinned)
+        self._pinned[ring].copy_(self.live.out_packed, non_blocking=True)  # every slot: one call, ~8 KB
+        event = self._events[ring]
         if event is not None:
             event.record()
         want = [r for r in rows if r.req.keep_logits or r.req.keep_probs]
@@ -514,15 +519,15 @@ class Engine:
         self.stats.tokens += len(rows)
         self.stats.batch_sizes[len(rows)] = self.stats.batch_sizes.get(len(rows), 0) + 1
         self.stats.launch_s += time.perf_counter() - t0
-        return rows, B, buf, event, extra
+        return rows, B, ring, event, extra
 
     def _hand_out(self, launched) -> None:
-        rows, B, buf, event, extra = launched
+        rows, B, ring, event, extra = launched
         t0 = time.perf_counter()
         if event is not None:
             event.synchronize()
         t1 = time.perf_counter()
-        host = buf[:B].tolist()
+        host = self._pinned_np[ring][:B].tolist()
         for r in rows:
             if r.done:
                 continue  # finished at a step before (seen only now, with lookahead)

@@ -1,0 +1,164 @@
+"""How many recorded tokens per second the request side can take, without a GPU: N threads run the
+real `iter_generate` loop (records -> Steps, the text, stop checks) fed by a stand-in engine thread
+that hands out one record per running request every --step-ms, sleeping in between without the
+GIL as the real engine does while it waits for the device. The records are real ones, recorded
+once from the default model on the CPU.
+
+What it tells: the Python ceiling of the served path on this machine (--step-ms 0), and at a
+GPU's step time how late the stand-in's steps run because request threads hold the interpreter
+(the real engine thread needs it to launch each step). Baseline in the same run: the stand-in
+engine's rate with no request threads (records drained directly).
+
+    .venv/bin/python bench/hand_out.py --users 1 8 32 --tokens 256 --step-ms 2.2 --releases 0 6 \
+        --orders launch-first hand-out-first
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+TEXT = ("The printing press spread across Europe within fifty years of its invention, and with it came "
+        "cheaper books, standardized spelling and a new market for pamphlets, maps and calendars. ") * 8
+
+
+class StandInEngine:
+    """What model_core.generate asks of an engine, with a timer where the GPU would be."""
+
+    def __init__(self, packed: list[list[float]], token_ids: list[int], step_s: float, releases: int = 0,
+                 launch_first: bool = True):
+        from model_core.engine import RECORDED
+
+        self.k, self.max_len, self.start_error = RECORDED, 10_000, None
+        self.layer_bytes_per_token = [1024] * 30
+        self._packed, self._ids, self.step_s, self.releases = packed, token_ids, step_s, releases
+        self.launch_first = launch_first
+        self._rows: list = []
+        self._cv = threading.Condition()
+        self.steps, self.late_s = 0, 0.0
+        threading.Thread(target=self._loop, daemon=True, name="stand-in-engine").start()
+
+    def submit(self, req):
+        req.first_token_at = time.perf_counter()
+        with self._cv:
+            self._rows.append([req, 0])
+            self._cv.notify()
+        return req
+
+    def _launch(self) -> None:
+        for _ in range(self.releases):  # a launch's torch calls, each of which drops the GIL
+            time.sleep(0)
+
+    def _loop(self) -> None:
+        from model_core.engine import Record
+
+        due = time.perf_counter()
+        while True:
+            with self._cv:
+                while not self._rows:
+                    self._cv.wait()
+                    due = time.perf_counter()
+                rows = list(self._rows)
+            if self.launch_first:
+                self._launch()
+            now = time.perf_counter()
+            self.late_s += max(0.0, now - due)
+            for row in rows:  # the real engine's hand-out: one Record per row, one put
+                req, i = row
+                packed = list(self._packed[i % len(self._packed)])
+                packed[0] = float(self._ids[i % len(self._ids)])
+                last = i + 1 >= req.n_steps or req.cancelled.is_set()
+                req.out.put(Record(index=i, packed=packed, seconds=self.step_s, tokens_cached=i + 1, last=last))
+                row[1] = i + 1
+                if last:
+                    req.out.put(None)
+                    with self._cv:
+                        self._rows.remove(row)
+            if not self.launch_first:  # right after waking every request thread
+                self._launch()
+            self.steps += 1
+            due += self.step_s
+            wait = due - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)  # the device's step; the GIL is free meanwhile
+            else:
+                due = time.perf_counter()  # behind: the next step is due now
+
+
+def _real_records(lm, n: int = 16) -> list[list[float]]:
+    from model_core.engine import EngineRequest, engine_for
+    from model_core.sampling import SamplingSettings
+
+    eng = engine_for(lm)
+    req = eng.submit(EngineRequest(ids=lm.tokenizer(TEXT[:60])["input_ids"], n_steps=n,
+                                   settings=SamplingSettings(temperature=0.8, top_k=50, top_p=0.9), seed=0, eos=set()))
+    out = []
+    while (rec := req.out.get(timeout=120)) is not None:
+        out.append(rec.packed)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--users", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--step-ms", type=float, default=2.2, help="the stand-in device's step (0: as fast as it goes)")
+    ap.add_argument("--releases", type=int, nargs="+", default=[0],
+                    help="times per step the stand-in's launch drops and takes back the GIL")
+    ap.add_argument("--orders", nargs="+", default=["launch-first"], choices=["launch-first", "hand-out-first"],
+                    help="launch the next step before handing out this one's records, or after")
+    args = ap.parse_args(argv)
+
+    import model_core.generate as generate
+    from model_core import load_model
+    from model_core.engine import SWITCH_INTERVAL, EngineRequest
+    from model_core.sampling import SamplingSettings
+
+    lm = load_model("smollm2-135m-instruct", device="cpu")
+    packed = _real_records(lm)
+    ids = lm.tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL))  # as the engine sets it
+    print(f"# bench/hand_out.py  {args.tokens} tokens per user, stand-in step {args.step_ms} ms, "
+          f"{len(packed)} real records of {len(packed[0])} floats, switch interval {sys.getswitchinterval() * 1000:.1f} ms")
+    print(f"{'users':>5} {'releases':>8} {'order':>14} {'served tok/s':>12} {'alone tok/s':>12} {'served/alone':>12} "
+          f"{'steps late by (mean)':>21}")
+    for n, rel, order in [(n, r, o) for n in args.users for r in args.releases for o in args.orders]:
+        results = {}
+        for mode in ("alone", "served"):
+            eng = StandInEngine(packed, ids, args.step_ms / 1000, rel, launch_first=order == "launch-first")
+            generate._engine_for_request = lambda lm, n_prompt, n_steps, k, eng=eng: eng  # noqa: E731
+            done = threading.Barrier(n + 1)
+
+            def alone(i, eng=eng, done=done):
+                req = eng.submit(EngineRequest(ids=[1], n_steps=args.tokens, settings=SamplingSettings(temperature=0),
+                                               seed=0, eos=set()))
+                done.wait()
+                while req.out.get() is not None:
+                    pass
+
+            def served(i, done=done):
+                done.wait()
+                for _ in generate.iter_generate(lm, token_ids=[1, 2, 3], max_new_tokens=args.tokens, ignore_eos=True):
+                    pass
+
+            threads = [threading.Thread(target=alone if mode == "alone" else served, args=(i,)) for i in range(n)]
+            for t in threads:
+                t.start()
+            t0 = time.perf_counter()
+            done.wait()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - t0
+            results[mode] = (n * args.tokens / wall, eng.late_s / max(1, eng.steps))
+        (served_r, late), (alone_r, _) = results["served"], results["alone"]
+        print(f"{n:>5} {rel:>8} {order:>14} {served_r:>12.1f} {alone_r:>12.1f} {served_r / alone_r:>12.2f} {1000 * late:>18.3f} ms", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
