@@ -23,6 +23,9 @@ class SlotCache:
         self.keys = [torch.zeros(slots, h, max_len, d, dtype=dtype, device=device) for h, d in layer_shapes]
         self.values = [torch.zeros_like(k) for k in self.keys]
         self.positions = torch.arange(max_len, device=device)  # [max_len]; a step's window is a prefix
+        # index tensors of the cache write, made once: a step slices them (views, no kernels)
+        self.slot_index = torch.arange(slots, device=device)[:, None]  # [slots, 1]
+        self.head_index = {h: torch.arange(h, device=device)[None, :] for h, _ in layer_shapes}  # [1, kv_heads]
         # The window a step works on is carried by tensor shapes, not Python ints, so a compiled
         # forward sees the rows and the length as sizes (one compiled graph serves every bucket).
         self.write_pos: torch.Tensor | None = None  # [rows] int64
@@ -50,7 +53,7 @@ class SlotCache:
         # one index_put_ into the whole tensor: torch.compile turns it back into an in-place write,
         # where a scatter_ into the slice [:rows] became a copy of the whole cache every layer
         # (1.3 of 3.1 ms of a 32-row step on an H200, bench/decode_forward.py --profile)
-        at = (torch.arange(rows, device=K.device)[:, None], torch.arange(K.shape[1], device=K.device)[None, :],
+        at = (self.slot_index[:rows], self.head_index[K.shape[1]],
               self.write_pos[:, None])  # [rows, 1], [1, kv_heads], [rows, 1] -> [rows, kv_heads]
         K.index_put_(at, key[:, :, 0].to(K.dtype))  # key [rows, kv_heads, 1, D] -> [rows, kv_heads, D]
         V.index_put_(at, value[:, :, 0].to(V.dtype))
