@@ -50,17 +50,22 @@ def graph_ms(g, n: int = 200) -> float:
     return 1000 * (time.perf_counter() - t0) / n
 
 
-def captured_ms(fn, n: int = 200) -> float:
-    """fn run once on a side stream (lazy inits outside the capture), captured as a CUDA graph,
-    then graph_ms of it."""
+def capture(fn):
+    """fn run once on a side stream (lazy inits outside the capture), then captured as a CUDA graph
+    with its own cuBLAS workspace (model_core.engine.own_cublas_workspace)."""
+    from model_core.engine import own_cublas_workspace
+
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         fn()
     torch.cuda.current_stream().wait_stream(s)
-    from model_core.engine import own_cublas_workspace
-
     g = torch.cuda.CUDAGraph()
-    with own_cublas_workspace(), torch.cuda.graph(g):  # the graph's cuBLAS workspace in its own pool
+    with own_cublas_workspace(), torch.cuda.graph(g):
         fn()
-    return graph_ms(g, n)
+    return g
+
+
+def captured_ms(fn, n: int = 200) -> float:
+    """graph_ms of fn captured as a CUDA graph (`capture`)."""
+    return graph_ms(capture(fn), n)

@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from common import captured_ms  # noqa: E402
+from common import capture, captured_ms  # noqa: E402
 
 from model_core import decode_attention, load_model  # noqa: E402
 from model_core.engine import GREEDY_ONLY, Engine, StepBuffers, max_len_from_env  # noqa: E402
@@ -41,11 +41,7 @@ def _kernels(fn, n: int = 20) -> str:
     """The kernels of one replay of fn captured as a CUDA graph: how many, and the costliest."""
     from torch.profiler import ProfilerActivity, profile
 
-    from model_core.engine import own_cublas_workspace
-
-    g = torch.cuda.CUDAGraph()
-    with own_cublas_workspace(), torch.cuda.graph(g):
-        fn()
+    g = capture(fn)
     g.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -698,15 +698,13 @@ class Engine:
 
 @contextlib.contextmanager
 def own_cublas_workspace():
-    """Around a capture: cuBLAS keeps one persistent workspace per (handle, stream), and a capture
-    bakes its address into the graph. Allocated before the capture (or inside an earlier capture,
-    in another graph's pool), it can be freed while this graph still uses it: the uncompiled graphs'
-    pool goes once the compiled ones replace them, and anything that clears the workspaces (inductor's
-    cudagraph trees do, e.g. transformers' static-cache `generate` in the same process) frees it for
-    other tensors (the likely cause of the "unspecified launch failure" the engine died of twice on an
-    H200, each time after HF's compiled `generate` had run in the same process). Cleared before, the capture allocates its workspace in its
-    own pool, like any intermediate of the graph; cleared after, no later work shares it (the way
-    inductor's cudagraph trees record)."""
+    """Around a CUDA-graph capture: cuBLAS keeps one workspace per (handle, stream) and the capture
+    bakes its address into the graph. A workspace made before the capture (or in another graph's
+    pool) can be freed under the graph: the uncompiled graphs' pool goes once the compiled ones
+    replace them, and inductor's cudagraph trees (transformers' static-cache `generate`) clear the
+    workspaces. Cleared before, the capture makes its own in its pool like any intermediate;
+    cleared after, no later work shares it (as cudagraph trees record; docs/PERFORMANCE.md has the
+    crash this is the likely cause of)."""
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None:
         clear()

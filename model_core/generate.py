@@ -343,8 +343,8 @@ class _Run:
     eos: set[int]
     k: int  # candidates recorded per step
     stopped: Callable[[], bool]
+    text: TextSoFar  # the continuation's text, decoded as it grows
     started: float = field(default_factory=time.perf_counter)
-    text: TextSoFar | None = None  # the continuation's text, decoded as it grows
 
 
 def _start(lm, req: GenerateRequest) -> _Run:
@@ -375,7 +375,7 @@ def _start(lm, req: GenerateRequest) -> _Run:
                      max_new_tokens=max_new, stop=stop, prompt_ids=list(ids))
     return _Run(req=req, gen=gen, n_steps=min(max_new, lm.shape.context_length - len(ids)),
                 eos=set() if req.ignore_eos else eos, k=max(1, min(int(req.top_k_recorded), lm.shape.vocab_size)),
-                stopped=stopped)
+                stopped=stopped, text=TextSoFar(lm.tokenizer))
 
 
 def iter_generate(lm, prompt: str | None = None, *, request: GenerateRequest | None = None,
@@ -435,7 +435,7 @@ def _steps(lm, run: _Run) -> Iterator[tuple[Step, Generation]]:
         eng = None if run.req.edits else _engine_for_request(lm, len(gen.prompt_ids), run.n_steps, run.k)
         backend = _local_steps(lm, run) if eng is None else _engine_steps(eng, lm, run)
         for raw in backend:
-            step, reason = _record(lm.tokenizer, run, raw)
+            step, reason = _record(run, raw)
             if reason is not None:
                 _finish(lm, run, backend, raw, reason, attach=run.req.attention)
             yield step, gen
@@ -446,14 +446,12 @@ def _steps(lm, run: _Run) -> Iterator[tuple[Step, Generation]]:
             _finish(lm, run, backend, raw, "cancelled", attach=False)
 
 
-def _record(tok, run: _Run, raw: _Raw) -> tuple[Step, str | None]:
+def _record(run: _Run, raw: _Raw) -> tuple[Step, str | None]:
     """Add one raw step to the Generation: the Step, the text so far, and why generation ends here
     (None: it goes on)."""
     gen = run.gen
     info = _unpack(raw.packed, run.k, gen.settings)
     gen.token_ids.append(info["chosen_id"])
-    if run.text is None:
-        run.text = TextSoFar(tok)
     gen.text, hit = _cut_at_stop(run.text.add(info["chosen_id"]), gen.stop)
     if raw.prefill_seconds is not None:
         gen.prefill_seconds = raw.prefill_seconds
@@ -480,7 +478,7 @@ def _finish(lm, run: _Run, backend, raw: _Raw | None, reason: str, attach: bool)
         backend.close()
     gen = run.gen
     gen.finish_reason = reason
-    if run.text is not None:  # the final text from one whole decode (the steps' was incremental)
+    if gen.token_ids:  # the final text from one whole decode (the steps' was incremental)
         gen.text = _cut_at_stop(run.text.whole(), gen.stop)[0]
     gen.kv_cache = raw.kv_report() if raw is not None else None
     gen.seconds = time.perf_counter() - run.started
