@@ -103,7 +103,9 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-traces", action="store_true")
-    ap.add_argument("--lookahead", type=int, default=None, help="the engine's steps of lookahead (default: its own)")
+    ap.add_argument("--lookahead", type=int, default=None, help="the engine's launches of lookahead (default: its own)")
+    ap.add_argument("--steps-per-launch", type=int, default=None,
+                    help="decode steps per graph launch (default: the engine's own)")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="seconds between the interpreter's thread switches (default: the engine's)")
     args = ap.parse_args(argv)
@@ -111,6 +113,8 @@ def main(argv=None) -> int:
 
     if args.lookahead is not None:
         model_core.engine.LOOKAHEAD = args.lookahead
+    if args.steps_per_launch is not None:
+        model_core.engine.STEPS_PER_LAUNCH = args.steps_per_launch
     if args.switch_interval is not None:
         model_core.engine.SWITCH_INTERVAL = args.switch_interval
     lm = load_model("random-smollm2-135m" if args.random else "smollm2-135m-instruct", device=args.device)

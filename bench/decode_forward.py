@@ -92,7 +92,7 @@ def _compiled_step(eng: Engine, lm, variant: tuple, rows: int, lengths: list[int
         compile_s = time.perf_counter() - t0
         b.pos.fill_(min(lengths) - 1)
         eng._step(rows, min(lengths), b, GREEDY_ONLY, fast=True)
-        logits = b.out_logits[:rows].clone()
+        logits = b.out_logits[0, :rows].clone()
         ms = {}
         for L in lengths:
             b.pos.fill_(min(lengths) - 1)

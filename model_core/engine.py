@@ -51,7 +51,14 @@ RECORDED = 10  # candidates recorded per step (generate.TOP_K_RECORDED)
 PREFILL_BUDGET = 2048  # prompt tokens admitted per engine loop
 MIN_LENGTH_BUCKET = 128
 SWITCH_INTERVAL = 0.0005  # seconds (sys.setswitchinterval)
-LOOKAHEAD = 2  # steps launched ahead of the one whose records are handed out (CUDA)
+LOOKAHEAD = 1  # launches ahead of the one whose records are handed out (CUDA)
+# Decode steps per launch (CUDA): one captured graph runs this many steps back to back and its
+# records come back in one copy. Every launch needs the interpreter a few times (each torch call
+# drops the GIL and must win it back from the request threads turning records into text); at 32
+# rows one step per launch left the engine waiting behind them (docs/PERFORMANCE.md). Rows join
+# and leave between launches; a row ends exactly at its last token on the device (RowSettings.step
+# against its limit) and at most this many steps late after EOS, a stop string or a cancel.
+STEPS_PER_LAUNCH = 4
 GREEDY_ONLY = frozenset()  # the stages when every running row is greedy without a penalty
 
 
@@ -106,6 +113,8 @@ class EngineStats:
     admitted: int = 0
     batch_sizes: dict = field(default_factory=dict)  # rows per step -> count
     queue_wait_s: float = 0.0
+    prefills: int = 0  # prefill forwards (each admits one or more requests)
+    prefill_s: float = 0.0  # host time in them, up to each admitted row's first record
     graphs: int = 0
     compiled_graphs: int = 0
     compiled_steps: int = 0  # steps run by the compiled step (a re-captured graph, or compiled eagerly)
@@ -123,6 +132,8 @@ class EngineStats:
                 "mean_batch": round(self.tokens / self.steps, 2) if self.steps else 0.0,
                 "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
                 "mean_queue_wait_s": round(self.queue_wait_s / self.admitted, 4) if self.admitted else 0.0,
+                "prefills": self.prefills,
+                "mean_prefill_ms": round(1000 * self.prefill_s / self.prefills, 2) if self.prefills else 0.0,
                 "tokens_per_s_busy": round(self.tokens / self.busy_s, 1) if self.busy_s else 0.0,
                 "slots": engine.slots, "slots_in_use": len(engine._rows), "waiting": len(engine._pending),
                 "cuda_graphs": self.graphs, "compiled": engine.compile_state,
@@ -157,28 +168,30 @@ class StepBuffers:
     cache: SlotCache
     tok_in: torch.Tensor  # [S] int64: each slot's next input token
     pos: torch.Tensor  # [S] int64: where that token goes
-    active: torch.Tensor  # [S] bool: the slot advances at the next step
+    active: torch.Tensor  # [S] bool: the slot advances at the next step (while its step < limit)
+    limit: torch.Tensor  # [S] int64: the slot's tokens at most (RowSettings.step counts those drawn)
     seen: torch.Tensor  # [S, V] bool: tokens in the slot's context (repetition penalty)
     row_settings: RowSettings
-    out_packed: torch.Tensor  # [S, packed_width(RECORDED)]
-    out_logits: torch.Tensor  # [S, V]
-    out_final: torch.Tensor  # [S, V]
+    out_packed: torch.Tensor  # [K, S, packed_width(RECORDED)]: each of a launch's K steps' records
+    out_logits: torch.Tensor  # [K, S, V]
+    out_final: torch.Tensor  # [K, S, V]
 
     @classmethod
-    def allocate(cls, shapes, slots: int, max_len: int, vocab: int, dtype, device) -> StepBuffers:
-        return cls(SlotCache(shapes, slots, max_len, dtype, device),
-                   torch.zeros(slots, dtype=torch.long, device=device), torch.zeros(slots, dtype=torch.long, device=device),
-                   torch.zeros(slots, dtype=torch.bool, device=device),
-                   torch.zeros(slots, vocab, dtype=torch.bool, device=device), RowSettings.empty(slots, device),
-                   torch.zeros(slots, packed_width(RECORDED), device=device), torch.zeros(slots, vocab, device=device),
-                   torch.zeros(slots, vocab, device=device))
+    def allocate(cls, shapes, slots: int, max_len: int, vocab: int, dtype, device, steps: int = 1) -> StepBuffers:
+        def zeros(*shape, dtype=torch.float32):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        return cls(SlotCache(shapes, slots, max_len, dtype, device), zeros(slots, dtype=torch.long),
+                   zeros(slots, dtype=torch.long), zeros(slots, dtype=torch.bool), zeros(slots, dtype=torch.long),
+                   zeros(slots, vocab, dtype=torch.bool), RowSettings.empty(slots, device),
+                   zeros(steps, slots, packed_width(RECORDED)), zeros(steps, slots, vocab), zeros(steps, slots, vocab))
 
 
 class Engine:
     """Owns a model's generation work on one thread. Create through `engine_for(lm)`."""
 
     def __init__(self, lm, slots: int, max_len: int, use_graphs: bool | None = None, compile: bool | None = None,
-                 kv_cache_mb: int | None = None):
+                 kv_cache_mb: int | None = None, steps_per_launch: int | None = None):
         self._lm = weakref.ref(lm)
         self.name = lm.name
         self.device, self.dtype = lm.device, lm.dtype
@@ -196,6 +209,8 @@ class Engine:
         self._to_capture: list[tuple] = []  # buckets left to re-capture from the compiled step
         self._compiled_keys: set[tuple] = set()  # buckets whose graph is the compiled step's
         self.lookahead = LOOKAHEAD if self.use_graphs else 0
+        # (None: STEPS_PER_LAUNCH with CUDA graphs; eager launches gain nothing from it)
+        self.steps_per_launch = steps_per_launch or (STEPS_PER_LAUNCH if self.use_graphs else 1)
         self.stats = EngineStats()
         self._cv = threading.Condition()
         self._pending: list[EngineRequest] = []
@@ -363,16 +378,18 @@ class Engine:
         self._shapes = [(l.keys.shape[1], l.keys.shape[3]) for l in probe.layers]
         per_slot = sum(2 * h * d for h, d in self._shapes) * self.max_len * torch.empty((), dtype=self.dtype).element_size()
         self.slots = max(1, min(self.slots, kv_budget_bytes(self.device, self._kv_cache_mb) // per_slot))
-        self.live = StepBuffers.allocate(self._shapes, self.slots, self.max_len, self.vocab, self.dtype, self.device)
+        self.live = StepBuffers.allocate(self._shapes, self.slots, self.max_len, self.vocab, self.dtype, self.device,
+                                         self.steps_per_launch)
         self.layer_bytes_per_token = self.live.cache.layer_bytes_per_token()
         S, dev = self.slots, self.device
         # a ring of host buffers for the steps in flight, with a numpy view and an event each: every
         # torch call on this thread lets the request threads take the interpreter (they hold it
         # while turning records into text), so a step makes as few as it can
-        self._pinned = [torch.zeros(S, packed_width(RECORDED), pin_memory=dev.type == "cuda")
+        self._pinned = [torch.zeros(self.steps_per_launch, S, packed_width(RECORDED), pin_memory=dev.type == "cuda")
                         for _ in range(self.lookahead + 2)]
         self._pinned_np = [b.numpy() for b in self._pinned]
         self._events = [torch.cuda.Event() if dev.type == "cuda" else None for _ in self._pinned]
+        self._launches = 0
         self._rows_buckets = _buckets(S)
         self._length_buckets = [b for b in _buckets(self.max_len) if b >= MIN_LENGTH_BUCKET] or [self.max_len]
 
@@ -431,6 +448,7 @@ class Engine:
                                             stages_in_use(r.settings for r in reqs))
         b.tok_in[idx] = chosen
         b.pos[idx] = torch.tensor(lens, device=self.device)
+        b.limit[idx] = torch.tensor([r.n_steps for r in reqs], device=self.device)
         b.row_settings.step[idx] = 1
         host = packed.tolist()
         now = time.perf_counter()
@@ -444,15 +462,23 @@ class Engine:
                 going_on.append(slot)
         if going_on:
             b.active[torch.tensor(going_on, device=self.device)] = True
+        self.stats.prefills += 1
+        self.stats.prefill_s += time.perf_counter() - t0
 
     # --- one decode step for every running row ---------------------------------------------------
-    def _step(self, B: int, L: int, b: StepBuffers, stages: frozenset, fast: bool = False) -> None:
+    def _steps(self, B: int, L: int, b: StepBuffers, stages: frozenset, fast: bool = False) -> None:
+        """One launch: `steps_per_launch` decode steps back to back (a CUDA graph captures them all)."""
+        for k in range(self.steps_per_launch):
+            self._step(B, L, b, stages, fast, k)
+
+    def _step(self, B: int, L: int, b: StepBuffers, stages: frozenset, fast: bool = False, k: int = 0) -> None:
         """Everything one decode step does, on the first B slots of `b`, attending over L positions,
-        running the sampling stages `stages` (the records are complete either way). Only tensor
-        operations on preallocated buffers (a CUDA graph replays exactly this). fast: the compiled
-        forward and sampling."""
+        running the sampling stages `stages` (the records are complete either way), its records
+        written to the launch's k-th place. Only tensor operations on preallocated buffers (a CUDA
+        graph replays exactly this). fast: the compiled forward and sampling."""
         lm = self._lm()
-        tok, pos, act, seen = b.tok_in[:B], b.pos[:B], b.active[:B], b.seen[:B]
+        tok, pos, seen = b.tok_in[:B], b.pos[:B], b.seen[:B]
+        act = b.active[:B] & (b.row_settings.step[:B] < b.limit[:B])  # [B]: rows that take this step
         # the token going in joins the context the repetition penalty sees
         seen.scatter_(1, tok[:, None], seen.gather(1, tok[:, None]) | act[:, None])
         mask = b.cache.window(B, L, pos)
@@ -469,9 +495,9 @@ class Engine:
         if fast:
             _mark_dynamic((logits, 0), (seen, 0), *((getattr(st, f), 0) for f in RowSettings.__dataclass_fields__))
         chosen, packed, final = sample(logits, st, seen, RECORDED, stages)
-        b.out_packed[:B].copy_(packed)
-        b.out_logits[:B].copy_(logits)
-        b.out_final[:B].copy_(final)
+        b.out_packed[k, :B].copy_(packed)
+        b.out_logits[k, :B].copy_(logits)
+        b.out_final[k, :B].copy_(final)
         tok.copy_(torch.where(act, chosen, tok))
         st.step.add_(act.long())
         pos.copy_(torch.where(act, (pos + 1).clamp(max=self.max_len - 1), pos))
@@ -479,7 +505,7 @@ class Engine:
     def _bucket(self, rows: list[_Row]) -> tuple[int, int]:
         top = max(r.slot for r in rows) + 1
         B = next(b for b in self._rows_buckets if b >= top)
-        need = min(max(r.tokens for r in rows) + 1, self.max_len)  # the positions the step attends over
+        need = min(max(r.tokens for r in rows) + self.steps_per_launch, self.max_len)  # positions the launch attends over
         if not self.use_graphs:
             return B, need  # eager: exactly the positions in use
         return B, next(b for b in self._length_buckets if b >= need)
@@ -500,39 +526,43 @@ class Engine:
         if graph is not None:
             graph.replay()
         else:
-            self._step(B, L, self.live, stages, fast=fast)
-        self.stats.compiled_steps += fast
-        ring = self.stats.steps % len(self._pinned)
-        self._pinned[ring].copy_(self.live.out_packed, non_blocking=True)  # every slot: one call, ~8 KB
+            self._steps(B, L, self.live, stages, fast=fast)
+        K = self.steps_per_launch
+        self.stats.compiled_steps += K * fast
+        ring = self._launches % len(self._pinned)
+        self._launches += 1
+        self._pinned[ring].copy_(self.live.out_packed, non_blocking=True)  # every step and slot: one call
         event = self._events[ring]
         if event is not None:
             event.record()
         want = [r for r in rows if r.req.keep_logits or r.req.keep_probs]
-        extra = {r.slot: (self.live.out_logits[r.slot].to("cpu", copy=True), self.live.out_final[r.slot].to("cpu", copy=True))
-                 for r in want}
+        extra = {r.slot: (self.live.out_logits[:, r.slot].to("cpu", copy=True),
+                          self.live.out_final[:, r.slot].to("cpu", copy=True)) for r in want}
+        useful = []  # per row, the launch's steps it takes (the device stops it at its limit)
         for r in rows:
-            r.tokens += 1
-            r.launched += 1
-            if r.launched >= r.req.n_steps:  # its last token is on its way: later steps leave it alone
-                self.live.active[r.slot] = False
-        self.stats.steps += 1
-        self.stats.tokens += len(rows)
-        self.stats.batch_sizes[len(rows)] = self.stats.batch_sizes.get(len(rows), 0) + 1
+            n = min(K, r.req.n_steps - r.launched)
+            useful.append(n)
+            r.tokens += n
+            r.launched += n
+        self.stats.steps += K
+        self.stats.tokens += sum(useful)
+        self.stats.batch_sizes[len(rows)] = self.stats.batch_sizes.get(len(rows), 0) + K
         self.stats.launch_s += time.perf_counter() - t0
-        return rows, B, ring, event, extra
+        return rows, useful, B, ring, event, extra
 
     def _hand_out(self, launched) -> None:
-        rows, B, ring, event, extra = launched
+        rows, useful, B, ring, event, extra = launched
         t0 = time.perf_counter()
         if event is not None:
             event.synchronize()
         t1 = time.perf_counter()
-        host = self._pinned_np[ring][:B].tolist()
-        for r in rows:
-            if r.done:
-                continue  # finished at a step before (seen only now, with lookahead)
+        host = self._pinned_np[ring][:, :B].tolist()  # [K][B] records
+        for r, n in zip(rows, useful):
             lg, fin = extra.get(r.slot, (None, None))
-            self._emit(r, host[r.slot], lg, fin)
+            for k in range(n):
+                if r.done:
+                    break  # finished at a step before (seen only now: EOS, a cancel)
+                self._emit(r, host[k][r.slot], None if lg is None else lg[k], None if fin is None else fin[k])
         self.stats.wait_s += t1 - t0
         self.stats.hand_out_s += time.perf_counter() - t1
 
@@ -580,12 +610,12 @@ class Engine:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for B, L, st in self._buckets_all():
-                self._step(B, L, self.live, st)  # warm-up: allocations and lazy inits happen outside the capture
+                self._steps(B, L, self.live, st)  # warm-up: allocations and lazy inits happen outside the capture
         torch.cuda.current_stream().wait_stream(stream)
         for B, L, st in self._buckets_all():
             g = torch.cuda.CUDAGraph()
             with own_cublas_workspace(), torch.cuda.graph(g, pool=self._pool):
-                self._step(B, L, self.live, st)
+                self._steps(B, L, self.live, st)
             self._graphs[(B, L, st)] = g
             self.stats.graphs += 1
         torch.cuda.synchronize()
@@ -617,7 +647,7 @@ class Engine:
             with torch.inference_mode(), (torch.cuda.stream(stream) if stream else contextlib.nullcontext()):
                 # inference tensors like the live ones (a compiled graph guards on the difference)
                 scratch = StepBuffers.allocate(self._shapes, self.slots, self.max_len, self.vocab, self.dtype,
-                                               self.device)
+                                               self.device, self.steps_per_launch)
                 shapes = [(B, st) for B in sorted({1, min(2, self.slots)}) for st in (ALL_STAGES, GREEDY_ONLY)]
                 for B, st in shapes:
                     self._step(B, self._length_buckets[0], scratch, st, fast=True)
@@ -672,12 +702,12 @@ class Engine:
             stream.wait_stream(torch.cuda.current_stream())
             with torch._dynamo.config.patch(error_on_recompile=True):
                 with torch.cuda.stream(stream):
-                    self._step(B, L, self._scratch, st, fast=True)
+                    self._steps(B, L, self._scratch, st, fast=True)
                 torch.cuda.current_stream().wait_stream(stream)
                 g = torch.cuda.CUDAGraph()
                 with own_cublas_workspace(), \
                         torch.cuda.graph(g, pool=self._capture_pool, capture_error_mode="thread_local"):
-                    self._step(B, L, self.live, st, fast=True)
+                    self._steps(B, L, self.live, st, fast=True)
             self._graphs[(B, L, st)] = g
             self._compiled_keys.add((B, L, st))
             self.stats.compiled_graphs += 1

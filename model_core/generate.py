@@ -277,24 +277,28 @@ def sample_step(logits: torch.Tensor, settings: SamplingSettings, context_ids: t
     return chosen, packed, cur
 
 
-def _unpack(packed, k: int, settings: SamplingSettings) -> dict:
-    """A packed record (tensor or list, `sample_step` / `row_sampling.sample_rows` layout) -> Step fields."""
-    v = packed.tolist() if torch.is_tensor(packed) else list(packed)
-    head, rest = v[:15], v[15:]
-    codes = [int(c) for c in rest[2 * k: 3 * k]]
-    present = {"greedy"} if settings.greedy else {n for n, on in (
-        ("top_k", settings.top_k > 0), ("top_p", settings.top_p < 1), ("min_p", settings.min_p > 0)) if on}
-    removed = {}
-    for j, name in enumerate(("top_k", "top_p", "min_p", "greedy")):
-        if name in present:
-            removed[name] = {"n_removed": int(head[7 + j]), "kept_mass": float(head[11 + j])}
+def recorded_stages(settings: SamplingSettings) -> tuple[tuple[int, str], ...]:
+    """(slot in the record's removed-counts, stage name) for each filter these settings apply."""
+    if settings.greedy:
+        return ((3, "greedy"),)
+    on = (settings.top_k > 0, settings.top_p < 1, settings.min_p > 0)
+    return tuple((j, name) for j, (name, used) in enumerate(zip(("top_k", "top_p", "min_p"), on)) if used)
+
+
+def _unpack(packed, k: int, settings: SamplingSettings, stages: tuple | None = None) -> dict:
+    """A packed record (tensor or list, `sample_step` / `row_sampling.sample_rows` layout) -> Step fields.
+    Runs once per token per user on the request's thread, so it stays lean (stages: precomputed)."""
+    v = packed.tolist() if torch.is_tensor(packed) else packed
+    stages = recorded_stages(settings) if stages is None else stages
+    a, b, c, d, e = 15, 15 + k, 15 + 2 * k, 15 + 3 * k, 15 + 4 * k  # top ids, top probs, codes, after ids, after probs
     return dict(
-        chosen_id=int(head[0]), chosen_rank=int(head[1]), chosen_prob=float(head[2]),
-        chosen_prob_filtered=float(head[3]), entropy=float(head[4]), entropy_filtered=float(head[5]),
-        n_candidates=int(head[6]), removed=removed,
-        top_ids=[int(x) for x in rest[:k]], top_probs=rest[k: 2 * k],
-        top_removed_by=[_CODE_STAGES[c] for c in codes],
-        after_ids=[int(x) for x in rest[3 * k: 4 * k]], after_probs=rest[4 * k: 5 * k],
+        chosen_id=int(v[0]), chosen_rank=int(v[1]), chosen_prob=float(v[2]),
+        chosen_prob_filtered=float(v[3]), entropy=float(v[4]), entropy_filtered=float(v[5]),
+        n_candidates=int(v[6]),
+        removed={name: {"n_removed": int(v[7 + j]), "kept_mass": float(v[11 + j])} for j, name in stages},
+        top_ids=list(map(int, v[a:b])), top_probs=v[b:c],
+        top_removed_by=[_CODE_STAGES[int(x)] for x in v[c:d]],
+        after_ids=list(map(int, v[d:e])), after_probs=v[e:e + k],
     )
 
 
@@ -344,6 +348,7 @@ class _Run:
     k: int  # candidates recorded per step
     stopped: Callable[[], bool]
     text: TextSoFar  # the continuation's text, decoded as it grows
+    stages: tuple  # recorded_stages(settings): which removed counts the records carry
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -375,7 +380,7 @@ def _start(lm, req: GenerateRequest) -> _Run:
                      max_new_tokens=max_new, stop=stop, prompt_ids=list(ids))
     return _Run(req=req, gen=gen, n_steps=min(max_new, lm.shape.context_length - len(ids)),
                 eos=set() if req.ignore_eos else eos, k=max(1, min(int(req.top_k_recorded), lm.shape.vocab_size)),
-                stopped=stopped, text=TextSoFar(lm.tokenizer))
+                stopped=stopped, text=TextSoFar(lm.tokenizer), stages=recorded_stages(settings))
 
 
 def iter_generate(lm, prompt: str | None = None, *, request: GenerateRequest | None = None,
@@ -450,7 +455,7 @@ def _record(run: _Run, raw: _Raw) -> tuple[Step, str | None]:
     """Add one raw step to the Generation: the Step, the text so far, and why generation ends here
     (None: it goes on)."""
     gen = run.gen
-    info = _unpack(raw.packed, run.k, gen.settings)
+    info = _unpack(raw.packed, run.k, gen.settings, run.stages)
     gen.token_ids.append(info["chosen_id"])
     gen.text, hit = _cut_at_stop(run.text.add(info["chosen_id"]), gen.stop)
     if raw.prefill_seconds is not None:
@@ -518,12 +523,10 @@ class TextSoFar:
         self.settled, self.start = "", 0  # decode(ids[:start])
         self.lo, self.head = 0, ""  # the overlap ids[lo:start] and its decode
         self.full_only = bool(getattr(tok, "_lmscope_full_decode", False))
-
-    def _decode(self, ids) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
+        self._decode = _piece_decoder(tok)
 
     def whole(self) -> str:
-        return self._decode(self.ids)
+        return self.tok.decode(self.ids, skip_special_tokens=True)  # the reference every check is against
 
     def add(self, token_id: int) -> str:
         self.ids.append(int(token_id))
@@ -548,6 +551,22 @@ class TextSoFar:
             if head and not head[0].isspace():
                 self.settled, self.start, self.lo, self.head = whole, n, lo, head
                 return  # else: no overlap found yet; the settled part stays where it was
+
+
+def _piece_decoder(tok) -> Callable[[list[int]], str]:
+    """`tok.decode(ids, skip_special_tokens=True)` for TextSoFar's windows. Where that is the `tokenizers`
+    backend's decode and nothing more (transformers' `TokenizersBackend` without space clean-up), the
+    backend is called directly: transformers' argument conversion cost 3.6 of 6.4 us a call. Either way
+    TextSoFar checks its text against `tok.decode` itself every SETTLE_EVERY tokens."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # transformers without it: the wrapper
+        TokenizersBackend = None
+    backend = getattr(tok, "_tokenizer", None)
+    if (TokenizersBackend is not None and isinstance(tok, TokenizersBackend) and backend is not None
+            and type(tok)._decode is TokenizersBackend._decode and not tok.clean_up_tokenization_spaces):
+        return partial(backend.decode, skip_special_tokens=True)
+    return partial(tok.decode, skip_special_tokens=True)
 
 
 def _local_steps(lm, run: _Run) -> Iterator[_Raw]:
@@ -620,6 +639,7 @@ def _engine_steps(eng, lm, run: _Run) -> Iterator[_Raw]:
     er = eng.submit(EngineRequest(ids=list(gen.prompt_ids), n_steps=run.n_steps, settings=gen.settings, seed=gen.seed,
                                   eos=run.eos, keep_logits=run.req.keep_logits, keep_probs=run.req.keep_probs))
     per_token = eng.layer_bytes_per_token
+    bytes_per_token = sum(per_token)
     try:
         while True:
             try:
@@ -634,7 +654,7 @@ def _engine_steps(eng, lm, run: _Run) -> Iterator[_Raw]:
                 return
             n = rec.tokens_cached  # the prompt and every token fed back so far
             first = (er.first_token_at or time.perf_counter()) - er.submitted if rec.index == 0 else None
-            yield _Raw(index=rec.index, packed=rec.packed, seconds=rec.seconds, kv_point=(n, n * sum(per_token)),
+            yield _Raw(index=rec.index, packed=rec.packed, seconds=rec.seconds, kv_point=(n, n * bytes_per_token),
                        kv_report=partial(_kv_report, lm, n, per_token), prefill_seconds=first,
                        logits=rec.logits, probs=rec.probs, ended=rec.last)
     finally:

@@ -215,3 +215,34 @@ def _wait(cond, what, timeout=60):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.01)
+
+
+def test_several_steps_per_launch_equal_transformers_generate_alone():
+    """A launch of several decode steps (as a CUDA graph runs them; eager here): rows whose lengths
+    end mid-launch stop there, a row that arrives later joins between launches, and each step's kept
+    logits are that step's (greedy: their argmax is the token drawn)."""
+    from model_core.engine import Engine
+
+    lm = load_model(DEFAULT)
+    eng = Engine(lm, slots=4, max_len=64, use_graphs=False, compile=False, steps_per_launch=3)
+    try:
+        lengths = [4, 7, 9]  # 1 from the prefill, then launches of 3
+        reqs = [EngineRequest(ids=lm.tokenizer(p)["input_ids"], n_steps=n, settings=SamplingSettings(temperature=0.0),
+                              seed=0, eos=set(), keep_logits=True) for p, n in zip(PROMPTS, lengths)]
+        with eng.hold():
+            for r in reqs:
+                eng.submit(r)
+        first = reqs[2].out.get(timeout=120)  # running: the late one joins between launches
+        late = eng.submit(EngineRequest(ids=lm.tokenizer(PROMPTS[3])["input_ids"], n_steps=8,
+                                        settings=SamplingSettings(temperature=0.0), seed=0, eos=set()))
+        recs = [_drain(r) for r in reqs]
+        recs[2].insert(0, first)
+        recs.append(_drain(late))
+        for prompt, n, got in zip(PROMPTS, lengths + [8], recs):
+            assert [int(x.packed[0]) for x in got] == _hf_greedy(lm, prompt, n), prompt
+            assert [x.index for x in got] == list(range(n))
+        for got in recs[:3]:
+            assert [int(x.logits.argmax()) for x in got] == [int(x.packed[0]) for x in got]
+        assert eng.stats.steps % 3 == 0 and eng.stats.tokens == sum(lengths) + 8 - 4  # prefills' tokens aside
+    finally:
+        eng.close()
