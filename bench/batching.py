@@ -106,8 +106,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lookahead", type=int, default=None, help="the engine's launches of lookahead (default: its own)")
     ap.add_argument("--steps-per-launch", type=int, default=None,
                     help="decode steps per graph launch (default: the engine's own)")
-    ap.add_argument("--switch-interval", type=float, default=None,
-                    help="seconds between the interpreter's thread switches (default: the engine's)")
+    ap.add_argument("--switch-interval", type=float, nargs="+", default=None,
+                    help="seconds between the interpreter's thread switches, each measured in turn (default: the engine's)")
     args = ap.parse_args(argv)
     import model_core.engine
 
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     if args.steps_per_launch is not None:
         model_core.engine.STEPS_PER_LAUNCH = args.steps_per_launch
     if args.switch_interval is not None:
-        model_core.engine.SWITCH_INTERVAL = args.switch_interval
+        model_core.engine.SWITCH_INTERVAL = max(args.switch_interval)  # the engine only lowers it
     lm = load_model("random-smollm2-135m" if args.random else "smollm2-135m-instruct", device=args.device)
     b = batcher_for(lm)
     static = lm.device.type == "cuda"
@@ -137,8 +137,11 @@ def main(argv=None) -> int:
     print(f"# engine compiled: {eng.compile_state} (waited {time.perf_counter() - t0:.0f} s more)", flush=True)
     eos = set(eos_ids(lm))
     hf_name = "hf static" if static else "hf dynamic"
-    print(f"{'users':>5} {'engine tok/s':>12} {hf_name + ' tok/s':>16} {'ratio':>6} {'ttft p50/p95 ms':>16}  differ  batch sizes")
-    for n in args.users:
+    intervals = args.switch_interval or [sys.getswitchinterval()]
+    print(f"# {eng.steps_per_launch} decode steps per launch, {eng.lookahead} launches of lookahead")
+    print(f"{'users':>5} {'switch ms':>9} {'engine tok/s':>12} {hf_name + ' tok/s':>16} {'ratio':>6} {'ttft p50/p95 ms':>16}  differ  batch sizes")
+    for n, si in [(n, si) for n in args.users for si in intervals]:
+        sys.setswitchinterval(si)
         _hf_batch(lm, ids[:n], args.new_tokens, static), _hf_batch(lm, ids[:n], args.new_tokens, static)  # compile
         ours_r, hf_r, ttfts, differ = [], [], [], 0
         before = dict(eng.stats.batch_sizes)
@@ -159,8 +162,9 @@ def main(argv=None) -> int:
         sizes = {k: v - before.get(k, 0) for k, v in eng.stats.batch_sizes.items() if v - before.get(k, 0)}
         to, th = statistics.median(ours_r), statistics.median(hf_r)
         shown = ", ".join(f"{k}:{v}" for k, v in sorted(sizes.items()))
-        print(f"{n:>5} {to:>12.1f} {th:>16.1f} {to / th:>6.2f} {1000 * _pct(ttfts, .5):>7.0f} / {1000 * _pct(ttfts, .95):<6.0f}"
+        print(f"{n:>5} {1000 * si:>9.2f} {to:>12.1f} {th:>16.1f} {to / th:>6.2f} {1000 * _pct(ttfts, .5):>7.0f} / {1000 * _pct(ttfts, .95):<6.0f}"
               f"  {differ:>3}/{n * args.repeats}  {shown}", flush=True)
+    sys.setswitchinterval(intervals[0])
     # the engine alone: requests submitted directly, records drained without turning them into text
     from model_core.engine import EngineRequest
     from model_core.sampling import SamplingSettings

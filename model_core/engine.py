@@ -30,6 +30,7 @@ number of recorded candidates.
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import os
 import queue
@@ -115,6 +116,7 @@ class EngineStats:
     queue_wait_s: float = 0.0
     prefills: int = 0  # prefill forwards (each admits one or more requests)
     prefill_s: float = 0.0  # host time in them, up to each admitted row's first record
+    recent_prefills: collections.deque = field(default_factory=lambda: collections.deque(maxlen=8))  # (rows, tokens, ms)
     graphs: int = 0
     compiled_graphs: int = 0
     compiled_steps: int = 0  # steps run by the compiled step (a re-captured graph, or compiled eagerly)
@@ -134,6 +136,7 @@ class EngineStats:
                 "mean_queue_wait_s": round(self.queue_wait_s / self.admitted, 4) if self.admitted else 0.0,
                 "prefills": self.prefills,
                 "mean_prefill_ms": round(1000 * self.prefill_s / self.prefills, 2) if self.prefills else 0.0,
+                "recent_prefills": [list(p) for p in self.recent_prefills],
                 "tokens_per_s_busy": round(self.tokens / self.busy_s, 1) if self.busy_s else 0.0,
                 "slots": engine.slots, "slots_in_use": len(engine._rows), "waiting": len(engine._pending),
                 "cuda_graphs": self.graphs, "compiled": engine.compile_state,
@@ -464,6 +467,7 @@ class Engine:
             b.active[torch.tensor(going_on, device=self.device)] = True
         self.stats.prefills += 1
         self.stats.prefill_s += time.perf_counter() - t0
+        self.stats.recent_prefills.append((len(reqs), sum(lens), round(1000 * (time.perf_counter() - t0), 1)))
 
     # --- one decode step for every running row ---------------------------------------------------
     def _steps(self, B: int, L: int, b: StepBuffers, stages: frozenset, fast: bool = False) -> None:
