@@ -103,7 +103,11 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-traces", action="store_true")
-    ap.add_argument("--lookahead", type=int, default=None, help="the engine's launches of lookahead (default: its own)")
+    ap.add_argument("--lookahead", type=int, nargs="+", default=None,
+                    help="the engine's launches of lookahead, each measured in turn (default: its own)")
+    ap.add_argument("--gate", nargs="+", choices=["on", "off"], default=None,
+                    help="request threads wait for the engine's turn (Engine.request_turn), each measured in turn "
+                         "(default: the engine's)")
     ap.add_argument("--steps-per-launch", type=int, default=None,
                     help="decode steps per graph launch (default: the engine's own)")
     ap.add_argument("--switch-interval", type=float, nargs="+", default=None,
@@ -112,7 +116,7 @@ def main(argv=None) -> int:
     import model_core.engine
 
     if args.lookahead is not None:
-        model_core.engine.LOOKAHEAD = args.lookahead
+        model_core.engine.LOOKAHEAD = max(args.lookahead)  # its ring of host buffers fits the most
     if args.steps_per_launch is not None:
         model_core.engine.STEPS_PER_LAUNCH = args.steps_per_launch
     if args.switch_interval is not None:
@@ -138,10 +142,15 @@ def main(argv=None) -> int:
     eos = set(eos_ids(lm))
     hf_name = "hf static" if static else "hf dynamic"
     intervals = args.switch_interval or [sys.getswitchinterval()]
-    print(f"# {eng.steps_per_launch} decode steps per launch, {eng.lookahead} launches of lookahead")
-    print(f"{'users':>5} {'switch ms':>9} {'engine tok/s':>12} {hf_name + ' tok/s':>16} {'ratio':>6} {'ttft p50/p95 ms':>16}  differ  batch sizes")
-    for n, si in [(n, si) for n in args.users for si in intervals]:
+    gates = [g == "on" for g in args.gate] if args.gate else [eng._gate]
+    lookaheads = args.lookahead or [eng.lookahead]
+    default = (sys.getswitchinterval(), eng._gate, eng.lookahead)
+    print(f"# {eng.steps_per_launch} decode steps per launch")
+    print(f"{'users':>5} {'switch ms':>9} {'gate':>4} {'ahead':>5} {'engine tok/s':>12} {hf_name + ' tok/s':>16} {'ratio':>6} "
+          f"{'ttft p50/p95 ms':>16}  differ  each run (engine tok/s)  batch sizes")
+    for n, si, gate, ahead in [(n, si, g, a) for n in args.users for si in intervals for g in gates for a in lookaheads]:
         sys.setswitchinterval(si)
+        eng._gate, eng.lookahead = gate, ahead
         _hf_batch(lm, ids[:n], args.new_tokens, static), _hf_batch(lm, ids[:n], args.new_tokens, static)  # compile
         ours_r, hf_r, ttfts, differ = [], [], [], 0
         before = dict(eng.stats.batch_sizes)
@@ -162,9 +171,12 @@ def main(argv=None) -> int:
         sizes = {k: v - before.get(k, 0) for k, v in eng.stats.batch_sizes.items() if v - before.get(k, 0)}
         to, th = statistics.median(ours_r), statistics.median(hf_r)
         shown = ", ".join(f"{k}:{v}" for k, v in sorted(sizes.items()))
-        print(f"{n:>5} {1000 * si:>9.2f} {to:>12.1f} {th:>16.1f} {to / th:>6.2f} {1000 * _pct(ttfts, .5):>7.0f} / {1000 * _pct(ttfts, .95):<6.0f}"
-              f"  {differ:>3}/{n * args.repeats}  {shown}", flush=True)
-    sys.setswitchinterval(intervals[0])
+        each = " ".join(f"{r:.0f}" for r in ours_r)
+        print(f"{n:>5} {1000 * si:>9.2f} {'on' if gate else 'off':>4} {ahead:>5} {to:>12.1f} {th:>16.1f} {to / th:>6.2f} "
+              f"{1000 * _pct(ttfts, .5):>7.0f} / {1000 * _pct(ttfts, .95):<6.0f}  {differ:>3}/{n * args.repeats}  "
+              f"{each:<23} {shown}", flush=True)
+    sys.setswitchinterval(default[0])
+    eng._gate, eng.lookahead = default[1], default[2]
     # the engine alone: requests submitted directly, records drained without turning them into text
     from model_core.engine import EngineRequest
     from model_core.sampling import SamplingSettings

@@ -31,13 +31,17 @@ class StandInEngine:
     """What model_core.generate asks of an engine, with a timer where the GPU would be."""
 
     def __init__(self, packed: list[list[float]], token_ids: list[int], step_s: float, releases: int = 0,
-                 launch_first: bool = True):
+                 launch_first: bool = True, gate: bool = False):
         from model_core.engine import RECORDED
 
         self.k, self.max_len, self.start_error = RECORDED, 10_000, None
         self.layer_bytes_per_token = [1024] * 30
         self._packed, self._ids, self.step_s, self.releases = packed, token_ids, step_s, releases
         self.launch_first = launch_first
+        # as the real engine's: cleared while it launches and hands out, set while the device works
+        self.request_turn = threading.Event() if gate else None
+        if gate:
+            self.request_turn.set()
         self._rows: list = []
         self._cv = threading.Condition()
         self.steps, self.late_s = 0, 0.0
@@ -64,6 +68,8 @@ class StandInEngine:
                     self._cv.wait()
                     due = time.perf_counter()
                 rows = list(self._rows)
+            if self.request_turn is not None:
+                self.request_turn.clear()
             if self.launch_first:
                 self._launch()
             now = time.perf_counter()
@@ -84,6 +90,8 @@ class StandInEngine:
             self.steps += 1
             due += self.step_s
             wait = due - time.perf_counter()
+            if self.request_turn is not None:
+                self.request_turn.set()
             if wait > 0:
                 time.sleep(wait)  # the device's step; the GIL is free meanwhile
             else:
@@ -110,6 +118,8 @@ def main(argv=None) -> int:
     ap.add_argument("--step-ms", type=float, default=2.2, help="the stand-in device's step (0: as fast as it goes)")
     ap.add_argument("--releases", type=int, nargs="+", default=[0],
                     help="times per step the stand-in's launch drops and takes back the GIL")
+    ap.add_argument("--gates", nargs="+", default=["off"], choices=["off", "on"],
+                    help="whether request threads wait for the stand-in engine's turn (Engine.request_turn)")
     ap.add_argument("--orders", nargs="+", default=["launch-first"], choices=["launch-first", "hand-out-first"],
                     help="launch the next step before handing out this one's records, or after")
     args = ap.parse_args(argv)
@@ -125,12 +135,14 @@ def main(argv=None) -> int:
     sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL))  # as the engine sets it
     print(f"# bench/hand_out.py  {args.tokens} tokens per user, stand-in step {args.step_ms} ms, "
           f"{len(packed)} real records of {len(packed[0])} floats, switch interval {sys.getswitchinterval() * 1000:.1f} ms")
-    print(f"{'users':>5} {'releases':>8} {'order':>14} {'served tok/s':>12} {'alone tok/s':>12} {'served/alone':>12} "
+    print(f"{'users':>5} {'releases':>8} {'order':>14} {'gate':>4} {'served tok/s':>12} {'alone tok/s':>12} {'served/alone':>12} "
           f"{'steps late by (mean)':>21}")
-    for n, rel, order in [(n, r, o) for n in args.users for r in args.releases for o in args.orders]:
+    for n, rel, order, gate in [(n, r, o, g) for n in args.users for r in args.releases for o in args.orders
+                                for g in args.gates]:
         results = {}
         for mode in ("alone", "served"):
-            eng = StandInEngine(packed, ids, args.step_ms / 1000, rel, launch_first=order == "launch-first")
+            eng = StandInEngine(packed, ids, args.step_ms / 1000, rel, launch_first=order == "launch-first",
+                                gate=gate == "on")
             generate._engine_for_request = lambda lm, n_prompt, n_steps, k, eng=eng: eng  # noqa: E731
             done = threading.Barrier(n + 1)
 
@@ -156,7 +168,7 @@ def main(argv=None) -> int:
             wall = time.perf_counter() - t0
             results[mode] = (n * args.tokens / wall, eng.late_s / max(1, eng.steps))
         (served_r, late), (alone_r, _) = results["served"], results["alone"]
-        print(f"{n:>5} {rel:>8} {order:>14} {served_r:>12.1f} {alone_r:>12.1f} {served_r / alone_r:>12.2f} {1000 * late:>18.3f} ms", flush=True)
+        print(f"{n:>5} {rel:>8} {order:>14} {gate:>4} {served_r:>12.1f} {alone_r:>12.1f} {served_r / alone_r:>12.2f} {1000 * late:>18.3f} ms", flush=True)
     return 0
 
 

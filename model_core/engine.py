@@ -226,6 +226,14 @@ class Engine:
         # Request threads turn records into text while this thread launches steps: with Python's
         # default 5 ms GIL switch interval a waiting thread can stall a whole decode step.
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL))
+        # Set while request threads may turn records into text. With CUDA graphs this thread clears it
+        # while it admits, launches and hands out, and sets it while it waits for the device: each of
+        # its torch calls drops the GIL, and with 32 request threads running it waited behind them for
+        # each one (docs/PERFORMANCE.md). Request threads wait for it between records (bounded: see
+        # model_core.generate). Eager steps run on this thread's own time: there it stays set.
+        self.request_turn = threading.Event()
+        self.request_turn.set()
+        self._gate = self.use_graphs
         self.ready = threading.Event()
         self.start_error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name=f"lmscope-engine-{lm.name}", daemon=True)
@@ -331,10 +339,15 @@ class Engine:
                     self._fail(r, self.start_error)
                 continue
             t0 = time.perf_counter()
+            if self._gate:
+                self.request_turn.clear()
             try:
                 with torch.inference_mode():
                     if self._capture_due():
+                        self.request_turn.set()  # a capture can take a second: no one waits on it
                         self._capture_next()
+                        if self._gate:
+                            self.request_turn.clear()
                     self._drop_cancelled()
                     if new:
                         self._admit_all(new)
@@ -349,6 +362,8 @@ class Engine:
                     self._fail(row.req, e)
                     self._free(row)
                 self._rows.clear()
+            finally:
+                self.request_turn.set()
             self.stats.busy_s += time.perf_counter() - t0
         for row in list(self._rows.values()):
             self._fail(row.req, RuntimeError("The model was unloaded; try again."))
@@ -558,7 +573,12 @@ class Engine:
         rows, useful, B, ring, event, extra = launched
         t0 = time.perf_counter()
         if event is not None:
-            event.synchronize()
+            if self._gate:  # the request threads' turn while the device works
+                self.request_turn.set()
+                event.synchronize()
+                self.request_turn.clear()
+            else:
+                event.synchronize()
         t1 = time.perf_counter()
         host = self._pinned_np[ring][:, :B].tolist()  # [K][B] records
         for r, n in zip(rows, useful):

@@ -640,6 +640,7 @@ def _engine_steps(eng, lm, run: _Run) -> Iterator[_Raw]:
                                   eos=run.eos, keep_logits=run.req.keep_logits, keep_probs=run.req.keep_probs))
     per_token = eng.layer_bytes_per_token
     bytes_per_token = sum(per_token)
+    turn = getattr(eng, "request_turn", None)
     try:
         while True:
             try:
@@ -648,6 +649,8 @@ def _engine_steps(eng, lm, run: _Run) -> Iterator[_Raw]:
                 if run.stopped():
                     er.cancel()
                 continue
+            if turn is not None:
+                turn.wait(0.05)  # the engine's interpreter work first (Engine.request_turn); bounded
             if rec is None:  # ended without a record: an error, or a cancel
                 if er.error is not None:
                     raise er.error
