@@ -10,6 +10,7 @@ Never trust_remote_code: only architectures with an adapter load.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
@@ -383,6 +384,9 @@ def load_model(name: str = DEFAULT_MODEL, device: str | None = None, dtype: str 
         limit = max_loaded if max_loaded is not None else current_settings().max_loaded_models
         while len(_LOADED) > max(1, limit):
             _LOADED.popitem(last=False)
+            # an engine froze the heap (engine.freeze_heap): whatever of the dropped model only
+            # cycles keep alive must be collectable again
+            gc.unfreeze()
         return lm
 
 
