@@ -31,13 +31,14 @@ class StandInEngine:
     """What model_core.generate asks of an engine, with a timer where the GPU would be."""
 
     def __init__(self, packed: list[list[float]], token_ids: list[int], step_s: float, releases: int = 0,
-                 launch_first: bool = True, gate: bool = False):
+                 launch_first: bool = True, gate: bool = False, convert: bool = True):
         from model_core.engine import RECORDED
 
         self.k, self.max_len, self.start_error = RECORDED, 10_000, None
         self.layer_bytes_per_token = [1024] * 30
         self._packed, self._ids, self.step_s, self.releases = packed, token_ids, step_s, releases
         self.launch_first = launch_first
+        self.convert = convert  # records become steps on this thread (as the real engine's), else on the request's
         # as the real engine's: cleared while it launches and hands out, set while the device works
         self.request_turn = threading.Event() if gate else None
         if gate:
@@ -79,7 +80,8 @@ class StandInEngine:
                 packed = list(self._packed[i % len(self._packed)])
                 packed[0] = float(self._ids[i % len(self._ids)])
                 last = i + 1 >= req.n_steps or req.cancelled.is_set()
-                req.out.put(Record(index=i, packed=packed, seconds=self.step_s, tokens_cached=i + 1, last=last))
+                rec = Record(index=i, packed=packed, seconds=self.step_s, tokens_cached=i + 1, last=last)
+                req.out.put(rec if req.convert is None or not self.convert else req.convert(rec))
                 row[1] = i + 1
                 if last:
                     req.out.put(None)
@@ -118,6 +120,8 @@ def main(argv=None) -> int:
     ap.add_argument("--step-ms", type=float, default=2.2, help="the stand-in device's step (0: as fast as it goes)")
     ap.add_argument("--releases", type=int, nargs="+", default=[0],
                     help="times per step the stand-in's launch drops and takes back the GIL")
+    ap.add_argument("--converts", nargs="+", default=["engine"], choices=["engine", "request"],
+                    help="which thread turns records into steps and text: the engine's (EngineRequest.convert) or the request's")
     ap.add_argument("--gates", nargs="+", default=["off"], choices=["off", "on"],
                     help="whether request threads wait for the stand-in engine's turn (Engine.request_turn)")
     ap.add_argument("--orders", nargs="+", default=["launch-first"], choices=["launch-first", "hand-out-first"],
@@ -135,14 +139,14 @@ def main(argv=None) -> int:
     sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL))  # as the engine sets it
     print(f"# bench/hand_out.py  {args.tokens} tokens per user, stand-in step {args.step_ms} ms, "
           f"{len(packed)} real records of {len(packed[0])} floats, switch interval {sys.getswitchinterval() * 1000:.1f} ms")
-    print(f"{'users':>5} {'releases':>8} {'order':>14} {'gate':>4} {'served tok/s':>12} {'alone tok/s':>12} {'served/alone':>12} "
+    print(f"{'users':>5} {'releases':>8} {'order':>14} {'gate':>4} {'convert on':>10} {'served tok/s':>12} {'alone tok/s':>12} {'served/alone':>12} "
           f"{'steps late by (mean)':>21}")
-    for n, rel, order, gate in [(n, r, o, g) for n in args.users for r in args.releases for o in args.orders
-                                for g in args.gates]:
+    for n, rel, order, gate, conv in [(n, r, o, g, c) for n in args.users for r in args.releases for o in args.orders
+                                      for g in args.gates for c in args.converts]:
         results = {}
         for mode in ("alone", "served"):
             eng = StandInEngine(packed, ids, args.step_ms / 1000, rel, launch_first=order == "launch-first",
-                                gate=gate == "on")
+                                gate=gate == "on", convert=conv == "engine")
             generate._engine_for_request = lambda lm, n_prompt, n_steps, k, eng=eng: eng  # noqa: E731
             done = threading.Barrier(n + 1)
 
@@ -168,7 +172,7 @@ def main(argv=None) -> int:
             wall = time.perf_counter() - t0
             results[mode] = (n * args.tokens / wall, eng.late_s / max(1, eng.steps))
         (served_r, late), (alone_r, _) = results["served"], results["alone"]
-        print(f"{n:>5} {rel:>8} {order:>14} {gate:>4} {served_r:>12.1f} {alone_r:>12.1f} {served_r / alone_r:>12.2f} {1000 * late:>18.3f} ms", flush=True)
+        print(f"{n:>5} {rel:>8} {order:>14} {gate:>4} {conv:>10} {served_r:>12.1f} {alone_r:>12.1f} {served_r / alone_r:>12.2f} {1000 * late:>18.3f} ms", flush=True)
     return 0
 
 

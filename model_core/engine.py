@@ -40,6 +40,7 @@ import threading
 import time
 import traceback
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -78,6 +79,10 @@ class EngineRequest:
     # records, so a slow reader never blocks the engine.
     out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # Called on the engine thread with each Record, in order; what it returns is queued instead.
+    # model_core.generate turns records into steps and text here: on 32 request threads that work
+    # kept this thread waiting for the GIL (docs/PERFORMANCE.md). An exception fails this request alone.
+    convert: Callable[[Record], object] | None = None
     error: BaseException | None = None
     submitted: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -604,9 +609,17 @@ class Engine:
             rec.probs = torch.softmax(final.detach().float(), -1).cpu()
         row.emitted += 1
         row.t_last = now
+        item = rec
+        if req.convert is not None:
+            try:
+                item = req.convert(rec)
+            except Exception as e:  # noqa: BLE001 - this request fails alone
+                self._free(row)
+                self._fail(req, e)
+                return
         if last:
             self._free(row)
-        req.out.put(rec)
+        req.out.put(item)
         if last:
             req.out.put(None)
 

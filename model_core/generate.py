@@ -427,6 +427,7 @@ class _Raw:
     logits: torch.Tensor | None = None
     probs: torch.Tensor | None = None
     ended: bool = False  # the backend ended the request (the engine, after a cancel)
+    converted: tuple | None = None  # (Step, stop string hit): _convert already ran (on the engine thread)
 
 
 def _steps(lm, run: _Run) -> Iterator[tuple[Step, Generation]]:
@@ -440,7 +441,8 @@ def _steps(lm, run: _Run) -> Iterator[tuple[Step, Generation]]:
         eng = None if run.req.edits else _engine_for_request(lm, len(gen.prompt_ids), run.n_steps, run.k)
         backend = _local_steps(lm, run) if eng is None else _engine_steps(eng, lm, run)
         for raw in backend:
-            step, reason = _record(run, raw)
+            step, hit = raw.converted or _convert(run, raw)
+            reason = _record(run, raw, step, hit)
             if reason is not None:
                 _finish(lm, run, backend, raw, reason, attach=run.req.attention)
             yield step, gen
@@ -451,29 +453,37 @@ def _steps(lm, run: _Run) -> Iterator[tuple[Step, Generation]]:
             _finish(lm, run, backend, raw, "cancelled", attach=False)
 
 
-def _record(run: _Run, raw: _Raw) -> tuple[Step, str | None]:
-    """Add one raw step to the Generation: the Step, the text so far, and why generation ends here
-    (None: it goes on)."""
+def _convert(run: _Run, raw: _Raw) -> tuple[Step, str | None]:
+    """One raw step as a Step with the text so far, and the stop string it completed (or None). Reads
+    the run's settings and grows run.text, nothing else of the run: for the engine's requests it runs
+    on the engine thread, in order, while the request's own thread reads the Generation."""
     gen = run.gen
     info = _unpack(raw.packed, run.k, gen.settings, run.stages)
-    gen.token_ids.append(info["chosen_id"])
-    gen.text, hit = _cut_at_stop(run.text.add(info["chosen_id"]), gen.stop)
+    text, hit = _cut_at_stop(run.text.add(info["chosen_id"]), gen.stop)
+    step = Step(index=raw.index, position=len(gen.prompt_ids) + raw.index, seconds=raw.seconds,
+                text_so_far=text, logits=raw.logits, probs=raw.probs, **info)
+    return step, hit
+
+
+def _record(run: _Run, raw: _Raw, step: Step, hit: str | None) -> str | None:
+    """Add one step to the Generation and say why generation ends here (None: it goes on)."""
+    gen = run.gen
+    gen.token_ids.append(step.chosen_id)
+    gen.text = step.text_so_far
     if raw.prefill_seconds is not None:
         gen.prefill_seconds = raw.prefill_seconds
-    step = Step(index=raw.index, position=len(gen.prompt_ids) + raw.index, seconds=raw.seconds,
-                text_so_far=gen.text, logits=raw.logits, probs=raw.probs, **info)
     gen.steps.append(step)
     gen.kv_series.append(raw.kv_point)
-    if info["chosen_id"] in run.eos:
-        return step, "eos"
+    if step.chosen_id in run.eos:
+        return "eos"
     if hit is not None:
         gen.stop_string = hit
-        return step, "stop_string"
+        return "stop_string"
     if raw.index == run.n_steps - 1:
-        return step, "length" if run.n_steps == gen.max_new_tokens else "context_full"
+        return "length" if run.n_steps == gen.max_new_tokens else "context_full"
     if raw.ended or run.stopped():
-        return step, "cancelled"
-    return step, None
+        return "cancelled"
+    return None
 
 
 def _finish(lm, run: _Run, backend, raw: _Raw | None, reason: str, attach: bool) -> None:
@@ -483,8 +493,8 @@ def _finish(lm, run: _Run, backend, raw: _Raw | None, reason: str, attach: bool)
         backend.close()
     gen = run.gen
     gen.finish_reason = reason
-    if gen.token_ids:  # the final text from one whole decode (the steps' was incremental)
-        gen.text = _cut_at_stop(run.text.whole(), gen.stop)[0]
+    if gen.token_ids:  # the final text from one whole decode of the tokens taken (the steps' was incremental)
+        gen.text = _cut_at_stop(lm.tokenizer.decode(gen.token_ids, skip_special_tokens=True), gen.stop)[0]
     gen.kv_cache = raw.kv_report() if raw is not None else None
     gen.seconds = time.perf_counter() - run.started
     if attach and gen.steps:
@@ -632,34 +642,44 @@ def _engine_for_request(lm, n_prompt: int, n_steps: int, k: int):
 
 
 def _engine_steps(eng, lm, run: _Run) -> Iterator[_Raw]:
-    """The model's engine: submit, then one record per step from its queue (closing this cancels)."""
+    """The model's engine: submit, then one step per record from its queue (closing this cancels).
+    Each record becomes a Step on the engine thread (`EngineRequest.convert`): turned into text on
+    32 request threads, the records kept the engine thread waiting for the GIL (docs/PERFORMANCE.md)."""
     from model_core.engine import EngineRequest
 
     gen = run.gen
-    er = eng.submit(EngineRequest(ids=list(gen.prompt_ids), n_steps=run.n_steps, settings=gen.settings, seed=gen.seed,
-                                  eos=run.eos, keep_logits=run.req.keep_logits, keep_probs=run.req.keep_probs))
     per_token = eng.layer_bytes_per_token
     bytes_per_token = sum(per_token)
+    er = EngineRequest(ids=list(gen.prompt_ids), n_steps=run.n_steps, settings=gen.settings, seed=gen.seed,
+                       eos=run.eos, keep_logits=run.req.keep_logits, keep_probs=run.req.keep_probs)
+
+    def convert(rec) -> _Raw:  # on the engine thread
+        n = rec.tokens_cached  # the prompt and every token fed back so far
+        first = (er.first_token_at or time.perf_counter()) - er.submitted if rec.index == 0 else None
+        raw = _Raw(index=rec.index, packed=rec.packed, seconds=rec.seconds, kv_point=(n, n * bytes_per_token),
+                   kv_report=partial(_kv_report, lm, n, per_token), prefill_seconds=first,
+                   logits=rec.logits, probs=rec.probs, ended=rec.last)
+        raw.converted = _convert(run, raw)
+        return raw
+
+    er.convert = convert
+    eng.submit(er)
     turn = getattr(eng, "request_turn", None)
     try:
         while True:
             try:
-                rec = er.out.get(timeout=0.1)
+                raw = er.out.get(timeout=0.1)
             except queue.Empty:
                 if run.stopped():
                     er.cancel()
                 continue
             if turn is not None:
                 turn.wait(0.05)  # the engine's interpreter work first (Engine.request_turn); bounded
-            if rec is None:  # ended without a record: an error, or a cancel
+            if raw is None:  # ended without a record: an error, or a cancel
                 if er.error is not None:
                     raise er.error
                 return
-            n = rec.tokens_cached  # the prompt and every token fed back so far
-            first = (er.first_token_at or time.perf_counter()) - er.submitted if rec.index == 0 else None
-            yield _Raw(index=rec.index, packed=rec.packed, seconds=rec.seconds, kv_point=(n, n * bytes_per_token),
-                       kv_report=partial(_kv_report, lm, n, per_token), prefill_seconds=first,
-                       logits=rec.logits, probs=rec.probs, ended=rec.last)
+            yield raw if isinstance(raw, _Raw) else convert(raw)  # an engine that does not convert
     finally:
         er.cancel()
 
