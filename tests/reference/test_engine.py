@@ -199,6 +199,28 @@ def test_a_failing_request_does_not_fail_its_batch_mates():
     assert _drain(bad) == [] and bad.error is not None
 
 
+def test_a_record_that_fails_to_convert_fails_only_its_request():
+    """EngineRequest.convert runs on the engine thread (generate turns records into steps there): one
+    that raises ends its own request with that error; the batch-mate sharing the launch goes on."""
+    lm = load_model("random-llama-tiny")
+    eng = engine_for(lm)
+    s = SamplingSettings(temperature=0.0)
+
+    def breaks_at_third(rec):
+        if rec.index == 2:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a tokenizer that cannot decode this")
+        return rec
+
+    good = EngineRequest(ids=lm.tokenizer(PROMPTS[0])["input_ids"], n_steps=6, settings=s, seed=0, eos=set())
+    bad = EngineRequest(ids=lm.tokenizer(PROMPTS[1])["input_ids"], n_steps=6, settings=s, seed=0, eos=set(),
+                        convert=breaks_at_third)
+    with eng.hold():
+        eng.submit(good), eng.submit(bad)
+    assert [int(x.packed[0]) for x in _drain(good)] == _hf_greedy(lm, PROMPTS[0], 6) and good.error is None
+    assert len(_drain(bad)) == 2 and isinstance(bad.error, UnicodeDecodeError)
+    _wait(lambda: eng.stats_dict()["slots_in_use"] == 0, "the failed request's slot to be freed")
+
+
 def _drain(req, timeout=120):
     out, deadline = [], time.monotonic() + timeout
     while time.monotonic() < deadline:
