@@ -102,7 +102,13 @@ def _status(gen) -> str:
 def _kv_markdown(kv: dict | None) -> str:
     if not kv:
         return ""
-    ok = "equal" if kv["measured_total"] == kv["formula_total"] else "differ (sliding-window layers keep fewer tokens)"
+    if kv["measured_total"] == kv["formula_total"]:
+        ok = "equal"
+    elif kv["measured_total"] > kv["formula_total"]:  # the engine's slots on a sliding-window model
+        ok = ("differ: the formula keeps only the last window-1 tokens on sliding-window layers, as transformers' "
+              "own cache does; this server's engine keeps every position there and masks the far past")
+    else:
+        ok = "differ (sliding-window layers keep fewer tokens)"
     return (f"Formula: **{kv['expression']} = {kv['formula_total']:,} B**; measured key/value tensors: "
             f"**{kv['measured_total']:,} B** ({ok}). That is {kv['bytes_per_token']:,} B per token in "
             f"{kv['bytes_per_value'] * 8}-bit values.")

@@ -11,6 +11,11 @@ engine's rate with no request threads (records drained directly).
 
     .venv/bin/python bench/hand_out.py --users 1 8 32 --tokens 256 --step-ms 2.2 --releases 0 6 \
         --orders launch-first hand-out-first
+    .venv/bin/python bench/hand_out.py --users 32 --step-ms 2.2 --releases 4 --converts engine request --gates off on
+
+--converts: which thread turns records into steps and text (the engine's, as the real engine does through
+EngineRequest.convert, or each request's); --gates: whether request threads wait for the stand-in's turn
+(Engine.request_turn).
 """
 
 from __future__ import annotations

@@ -27,3 +27,22 @@ def new_cache(lm):
         return DynamicCache(config=lm.model.config)
     except TypeError:  # very old signature
         return DynamicCache()
+
+
+def full_prefill_cache(lm):
+    """A DynamicCache whose every layer keeps every position, sliding-window layers included (the
+    engine copies a prefill's keys and values into its slots position by position; the model's
+    masks still apply each layer's window). For a model without sliding-window layers, new_cache."""
+    from transformers import DynamicCache
+
+    if sliding_window_of(lm) is None:
+        return new_cache(lm)
+    return DynamicCache()
+
+
+def sliding_window_of(lm) -> int | None:
+    """The window of the model's "sliding_attention" layers, or None when it has none."""
+    cfg = lm.model.config
+    if "sliding_attention" not in (getattr(cfg, "layer_types", None) or []):
+        return None
+    return int(cfg.sliding_window)

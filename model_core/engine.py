@@ -23,7 +23,7 @@ on scratch buffers of the live ones' shapes) while the graphs above serve; the e
 re-captures every bucket from the compiled step, one per loop, and swaps it in.
 
 Run alone instead (`model_core.generate` keeps its own path for these): edits or a recorder active
-in the caller's context, sliding-window models, models split over several GPUs, a non-default
+in the caller's context, models split over several GPUs, a non-default
 number of recorded candidates.
 """
 
@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from model_core import decode_attention, hooks, settings
-from model_core.cache_api import cache_kwarg, new_cache
+from model_core.cache_api import cache_kwarg, full_prefill_cache, new_cache, sliding_window_of
 from model_core.row_sampling import ALL_STAGES, RowSettings, packed_width, sample_rows, stages_in_use
 from model_core.slot_cache import SlotCache
 
@@ -186,11 +186,12 @@ class StepBuffers:
     out_final: torch.Tensor  # [K, S, V]
 
     @classmethod
-    def allocate(cls, shapes, slots: int, max_len: int, vocab: int, dtype, device, steps: int = 1) -> StepBuffers:
+    def allocate(cls, shapes, slots: int, max_len: int, vocab: int, dtype, device, steps: int = 1,
+                 sliding_window: int | None = None) -> StepBuffers:
         def zeros(*shape, dtype=torch.float32):
             return torch.zeros(*shape, dtype=dtype, device=device)
 
-        return cls(SlotCache(shapes, slots, max_len, dtype, device), zeros(slots, dtype=torch.long),
+        return cls(SlotCache(shapes, slots, max_len, dtype, device, sliding_window), zeros(slots, dtype=torch.long),
                    zeros(slots, dtype=torch.long), zeros(slots, dtype=torch.bool), zeros(slots, dtype=torch.long),
                    zeros(slots, vocab, dtype=torch.bool), RowSettings.empty(slots, device),
                    zeros(steps, slots, packed_width(RECORDED)), zeros(steps, slots, vocab), zeros(steps, slots, vocab))
@@ -403,8 +404,9 @@ class Engine:
         self._shapes = [(l.keys.shape[1], l.keys.shape[3]) for l in probe.layers]
         per_slot = sum(2 * h * d for h, d in self._shapes) * self.max_len * torch.empty((), dtype=self.dtype).element_size()
         self.slots = max(1, min(self.slots, kv_budget_bytes(self.device, self._kv_cache_mb) // per_slot))
+        self._sliding_window = sliding_window_of(lm)
         self.live = StepBuffers.allocate(self._shapes, self.slots, self.max_len, self.vocab, self.dtype, self.device,
-                                         self.steps_per_launch)
+                                         self.steps_per_launch, self._sliding_window)
         self.layer_bytes_per_token = self.live.cache.layer_bytes_per_token()
         S, dev = self.slots, self.device
         # a ring of host buffers for the steps in flight, with a numpy view and an event each: every
@@ -454,7 +456,7 @@ class Engine:
         slots = free[: len(reqs)]
         lens = [len(r.ids) for r in reqs]
         ids = torch.tensor([r.ids + [0] * (max(lens) - n) for r, n in zip(reqs, lens)]).to(self.device)  # [N, T]
-        pre = new_cache(lm)
+        pre = full_prefill_cache(lm)
         keep = sorted({n - 1 for n in lens})
         out = lm.model(input_ids=ids, use_cache=True, logits_to_keep=keep, **{cache_kwarg(lm.model): pre}).logits
         logits = torch.stack([out[i, keep.index(n - 1)] for i, n in enumerate(lens)]).float()  # [N, V]
@@ -513,8 +515,9 @@ class Engine:
         if fast:
             forward, sample = self._fast_forward, self._fast_sample.get(stages, sample_rows)
             extra = {decode_attention.SLOT_DECODE: True}
-            _mark_dynamic((input_ids, 0), (position_ids, 0), (mask, 0), (mask, 3), (b.cache.write_pos, 0),
-                          (b.cache.span, 0))
+            masks = mask.values() if isinstance(mask, dict) else [mask]  # one per layer type with sliding windows
+            _mark_dynamic((input_ids, 0), (position_ids, 0), *((m, d) for m in masks for d in (0, 3)),
+                          (b.cache.write_pos, 0), (b.cache.span, 0))
         logits = forward(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
                          logits_to_keep=1, **{cache_kwarg(lm.model): b.cache}, **extra).logits[:, -1].float()
         st = b.row_settings.rows(slice(0, B))
@@ -687,7 +690,7 @@ class Engine:
             with torch.inference_mode(), (torch.cuda.stream(stream) if stream else contextlib.nullcontext()):
                 # inference tensors like the live ones (a compiled graph guards on the difference)
                 scratch = StepBuffers.allocate(self._shapes, self.slots, self.max_len, self.vocab, self.dtype,
-                                               self.device, self.steps_per_launch)
+                                               self.device, self.steps_per_launch, self._sliding_window)
                 shapes = [(B, st) for B in sorted({1, min(2, self.slots)}) for st in (ALL_STAGES, GREEDY_ONLY)]
                 for B, st in shapes:
                     self._step(B, self._length_buckets[0], scratch, st, fast=True)
@@ -847,7 +850,7 @@ def can_use_engine(lm, enabled: bool | None = None) -> bool:
     if getattr(lm.model, "hf_device_map", None) and len(set(lm.model.hf_device_map.values())) > 1:
         return False
     types = getattr(lm.model.config, "layer_types", None) or []
-    if any(t != "full_attention" for t in types):
+    if any(t not in ("full_attention", "sliding_attention") for t in types):
         return False
     return hooks.active_recorder() is None
 

@@ -9,6 +9,10 @@ lengths share a step without padding or copying, and the tensors a CUDA graph ca
 transformers' attention layers call `cache.update(key, value, layer_idx)` and use what it returns
 as the keys and values to attend over; that is all this class provides (like `StaticCache`, but
 with a position per row instead of one `cache_position` for the whole batch).
+
+Sliding-window layers (Gemma 3's local layers) keep every position too; their mask lets a row see
+only its last `sliding_window` positions (transformers' `sliding_window_overlay`), so the model
+gets one mask per layer type (`window` returns {layer type: mask}).
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ import torch
 
 
 class SlotCache:
-    def __init__(self, layer_shapes: list[tuple[int, int]], slots: int, max_len: int, dtype, device):
-        """layer_shapes: (kv_heads, head_dim) per layer."""
-        self.slots, self.max_len = slots, max_len
+    def __init__(self, layer_shapes: list[tuple[int, int]], slots: int, max_len: int, dtype, device,
+                 sliding_window: int | None = None):
+        """layer_shapes: (kv_heads, head_dim) per layer; sliding_window: the window of the model's
+        "sliding_attention" layers (None: it has none)."""
+        self.slots, self.max_len, self.sliding_window = slots, max_len, sliding_window
         self.keys = [torch.zeros(slots, h, max_len, d, dtype=dtype, device=device) for h, d in layer_shapes]
         self.values = [torch.zeros_like(k) for k in self.keys]
         self.positions = torch.arange(max_len, device=device)  # [max_len]; a step's window is a prefix
@@ -40,11 +46,16 @@ class SlotCache:
     def allocated_bytes(self) -> int:
         return sum(k.numel() * k.element_size() * 2 for k in self.keys)
 
-    def window(self, rows: int, length: int, write_pos: torch.Tensor) -> torch.Tensor:
+    def window(self, rows: int, length: int, write_pos: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
         """The next forward runs slots [0, rows) and attends over positions [0, length); returns its
-        attention mask (`step_mask`)."""
+        attention mask (`step_mask`), or with sliding-window layers one per layer type (the
+        mapping transformers' models take as `attention_mask`)."""
         self.write_pos, self.span = write_pos[:rows], self.positions[:length]
-        return step_mask(self.write_pos, self.span, self.keys[0].dtype)
+        full = step_mask(self.write_pos, self.span, self.keys[0].dtype)
+        if self.sliding_window is None:
+            return full
+        return {"full_attention": full,
+                "sliding_attention": step_mask(self.write_pos, self.span, self.keys[0].dtype, self.sliding_window)}
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key, value [rows, kv_heads, 1, head_dim] -> every row's keys/values [rows, kv_heads, length, head_dim]."""
@@ -64,16 +75,19 @@ class SlotCache:
 
     def load_rows(self, slots: torch.Tensor, prefill_cache, tokens: int) -> None:
         """Copy every row of a prefill's DynamicCache (row i -> slot slots[i]), its first `tokens`
-        positions, with one copy per layer. Positions past a row's own prompt hold the padding's
+        positions, with one copy per layer. Every layer of that cache must hold every position
+        (`full_prefill_cache`: transformers' sliding-window layers keep only the last few). Positions past a row's own prompt hold the padding's
         keys: never attended (a row writes position p before it attends over 0..p)."""
         for l, layer in enumerate(prefill_cache.layers):
             self.keys[l][slots, :, :tokens] = layer.keys[:, :, :tokens].to(self.keys[l].dtype)
             self.values[l][slots, :, :tokens] = layer.values[:, :, :tokens].to(self.values[l].dtype)
 
 
-def step_mask(write_pos: torch.Tensor, span: torch.Tensor, dtype) -> torch.Tensor:
+def step_mask(write_pos: torch.Tensor, span: torch.Tensor, dtype, sliding_window: int | None = None) -> torch.Tensor:
     """write_pos [rows], span [length] (0..length-1) -> additive attention mask [rows, 1, 1, length]:
-    row b sees keys 0..write_pos[b]."""
+    row b sees keys 0..write_pos[b], or with a sliding window only the last `sliding_window` of them."""
     allowed = span[None, :] <= write_pos[:, None]  # [rows, length]
+    if sliding_window is not None:
+        allowed &= span[None, :] > write_pos[:, None] - sliding_window
     mask = torch.zeros(allowed.shape, dtype=dtype, device=write_pos.device)
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None, None, :]

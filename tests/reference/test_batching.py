@@ -64,13 +64,13 @@ def _queued_together(b, kind, fns):
     return out
 
 
-def test_sliding_window_models_generate_alone_and_still_correct():
+def test_sliding_window_models_generate_on_the_engine_and_still_correct():
     from test_engine import _hf_greedy  # transformers' own greedy generate, one prompt alone
 
     from model_core.engine import can_use_engine
 
     lm = load_model("random-gemma3-tiny")
-    assert not can_use_engine(lm)  # sliding windows run on the plain path
+    assert can_use_engine(lm)  # sliding windows: the engine masks them (model_core.slot_cache)
     gens = _concurrent(lm, lambda i: generate(lm, PROMPTS[i], max_new_tokens=6, ignore_eos=True), 2)
     for prompt, g in zip(PROMPTS, gens):
         assert g.token_ids == _hf_greedy(lm, prompt, 6)

@@ -120,8 +120,10 @@ def test_seeded_draws_follow_the_distribution():
     torch.testing.assert_close(freq, torch.softmax(logits[0], -1), atol=0.025, rtol=0)
 
 
-@pytest.mark.parametrize("name", [DEFAULT, "random-llama-tiny", "random-gpt2-tiny"])
+@pytest.mark.parametrize("name", [DEFAULT, "random-llama-tiny", "random-gpt2-tiny", "random-gemma3-tiny"])
 def test_generations_that_ran_together_equal_transformers_generate_alone(name):
+    """random-gemma3-tiny: three sliding-window layers of 6 positions and one global, prompts of 14-36
+    tokens and 10 more: past the window, where transformers' own cache drops old positions."""
     lm = load_model(name)
     eng = engine_for(lm)
     n_new = 10

@@ -223,8 +223,14 @@ def test_kv_cache_formula_equals_measured_bytes(default_lm):
     assert kv_cache_formula(default_lm, 1, torch.bfloat16)["total"] == 23_040  # DESIGN.md's number
 
 
-def test_kv_cache_sliding_window_and_timing():
+def test_kv_cache_sliding_window_and_timing(monkeypatch):
     gm = load_model("random-gemma3-tiny")  # sliding window 6 on three of four layers
+    # the engine's slots keep every position on every layer (the mask applies the window)
+    g = generate(gm, "hello world", max_new_tokens=6, ignore_eos=True)
+    kv = g.kv_cache
+    assert kv["tokens_per_layer"] == [kv["tokens"]] * 4 and kv["measured_total"] > kv["formula_total"]
+    # transformers' own DynamicCache, on the plain path, keeps window-1 tokens there: the formula's count
+    monkeypatch.setenv("LMSCOPE_ENGINE", "0")
     g = generate(gm, "hello world", max_new_tokens=6, ignore_eos=True)
     kv = g.kv_cache
     assert kv["measured_per_layer"] == kv["formula_per_layer"]
