@@ -60,7 +60,8 @@ LOOKAHEAD = 1  # launches ahead of the one whose records are handed out (CUDA)
 # drops the GIL and must win it back from the request threads turning records into text); at 32
 # rows one step per launch left the engine waiting behind them (docs/PERFORMANCE.md). Rows join
 # and leave between launches; a row ends exactly at its last token on the device (RowSettings.step
-# against its limit) and at most this many steps late after EOS, a stop string or a cancel.
+# against its limit) and at most 2 x this - 1 steps late after EOS, a stop string or a cancel
+# (the launch in flight and the one after it).
 STEPS_PER_LAUNCH = 4
 GREEDY_ONLY = frozenset()  # the stages when every running row is greedy without a penalty
 
@@ -568,6 +569,7 @@ class Engine:
         extra = {r.slot: (self.live.out_logits[:, r.slot].to("cpu", copy=True),
                           self.live.out_final[:, r.slot].to("cpu", copy=True)) for r in want}
         useful = []  # per row, the launch's steps it takes (the device stops it at its limit)
+        starts = [r.tokens for r in rows]  # per row, tokens in its cache before this launch
         for r in rows:
             n = min(K, r.req.n_steps - r.launched)
             useful.append(n)
@@ -577,10 +579,10 @@ class Engine:
         self.stats.tokens += sum(useful)
         self.stats.batch_sizes[len(rows)] = self.stats.batch_sizes.get(len(rows), 0) + K
         self.stats.launch_s += time.perf_counter() - t0
-        return rows, useful, B, ring, event, extra
+        return rows, useful, starts, B, ring, event, extra
 
     def _hand_out(self, launched) -> None:
-        rows, useful, B, ring, event, extra = launched
+        rows, useful, starts, B, ring, event, extra = launched
         t0 = time.perf_counter()
         if event is not None:
             if self._gate:  # the request threads' turn while the device works
@@ -591,20 +593,23 @@ class Engine:
                 event.synchronize()
         t1 = time.perf_counter()
         host = self._pinned_np[ring][:, :B].tolist()  # [K][B] records
-        for r, n in zip(rows, useful):
+        for r, n, start in zip(rows, useful, starts):
             lg, fin = extra.get(r.slot, (None, None))
             for k in range(n):
                 if r.done:
                     break  # finished at a step before (seen only now: EOS, a cancel)
-                self._emit(r, host[k][r.slot], None if lg is None else lg[k], None if fin is None else fin[k])
+                self._emit(r, host[k][r.slot], None if lg is None else lg[k], None if fin is None else fin[k],
+                           tokens_cached=start + k + 1)
         self.stats.wait_s += t1 - t0
         self.stats.hand_out_s += time.perf_counter() - t1
 
-    def _emit(self, row: _Row, packed: list[float], logits=None, final=None) -> None:
+    def _emit(self, row: _Row, packed: list[float], logits=None, final=None, tokens_cached: int | None = None) -> None:
+        """Hand a row its record; tokens_cached: its cache's tokens once this step's token was fed
+        back (None: as the row stands, the prefill's record)."""
         req, now = row.req, time.perf_counter()
         chosen = int(packed[0])
         last = (chosen in req.eos or row.emitted + 1 >= req.n_steps or req.cancelled.is_set())
-        rec = Record(index=row.emitted, packed=packed, seconds=now - row.t_last, tokens_cached=row.tokens,
+        rec = Record(index=row.emitted, packed=packed, seconds=now - row.t_last, tokens_cached=row.tokens if tokens_cached is None else tokens_cached,
                      last=last)
         if req.keep_logits and logits is not None:
             rec.logits = logits.detach().to("cpu", copy=True)

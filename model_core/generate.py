@@ -662,26 +662,31 @@ def _engine_steps(eng, lm, run: _Run) -> Iterator[_Raw]:
         raw.converted = _convert(run, raw)
         return raw
 
-    er.convert = convert
+    if not run.text.full_only:  # a tokenizer decoded whole every token would slow every row: here
+        er.convert = convert
     eng.submit(er)
     turn = getattr(eng, "request_turn", None)
     try:
         while True:
             try:
-                raw = er.out.get(timeout=0.1)
+                raw = er.out.get_nowait()  # the rest of a launch's records: no waiting between them
             except queue.Empty:
-                if run.stopped():
-                    er.cancel()
-                continue
-            if turn is not None:
-                turn.wait(0.05)  # the engine's interpreter work first (Engine.request_turn); bounded
+                try:
+                    raw = er.out.get(timeout=0.1)
+                except queue.Empty:
+                    if run.stopped():
+                        er.cancel()
+                    continue
+                if turn is not None:  # a new burst: the engine's interpreter work first (Engine.request_turn)
+                    turn.wait(0.05)
             if raw is None:  # ended without a record: an error, or a cancel
                 if er.error is not None:
                     raise er.error
                 return
-            yield raw if isinstance(raw, _Raw) else convert(raw)  # an engine that does not convert
+            yield raw if isinstance(raw, _Raw) else convert(raw)  # not converted by the engine
     finally:
         er.cancel()
+        er.convert = None  # the closure refers to er: no cycle left for the collector
 
 
 # ---------------------------------------------------------------------------------------------

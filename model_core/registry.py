@@ -384,9 +384,11 @@ def load_model(name: str = DEFAULT_MODEL, device: str | None = None, dtype: str 
         limit = max_loaded if max_loaded is not None else current_settings().max_loaded_models
         while len(_LOADED) > max(1, limit):
             _LOADED.popitem(last=False)
-            # an engine froze the heap (engine.freeze_heap): whatever of the dropped model only
-            # cycles keep alive must be collectable again
-            gc.unfreeze()
+            if gc.get_freeze_count():  # an engine froze the heap (engine.freeze_heap): what of the
+                from model_core.engine import freeze_heap  # dropped model only cycles keep alive
+
+                gc.unfreeze()  # must be collectable again, and what stays is frozen again
+                freeze_heap()
         return lm
 
 

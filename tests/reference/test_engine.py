@@ -249,6 +249,7 @@ def test_several_steps_per_launch_equal_transformers_generate_alone():
 
     lm = load_model(DEFAULT)
     eng = Engine(lm, slots=4, max_len=64, use_graphs=False, compile=False, steps_per_launch=3)
+    eng.lookahead = 1  # as on a GPU: a launch's records are handed out after the next launch
     try:
         lengths = [4, 7, 9]  # 1 from the prefill, then launches of 3
         reqs = [EngineRequest(ids=lm.tokenizer(p)["input_ids"], n_steps=n, settings=SamplingSettings(temperature=0.0),
@@ -265,6 +266,8 @@ def test_several_steps_per_launch_equal_transformers_generate_alone():
         for prompt, n, got in zip(PROMPTS, lengths + [8], recs):
             assert [int(x.packed[0]) for x in got] == _hf_greedy(lm, prompt, n), prompt
             assert [x.index for x in got] == list(range(n))
+            p = len(lm.tokenizer(prompt)["input_ids"])  # each record: the cache once its token is fed back
+            assert [x.tokens_cached for x in got] == list(range(p, p + n)), prompt
         for got in recs[:3]:
             assert [int(x.logits.argmax()) for x in got] == [int(x.packed[0]) for x in got]
         assert eng.stats.steps % 3 == 0 and eng.stats.tokens == sum(lengths) + 8 - 4  # prefills' tokens aside
