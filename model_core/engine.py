@@ -237,7 +237,7 @@ class Engine:
         # Set while request threads may turn records into text. With CUDA graphs this thread clears it
         # while it admits, launches and hands out, and sets it while it waits for the device: each of
         # its torch calls drops the GIL, and with 32 request threads running it waited behind them for
-        # each one (docs/PERFORMANCE.md). Request threads wait for it between records (bounded: see
+        # each one (docs/PERFORMANCE.md). Request threads wait for it when new records arrive (bounded: see
         # model_core.generate). Eager steps run on this thread's own time: there it stays set.
         self.request_turn = threading.Event()
         self.request_turn.set()
