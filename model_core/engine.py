@@ -234,7 +234,7 @@ class Engine:
         # Request threads turn records into text while this thread launches steps: with Python's
         # default 5 ms GIL switch interval a waiting thread can stall a whole decode step.
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL))
-        # Set while request threads may turn records into text. With CUDA graphs this thread clears it
+        # Set while request threads may run (take their steps, their callers' loops). With CUDA graphs this thread clears it
         # while it admits, launches and hands out, and sets it while it waits for the device: each of
         # its torch calls drops the GIL, and with 32 request threads running it waited behind them for
         # each one (docs/PERFORMANCE.md). Request threads wait for it when new records arrive (bounded: see
