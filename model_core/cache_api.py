@@ -41,8 +41,5 @@ def full_prefill_cache(lm):
 
 
 def sliding_window_of(lm) -> int | None:
-    """The window of the model's "sliding_attention" layers, or None when it has none."""
-    cfg = lm.model.config
-    if "sliding_attention" not in (getattr(cfg, "layer_types", None) or []):
-        return None
-    return int(cfg.sliding_window)
+    """The window of the model's sliding-window layers (its adapter's `sliding_window`), or None."""
+    return next((w for w in map(lm.adapter.sliding_window, range(lm.shape.n_layers)) if w), None)

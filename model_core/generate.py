@@ -287,7 +287,8 @@ def recorded_stages(settings: SamplingSettings) -> tuple[tuple[int, str], ...]:
 
 def _unpack(packed, k: int, settings: SamplingSettings, stages: tuple | None = None) -> dict:
     """A packed record (tensor or list, `sample_step` / `row_sampling.sample_rows` layout) -> Step fields.
-    Runs once per token per user on the request's thread, so it stays lean (stages: precomputed)."""
+    Runs once per token per user (on the engine thread for the engine's requests), so it stays lean
+    (stages: precomputed)."""
     v = packed.tolist() if torch.is_tensor(packed) else packed
     stages = recorded_stages(settings) if stages is None else stages
     a, b, c, d, e = 15, 15 + k, 15 + 2 * k, 15 + 3 * k, 15 + 4 * k  # top ids, top probs, codes, after ids, after probs
