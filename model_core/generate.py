@@ -561,7 +561,13 @@ class TextSoFar:
             head = self._decode(self.ids[lo:])
             if head and not head[0].isspace():
                 self.settled, self.start, self.lo, self.head = whole, n, lo, head
-                return  # else: no overlap found yet; the settled part stays where it was
+                return
+        # Prose without punctuation: every token of the last few starts with a space. The last token
+        # still serves where the whole text ends with its decode (a decoder that strips the leading
+        # space strips it in the window too); left unsettled, every later step would decode everything.
+        head = self._decode(self.ids[n - 1:])
+        if head and whole.endswith(head):
+            self.settled, self.start, self.lo, self.head = whole, n, n - 1, head
 
 
 def _piece_decoder(tok) -> Callable[[list[int]], str]:

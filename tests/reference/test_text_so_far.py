@@ -1,7 +1,7 @@
 """The generation's text as it grows (model_core.generate.TextSoFar) against the reference: the
 tokenizer's own `decode(ids, skip_special_tokens=True)` of every prefix, on the default model's
 byte-level BPE and the sentencepiece-style tokenizers of the random Gemma 3 and Llama models, for
-prose with spaces before punctuation, Burmese, emoji and code, and for random ids (most of them
+prose with spaces before punctuation, prose without punctuation, Burmese, emoji and code, and for random ids (most of them
 halves of a character's bytes). A decoder whose text depends on more than one neighbouring token
 is caught at the next check against a whole decode and decoded whole from then on (the finished
 generation's text is one whole decode either way)."""
@@ -20,6 +20,9 @@ TEXTS = [
     "The cat sat on the mat . It 's fine , isn't it ? Yes !  Two  spaces\tand\ttabs\n\nnew lines",
     "မြန်မာဘာသာစကားသည် မြန်မာနိုင်ငံ၏ ရုံးသုံးဘာသာစကားဖြစ်သည်။ 🙂👍🏽🇫🇷 日本語のテキスト",
     "def f(x):\n    return x**2  # square\n",
+    # no punctuation: every token starts with a space (no overlap starting with a visible character)
+    "the quick brown fox jumps over a lazy dog while seven curious students measure how far sound "
+    "travels in warm air and cold water before the evening bell rings across the quiet valley",
 ]
 
 
@@ -37,12 +40,18 @@ def _check_every_prefix(tok, ids) -> TextSoFar:
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct", "random-gemma3-tiny", "random-llama-tiny"])
-def test_incremental_text_equals_decode_of_every_prefix(name):
+def test_incremental_text_equals_decode_of_every_prefix(name, monkeypatch):
     lm = load_model(name, device="cpu")
+    whole_decodes = []
+    whole = TextSoFar.whole
+    monkeypatch.setattr(TextSoFar, "whole", lambda self: whole_decodes.append(1) or whole(self))
     for ids in _sequences(lm.tokenizer, lm.shape.vocab_size):
+        whole_decodes.clear()
         text = _check_every_prefix(lm.tokenizer, ids)
-        # it did decode piecewise (a silent fall-back to whole decodes would pass the check above)
+        # it did decode piecewise (a silent fall-back to whole decodes would pass the check above):
+        # one whole decode per SETTLE_EVERY tokens, not one a step (54 for 99 words without punctuation)
         assert not text.full_only and text.start >= len(ids) - 2 * TextSoFar.SETTLE_EVERY
+        assert len(whole_decodes) <= len(ids) / TextSoFar.SETTLE_EVERY + 2, (len(whole_decodes), len(ids))
 
 
 def _llama2_style_tokenizer() -> PreTrainedTokenizerFast:
