@@ -80,18 +80,21 @@ class StandInEngine:
                 self._launch()
             now = time.perf_counter()
             self.late_s += max(0.0, now - due)
-            for row in rows:  # the real engine's hand-out: one Record per row, one put
+            puts = []
+            for row in rows:  # the real engine's hand-out: one Record per row, queued once all are made
                 req, i = row
                 packed = list(self._packed[i % len(self._packed)])
                 packed[0] = float(self._ids[i % len(self._ids)])
                 last = i + 1 >= req.n_steps or req.cancelled.is_set()
                 rec = Record(index=i, packed=packed, seconds=self.step_s, tokens_cached=i + 1, last=last)
-                req.out.put(rec if req.convert is None or not self.convert else req.convert(rec))
+                puts.append((req.out, rec if req.convert is None or not self.convert else req.convert(rec)))
                 row[1] = i + 1
                 if last:
-                    req.out.put(None)
+                    puts.append((req.out, None))
                     with self._cv:
                         self._rows.remove(row)
+            for q, item in puts:
+                q.put(item)
             if not self.launch_first:  # right after waking every request thread
                 self._launch()
             self.steps += 1

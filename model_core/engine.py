@@ -480,14 +480,17 @@ class Engine:
         b.row_settings.step[idx] = 1
         host = packed.tolist()
         now = time.perf_counter()
-        going_on = []
-        for i, (r, slot, n) in enumerate(zip(reqs, slots, lens)):
-            row = _Row(req=r, slot=slot, launched=1, tokens=n, t_last=t0)
-            self._rows[slot] = row
-            r.first_token_at = now
-            self._emit(row, host[i], logits[i], final[i])
-            if not row.done and row.launched < r.n_steps:
-                going_on.append(slot)
+        going_on, puts = [], []
+        try:
+            for i, (r, slot, n) in enumerate(zip(reqs, slots, lens)):
+                row = _Row(req=r, slot=slot, launched=1, tokens=n, t_last=t0)
+                self._rows[slot] = row
+                r.first_token_at = now
+                self._emit(row, host[i], puts, logits[i], final[i])
+                if not row.done and row.launched < r.n_steps:
+                    going_on.append(slot)
+        finally:
+            self._deliver(puts)
         if going_on:
             b.active[torch.tensor(going_on, device=self.device)] = True
         self.stats.prefills += 1
@@ -593,19 +596,25 @@ class Engine:
                 event.synchronize()
         t1 = time.perf_counter()
         host = self._pinned_np[ring][:, :B].tolist()  # [K][B] records
-        for r, n, start in zip(rows, useful, starts):
-            lg, fin = extra.get(r.slot, (None, None))
-            for k in range(n):
-                if r.done:
-                    break  # finished at a step before (seen only now: EOS, a cancel)
-                self._emit(r, host[k][r.slot], None if lg is None else lg[k], None if fin is None else fin[k],
-                           tokens_cached=start + k + 1)
+        puts: list = []
+        try:
+            for r, n, start in zip(rows, useful, starts):
+                lg, fin = extra.get(r.slot, (None, None))
+                for k in range(n):
+                    if r.done:
+                        break  # finished at a step before (seen only now: EOS, a cancel)
+                    self._emit(r, host[k][r.slot], puts, None if lg is None else lg[k],
+                               None if fin is None else fin[k], tokens_cached=start + k + 1)
+        finally:  # rows that ended here are no longer the engine's to fail: theirs go out whatever happens
+            self._deliver(puts)
         self.stats.wait_s += t1 - t0
         self.stats.hand_out_s += time.perf_counter() - t1
 
-    def _emit(self, row: _Row, packed: list[float], logits=None, final=None, tokens_cached: int | None = None) -> None:
-        """Hand a row its record; tokens_cached: its cache's tokens once this step's token was fed
-        back (None: as the row stands, the prefill's record)."""
+    def _emit(self, row: _Row, packed: list[float], puts: list, logits=None, final=None,
+              tokens_cached: int | None = None) -> None:
+        """Make a row's record (converted where the request asks) and add it to `puts`, the (queue,
+        item) pairs _deliver puts once every row's are made; tokens_cached: the row's cache's tokens
+        once this step's token was fed back (None: as the row stands, the prefill's record)."""
         req, now = row.req, time.perf_counter()
         chosen = int(packed[0])
         last = (chosen in req.eos or row.emitted + 1 >= req.n_steps or req.cancelled.is_set())
@@ -623,13 +632,21 @@ class Engine:
                 item = req.convert(rec)
             except Exception as e:  # noqa: BLE001 - this request fails alone
                 self._free(row)
-                self._fail(req, e)
+                req.error = e
+                puts.append((req.out, None))
                 return
         if last:
             self._free(row)
-        req.out.put(item)
+        puts.append((req.out, item))
         if last:
-            req.out.put(None)
+            puts.append((req.out, None))
+
+    @staticmethod
+    def _deliver(puts: list) -> None:
+        """Queue what _emit made. Only now: a put wakes its request thread, which would take the
+        interpreter from this one in the middle of a hand-out (32 times a launch at 32 users)."""
+        for q, item in puts:
+            q.put(item)
 
     def _free(self, row: _Row) -> None:
         row.done = True

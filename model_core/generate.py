@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field, replace
-from functools import partial
+from functools import cached_property, partial
 
 import torch
 
@@ -117,28 +117,52 @@ def _stopper(should_stop: ShouldStop) -> Callable[[], bool]:
 # ---------------------------------------------------------------------------------------------
 # Records
 
-@dataclass
+# The fields of a step's packed record (`_unpack`), read from it the first time one is asked for:
+# unpacked eagerly, 32 users' records took 15% of the interpreter on the engine thread
+# (docs/PERFORMANCE.md), and most consumers read a few steps' fields, not every step's.
+_RECORD_FIELDS = {
+    "chosen_prob": float,  # the model's probability for the chosen token (softmax of the raw logits)
+    "chosen_prob_filtered": float,  # probability under the distribution it was drawn from
+    "chosen_rank": int,  # 1 = the model's top choice (rank among the raw logits)
+    "entropy": float,  # nats, of the model's raw distribution
+    "entropy_filtered": float,  # nats, of the distribution after the filters
+    "top_ids": list,  # [int] top candidates before the filters (raw softmax)
+    "top_probs": list,  # [float]
+    "top_removed_by": list,  # [str | None] which stage removed each of those candidates (None = kept)
+    "after_ids": list,  # [int] top candidates after the filters
+    "after_probs": list,  # [float]
+    "removed": dict,  # stage -> {"n_removed": int, "kept_mass": float}
+    "n_candidates": int,  # tokens left with nonzero probability after the filters
+}
+
+
+@dataclass(eq=False)
 class Step:
+    """One generated token and its record. The record's fields (_RECORD_FIELDS: chosen_prob, top_ids,
+    removed, ...) read like attributes and are unpacked from `record` when one is first read."""
     index: int  # 0-based step number
     position: int  # position of the chosen token in the full sequence
     chosen_id: int
-    chosen_prob: float  # the model's probability for it (softmax of the raw logits)
-    chosen_prob_filtered: float  # probability under the distribution it was drawn from
-    chosen_rank: int  # 1 = the model's top choice (rank among the raw logits)
-    entropy: float  # nats, of the model's raw distribution
-    entropy_filtered: float  # nats, of the distribution after the filters
-    top_ids: list[int]  # top candidates before the filters (raw softmax)
-    top_probs: list[float]
-    top_removed_by: list[str | None]  # which stage removed each of those candidates (None = kept)
-    after_ids: list[int]  # top candidates after the filters
-    after_probs: list[float]
-    removed: dict[str, dict]  # stage -> {"n_removed": int, "kept_mass": float}
-    n_candidates: int  # tokens left with nonzero probability after the filters
     seconds: float  # wall time of this step (forward + sampling + recording)
     text_so_far: str = ""  # decoded continuation after this step
     attention: torch.Tensor | None = None  # [layers, context] head-mean, on request
     logits: torch.Tensor | None = None  # [V] raw logits, on request (tests, research)
     probs: torch.Tensor | None = None  # [V] filtered distribution, on request
+    record: list[float] = field(default_factory=list, repr=False)  # sample_step's packed layout
+    k: int = 0  # candidates recorded before and after the filters
+    stages: tuple = field(default=(), repr=False)  # recorded_stages of the settings it was drawn with
+
+    @cached_property
+    def _fields(self) -> dict:
+        return _unpack(self.record, self.k, None, self.stages)
+
+    def __repr__(self) -> str:
+        return (f"Step(index={self.index}, chosen_id={self.chosen_id}, chosen_prob={self.chosen_prob:.4g}, "
+                f"chosen_rank={self.chosen_rank}, text_so_far={self.text_so_far!r})")
+
+
+for _name in _RECORD_FIELDS:
+    setattr(Step, _name, property(lambda self, _n=_name: self._fields[_n]))
 
 
 @dataclass
@@ -287,8 +311,7 @@ def recorded_stages(settings: SamplingSettings) -> tuple[tuple[int, str], ...]:
 
 def _unpack(packed, k: int, settings: SamplingSettings, stages: tuple | None = None) -> dict:
     """A packed record (tensor or list, `sample_step` / `row_sampling.sample_rows` layout) -> Step fields.
-    Runs once per token per user (on the engine thread for the engine's requests), so it stays lean
-    (stages: precomputed)."""
+    Runs when a Step's record field is first read (stages: precomputed, as Steps carry them)."""
     v = packed.tolist() if torch.is_tensor(packed) else packed
     stages = recorded_stages(settings) if stages is None else stages
     a, b, c, d, e = 15, 15 + k, 15 + 2 * k, 15 + 3 * k, 15 + 4 * k  # top ids, top probs, codes, after ids, after probs
@@ -458,11 +481,13 @@ def _convert(run: _Run, raw: _Raw) -> tuple[Step, str | None]:
     """One raw step as a Step with the text so far, and the stop string it completed (or None). Reads
     the run's settings and grows run.text, nothing else of the run: for the engine's requests it runs
     on the engine thread, in order, while the request's own thread reads the Generation."""
-    gen = run.gen
-    info = _unpack(raw.packed, run.k, gen.settings, run.stages)
-    text, hit = _cut_at_stop(run.text.add(info["chosen_id"]), gen.stop)
-    step = Step(index=raw.index, position=len(gen.prompt_ids) + raw.index, seconds=raw.seconds,
-                text_so_far=text, logits=raw.logits, probs=raw.probs, **info)
+    gen, record = run.gen, raw.packed
+    if torch.is_tensor(record):
+        record = record.tolist()
+    chosen = int(record[0])
+    text, hit = _cut_at_stop(run.text.add(chosen), gen.stop)
+    step = Step(index=raw.index, position=len(gen.prompt_ids) + raw.index, chosen_id=chosen, seconds=raw.seconds,
+                text_so_far=text, logits=raw.logits, probs=raw.probs, record=record, k=run.k, stages=run.stages)
     return step, hit
 
 
@@ -536,8 +561,8 @@ class TextSoFar:
         self.full_only = bool(getattr(tok, "_lmscope_full_decode", False))
         self._decode = _piece_decoder(tok)
 
-    def whole(self) -> str:
-        return self.tok.decode(self.ids, skip_special_tokens=True)  # the reference every check is against
+    def whole(self) -> str:  # the reference every check is against: decode(ids) through what tok.decode runs
+        return self._decode(self.ids)
 
     def add(self, token_id: int) -> str:
         self.ids.append(int(token_id))
@@ -573,8 +598,8 @@ class TextSoFar:
 def _piece_decoder(tok) -> Callable[[list[int]], str]:
     """`tok.decode(ids, skip_special_tokens=True)` for TextSoFar's windows. Where that is the `tokenizers`
     backend's decode and nothing more (transformers' `TokenizersBackend` without space clean-up), the
-    backend is called directly: transformers' argument conversion cost 3.6 of 6.4 us a call. Either way
-    TextSoFar checks its text against `tok.decode` itself every SETTLE_EVERY tokens."""
+    backend is called directly: transformers' argument conversion cost 3.6 of 6.4 us a call (and 5% of
+    the interpreter's time at 32 users, in the whole decodes every SETTLE_EVERY tokens)."""
     try:
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
     except ImportError:  # transformers without it: the wrapper
