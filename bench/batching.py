@@ -108,9 +108,6 @@ def main(argv=None) -> int:
     ap.add_argument("--gate", nargs="+", choices=["on", "off"], default=None,
                     help="request threads wait for the engine's turn (Engine.request_turn), each measured in turn "
                          "(default: the engine's)")
-    ap.add_argument("--burst-gap-ms", type=float, nargs="+", default=None,
-                    help="an idle engine's wait for more arrivals (Engine.burst_gap_s; 0: none), each measured in turn "
-                         "(default: the engine's)")
     ap.add_argument("--steps-per-launch", type=int, default=None,
                     help="decode steps per graph launch (default: the engine's own)")
     ap.add_argument("--switch-interval", type=float, nargs="+", default=None,
@@ -147,15 +144,13 @@ def main(argv=None) -> int:
     intervals = args.switch_interval or [sys.getswitchinterval()]
     gates = [g == "on" for g in args.gate] if args.gate else [eng._gate]
     lookaheads = args.lookahead or [eng.lookahead]
-    bursts = [g / 1000 for g in args.burst_gap_ms] if args.burst_gap_ms else [eng.burst_gap_s]
-    default = (sys.getswitchinterval(), eng._gate, eng.lookahead, eng.burst_gap_s)
+    default = (sys.getswitchinterval(), eng._gate, eng.lookahead)
     print(f"# {eng.steps_per_launch} decode steps per launch")
-    print(f"{'users':>5} {'switch ms':>9} {'gate':>4} {'ahead':>5} {'burst ms':>8} {'engine tok/s':>12} {hf_name + ' tok/s':>16} {'ratio':>6} "
+    print(f"{'users':>5} {'switch ms':>9} {'gate':>4} {'ahead':>5} {'engine tok/s':>12} {hf_name + ' tok/s':>16} {'ratio':>6} "
           f"{'ttft p50/p95 ms':>16}  differ  each run (engine tok/s)  batch sizes")
-    for n, si, gate, ahead, burst in [(n, si, g, a, b) for n in args.users for si in intervals for g in gates
-                                      for a in lookaheads for b in bursts]:
+    for n, si, gate, ahead in [(n, si, g, a) for n in args.users for si in intervals for g in gates for a in lookaheads]:
         sys.setswitchinterval(si)
-        eng._gate, eng.lookahead, eng.burst_gap_s = gate, ahead, burst
+        eng._gate, eng.lookahead = gate, ahead
         _hf_batch(lm, ids[:n], args.new_tokens, static), _hf_batch(lm, ids[:n], args.new_tokens, static)  # compile
         ours_r, hf_r, ttfts, differ = [], [], [], 0
         before = dict(eng.stats.batch_sizes)
@@ -177,11 +172,11 @@ def main(argv=None) -> int:
         to, th = statistics.median(ours_r), statistics.median(hf_r)
         shown = ", ".join(f"{k}:{v}" for k, v in sorted(sizes.items()))
         each = " ".join(f"{r:.0f}" for r in ours_r)
-        print(f"{n:>5} {1000 * si:>9.2f} {'on' if gate else 'off':>4} {ahead:>5} {1000 * burst:>8.1f} {to:>12.1f} {th:>16.1f} {to / th:>6.2f} "
+        print(f"{n:>5} {1000 * si:>9.2f} {'on' if gate else 'off':>4} {ahead:>5} {to:>12.1f} {th:>16.1f} {to / th:>6.2f} "
               f"{1000 * _pct(ttfts, .5):>7.0f} / {1000 * _pct(ttfts, .95):<6.0f}  {differ:>3}/{n * args.repeats}  "
               f"{each:<23} {shown}", flush=True)
     sys.setswitchinterval(default[0])
-    eng._gate, eng.lookahead, eng.burst_gap_s = default[1], default[2], default[3]
+    eng._gate, eng.lookahead = default[1], default[2]
     # the engine alone: requests submitted directly, records drained without turning them into text
     from model_core.engine import EngineRequest
     from model_core.sampling import SamplingSettings

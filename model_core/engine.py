@@ -54,12 +54,6 @@ RECORDED = 10  # candidates recorded per step (generate.TOP_K_RECORDED)
 PREFILL_BUDGET = 2048  # prompt tokens admitted per engine loop
 MIN_LENGTH_BUCKET = 128
 SWITCH_INTERVAL = 0.0005  # seconds (sys.setswitchinterval)
-# An idle engine woken by a request admits it once no other has arrived for BURST_GAP_S (at most
-# BURST_MAX_S after the first): users who start together share one prefill. Taken alone, the first
-# was prefilled by itself and the rest waited for it before theirs (a prefill is ~40 ms on an H200;
-# docs/PERFORMANCE.md). Never applied while rows are decoding: they join between launches.
-BURST_GAP_S = 0.001
-BURST_MAX_S = 0.005
 LOOKAHEAD = 1  # launches ahead of the one whose records are handed out (CUDA)
 # Decode steps per launch (CUDA): one captured graph runs this many steps back to back and its
 # records come back in one copy. Every launch needs the interpreter a few times (each torch call
@@ -234,8 +228,6 @@ class Engine:
         self._rows: dict[int, _Row] = {}  # slot -> row
         self._stop = False
         self._held = False
-        self._last_submit = 0.0  # perf_counter of the latest submit
-        self.burst_gap_s, self.burst_max_s = BURST_GAP_S, BURST_MAX_S
         self._idle = threading.Event()
         self.live: StepBuffers | None = None
         self._graphs: dict[tuple[int, int, frozenset], torch.cuda.CUDAGraph] = {}
@@ -261,7 +253,6 @@ class Engine:
             if self._stop:
                 raise RuntimeError("The model was unloaded; try again.")
             self._pending.append(req)
-            self._last_submit = time.perf_counter()
             self._cv.notify_all()
         return req
 
@@ -351,10 +342,6 @@ class Engine:
                 self._idle.clear()
                 if self._stop:
                     break
-                burst = not self._rows and not pipeline and self._pending and not self._held
-            if burst:
-                self._await_burst()
-            with self._cv:
                 new = [] if self._held else self._take_pending()
             if self.start_error is not None:
                 for r in new:
@@ -391,12 +378,6 @@ class Engine:
             self._fail(row.req, RuntimeError("The model was unloaded; try again."))
         for r in self._pending:
             self._fail(r, RuntimeError("The model was unloaded; try again."))
-
-    def _await_burst(self) -> None:
-        """Wait (without the lock) while requests keep arriving: see BURST_GAP_S."""
-        deadline = time.perf_counter() + self.burst_max_s
-        while (now := time.perf_counter()) < deadline and now - self._last_submit < self.burst_gap_s:
-            time.sleep(self.burst_gap_s / 4)
 
     def _take_pending(self) -> list[EngineRequest]:
         free = self.slots - len(self._rows)

@@ -273,25 +273,3 @@ def test_several_steps_per_launch_equal_transformers_generate_alone():
         assert eng.stats.steps % 3 == 0 and eng.stats.tokens == sum(lengths) + 8 - 4  # prefills' tokens aside
     finally:
         eng.close()
-
-
-def test_requests_arriving_together_at_an_idle_engine_share_one_prefill():
-    """Users who start within the burst gap of each other are prefilled together (each alone, the
-    first's prefill made the others wait for it); each still equals transformers' generate alone."""
-    from model_core.engine import Engine
-
-    lm = load_model(DEFAULT)
-    eng = Engine(lm, slots=4, max_len=64, use_graphs=False, compile=False)
-    eng.burst_gap_s, eng.burst_max_s = 0.25, 5.0  # wide, for a loaded machine: arrivals 20 ms apart
-    try:
-        assert eng.ready.wait(120)
-        reqs = []
-        for p in PROMPTS:
-            reqs.append(eng.submit(EngineRequest(ids=lm.tokenizer(p)["input_ids"], n_steps=3,
-                                                 settings=SamplingSettings(temperature=0.0), seed=0, eos=set())))
-            time.sleep(0.02)
-        got = [[int(x.packed[0]) for x in _drain(r)] for r in reqs]
-        assert [rows for rows, _, _ in eng.stats.recent_prefills] == [len(PROMPTS)]
-        assert got == [_hf_greedy(lm, p, 3) for p in PROMPTS]
-    finally:
-        eng.close()
