@@ -47,6 +47,7 @@ import torch
 
 from model_core import decode_attention, hooks, settings
 from model_core.cache_api import cache_kwarg, full_prefill_cache, new_cache, sliding_window_of
+from model_core.prefill_graphs import PrefillGraphs
 from model_core.row_sampling import ALL_STAGES, RowSettings, packed_width, sample_rows, stages_in_use
 from model_core.slot_cache import SlotCache
 
@@ -123,6 +124,7 @@ class EngineStats:
     queue_wait_s: float = 0.0
     prefills: int = 0  # prefill forwards (each admits one or more requests)
     prefill_s: float = 0.0  # host time in them, up to each admitted row's first record
+    captured_prefills: int = 0  # of them, replays of a captured prefill (model_core.prefill_graphs)
     recent_prefills: collections.deque = field(default_factory=lambda: collections.deque(maxlen=8))  # (rows, tokens, ms)
     graphs: int = 0
     compiled_graphs: int = 0
@@ -141,7 +143,7 @@ class EngineStats:
                 "mean_batch": round(self.tokens / self.steps, 2) if self.steps else 0.0,
                 "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
                 "mean_queue_wait_s": round(self.queue_wait_s / self.admitted, 4) if self.admitted else 0.0,
-                "prefills": self.prefills,
+                "prefills": self.prefills, "captured_prefills": self.captured_prefills,
                 "mean_prefill_ms": round(1000 * self.prefill_s / self.prefills, 2) if self.prefills else 0.0,
                 "recent_prefills": [list(p) for p in self.recent_prefills],
                 "tokens_per_s_busy": round(self.tokens / self.busy_s, 1) if self.busy_s else 0.0,
@@ -231,6 +233,7 @@ class Engine:
         self._idle = threading.Event()
         self.live: StepBuffers | None = None
         self._graphs: dict[tuple[int, int, frozenset], torch.cuda.CUDAGraph] = {}
+        self._prefill_graphs: PrefillGraphs | None = None  # short prompts' prefills (CUDA)
         # Request threads turn records into text while this thread launches steps: with Python's
         # default 5 ms GIL switch interval a waiting thread can stall a whole decode step.
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL))
@@ -457,10 +460,15 @@ class Engine:
         slots = free[: len(reqs)]
         lens = [len(r.ids) for r in reqs]
         ids = torch.tensor([r.ids + [0] * (max(lens) - n) for r, n in zip(reqs, lens)]).to(self.device)  # [N, T]
-        pre = full_prefill_cache(lm)
-        keep = sorted({n - 1 for n in lens})
-        out = lm.model(input_ids=ids, use_cache=True, logits_to_keep=keep, **{cache_kwarg(lm.model): pre}).logits
-        logits = torch.stack([out[i, keep.index(n - 1)] for i, n in enumerate(lens)]).float()  # [N, V]
+        captured = None if self._prefill_graphs is None else self._prefill_graphs.run(ids, lens)
+        if captured is not None:
+            pre, logits = captured  # [N, V]
+            self.stats.captured_prefills += 1
+        else:
+            pre = full_prefill_cache(lm)
+            keep = sorted({n - 1 for n in lens})
+            out = lm.model(input_ids=ids, use_cache=True, logits_to_keep=keep, **{cache_kwarg(lm.model): pre}).logits
+            logits = torch.stack([out[i, keep.index(n - 1)] for i, n in enumerate(lens)]).float()  # [N, V]
         # every row at once (one copy per layer and per settings field: 32 users arriving together
         # would otherwise be ~2,000 small copies before anyone's first token)
         idx = torch.tensor(slots, device=self.device)
@@ -683,6 +691,15 @@ class Engine:
             self._graphs[(B, L, st)] = g
             self.stats.graphs += 1
         torch.cuda.synchronize()
+        lm = self._lm()
+        if PrefillGraphs.usable(lm):
+            try:
+                graphs = PrefillGraphs(lm, self._rows_buckets)
+                graphs.capture(own_cublas_workspace)
+                self._prefill_graphs = graphs
+            except Exception as e:  # noqa: BLE001 - prefills stay eager
+                print(f"lmscope: capturing the prefill of {self.name} failed ({type(e).__name__}: {e}); "
+                      "prefills run eagerly", file=sys.stderr)
 
     # --- compiling (its own thread), then re-capturing (this thread, one bucket per loop) ----------
     def _compile(self) -> None:

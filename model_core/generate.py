@@ -697,7 +697,7 @@ def _engine_steps(eng, lm, run: _Run) -> Iterator[_Raw]:
     if not run.text.full_only:  # a tokenizer decoded whole every token would slow every row: here
         er.convert = convert
     eng.submit(er)
-    turn = getattr(eng, "request_turn", None)
+    turn, first = getattr(eng, "request_turn", None), True
     try:
         while True:
             try:
@@ -709,8 +709,9 @@ def _engine_steps(eng, lm, run: _Run) -> Iterator[_Raw]:
                     if run.stopped():
                         er.cancel()
                     continue
-                if turn is not None:  # a new burst: the engine's interpreter work first (Engine.request_turn)
-                    turn.wait(0.05)
+                if turn is not None and not first:  # a new burst: the engine's interpreter work first
+                    turn.wait(0.05)  # (Engine.request_turn); never before the first token (time to it)
+            first = False
             if raw is None:  # ended without a record: an error, or a cancel
                 if er.error is not None:
                     raise er.error

@@ -78,9 +78,10 @@ class SlotCache:
         positions, with one copy per layer. Every layer of that cache must hold every position
         (`full_prefill_cache`: transformers' sliding-window layers keep only the last few). Positions past a row's own prompt hold the padding's
         keys: never attended (a row writes position p before it attends over 0..p)."""
+        n = len(slots)  # a captured prefill's cache has its bucket's rows: the first n are these
         for l, layer in enumerate(prefill_cache.layers):
-            self.keys[l][slots, :, :tokens] = layer.keys[:, :, :tokens].to(self.keys[l].dtype)
-            self.values[l][slots, :, :tokens] = layer.values[:, :, :tokens].to(self.values[l].dtype)
+            self.keys[l][slots, :, :tokens] = layer.keys[:n, :, :tokens].to(self.keys[l].dtype)
+            self.values[l][slots, :, :tokens] = layer.values[:n, :, :tokens].to(self.values[l].dtype)
 
 
 def step_mask(write_pos: torch.Tensor, span: torch.Tensor, dtype, sliding_window: int | None = None) -> torch.Tensor:

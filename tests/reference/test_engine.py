@@ -273,3 +273,33 @@ def test_several_steps_per_launch_equal_transformers_generate_alone():
         assert eng.stats.steps % 3 == 0 and eng.stats.tokens == sum(lengths) + 8 - 4  # prefills' tokens aside
     finally:
         eng.close()
+
+
+def test_prefills_padded_to_their_bucket_equal_transformers_generate_alone():
+    """What a captured prefill computes (model_core.prefill_graphs: rows right-padded to the bucket's
+    length and row count, each row's last hidden state through the adapter's unembedding), run
+    eagerly on the CPU: each generation equals transformers' generate alone, with buckets filled in
+    part (3 rows in a bucket of 4, prompts of 6-11 tokens in one of 32) and exactly (one row)."""
+    from model_core.engine import Engine
+    from model_core.prefill_graphs import PrefillGraphs
+
+    lm = load_model(DEFAULT)
+    eng = Engine(lm, slots=4, max_len=64, use_graphs=False, compile=False)
+    try:
+        assert eng.ready.wait(120)
+        graphs = PrefillGraphs(lm, [1, 2, 4])
+        graphs.capture()
+        eng._prefill_graphs = graphs
+        reqs = [EngineRequest(ids=lm.tokenizer(p)["input_ids"], n_steps=5, settings=SamplingSettings(temperature=0.0),
+                              seed=0, eos=set()) for p in PROMPTS[:3]]
+        with eng.hold():
+            for r in reqs:
+                eng.submit(r)
+        got = [[int(x.packed[0]) for x in _drain(r)] for r in reqs]
+        alone = eng.submit(EngineRequest(ids=lm.tokenizer(PROMPTS[3])["input_ids"], n_steps=5,
+                                         settings=SamplingSettings(temperature=0.0), seed=0, eos=set()))
+        got.append([int(x.packed[0]) for x in _drain(alone)])
+        assert eng.stats.captured_prefills == 2
+        assert got == [_hf_greedy(lm, p, 5) for p in PROMPTS[:4]]
+    finally:
+        eng.close()
