@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     from model_core.engine import _buckets, own_cublas_workspace
 
     lm = load_model(args.model, device=args.device)
-    graphs = PrefillGraphs(lm, _buckets(max(args.rows)))
+    graphs = PrefillGraphs(lm, _buckets(max(args.rows)), lm.shape.context_length)
     t0 = time.perf_counter()
     graphs.capture(own_cublas_workspace)
     print(f"# bench/prefill.py  {lm.name} on {args.device}, {lm.dtype}; {len(graphs.graphs)} buckets "

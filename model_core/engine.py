@@ -694,7 +694,7 @@ class Engine:
         lm = self._lm()
         if PrefillGraphs.usable(lm):
             try:
-                graphs = PrefillGraphs(lm, self._rows_buckets)
+                graphs = PrefillGraphs(lm, self._rows_buckets, self.max_len)
                 graphs.capture(own_cublas_workspace)
                 self._prefill_graphs = graphs
             except Exception as e:  # noqa: BLE001 - prefills stay eager

@@ -597,16 +597,19 @@ class TextSoFar:
 
 def _piece_decoder(tok) -> Callable[[list[int]], str]:
     """`tok.decode(ids, skip_special_tokens=True)` for TextSoFar's windows. Where that is the `tokenizers`
-    backend's decode and nothing more (transformers' `TokenizersBackend` without space clean-up), the
+    backend's decode and nothing more (transformers' `TokenizersBackend` with its stock `decode` and
+    `_decode`, without space clean-up), the
     backend is called directly: transformers' argument conversion cost 3.6 of 6.4 us a call (and 5% of
     the interpreter's time at 32 users, in the whole decodes every SETTLE_EVERY tokens)."""
     try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
     except ImportError:  # transformers without it: the wrapper
         TokenizersBackend = None
     backend = getattr(tok, "_tokenizer", None)
     if (TokenizersBackend is not None and isinstance(tok, TokenizersBackend) and backend is not None
-            and type(tok)._decode is TokenizersBackend._decode and not tok.clean_up_tokenization_spaces):
+            and type(tok)._decode is TokenizersBackend._decode and not tok.clean_up_tokenization_spaces
+            and type(tok).decode is PreTrainedTokenizerBase.decode and "decode" not in vars(tok)):
         return partial(backend.decode, skip_special_tokens=True)
     return partial(tok.decode, skip_special_tokens=True)
 

@@ -11,9 +11,14 @@ keys, values and last hidden state are its own, up to the rounding of a differen
 The captured forward is the decoder without its head (the hidden states of every position come
 back); each row's last position goes through the adapter's unembedding (final logit softcapping
 included) outside the graph. Longer prompts, and models with sliding-window layers, prefill eagerly.
+Each bucket keeps its own outputs (its cache and hidden states: ~140 MB in all for the default
+model in bf16, not counted in the KV budget); one shared output buffer would take the largest's.
 """
 
 from __future__ import annotations
+
+import contextlib
+import weakref
 
 import torch
 
@@ -24,9 +29,10 @@ MAX_ROWS = 32  # rows buckets captured: powers of two up to this (and the engine
 
 
 class PrefillGraphs:
-    def __init__(self, lm, rows_buckets: list[int]):
-        self._lm = lm
+    def __init__(self, lm, rows_buckets: list[int], max_len: int):
+        self._lm = weakref.ref(lm)  # as the engine holds it: an unloaded model is freed (and its engine closed)
         self.rows = [b for b in rows_buckets if b <= MAX_ROWS]
+        self.lengths = [t for t in LENGTHS if t <= min(max_len, lm.shape.context_length)]
         self.ids = torch.zeros(max(self.rows), max(LENGTHS), dtype=torch.long, device=lm.device)  # static input
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, object, torch.Tensor]] = {}
 
@@ -36,17 +42,18 @@ class PrefillGraphs:
 
     def _forward(self, rows: int, length: int):
         """The decoder on the first rows x length static ids: (its DynamicCache, hidden [rows, length, d])."""
-        decoder = self._lm.model.base_model
-        cache = full_prefill_cache(self._lm)
-        out = decoder(input_ids=self.ids[:rows, :length], use_cache=True, **{cache_kwarg(self._lm.model): cache})
+        lm = self._lm()
+        decoder = lm.model.base_model
+        cache = full_prefill_cache(lm)
+        out = decoder(input_ids=self.ids[:rows, :length], use_cache=True, **{cache_kwarg(decoder): cache})
         return cache, out.last_hidden_state
 
-    def capture(self, cublas_workspace=None) -> None:
+    def capture(self, cublas_workspace=contextlib.nullcontext) -> None:
         """Capture every bucket, largest first, in a pool of their own (each bucket's outputs stay
         referenced, so no later capture reuses them). On the CPU (tests of the padding and the
         buckets) each bucket's forward runs eagerly at each prefill instead."""
-        buckets = [(r, t) for r in reversed(self.rows) for t in reversed(LENGTHS)]
-        if self._lm.device.type != "cuda":
+        buckets = [(r, t) for r in reversed(self.rows) for t in reversed(self.lengths)]
+        if self._lm().device.type != "cuda":
             self.graphs = {key: (None, None, None) for key in buckets}
             return
         pool = torch.cuda.graph_pool_handle()
@@ -65,7 +72,7 @@ class PrefillGraphs:
 
     def bucket(self, n_rows: int, length: int) -> tuple[int, int] | None:
         r = next((b for b in self.rows if b >= n_rows), None)
-        t = next((b for b in LENGTHS if b >= length), None)
+        t = next((b for b in self.lengths if b >= length), None)
         return None if r is None or t is None or (r, t) not in self.graphs else (r, t)
 
     def run(self, ids: torch.Tensor, lens: list[int]):
@@ -84,4 +91,4 @@ class PrefillGraphs:
         else:
             g.replay()
         last = hidden[torch.arange(n, device=ids.device), torch.tensor(lens, device=ids.device) - 1]  # [N, d]
-        return cache, self._lm.adapter.logits_from_normed(last).float()
+        return cache, self._lm().adapter.logits_from_normed(last).float()

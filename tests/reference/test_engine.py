@@ -287,7 +287,7 @@ def test_prefills_padded_to_their_bucket_equal_transformers_generate_alone():
     eng = Engine(lm, slots=4, max_len=64, use_graphs=False, compile=False)
     try:
         assert eng.ready.wait(120)
-        graphs = PrefillGraphs(lm, [1, 2, 4])
+        graphs = PrefillGraphs(lm, [1, 2, 4], eng.max_len)
         graphs.capture()
         eng._prefill_graphs = graphs
         reqs = [EngineRequest(ids=lm.tokenizer(p)["input_ids"], n_steps=5, settings=SamplingSettings(temperature=0.0),
@@ -303,3 +303,21 @@ def test_prefills_padded_to_their_bucket_equal_transformers_generate_alone():
         assert got == [_hf_greedy(lm, p, 5) for p in PROMPTS[:4]]
     finally:
         eng.close()
+
+
+def test_prefill_graphs_leave_an_unloaded_model_to_be_freed():
+    """The engine holds its model weakly (an unloaded model is freed and its engine closed by a
+    finalizer); its captured prefills must not hold it either."""
+    import copy
+    import gc
+    import weakref
+
+    from model_core.prefill_graphs import PrefillGraphs
+
+    lm = copy.copy(load_model("random-llama-tiny"))  # a model object of this test's own, not the registry's
+    graphs = PrefillGraphs(lm, [1, 2], 64)
+    graphs.capture()
+    gone = weakref.ref(lm)
+    del lm
+    gc.collect()
+    assert gone() is None and graphs.graphs
