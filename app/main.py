@@ -75,8 +75,24 @@ def metrics(settings) -> dict:
     return out
 
 
+# Gradio tries these optional imports on every request (Plot's config, the matplotlib backend
+# guard); absent, each try searches sys.path again: 33 us, ~1,000 times in one streamed
+# generation's updates, ~12 % of the web side's interpreter time (docs/PERFORMANCE.md).
+OPTIONAL_PLOT_LIBRARIES = ("bokeh", "matplotlib")
+
+
+def mark_missing_optional_imports(names=OPTIONAL_PLOT_LIBRARIES) -> list[str]:
+    """Record the ones not installed as missing in sys.modules (an import of such a name raises
+    ImportError at once, as it would have after the search). Returns those marked."""
+    missing = [n for n in names if n not in sys.modules and importlib.util.find_spec(n) is None]
+    for n in missing:
+        sys.modules[n] = None
+    return missing
+
+
 def build_app(settings=None):
     """The FastAPI app: /healthz, /metrics and the Gradio UI at /. Returns (app, demo)."""
+    mark_missing_optional_imports()
     import gradio as gr
     from fastapi import FastAPI
     from fastapi.responses import FileResponse, JSONResponse
