@@ -19,8 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from model_core import load_model  # noqa: E402
-from model_core.cache_api import cache_kwarg, full_prefill_cache  # noqa: E402
-from model_core.prefill_graphs import PrefillGraphs  # noqa: E402
+from model_core.prefill_graphs import PrefillGraphs, eager_prefill  # noqa: E402
 
 
 def _sync(device):
@@ -58,9 +57,7 @@ def main(argv=None) -> int:
                 cache, logits = graphs.run(x, lens)
                 _sync(lm.device)
                 t1 = time.perf_counter()
-                pre = full_prefill_cache(lm)
-                out = lm.model(input_ids=x, use_cache=True, **{cache_kwarg(lm.model): pre}).logits
-                ref = torch.stack([out[i, k - 1] for i, k in enumerate(lens)]).float()  # [N, V]
+                pre, ref = eager_prefill(lm, x, lens)  # [N, V]
                 _sync(lm.device)
                 times["captured"].append(t1 - t0)
                 times["eager"].append(time.perf_counter() - t1)

@@ -46,8 +46,8 @@ from dataclasses import dataclass, field
 import torch
 
 from model_core import decode_attention, hooks, settings
-from model_core.cache_api import cache_kwarg, full_prefill_cache, new_cache, sliding_window_of
-from model_core.prefill_graphs import PrefillGraphs
+from model_core.cache_api import cache_kwarg, new_cache, sliding_window_of
+from model_core.prefill_graphs import PrefillGraphs, eager_prefill
 from model_core.row_sampling import ALL_STAGES, RowSettings, packed_width, sample_rows, stages_in_use
 from model_core.slot_cache import SlotCache
 
@@ -465,10 +465,7 @@ class Engine:
             pre, logits = captured  # [N, V]
             self.stats.captured_prefills += 1
         else:
-            pre = full_prefill_cache(lm)
-            keep = sorted({n - 1 for n in lens})
-            out = lm.model(input_ids=ids, use_cache=True, logits_to_keep=keep, **{cache_kwarg(lm.model): pre}).logits
-            logits = torch.stack([out[i, keep.index(n - 1)] for i, n in enumerate(lens)]).float()  # [N, V]
+            pre, logits = eager_prefill(lm, ids, lens)  # [N, V]
         # every row at once (one copy per layer and per settings field: 32 users arriving together
         # would otherwise be ~2,000 small copies before anyone's first token)
         idx = torch.tensor(slots, device=self.device)

@@ -120,20 +120,20 @@ def _stopper(should_stop: ShouldStop) -> Callable[[], bool]:
 # The fields of a step's packed record (`_unpack`), read from it the first time one is asked for:
 # unpacked eagerly, 32 users' records took 15% of the interpreter on the engine thread
 # (docs/PERFORMANCE.md), and most consumers read a few steps' fields, not every step's.
-_RECORD_FIELDS = {
-    "chosen_prob": float,  # the model's probability for the chosen token (softmax of the raw logits)
-    "chosen_prob_filtered": float,  # probability under the distribution it was drawn from
-    "chosen_rank": int,  # 1 = the model's top choice (rank among the raw logits)
-    "entropy": float,  # nats, of the model's raw distribution
-    "entropy_filtered": float,  # nats, of the distribution after the filters
-    "top_ids": list,  # [int] top candidates before the filters (raw softmax)
-    "top_probs": list,  # [float]
-    "top_removed_by": list,  # [str | None] which stage removed each of those candidates (None = kept)
-    "after_ids": list,  # [int] top candidates after the filters
-    "after_probs": list,  # [float]
-    "removed": dict,  # stage -> {"n_removed": int, "kept_mass": float}
-    "n_candidates": int,  # tokens left with nonzero probability after the filters
-}
+_RECORD_FIELDS = (
+    "chosen_prob",  # float: the model's probability for the chosen token (softmax of the raw logits)
+    "chosen_prob_filtered",  # float: probability under the distribution it was drawn from
+    "chosen_rank",  # int: 1 = the model's top choice (rank among the raw logits)
+    "entropy",  # float: nats, of the model's raw distribution
+    "entropy_filtered",  # float: nats, of the distribution after the filters
+    "top_ids",  # list[int]: top candidates before the filters (raw softmax)
+    "top_probs",  # list[float]
+    "top_removed_by",  # list[str | None]: which stage removed each of those candidates (None = kept)
+    "after_ids",  # list[int]: top candidates after the filters
+    "after_probs",  # list[float]
+    "removed",  # dict: stage -> {"n_removed": int, "kept_mass": float}
+    "n_candidates",  # int: tokens left with nonzero probability after the filters
+)
 
 
 @dataclass(eq=False)
@@ -596,11 +596,11 @@ class TextSoFar:
 
 
 def _piece_decoder(tok) -> Callable[[list[int]], str]:
-    """`tok.decode(ids, skip_special_tokens=True)` for TextSoFar's windows. Where that is the `tokenizers`
-    backend's decode and nothing more (transformers' `TokenizersBackend` with its stock `decode` and
-    `_decode`, without space clean-up), the
-    backend is called directly: transformers' argument conversion cost 3.6 of 6.4 us a call (and 5% of
-    the interpreter's time at 32 users, in the whole decodes every SETTLE_EVERY tokens)."""
+    """`tok.decode(ids, skip_special_tokens=True)` for TextSoFar's windows and whole decodes. Where that
+    is the `tokenizers` backend's decode and nothing more (transformers' `TokenizersBackend` with its
+    stock `decode` and `_decode`, without space clean-up), the backend is called directly:
+    transformers' argument conversion cost 3.6 of 6.4 us a call (and 5% of the interpreter's time at
+    32 users, in the whole decodes every SETTLE_EVERY tokens)."""
     try:
         from transformers.tokenization_utils_base import PreTrainedTokenizerBase
         from transformers.tokenization_utils_tokenizers import TokenizersBackend

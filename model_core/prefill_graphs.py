@@ -28,6 +28,15 @@ LENGTHS = (32, 64)  # prompt-length buckets captured; longer prompts prefill eag
 MAX_ROWS = 32  # rows buckets captured: powers of two up to this (and the engine's slots)
 
 
+def eager_prefill(lm, ids: torch.Tensor, lens: list[int]):
+    """ids [N, T] right-padded -> (a DynamicCache keeping every position, each row's last-position
+    logits [N, V] float32): one plain forward, what a captured prefill replaces and is checked against."""
+    cache = full_prefill_cache(lm)
+    keep = sorted({n - 1 for n in lens})
+    out = lm.model(input_ids=ids, use_cache=True, logits_to_keep=keep, **{cache_kwarg(lm.model): cache}).logits
+    return cache, torch.stack([out[i, keep.index(n - 1)] for i, n in enumerate(lens)]).float()
+
+
 class PrefillGraphs:
     def __init__(self, lm, rows_buckets: list[int], max_len: int):
         self._lm = weakref.ref(lm)  # as the engine holds it: an unloaded model is freed (and its engine closed)
