@@ -387,7 +387,8 @@ class GenerateTab:
                 if not gen.finished and time.monotonic() - last_yield >= STREAM_EVERY_S:
                     flush()
                     last_yield = time.monotonic()
-                    yield self._streaming(steps_json, gen, lab, colour, timeline=updates % TIMELINE_EVERY == 0)
+                    yield self._streaming(steps_json, gen, lab, colour, timeline=updates % TIMELINE_EVERY == 0,
+                                          first=updates == 0)
                     updates += 1
         except LmscopeError as e:
             flush()
@@ -399,13 +400,15 @@ class GenerateTab:
         flush()
         yield self._finished(lm, gen, steps_json, lab, colour)
 
-    def _streaming(self, steps_json: list[dict], gen, lab: _Labeller, colour, timeline: bool = True) -> dict:
+    def _streaming(self, steps_json: list[dict], gen, lab: _Labeller, colour, timeline: bool = True,
+                   first: bool = False) -> dict:
         lab.label(steps_json)
         out = {self.out_text: gen.text, self.tokens: _highlight(steps_json),
                self.status: f"Generating… {len(steps_json)} tokens"}
         if timeline:
             out[self.timeline] = F.timeline_figure(steps_json, colour)
-            out.update(self._messages())  # the first update clears what an earlier run left
+        if first:  # clears what an earlier run left; only once: Gradio rebuilds a component per update
+            out.update(self._messages())  # (~10 ms of the event loop's interpreter each, docs/PERFORMANCE.md)
         return out
 
     def _finished(self, lm, gen, steps_json: list[dict], lab: _Labeller | None, colour) -> dict:

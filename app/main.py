@@ -94,6 +94,10 @@ def build_app(settings=None):
     """The FastAPI app: /healthz, /metrics and the Gradio UI at /. Returns (app, demo)."""
     mark_missing_optional_imports()
     import gradio as gr
+
+    from app import gradio_tuning
+
+    gradio_tuning.skip_unchanged_outputs()  # a skipped output costs Gradio a component rebuild otherwise
     from fastapi import FastAPI
     from fastapi.responses import FileResponse, JSONResponse
     from starlette.background import BackgroundTask
@@ -174,6 +178,7 @@ def build_app(settings=None):
     demo = build_demo()
     demo.queue(default_concurrency_limit=settings.queue_concurrency, max_size=settings.queue_max)
     limit_queue_share(demo, queue_share(settings))
+    gradio_tuning.poll_queue_every(demo)  # not every 1 ms: the engine thread needs the interpreter
     app = gr.mount_gradio_app(
         api, demo, path="", auth=auth.async_authenticator(settings),
         auth_message="Sign in to lmscope." if settings.auth_on else None,

@@ -1,0 +1,86 @@
+"""app.gradio_tuning: skipped outputs answer what Gradio itself answers, without Gradio rebuilding
+the component and its config for each (the reference is Gradio's own Blocks.postprocess_data,
+run on the same predictions); the queue polls less often."""
+
+import asyncio
+
+import gradio as gr
+import plotly.graph_objects as go
+from gradio.blocks import Blocks
+from gradio.state_holder import SessionState
+
+from app import gradio_tuning
+
+
+def _gradio_own():
+    method = Blocks.postprocess_data
+    return getattr(method, "__wrapped__", method)  # the unpatched method, patched or not
+
+
+def _demo():
+    with gr.Blocks() as demo:
+        md, plot, slider, text, msg = gr.Markdown("a"), gr.Plot(), gr.Slider(0, 10), gr.Textbox(), gr.Markdown()
+        button = gr.Button()
+        button.click(lambda: None, None, [md, plot, slider, text, msg])
+    return demo, [md, plot, slider, text, msg]
+
+
+def _run(method, demo, predictions):
+    state = SessionState(demo)
+    fn = next(iter(demo.fns.values()))
+    before = {k: id(v) for k, v in state.blocks_config.blocks.items()}
+    out = asyncio.run(method(demo, fn, predictions, state))
+    rebuilt = {k for k, v in state.blocks_config.blocks.items() if before.get(k) != id(v)}
+    return out, rebuilt
+
+
+def test_skipped_outputs_answer_what_gradio_answers_without_rebuilding_them():
+    assert gradio_tuning.skip_unchanged_outputs()
+    assert gradio_tuning.skip_unchanged_outputs()  # installing twice wraps once
+    patched = Blocks.postprocess_data
+    assert patched.__wrapped__ is _gradio_own()
+    demo, (md, plot, slider, text, msg) = _demo()
+    fig = go.Figure(go.Bar(x=[1, 2], y=[3, 4]))
+    cases = [  # made afresh for each run: Gradio pops keys out of an update
+        lambda: {md: "new text", slider: gr.update(maximum=5, value=2)},  # three outputs skipped
+        lambda: {text: "only this"},  # one output kept: Gradio's single-output path
+        lambda: {msg: gr.update(value="⚠️ bad", visible=True), plot: fig},
+        lambda: {md: gr.skip()},  # every output skipped
+        lambda: ["x", gr.skip(), gr.skip(), "y", gr.skip()],  # a list, not a dict
+        lambda: {md: "a", plot: fig, slider: 3, text: "t", msg: "m"},  # nothing skipped: Gradio's own path
+    ]
+    outputs = [md, plot, slider, text, msg]
+    for make in cases:
+        case = make()
+        ours, rebuilt = _run(patched, demo, make())
+        theirs, theirs_rebuilt = _run(_gradio_own(), demo, make())
+        assert ours == theirs, case
+        values = [case.get(c, gr.skip()) for c in outputs] if isinstance(case, dict) else case
+        skipped = {c._id for c, v in zip(outputs, values) if v == gr.skip()}
+        assert skipped <= theirs_rebuilt  # Gradio rebuilds a skipped component for the session
+        assert not (skipped & rebuilt), case  # with the patch it does not
+
+
+def test_bad_predictions_still_get_gradios_message():
+    gradio_tuning.skip_unchanged_outputs()
+    demo, (md, *_rest) = _demo()
+    stranger = gr.Textbox(render=False)
+    for bad in ({stranger: "x"}, ["only one", gr.skip()]):
+        errors = []
+        for method in (Blocks.postprocess_data, _gradio_own()):
+            try:
+                _run(method, demo, bad)
+                errors.append(None)
+            except Exception as e:  # noqa: BLE001
+                errors.append((type(e), str(e)))
+        assert errors[0] == errors[1] and errors[0] is not None
+
+
+def test_queue_polls_every_10_ms_not_every_ms():
+    demo, _ = _demo()
+    demo.queue()
+    assert demo._queue.sleep_when_free < gradio_tuning.QUEUE_POLL_S  # Gradio's own: 1 ms
+    assert gradio_tuning.poll_queue_every(demo)
+    assert demo._queue.sleep_when_free == gradio_tuning.QUEUE_POLL_S
+    assert demo._queue.progress_update_sleep_when_free == gradio_tuning.PROGRESS_POLL_S
+    assert not gradio_tuning.poll_queue_every(object())  # not a queued demo: nothing to change
