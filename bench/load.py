@@ -35,7 +35,7 @@ def gen_args(model, prompt, n):
     return [model, prompt, False, n, 0.0, 0, 1.0, 0.0, 1.0, 0, None, "prob"]
 
 
-def user(url, auth, model, n_requests, new_tokens, idx, out, errors, start_evt, think=0.0):
+def user(url, auth, model, n_requests, new_tokens, idx, out, errors, start_evt, think=0.0, connected=None):
     import random
 
     from gradio_client import Client
@@ -47,6 +47,9 @@ def user(url, auth, model, n_requests, new_tokens, idx, out, errors, start_evt, 
     except Exception as e:  # noqa: BLE001
         errors.append(f"user {idx}: connect: {e}")
         return
+    finally:
+        if connected is not None:
+            connected.release()
     start_evt.wait()
     for r in range(n_requests):
         if think > 0:  # a person reads the page before the next request (exponential, mean `think` s)
@@ -71,13 +74,17 @@ def pct(xs, q):
 
 def run_level(url, auth, model, n_users, n_requests, new_tokens, think=0.0):
     out, errors = [], []
-    start = threading.Event()
+    start, connected = threading.Event(), threading.Semaphore(0)
     threads = [threading.Thread(target=user, args=(url, auth, model, n_requests, new_tokens, i, out, errors, start,
-                                                   think))
+                                                   think, connected))
                for i in range(n_users)]
     for t in threads:
         t.start()
-    time.sleep(1.0 + 0.1 * n_users)  # let every client connect first
+    # every client connected (each fetched the page's config: ~1 MB, tens of ms of the server's
+    # interpreter) before the clock starts: the level measures requests, not 20 page loads
+    for _ in threads:
+        connected.acquire()
+    time.sleep(1.0)
     t0 = time.perf_counter()
     start.set()
     for t in threads:
