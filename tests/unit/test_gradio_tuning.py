@@ -84,3 +84,13 @@ def test_queue_polls_every_10_ms_not_every_ms():
     assert demo._queue.sleep_when_free == gradio_tuning.QUEUE_POLL_S
     assert demo._queue.progress_update_sleep_when_free == gradio_tuning.PROGRESS_POLL_S
     assert not gradio_tuning.poll_queue_every(object())  # not a queued demo: nothing to change
+
+
+def test_the_served_app_has_both():
+    """What `lmscope serve` builds (app.main.build_app) runs with both changes in place."""
+    from app.main import build_app
+    from model_core.settings import Settings
+
+    _app, demo = build_app(Settings.from_env())
+    assert getattr(Blocks.postprocess_data, "__lmscope_skips__", False)
+    assert demo._queue.sleep_when_free == gradio_tuning.QUEUE_POLL_S
