@@ -88,9 +88,16 @@ def test_queue_polls_every_10_ms_not_every_ms():
 
 def test_the_served_app_has_both():
     """What `lmscope serve` builds (app.main.build_app) runs with both changes in place."""
+    import sys
+
     from app.main import build_app
     from model_core.settings import Settings
 
-    _app, demo = build_app(Settings.from_env())
-    assert getattr(Blocks.postprocess_data, "__lmscope_skips__", False)
-    assert demo._queue.sleep_when_free == gradio_tuning.QUEUE_POLL_S
+    marked_before = {n for n, m in sys.modules.items() if m is None}
+    try:
+        _app, demo = build_app(Settings.from_env())
+        assert getattr(Blocks.postprocess_data, "__lmscope_skips__", False)
+        assert demo._queue.sleep_when_free == gradio_tuning.QUEUE_POLL_S
+    finally:  # build_app marks absent plotting libraries as missing: leave sys.modules as it was
+        for name in [n for n, m in sys.modules.items() if m is None and n not in marked_before]:
+            del sys.modules[name]
