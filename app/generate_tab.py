@@ -407,8 +407,8 @@ class GenerateTab:
                self.status: f"Generating… {len(steps_json)} tokens"}
         if timeline:
             out[self.timeline] = F.timeline_figure(steps_json, colour)
-        if first:  # clears what an earlier run left; only once: Gradio rebuilds a component per update
-            out.update(self._messages())  # (~10 ms of the event loop's interpreter each, docs/PERFORMANCE.md)
+        if first:  # clears what an earlier run left; only once: each is a real update, which Gradio
+            out.update(self._messages())  # rebuilds for the session (~1 ms of the event loop each)
         return out
 
     def _finished(self, lm, gen, steps_json: list[dict], lab: _Labeller | None, colour) -> dict:

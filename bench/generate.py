@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -106,8 +107,6 @@ def _server_vs_script(lm, model: str, ids: list[int], prompt: str, n: int, repea
                 pair_ratios.append((steps / t_server) / (n / t_script))
     finally:
         server.stop()
-    import statistics
-
     row = {"server_tok_s": steps / best_server, "server_tokens": steps, "script_tok_s": n / best_script,
            "server_vs_script": (steps / best_server) / (n / best_script),
            "pair_ratios": [round(r, 3) for r in pair_ratios], "median_pair_ratio": statistics.median(pair_ratios)}
