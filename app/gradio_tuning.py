@@ -1,4 +1,4 @@
-"""Two places where Gradio's own work held the interpreter that the engine thread needs.
+"""Three places where Gradio's own work held the interpreter that the engine thread needs.
 
 Both were found with py-spy during a streamed generation (docs/PERFORMANCE.md): the engine thread
 runs ~1,500 torch calls a token and takes the GIL back after each, so any Python the event loop
@@ -25,6 +25,14 @@ itself would have sent. Nothing is patched where the method does not look as exp
 Gradio's queue loop looks for work every 1 ms while it has none or every worker is busy, and
 for progress to send every 10 ms: over a thousand wake-ups a second of the event loop, each
 taking the interpreter. Every 10 ms (progress every 50 ms) is still too soon for anyone to notice.
+
+3. A new session does not work out every component's config up front (`lazy_session_configs`).
+
+Gradio keeps, per browser session, the config of every component of the page (for its deep-link
+feature, which lmscope does not use) and computes all of them when the session sends its first
+event: 728 components, 80-190 ms of the event loop, while every other user's stream waits. Now
+each is worked out the first time Gradio reads or changes it, and all of them, in Gradio's own
+order, when a deep link asks for the lot (tested equal to Gradio's own).
 """
 
 from __future__ import annotations
@@ -92,4 +100,47 @@ def skip_unchanged_outputs() -> bool:
 
     postprocess_data.__lmscope_skips__ = True
     Blocks.postprocess_data = postprocess_data
+    return True
+
+
+def lazy_session_configs() -> bool:
+    """Patch gradio.state_holder.SessionState once so that its per-component configs are computed
+    on first use instead of all at the session's first event. False where SessionState is not the
+    shape this was written against (the app then runs on Gradio's own path)."""
+    from types import SimpleNamespace
+
+    from gradio.state_holder import SessionState
+
+    original_init = SessionState.__init__
+    if getattr(original_init, "__lmscope_lazy__", False):
+        return True
+    components = SessionState.__dict__.get("components")
+    init_source = inspect.getsource(original_init)
+    if not isinstance(components, property) or "config_for_block" not in init_source \
+            or "blocks.default_config" not in init_source or "config_values" not in inspect.getsource(components.fget):
+        return False
+
+    @functools.wraps(original_init)
+    def __init__(self, blocks):
+        # Gradio's own __init__ with no block to precompute: the same state, config_values empty
+        original_init(self, SimpleNamespace(default_config=blocks.default_config, blocks={}))
+        # the blocks Gradio would have worked out now (shared, unchanged after launch): later, the same
+        self._lmscope_config_order = [(k, v) for k, v in self.blocks_config.blocks.items() if k in blocks.blocks]
+
+    def all_configs(self):
+        """config_values as Gradio's eager __init__ would have it: every block of the page in the
+        page's order, then any added later in the order they came."""
+        order = getattr(self, "_lmscope_config_order", None)
+        if order is not None:
+            done = self.config_values
+            filled = {k: done[k] if k in done else self.blocks_config.config_for_block(k, [], v) for k, v in order}
+            filled.update((k, v) for k, v in done.items() if k not in filled)
+            self.config_values = filled
+            self._lmscope_config_order = None
+        return components.fget(self)
+
+    all_configs.__wrapped__ = components.fget
+    __init__.__lmscope_lazy__ = True
+    SessionState.__init__ = __init__
+    SessionState.components = property(all_configs, doc=components.__doc__)
     return True

@@ -98,6 +98,7 @@ def build_app(settings=None):
     from app import gradio_tuning
 
     gradio_tuning.skip_unchanged_outputs()  # a skipped output costs Gradio a component rebuild otherwise
+    gradio_tuning.lazy_session_configs()  # a new session costs Gradio every component's config otherwise
     from fastapi import FastAPI
     from fastapi.responses import FileResponse, JSONResponse
     from starlette.background import BackgroundTask

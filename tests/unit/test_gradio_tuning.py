@@ -1,6 +1,7 @@
 """app.gradio_tuning: skipped outputs answer what Gradio itself answers, without Gradio rebuilding
 the component and its config for each (the reference is Gradio's own Blocks.postprocess_data,
-run on the same predictions); the queue polls less often."""
+run on the same predictions); the queue polls less often; a session's component configs are
+worked out when first used and come out as Gradio's own eager SessionState has them."""
 
 import asyncio
 
@@ -86,8 +87,48 @@ def test_queue_polls_every_10_ms_not_every_ms():
     assert not gradio_tuning.poll_queue_every(object())  # not a queued demo: nothing to change
 
 
-def test_the_served_app_has_both():
-    """What `lmscope serve` builds (app.main.build_app) runs with both changes in place."""
+def _gradio_own_session(demo):
+    """A SessionState made and read by Gradio's own code, patched or not."""
+    state = SessionState.__new__(SessionState)
+    getattr(SessionState.__init__, "__wrapped__", SessionState.__init__)(state, demo)
+    own_components = getattr(SessionState.components.fget, "__wrapped__", SessionState.components.fget)
+    return state, lambda: list(own_components(state))
+
+
+def _counting_configs(monkeypatch):
+    from gradio.blocks import BlocksConfig
+
+    calls, original = [], BlocksConfig.config_for_block
+    monkeypatch.setattr(BlocksConfig, "config_for_block",  # a static method in Gradio 6
+                        staticmethod(lambda *a, **k: calls.append(a[0]) or original(*a, **k)))
+    return calls
+
+
+def test_session_configs_are_worked_out_when_used_and_equal_gradios_own(monkeypatch):
+    assert gradio_tuning.lazy_session_configs()
+    assert gradio_tuning.lazy_session_configs()  # installing twice patches once
+    assert getattr(SessionState.__init__, "__lmscope_lazy__", False)
+    demo, (md, plot, slider, text, msg) = _demo()
+    fn = next(iter(demo.fns.values()))
+    calls = _counting_configs(monkeypatch)
+    theirs, their_components = _gradio_own_session(demo)
+    assert len(calls) == len(demo.blocks)  # Gradio: every block's config at the session's start
+    calls.clear()
+    ours = SessionState(demo)
+    assert calls == []  # lazily: none
+    fig = go.Figure(go.Bar(x=[1, 2], y=[3, 4]))
+    for state in (theirs, ours):  # the same events on both: inputs recorded, outputs and updates
+        state._update_value_in_config(text._id, "typed")
+        asyncio.run(_gradio_own()(demo, fn, [gr.update(value="b", visible=False), fig,
+                                             gr.update(maximum=5, value=2), "t", gr.update(visible=True)], state))
+    assert [c["id"] for c in their_components()] == [c["id"] for c in ours.components]  # Gradio's order
+    assert their_components() == list(ours.components)
+    assert {c["id"]: c for c in ours.components}[slider._id]["props"]["maximum"] == 5
+    assert {c["id"]: c for c in ours.components}[text._id]["props"]["value"] == "t"
+
+
+def test_the_served_app_has_all_three():
+    """What `lmscope serve` builds (app.main.build_app) runs with the three changes in place."""
     import sys
 
     from app.main import build_app
@@ -97,6 +138,7 @@ def test_the_served_app_has_both():
     try:
         _app, demo = build_app(Settings.from_env())
         assert getattr(Blocks.postprocess_data, "__lmscope_skips__", False)
+        assert getattr(SessionState.__init__, "__lmscope_lazy__", False)
         assert demo._queue.sleep_when_free == gradio_tuning.QUEUE_POLL_S
     finally:  # build_app marks absent plotting libraries as missing: leave sys.modules as it was
         for name in [n for n, m in sys.modules.items() if m is None and n not in marked_before]:
