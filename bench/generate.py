@@ -71,15 +71,18 @@ def _time_pair(a, b, dev, repeats):
     return ta, tb
 
 
-def _server_vs_script(lm, model: str, ids: list[int], prompt: str, n: int, repeats: int) -> dict:
+def _server_vs_script(lm, model: str, ids: list[int], prompt: str, n: int, repeats: int, client: str = "page") -> dict:
     """The greedy generation above through a live server on loopback, as a browser asks for it (one
     request, the reply once every view is built), against the same generation in this script,
     alternating one of each `repeats` times after two warm-ups (this machine's speed drifts by 20-30%
     over minutes: both sides of the ratio see the same drift); best of each. While one side is
-    timed the other waits (the server on its socket, this process on the reply)."""
+    timed the other waits (the server on its socket, this process on the reply). The request goes
+    as the page sends it (bench/load.py's `connect`: one session, its event stream read as it
+    comes); client="gradio": through gradio_client, whose 50 ms polling of its own message queue
+    adds up to 50 ms to every message it waits for."""
     import re
 
-    from gradio_client import Client
+    from load import connect
 
     from model_core.generate import generate
     from model_core.sampling import SamplingSettings
@@ -88,7 +91,7 @@ def _server_vs_script(lm, model: str, ids: list[int], prompt: str, n: int, repea
     greedy = SamplingSettings(temperature=0)
     server = LiveServer(extra_env={"LMSCOPE_MAX_NEW_TOKENS": str(max(n, 256)), "REDIS_URL": "redis://127.0.0.1:1/0"})
     try:
-        c = Client(server.url, verbose=False)
+        call = connect(server.url, None, client)
         args = [model, prompt, False, n, 0.0, 0, 1.0, 0.0, 1.0, 0, None, "prob"]  # greedy, as the script's
         best_server = best_script = float("inf")
         steps, pair_ratios = None, []
@@ -98,7 +101,7 @@ def _server_vs_script(lm, model: str, ids: list[int], prompt: str, n: int, repea
             t_script = time.perf_counter() - t0
             assert len(g.steps) == n
             t0 = time.perf_counter()
-            out = c.predict(*args, api_name="/generate")
+            out = call("generate", args)
             t_server = time.perf_counter() - t0
             m = re.search(r"(\d+) tokens", str(out[2]))  # the status line says how many were generated
             steps = int(m.group(1)) if m else n
@@ -107,10 +110,11 @@ def _server_vs_script(lm, model: str, ids: list[int], prompt: str, n: int, repea
                 pair_ratios.append((steps / t_server) / (n / t_script))
     finally:
         server.stop()
-    row = {"server_tok_s": steps / best_server, "server_tokens": steps, "script_tok_s": n / best_script,
+    row = {"client": client, "server_tok_s": steps / best_server, "server_tokens": steps, "script_tok_s": n / best_script,
            "server_vs_script": (steps / best_server) / (n / best_script),
            "pair_ratios": [round(r, 3) for r in pair_ratios], "median_pair_ratio": statistics.median(pair_ratios)}
-    print(f"server   {row['server_tok_s']:8.1f} tok/s through /generate ({steps} tokens, reply with every view) | "
+    print(f"server   {row['server_tok_s']:8.1f} tok/s through /generate ({client} client, {steps} tokens, reply with "
+          "every view) | "
           f"script {row['script_tok_s']:8.1f} tok/s (alternating with the server) | server/script: best of each "
           f"{row['server_vs_script']:.3f}, median of the {len(pair_ratios)} back-to-back pairs "
           f"{row['median_pair_ratio']:.3f} (target: within 10%)")
@@ -132,6 +136,8 @@ def main(argv=None) -> int:
     ap.add_argument("--server", action="store_true",
                     help="also time the same greedy generation through a live `lmscope serve` (the Generate "
                          "tab's /generate endpoint: streamed, every view built), against this script's")
+    ap.add_argument("--client", choices=["page", "gradio"], default="page",
+                    help="with --server: page (the request as the page sends it) or gradio (gradio_client)")
     args = ap.parse_args(argv)
 
     dev_name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -194,7 +200,7 @@ def main(argv=None) -> int:
                  if "hf_static_tok_s" in row else "")
               + (f" | greedy == hf: {row['greedy_equals_hf']}" if "greedy_equals_hf" in row else ""))
     if args.server:
-        results["server"] = _server_vs_script(lm, name, ids_list, args.prompt, n, max(args.repeats, 5))
+        results["server"] = _server_vs_script(lm, name, ids_list, args.prompt, n, max(args.repeats, 5), args.client)
     c = time_cache_vs_no_cache(lm, ids_list, new_tokens=args.no_cache_tokens, repeats=max(1, args.repeats - 1))
     results["cache"] = c
     print(f"cache    on {c['with_cache_tok_s']:8.1f} tok/s | off {c['without_cache_tok_s']:8.1f} tok/s | "

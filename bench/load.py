@@ -1,6 +1,12 @@
-"""Load test: N concurrent simulated users, each a gradio_client against a live `lmscope serve` on
-loopback, alternating trace (Explore's Run) and generate requests. For N = 1, 5, 20 it prints
-throughput, p50/p95 latency and the error count, and the p95 as a multiple of the single-user p50.
+"""Load test: N concurrent simulated users against a live `lmscope serve` on loopback, alternating
+trace (Explore's Run) and generate requests. For N = 1, 5, 20 it prints throughput, p50/p95
+latency and the error count, and the p95 as a multiple of the single-user p50.
+
+Each user is one page session, as a browser tab is: one session hash and one kept-alive
+connection; a request is a queue join and a read of the session's event stream until the event
+completes, which is what the page's own client does (`--client gradio` uses gradio_client
+instead, which polls its message queue every 50 ms and rebuilds every streamed update: on the
+2 shared cores its 20 users took ~0.25 of a core from the server they measured).
 
     python bench/load.py                      # starts its own server (default model, CPU)
     python bench/load.py --url http://host:7860/ --auth user:password
@@ -35,15 +41,40 @@ def gen_args(model, prompt, n):
     return [model, prompt, False, n, 0.0, 0, 1.0, 0.0, 1.0, 0, None, "prob"]
 
 
-def user(url, auth, model, n_requests, new_tokens, idx, out, errors, start_evt, think=0.0, connected=None):
-    import random
+def connect(url, auth, client: str = "page"):
+    """call(api_name, args) -> the event's outputs, over one session (a browser tab); raises on an error."""
+    if client == "gradio":
+        from gradio_client import Client
 
-    from gradio_client import Client
+        c = Client(url, auth=auth, verbose=False)
+        return lambda api, args: c.predict(*args, api_name="/" + api)
+    import uuid
+
+    from tests.helpers.raw_client import RawClient
+
+    c, session = RawClient(url, *(auth or (None, None)), timeout=600), uuid.uuid4().hex[:12]
+
+    def call(api, args):
+        fn, given = c.fn(api), iter(args)
+        # the page sends null for a State input (its value lives in the server's session);
+        # gradio_client's API leaves those out of the arguments, as these benches do
+        data = [None if comp.get("type") == "state" else next(given) for comp in c.inputs_of(fn)]
+        out = c.call(fn, data, session=session)
+        if "error" in out:
+            raise RuntimeError(out["error"])
+        return out["data"]
+
+    return call
+
+
+def user(url, auth, model, n_requests, new_tokens, idx, out, errors, start_evt, think=0.0, connected=None,
+         client="page"):
+    import random
 
     rng = random.Random(idx)
 
     try:
-        c = Client(url, auth=auth, verbose=False)
+        call = connect(url, auth, client)
     except Exception as e:  # noqa: BLE001
         errors.append(f"user {idx}: connect: {e}")
         return
@@ -59,9 +90,9 @@ def user(url, auth, model, n_requests, new_tokens, idx, out, errors, start_evt, 
         t0 = time.perf_counter()
         try:
             if kind == "trace":
-                c.predict(*trace_args(model, prompt), api_name="/trace")
+                call("trace", trace_args(model, prompt))
             else:
-                c.predict(*gen_args(model, prompt, new_tokens), api_name="/generate")
+                call("generate", gen_args(model, prompt, new_tokens))
             out.append((kind, time.perf_counter() - t0))
         except Exception as e:  # noqa: BLE001
             errors.append(f"user {idx} {kind}: {type(e).__name__}: {str(e)[:120]}")
@@ -72,11 +103,11 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, max(0, int(round(q * (len(xs) - 1)))))]
 
 
-def run_level(url, auth, model, n_users, n_requests, new_tokens, think=0.0):
+def run_level(url, auth, model, n_users, n_requests, new_tokens, think=0.0, client="page"):
     out, errors = [], []
     start, connected = threading.Event(), threading.Semaphore(0)
     threads = [threading.Thread(target=user, args=(url, auth, model, n_requests, new_tokens, i, out, errors, start,
-                                                   think, connected))
+                                                   think, connected, client))
                for i in range(n_users)]
     for t in threads:
         t.start()
@@ -127,6 +158,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--think", type=float, default=0.0,
                     help="mean seconds a user reads the page between requests (0: back to back, a stress test)")
+    ap.add_argument("--client", choices=["page", "gradio"], default="page",
+                    help="page: one session per user reading its event stream as the page does; gradio: gradio_client")
     args = ap.parse_args(argv)
     server = None
     url = args.url
@@ -140,14 +173,15 @@ def main(argv=None) -> int:
         print(f"server up in {time.time() - t0:.0f} s at {url}")
     try:
         # warm: load the model once so the first level does not pay for it
-        run_level(url, auth, args.model, 1, 2, args.new_tokens)
-        rows = [run_level(url, auth, args.model, n, args.requests, args.new_tokens, args.think) for n in args.users]
+        run_level(url, auth, args.model, 1, 2, args.new_tokens, client=args.client)
+        rows = [run_level(url, auth, args.model, n, args.requests, args.new_tokens, args.think, args.client)
+                for n in args.users]
         batching = _batching(url, auth)
     finally:
         if server is not None:
             server.stop()
     base = rows[0]["p50"]
-    print(f"\nmodel {args.model}, {args.requests} requests per user (trace and generate {args.new_tokens} tokens "
+    print(f"\nclient {args.client}, model {args.model}, {args.requests} requests per user (trace and generate {args.new_tokens} tokens "
           f"alternating), " + (f"think time exponential, mean {args.think:g} s" if args.think else "no think time"))
     print(f"{'users':>5} {'reqs':>5} {'errors':>6} {'req/s':>7} {'p50 s':>7} {'p95 s':>7} {'p95/p50(1)':>10} "
           f"{'trace p50/p95':>14} {'gen p50/p95':>12}")
