@@ -84,7 +84,7 @@ def _side_by_side(titles: tuple[str, str], spacing: float = 0.1) -> dict:
     constructor is validated once: make_subplots and the add/update calls after it cost ~25 ms a
     figure, this ~3 ms, on every finished generation and every step clicked."""
     w = (1.0 - spacing) / 2  # make_subplots' own arithmetic, to the last bit
-    left, right = [0, 0 + w], [w + spacing, w + spacing + w]
+    left, right = [0, w], [w + spacing, w + spacing + w]
     return {"xaxis": {"anchor": "y", "domain": left}, "yaxis": {"anchor": "x", "domain": [0.0, 1.0]},
             "xaxis2": {"anchor": "y2", "domain": [right[0], min(right[1], 1.0)]},
             "yaxis2": {"anchor": "x2", "domain": [0.0, 1.0]},

@@ -1,8 +1,8 @@
 """Three places where Gradio's own work held the interpreter that the engine thread needs.
 
-Both were found with py-spy during a streamed generation (docs/PERFORMANCE.md): the engine thread
-runs ~1,500 torch calls a token and takes the GIL back after each, so any Python the event loop
-runs meanwhile is a token's time lost.
+The first two were found with py-spy during a streamed generation, the third by timing each phase of
+a `queue/join` (docs/PERFORMANCE.md): the engine thread runs ~1,500 torch calls a token and takes
+the GIL back after each, so any Python the event loop runs meanwhile is a token's time lost.
 
 1. Outputs a callback leaves alone cost nothing (`skip_unchanged_outputs`).
 
