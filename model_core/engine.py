@@ -47,6 +47,7 @@ import torch
 
 from model_core import decode_attention, hooks, settings
 from model_core.cache_api import cache_kwarg, new_cache, sliding_window_of
+from model_core.cpu_graphs import TracedSteps
 from model_core.prefill_graphs import PrefillGraphs, eager_prefill
 from model_core.row_sampling import ALL_STAGES, RowSettings, packed_width, sample_rows, stages_in_use
 from model_core.slot_cache import SlotCache
@@ -149,6 +150,7 @@ class EngineStats:
                 "tokens_per_s_busy": round(self.tokens / self.busy_s, 1) if self.busy_s else 0.0,
                 "slots": engine.slots, "slots_in_use": len(engine._rows), "waiting": len(engine._pending),
                 "cuda_graphs": self.graphs, "compiled": engine.compile_state,
+                "recorded_steps": engine._recorded.stats() if engine._recorded is not None else None,
                 "compiled_graphs": self.compiled_graphs, "compiled_steps": self.compiled_steps, "warmup_s": round(self.warmup_s, 1),
                 "compile_s": round(self.compile_s, 1),
                 "host_ms_per_step": {k: round(1000 * getattr(self, k + "_s") / self.steps, 3) if self.steps else 0.0
@@ -204,7 +206,7 @@ class Engine:
     """Owns a model's generation work on one thread. Create through `engine_for(lm)`."""
 
     def __init__(self, lm, slots: int, max_len: int, use_graphs: bool | None = None, compile: bool | None = None,
-                 kv_cache_mb: int | None = None, steps_per_launch: int | None = None):
+                 kv_cache_mb: int | None = None, steps_per_launch: int | None = None, record_steps: bool | None = None):
         self._lm = weakref.ref(lm)
         self.name = lm.name
         self.device, self.dtype = lm.device, lm.dtype
@@ -214,6 +216,11 @@ class Engine:
         # compile (None: on with CUDA graphs): see the module docstring
         self.compile = self.use_graphs if compile is None else bool(compile)
         self.compile_state = "compiling" if self.compile else "off"  # -> capturing -> ready | failed: ...
+        # the CPU's decode steps replayed from TorchScript recordings (model_core.cpu_graphs; None:
+        # on a CPU without CUDA graphs)
+        self.record_steps = (not self.use_graphs and self.device.type == "cpu") if record_steps is None \
+            else bool(record_steps)
+        self._recorded: TracedSteps | None = None
         self._kv_cache_mb = kv_cache_mb  # None: LMSCOPE_KV_CACHE_MB (kv_budget_bytes)
         self._fast_forward = None  # compiled callables, once the compile thread has them
         self._fast_sample: dict[frozenset, object] = {}  # stage set -> compiled sample_rows
@@ -309,6 +316,8 @@ class Engine:
             self._cv.notify_all()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=30)
+        if self._recorded is not None:
+            self._recorded.close()
 
     def stats_dict(self) -> dict:
         return self.stats.as_dict(self)
@@ -325,6 +334,9 @@ class Engine:
                 self._allocate()
                 if self.use_graphs:
                     self._capture_all()
+                elif self.record_steps:
+                    self._recorded = TracedSteps(self._lm().model, self.live, self._scratch_for, self._step_on,
+                                                 self.name)
             freeze_heap()
             self.stats.warmup_s = time.perf_counter() - t0
         except BaseException as e:  # noqa: BLE001 - requests run on the plain path instead
@@ -370,9 +382,10 @@ class Engine:
                         self._hand_out(pipeline.pop(0))
             except BaseException as e:  # noqa: BLE001 - a failed step fails the rows in it, not the engine
                 pipeline.clear()
-                for row in list(self._rows.values()):
-                    self._fail(row.req, e)
-                    self._free(row)
+                with torch.inference_mode():  # _free writes the buffers (inference tensors)
+                    for row in list(self._rows.values()):
+                        self._fail(row.req, e)
+                        self._free(row)
                 self._rows.clear()
             finally:
                 self.request_turn.set()
@@ -517,7 +530,8 @@ class Engine:
         tok, pos, seen = b.tok_in[:B], b.pos[:B], b.seen[:B]
         act = b.active[:B] & (b.row_settings.step[:B] < b.limit[:B])  # [B]: rows that take this step
         # the token going in joins the context the repetition penalty sees
-        seen.scatter_(1, tok[:, None], seen.gather(1, tok[:, None]) | act[:, None])
+        at = (b.cache.slot_index[:B, 0], tok)  # [B], [B]: each row's input token
+        seen.index_put_(at, seen[at] | act)  # (a bool scatter_ has no TorchScript schema: cpu_graphs)
         mask = b.cache.window(B, L, pos)
         input_ids, position_ids = tok[:, None], pos[:, None]  # [B, 1]
         forward, sample, extra = lm.model, sample_rows, {}
@@ -540,17 +554,32 @@ class Engine:
         st.step.add_(act.long())
         pos.copy_(torch.where(act, (pos + 1).clamp(max=self.max_len - 1), pos))
 
+    def _step_on(self, b: StepBuffers, key: tuple):
+        """The eager step of bucket key = (rows, length, stages) on buffers b (cpu_graphs records it)."""
+        B, L, stages = key
+
+        def step() -> torch.Tensor:
+            self._steps(B, L, b, stages)
+            return b.out_packed
+
+        return step
+
+    def _scratch_for(self, length: int) -> StepBuffers:
+        """Buffers shaped as the live ones, for positions [0, length): what a recording steps."""
+        return StepBuffers.allocate(self._shapes, self.slots, length, self.vocab, self.dtype, self.device,
+                                    self.steps_per_launch, self._sliding_window)
+
     def _bucket(self, rows: list[_Row]) -> tuple[int, int]:
         top = max(r.slot for r in rows) + 1
         B = next(b for b in self._rows_buckets if b >= top)
         need = min(max(r.tokens for r in rows) + self.steps_per_launch, self.max_len)  # positions the launch attends over
-        if not self.use_graphs:
+        if not self.use_graphs and self._recorded is None:
             return B, need  # eager: exactly the positions in use
         return B, next(b for b in self._length_buckets if b >= need)
 
     def _stages(self, rows: list[_Row]) -> frozenset:
         used = stages_in_use(r.req.settings for r in rows)
-        if not self.use_graphs and self.compile_state != "ready":
+        if not self.use_graphs and self._recorded is None and self.compile_state != "ready":
             return used  # eager: exactly the stages in use (compiled: the two sets it was compiled for)
         return GREEDY_ONLY if not used else ALL_STAGES
 
@@ -563,7 +592,7 @@ class Engine:
         fast = (B, L, stages) in self._compiled_keys if graph is not None else self.compile_state == "ready"
         if graph is not None:
             graph.replay()
-        else:
+        elif not (self._recorded is not None and not fast and self._recorded.run((B, L, stages))):
             self._steps(B, L, self.live, stages, fast=fast)
         K = self.steps_per_launch
         self.stats.compiled_steps += K * fast

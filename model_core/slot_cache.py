@@ -64,7 +64,7 @@ class SlotCache:
         # one index_put_ into the whole tensor: torch.compile turns it back into an in-place write,
         # where a scatter_ into the slice [:rows] became a copy of the whole cache every layer
         # (1.3 of 3.1 ms of a 32-row step on an H200, bench/decode_forward.py --profile)
-        at = (self.slot_index[:rows], self.head_index[K.shape[1]],
+        at = (self.slot_index[:rows], self.head_index[int(K.shape[1])],
               self.write_pos[:, None])  # [rows, 1], [1, kv_heads], [rows, 1] -> [rows, kv_heads]
         K.index_put_(at, key[:, :, 0].to(K.dtype))  # key [rows, kv_heads, 1, D] -> [rows, kv_heads, D]
         V.index_put_(at, value[:, :, 0].to(V.dtype))
