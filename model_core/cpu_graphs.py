@@ -122,6 +122,21 @@ class TracedSteps:
         self.replays += 1
         return True
 
+    def want(self, keys) -> None:
+        """Record these buckets (rows, length, stages) ahead of the launches that will need them."""
+        with self._cv:
+            self._wanted += [k for k in keys if k not in self._traced and k not in self._wanted]
+            self._cv.notify_all()
+
+    def wait_recorded(self, timeout: float) -> bool:
+        """Wait until no bucket is waiting to be recorded; False on timeout."""
+        deadline = time.monotonic() + timeout
+        while self._wanted:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
     def close(self) -> None:
         with self._cv:
             self._stop = True

@@ -216,10 +216,9 @@ class Engine:
         # compile (None: on with CUDA graphs): see the module docstring
         self.compile = self.use_graphs if compile is None else bool(compile)
         self.compile_state = "compiling" if self.compile else "off"  # -> capturing -> ready | failed: ...
-        # the CPU's decode steps replayed from TorchScript recordings (model_core.cpu_graphs; None:
-        # on a CPU without CUDA graphs)
-        self.record_steps = (not self.use_graphs and self.device.type == "cpu") if record_steps is None \
-            else bool(record_steps)
+        # the CPU's decode steps replayed from TorchScript recordings (model_core.cpu_graphs): off
+        # unless asked for, until the server records its buckets before load (docs/PERFORMANCE.md)
+        self.record_steps = bool(record_steps) and not self.use_graphs
         self._recorded: TracedSteps | None = None
         self._kv_cache_mb = kv_cache_mb  # None: LMSCOPE_KV_CACHE_MB (kv_budget_bytes)
         self._fast_forward = None  # compiled callables, once the compile thread has them
@@ -530,8 +529,7 @@ class Engine:
         tok, pos, seen = b.tok_in[:B], b.pos[:B], b.seen[:B]
         act = b.active[:B] & (b.row_settings.step[:B] < b.limit[:B])  # [B]: rows that take this step
         # the token going in joins the context the repetition penalty sees
-        at = (b.cache.slot_index[:B, 0], tok)  # [B], [B]: each row's input token
-        seen.index_put_(at, seen[at] | act)  # (a bool scatter_ has no TorchScript schema: cpu_graphs)
+        seen.scatter_(1, tok[:, None], seen.gather(1, tok[:, None]) | act[:, None])
         mask = b.cache.window(B, L, pos)
         input_ids, position_ids = tok[:, None], pos[:, None]  # [B, 1]
         forward, sample, extra = lm.model, sample_rows, {}
