@@ -138,13 +138,17 @@ def top_p_rows(x: torch.Tensor, p: torch.Tensor, sorted_x: torch.Tensor | None =
 def min_p_rows(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     probs = torch.softmax(x, dim=-1)
     remove = probs < m[:, None] * probs.amax(dim=-1, keepdim=True)
-    remove.scatter_(-1, torch.topk(probs, 1, dim=-1).indices, 0)  # 0 = False: a traced step (cpu_graphs) has no bool scalar
+    top = torch.topk(probs, 1, dim=-1).indices  # [B, 1]
+    # a bool tensor, not the scalar False: TorchScript (cpu_graphs) has no bool Scalar, and inductor
+    # turns an int scalar's scatter into an int64 mask
+    remove.scatter_(-1, top, torch.zeros_like(top, dtype=torch.bool))
     return x.masked_fill(remove & (m > 0)[:, None], FILTER_VALUE)
 
 
 def greedy_rows(x: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
     keep = torch.zeros_like(x, dtype=torch.bool)
-    keep.scatter_(-1, torch.argmax(x, -1, keepdim=True), 1)  # 1 = True (see min_p_rows)
+    best = torch.argmax(x, -1, keepdim=True)  # [B, 1]
+    keep.scatter_(-1, best, torch.ones_like(best, dtype=torch.bool))  # a bool tensor: see min_p_rows
     return x.masked_fill(~keep & greedy[:, None], FILTER_VALUE)
 
 

@@ -16,6 +16,7 @@ import torch._dynamo
 from model_core import decode_attention, load_model
 from model_core.cache_api import cache_kwarg, new_cache
 from model_core.engine import Engine, EngineRequest, engine_for
+from model_core.row_sampling import sample_rows
 from model_core.sampling import SamplingSettings
 from model_core.slot_cache import SlotCache
 
@@ -108,6 +109,8 @@ def test_the_compiled_engine_equals_transformers_and_the_uncompiled_engine():
             s = SamplingSettings(temperature=0.9, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.2)
             sampled = _run(eng, lm, s, [7, 8])
         assert eng.stats.compiled_steps - before >= 2 * 7  # both runs' decode steps were the compiled ones
+        # and neither stage set's sampling fell back to the uncompiled function (an inductor failure)
+        assert all(f is not sample_rows for f in eng._fast_sample.values()), eng._fast_sample
         for prompt, recs in zip(PROMPTS, greedy):
             assert [int(r.packed[0]) for r in recs] == _hf_greedy(lm, prompt, 8), prompt
         for compiled, uncompiled in zip(sampled, _run(plain, lm, s, [7, 8])):
