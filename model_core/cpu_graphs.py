@@ -104,9 +104,6 @@ class TracedSteps:
         return {"buckets": self.recorded, "replays": self.replays, "waiting": len(self._wanted),
                 "eager_buckets": len(self._eager), "record_s": round(self.record_s, 1)}
 
-    def __contains__(self, key: tuple) -> bool:
-        return key in self._traced
-
     def run(self, key: tuple) -> bool:
         """Replay the step of `key` on the live buffers; False when it is not recorded yet (the
         caller runs it eagerly; it is recorded meanwhile)."""

@@ -590,7 +590,7 @@ class Engine:
         fast = (B, L, stages) in self._compiled_keys if graph is not None else self.compile_state == "ready"
         if graph is not None:
             graph.replay()
-        elif not (self._recorded is not None and not fast and self._recorded.run((B, L, stages))):
+        elif fast or self._recorded is None or not self._recorded.run((B, L, stages)):  # else: replayed
             self._steps(B, L, self.live, stages, fast=fast)
         K = self.steps_per_launch
         self.stats.compiled_steps += K * fast
