@@ -1,7 +1,7 @@
-"""Three places where Gradio's own work held the interpreter that the engine thread needs.
+"""Four places where Gradio's own work held the interpreter that the engine thread needs.
 
 The first two were found with py-spy during a streamed generation, the third by timing each phase of
-a `queue/join` (docs/PERFORMANCE.md): the engine thread runs ~1,500 torch calls a token and takes
+a `queue/join`, the fourth with py-spy during `bench/load.py` (docs/PERFORMANCE.md): the engine thread runs ~1,500 torch calls a token and takes
 the GIL back after each, so any Python the event loop runs meanwhile is a token's time lost.
 
 1. Outputs a callback leaves alone cost nothing (`skip_unchanged_outputs`).
@@ -33,6 +33,17 @@ feature, which lmscope does not use) and computes all of them when the session s
 event: 728 components, 80-190 ms of the event loop, while every other user's stream waits. Now
 each is worked out the first time Gradio reads or changes it, and all of them, in Gradio's own
 order, when a deep link asks for the lot (tested equal to Gradio's own).
+
+4. A page load does not copy the whole page's config (`cache_page_config`).
+
+Every page load asks `/config`, and Gradio answers it with a deep copy of the page's config
+(~900 KB of JSON for lmscope: 70-100 ms of pure Python on an idle server) and a walk over the copy
+to put the server's address into it. Twenty users opening the page at once spent seconds of the
+interpreter on that while the others' traces and generations waited (py-spy, under bench/load.py:
+more samples than every trace's forward). The copy depends only on the address the page was
+asked at, so it is made once per address; each answer is that copy with the user's name, from
+Gradio's own code (tested equal to Gradio's answer). Deep links and multi-page requests go to
+Gradio as before.
 """
 
 from __future__ import annotations
@@ -143,4 +154,62 @@ def lazy_session_configs() -> bool:
     __init__.__lmscope_lazy__ = True
     SessionState.__init__ = __init__
     SessionState.components = property(all_configs, doc=components.__doc__)
+    return True
+
+
+CONFIG_ROOTS = 8  # addresses whose /config is kept (behind a proxy a server is asked at one or two)
+
+
+def cache_page_config(gradio_app) -> bool:
+    """Replace the /config routes of a mounted Gradio app with ones that make Gradio's answer once
+    per root address. False where the routes are not the shape this was written against (the app
+    then answers them as Gradio does)."""
+    import threading
+
+    from fastapi.routing import APIRoute
+    from gradio import route_utils
+
+    routes = gradio_app.router.routes
+    found = [i for i, r in enumerate(routes) if isinstance(r, APIRoute) and r.path in ("/config", "/config/")
+             and r.methods == {"GET"}]
+    if not found:
+        return False
+    original = routes[found[0]].endpoint
+    if getattr(original, "__lmscope_cached__", False):
+        return True
+    if list(inspect.signature(original).parameters) != ["request", "user", "deep_link", "page"] \
+            or any(routes[i].endpoint is not original for i in found):
+        return False
+    cache: dict[tuple, tuple[type, dict]] = {}
+    lock = threading.Lock()
+
+    @functools.wraps(original)  # FastAPI reads the parameters (and the user dependency) through this
+    def get_config(request, user=None, deep_link: str = "", page=None):
+        if deep_link or page is not None:
+            return original(request=request, user=user, deep_link=deep_link, page=page)
+        blocks = gradio_app.get_blocks()
+        # the root Gradio puts into the copy, worked out as Gradio's get_config does
+        root = route_utils.get_root_url(request=request, route_path="/config",
+                                        root_path=gradio_app.root_path or request.scope.get("root_path")
+                                        or blocks.custom_mount_path)
+        key = (root, id(blocks.config))
+        with lock:
+            kept = cache.get(key)
+        if kept is None:
+            import orjson
+
+            answer = original(request=request, user=None, deep_link="", page=None)
+            kept = (type(answer), orjson.loads(answer.body))
+            with lock:
+                if len(cache) >= CONFIG_ROOTS:
+                    cache.pop(next(iter(cache)))
+                cache[key] = kept
+        response_class, config = kept
+        return response_class(content={**config, "username": user})  # a new top level; the rest is only read
+
+    get_config.__lmscope_cached__ = True
+    for i in found:
+        r = routes[i]
+        routes[i] = APIRoute(r.path, get_config, methods=list(r.methods), dependencies=r.dependencies,
+                             name=r.name, include_in_schema=r.include_in_schema, response_class=r.response_class)
     return True

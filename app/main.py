@@ -186,6 +186,8 @@ def build_app(settings=None):
         show_error=True, css_paths=[str(STATIC / "lmscope.css")], footer_links=["api"], head=HEAD_JS,
         max_file_size=int(settings.upload_max_mb * 1024 * 1024),
     )
+    # a page load costs Gradio a copy of the whole config otherwise
+    gradio_tuning.cache_page_config(next(r.app for r in app.routes if isinstance(r, Mount)))
     # Gradio checks that an input file came through its upload route only once the app "has
     # launched"; a mounted app never launches, so without this any server path a request names
     # would be copied into the cache and handed to the callback.
@@ -248,16 +250,19 @@ def model_zip(name: str) -> str | None:
 
 
 def _preload(name: str, device: str | None = None, dtype: str | None = None) -> None:
-    """Load the default model in the background while the server starts, so the first visitor does
-    not pay the ~2 s of importing transformers' model code and reading the weights."""
+    """Load the default model and start its engine in the background while the server starts, so the
+    first visitor does not pay the ~2 s of importing transformers' model code and reading the
+    weights, nor its first generations the engine's recordings (model_core.cpu_graphs)."""
     import threading
 
     def load():
-        from model_core import load_model
+        from model_core import engine, load_model
         from model_core.errors import LmscopeError
 
         try:
-            load_model(name, device=device, dtype=dtype, allow_paths=False, allow_hub=False)
+            lm = load_model(name, device=device, dtype=dtype, allow_paths=False, allow_hub=False)
+            if engine.can_use_engine(lm):
+                engine.engine_for(lm)  # its slots, and on a CPU its first recorded buckets, before anyone asks
         except LmscopeError as e:  # the page will show the same sentence when it asks
             print(f"lmscope: default model not preloaded: {e}", file=sys.stderr, flush=True)
 

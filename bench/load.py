@@ -55,20 +55,23 @@ def connect(url, auth, client: str = "page"):
     c, session = RawClient(url, *(auth or (None, None)), timeout=600), uuid.uuid4().hex[:12]
 
     def call(api, args):
+        """-> the event's outputs; call.started: when the server began running it (after its queue wait)."""
         fn, given = c.fn(api), iter(args)
         # the page sends null for a State input (its value lives in the server's session);
         # gradio_client's API leaves those out of the arguments, as these benches do
         data = [None if comp.get("type") == "state" else next(given) for comp in c.inputs_of(fn)]
         out = c.call(fn, data, session=session)
+        call.started = c.started_at
         if "error" in out:
             raise RuntimeError(out["error"])
         return out["data"]
 
+    call.started = None
     return call
 
 
 def user(url, auth, model, n_requests, new_tokens, idx, out, errors, start_evt, think=0.0, connected=None,
-         client="page"):
+         client="page", queued=None):
     import random
 
     rng = random.Random(idx)
@@ -94,6 +97,9 @@ def user(url, auth, model, n_requests, new_tokens, idx, out, errors, start_evt, 
             else:
                 call("generate", gen_args(model, prompt, new_tokens))
             out.append((kind, time.perf_counter() - t0))
+            started = getattr(call, "started", None)  # the page client sees when its event left the queue
+            if started is not None and queued is not None:
+                queued.append((kind, started - t0))
         except Exception as e:  # noqa: BLE001
             errors.append(f"user {idx} {kind}: {type(e).__name__}: {str(e)[:120]}")
 
@@ -104,10 +110,10 @@ def pct(xs, q):
 
 
 def run_level(url, auth, model, n_users, n_requests, new_tokens, think=0.0, client="page"):
-    out, errors = [], []
+    out, errors, queued = [], [], []
     start, connected = threading.Event(), threading.Semaphore(0)
     threads = [threading.Thread(target=user, args=(url, auth, model, n_requests, new_tokens, i, out, errors, start,
-                                                   think, connected, client))
+                                                   think, connected, client, queued))
                for i in range(n_users)]
     for t in threads:
         t.start()
@@ -128,12 +134,14 @@ def run_level(url, auth, model, n_users, n_requests, new_tokens, think=0.0, clie
             "p50_trace": statistics.median([x for k, x in out if k == "trace"] or [float("nan")]),
             "p50_generate": statistics.median([x for k, x in out if k == "generate"] or [float("nan")]),
             "p95_trace": pct([x for k, x in out if k == "trace"] or [float("nan")], 0.95),
+            "queued_p50_p95": {kind: (statistics.median(w), pct(w, 0.95)) for kind in ("trace", "generate")
+                               if (w := [x for k, x in queued if k == kind])},
             "p95_generate": pct([x for k, x in out if k == "generate"] or [float("nan")], 0.95),
             "error_samples": errors[:5]}
 
 
-def _batching(url, auth) -> dict | None:
-    """The server's own count of requests that shared forwards (GET /metrics)."""
+def _models(url, auth) -> list[dict]:
+    """The server's loaded models as GET /metrics reports them ([] where it cannot tell)."""
     import json
     import urllib.request
 
@@ -144,8 +152,32 @@ def _batching(url, auth) -> dict | None:
         with urllib.request.urlopen(req, timeout=10) as r:
             models = json.loads(r.read()).get("models") or []
     except OSError:
-        return None
-    return next((m.get("batching") for m in models if m.get("batching")), None)
+        return []
+    return models if isinstance(models, list) else []
+
+
+def _batching(url, auth) -> dict | None:
+    """The server's own count of requests that shared forwards (GET /metrics)."""
+    return next((m.get("batching") for m in _models(url, auth) if m.get("batching")), None)
+
+
+def _engine(url, auth, model) -> dict | None:
+    return next((m.get("engine") for m in _models(url, auth) if m.get("name") == model and m.get("engine")), None)
+
+
+def wait_for_recordings(url, auth, model, timeout: float = 180.0) -> str:
+    """Wait until the engine has recorded the buckets it records at start (a CPU server with
+    LMSCOPE_RECORD_STEPS: ~2 s each, in the background), as an operator lets a server warm up
+    before opening it to a team; what it waited, for the printout."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        rec = (_engine(url, auth, model) or {}).get("recorded_steps")
+        if rec is None:
+            return "no recorded steps (GPU, or LMSCOPE_RECORD_STEPS=0)"
+        if rec.get("waiting") == 0:
+            return f"recorded {rec['buckets']} buckets, waited {time.time() - t0:.0f} s"
+        time.sleep(1)
+    return f"recordings still waiting after {timeout:.0f} s"
 
 
 def main(argv=None) -> int:
@@ -174,9 +206,10 @@ def main(argv=None) -> int:
     try:
         # warm: load the model once so the first level does not pay for it
         run_level(url, auth, args.model, 1, 2, args.new_tokens, client=args.client)
+        print(wait_for_recordings(url, auth, args.model))
         rows = [run_level(url, auth, args.model, n, args.requests, args.new_tokens, args.think, args.client)
                 for n in args.users]
-        batching = _batching(url, auth)
+        batching, engine = _batching(url, auth), _engine(url, auth, args.model)
     finally:
         if server is not None:
             server.stop()
@@ -189,10 +222,17 @@ def main(argv=None) -> int:
         print(f"{r['users']:>5} {r['requests']:>5} {r['errors']:>6} {r['throughput']:>7.2f} {r['p50']:>7.2f} "
               f"{r['p95']:>7.2f} {r['p95'] / base:>10.1f} {r['p50_trace']:>6.2f}/{r['p95_trace']:<7.2f} "
               f"{r['p50_generate']:>5.2f}/{r['p95_generate']:.2f}")
+        if r["queued_p50_p95"]:
+            print("      in the server's queue before running, p50/p95 s: " + ", ".join(
+                f"{k} {a:.2f}/{b:.2f}" for k, (a, b) in r["queued_p50_p95"].items()))
         for e in r["error_samples"]:
             print("   ", e)
     if batching:
         print(f"shared forwards (/metrics): {batching}")
+    if engine:
+        print(f"engine (/metrics, whole run): mean batch {engine['mean_batch']}, launch "
+              f"{engine['host_ms_per_step']['launch']} ms/step, prefill {engine['mean_prefill_ms']} ms, "
+              f"recorded: {engine['recorded_steps']}")
     last = rows[-1]
     ok = last["errors"] == 0 and last["p95"] < 5 * base
     print(f"\ntarget (N={last['users']}: zero errors, p95 < 5x single-user p50): {'met' if ok else 'NOT met'}")

@@ -171,8 +171,13 @@ class Adapter:
             out = out + u.bias[ids[:, 0]][:, None]
         return self._cap_logits(out)
 
+    def final_logit_softcap(self) -> float | None:
+        """Gemma's final logit softcapping (logits -> tanh(logits / cap) * cap), or None."""
+        return None
+
     def _cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits
+        cap = self.final_logit_softcap()
+        return torch.tanh(logits / cap) * cap if cap else logits
 
     def logits_from_resid(self, resid: torch.Tensor) -> torch.Tensor:
         """Logit lens: the residual stream through the model's own final norm and unembedding."""
@@ -282,11 +287,8 @@ class Gemma3Adapter(LlamaAdapter):
     def logits_from_normed(self, normed):
         return self._cap_logits(self.unembed(normed))
 
-    def _cap_logits(self, logits):
-        cap = getattr(self.config, "final_logit_softcapping", None)
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+    def final_logit_softcap(self):
+        return getattr(self.config, "final_logit_softcapping", None) or None
 
 
 class GPT2Adapter(Adapter):

@@ -1,4 +1,4 @@
-"""The engine's decode step on a CPU as a TorchScript trace, one per (rows, length, stages) bucket.
+"""The engine's decode step and prefill on a CPU as TorchScript traces, one per bucket.
 
 Eager, one decode step of SmolLM2-135M is ~1,500 torch calls. Each gives up the interpreter lock
 while its kernel runs and takes it back after; in the server the web side (Gradio, the views) runs
@@ -15,8 +15,12 @@ again, the same tensors, at every replay) and the model a submodule, so nothing 
 constant; the graph executor's optimizations are off on the engine thread (`run` and `record`), so
 no pass fuses or reorders a kernel: a replay is bit-identical to the eager step at that bucket.
 
-A bucket is recorded on a thread of its own after a launch first needed it (`TracedSteps`); if
-recording fails, the bucket stays eager.
+A prefill is recorded the same way, one per prompt-length bucket of one row: its output is every
+layer's keys and values and the last hidden states (no DynamicCache comes out of a trace), and the
+engine pads a prompt to its bucket whether the bucket is recorded yet or not.
+
+A bucket is recorded on a thread of its own, ahead of use (`TracedSteps.want`, the server's
+buckets at start) or after a launch first needed it; if recording fails, the bucket stays eager.
 """
 
 from __future__ import annotations
@@ -59,68 +63,68 @@ def buffer_tensors(obj) -> list[torch.Tensor]:
     return out
 
 
-class _Step(torch.nn.Module):
+class _Traced(torch.nn.Module):
     """The traced root: the model as a submodule (its weights are read as attributes, not copied
-    in as constants) and the step's buffers as inputs."""
+    in as constants) and the call's tensors as inputs (a decode step reads its buffers from its
+    closure: the tracer maps those tensors to the inputs by identity)."""
 
-    def __init__(self, model: torch.nn.Module, step: Callable[[], torch.Tensor]):
+    def __init__(self, model: torch.nn.Module, fn: Callable):
         super().__init__()
         self.model = model
-        self._step = step
+        self._fn = fn
 
-    def forward(self, *buffers: torch.Tensor) -> torch.Tensor:
-        return self._step()
+    def forward(self, *inputs: torch.Tensor):
+        return self._fn(*inputs)
 
 
 class TracedSteps:
-    """Recorded decode steps by bucket, replayed on one engine's live buffers.
+    """An engine's recorded calls (decode steps, prefills) by bucket key, replayed on live inputs.
 
-    Recording a bucket takes 1.3-3 s (the tracer runs the step in Python) and its first run twice a
-    step, so it happens on a thread of its own, on scratch buffers of the bucket's size (the trace
-    takes the buffers as inputs, so it replays on the live ones): the buckets launches asked for, in
-    that order. Until a bucket is recorded its steps run eagerly at the same bucket (the same
-    computation, so a request's tokens never depend on which ran)."""
+    Recording a bucket takes 1.3-3 s (the tracer runs the call in Python) and its first run twice a
+    call, so it happens on a thread of its own, on example inputs of the bucket's shape (a decode
+    step's are scratch buffers: the trace takes the buffers as inputs, so it replays on the live
+    ones): the buckets asked for, in that order. Until a bucket is recorded the engine runs its call
+    eagerly at the same bucket (the same computation, so a request's tokens never depend on which
+    ran)."""
 
-    def __init__(self, model: torch.nn.Module, live, scratch_for: Callable[[int], object],
-                 step_on: Callable[[object, tuple], Callable[[], torch.Tensor]], name: str = "model"):
-        """scratch_for(length) -> buffers shaped as the live ones for positions [0, length);
-        step_on(buffers, key) -> the eager step of bucket `key` on those buffers."""
+    def __init__(self, model: torch.nn.Module, recipe: Callable[[tuple], tuple[Callable, tuple]],
+                 name: str = "model"):
+        """recipe(key) -> (the eager call of bucket `key`, example inputs of its shape)."""
         self._model = model
-        self._inputs = tuple(buffer_tensors(live))
-        self._scratch_for, self._step_on = scratch_for, step_on
+        self._recipe = recipe
         self._traced: dict[tuple, torch.jit.ScriptModule] = {}
         self._eager: set[tuple] = set()  # buckets whose recording failed
         self._cv = threading.Condition()
         self._wanted: list[tuple] = []  # buckets to record, in order
         self._stop = False
         self.recorded = 0
-        self.replays = 0
+        self.replays: dict[str, int] = {}  # kind (a key's first item: "step", "prefill") -> calls replayed
         self.record_s = 0.0
         self._thread = threading.Thread(target=self._record_loop, name=f"lmscope-record-{name}", daemon=True)
         self._thread.start()
 
     def stats(self) -> dict:
-        """/metrics: buckets recorded, steps replayed from them, buckets waiting or left eager."""
-        return {"buckets": self.recorded, "replays": self.replays, "waiting": len(self._wanted),
+        """/metrics: buckets recorded, calls replayed from them by kind, buckets waiting or left eager."""
+        return {"buckets": self.recorded, "replays": dict(self.replays), "waiting": len(self._wanted),
                 "eager_buckets": len(self._eager), "record_s": round(self.record_s, 1)}
 
-    def run(self, key: tuple) -> bool:
-        """Replay the step of `key` on the live buffers; False when it is not recorded yet (the
-        caller runs it eagerly; it is recorded meanwhile)."""
+    def run(self, key: tuple, inputs: tuple):
+        """Replay the call of `key` on `inputs`: its output, or None when it is not recorded yet
+        (the caller runs it eagerly; it is recorded meanwhile)."""
         traced = self._traced.get(key)
         if traced is None:
             with self._cv:
                 if key not in self._eager and key not in self._wanted:
                     self._wanted.append(key)
                     self._cv.notify_all()
-            return False
+            return None
         with torch.jit.optimized_execution(False):
-            traced(*self._inputs)
-        self.replays += 1
-        return True
+            out = traced(*inputs)
+        self.replays[key[0]] = self.replays.get(key[0], 0) + 1
+        return out
 
     def want(self, keys) -> None:
-        """Record these buckets (rows, length, stages) ahead of the launches that will need them."""
+        """Record these buckets ahead of the calls that will need them."""
         with self._cv:
             self._wanted += [k for k in keys if k not in self._traced and k not in self._wanted]
             self._cv.notify_all()
@@ -161,15 +165,13 @@ class TracedSteps:
         with warnings.catch_warnings(), torch.inference_mode():
             warnings.simplefilter("ignore")  # TracerWarnings: the step's Python ints are its bucket's
             try:
-                scratch = self._scratch_for(key[1])
-                inputs = tuple(buffer_tensors(scratch))
+                fn, inputs = self._recipe(key)
                 with torch.jit.optimized_execution(False):
-                    traced = torch.jit.trace(_Step(self._model, self._step_on(scratch, key)), inputs,
-                                             check_trace=False, strict=False)
-                    traced(*inputs)  # the first run profiles the graph: twice a step's time
+                    traced = torch.jit.trace(_Traced(self._model, fn), inputs, check_trace=False, strict=False)
+                    traced(*inputs)  # the first run profiles the graph: twice a call's time
             except Exception as e:  # noqa: BLE001 - the bucket stays eager
                 self._eager.add(key)
-                print(f"lmscope: recording the CPU decode step {key[:2]} failed ({type(e).__name__}: "
+                print(f"lmscope: recording the CPU {key[0]} {key[1:3]} failed ({type(e).__name__}: "
                       f"{str(e)[:200]}); it runs eagerly", file=sys.stderr)
                 return
             finally:

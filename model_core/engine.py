@@ -47,8 +47,8 @@ import torch
 
 from model_core import decode_attention, hooks, settings
 from model_core.cache_api import cache_kwarg, new_cache, sliding_window_of
-from model_core.cpu_graphs import TracedSteps
-from model_core.prefill_graphs import PrefillGraphs, eager_prefill
+from model_core.cpu_graphs import TracedSteps, buffer_tensors
+from model_core.prefill_graphs import CPU_LENGTHS, FlatCache, PrefillGraphs, eager_prefill, flat_prefill
 from model_core.row_sampling import ALL_STAGES, RowSettings, packed_width, sample_rows, stages_in_use
 from model_core.slot_cache import SlotCache
 
@@ -216,10 +216,11 @@ class Engine:
         # compile (None: on with CUDA graphs): see the module docstring
         self.compile = self.use_graphs if compile is None else bool(compile)
         self.compile_state = "compiling" if self.compile else "off"  # -> capturing -> ready | failed: ...
-        # the CPU's decode steps replayed from TorchScript recordings (model_core.cpu_graphs): off
-        # unless asked for, until the server records its buckets before load (docs/PERFORMANCE.md)
+        # the CPU's decode steps and prefills replayed from TorchScript recordings
+        # (model_core.cpu_graphs; LMSCOPE_RECORD_STEPS through engine_for)
         self.record_steps = bool(record_steps) and not self.use_graphs
         self._recorded: TracedSteps | None = None
+        self._trace_layouts: dict[tuple, tuple] = {}  # recorded trace key -> (capture names, rotary layers)
         self._kv_cache_mb = kv_cache_mb  # None: LMSCOPE_KV_CACHE_MB (kv_budget_bytes)
         self._fast_forward = None  # compiled callables, once the compile thread has them
         self._fast_sample: dict[frozenset, object] = {}  # stage set -> compiled sample_rows
@@ -334,8 +335,8 @@ class Engine:
                 if self.use_graphs:
                     self._capture_all()
                 elif self.record_steps:
-                    self._recorded = TracedSteps(self._lm().model, self.live, self._scratch_for, self._step_on,
-                                                 self.name)
+                    self._live_inputs = tuple(buffer_tensors(self.live))  # a recorded step's inputs
+                    self._recorded = TracedSteps(self._lm().model, self._recipe, self.name)
             freeze_heap()
             self.stats.warmup_s = time.perf_counter() - t0
         except BaseException as e:  # noqa: BLE001 - requests run on the plain path instead
@@ -472,17 +473,20 @@ class Engine:
         slots = free[: len(reqs)]
         lens = [len(r.ids) for r in reqs]
         ids = torch.tensor([r.ids + [0] * (max(lens) - n) for r, n in zip(reqs, lens)]).to(self.device)  # [N, T]
-        captured = None if self._prefill_graphs is None else self._prefill_graphs.run(ids, lens)
-        if captured is not None:
-            pre, logits = captured  # [N, V]
-            self.stats.captured_prefills += 1
-        else:
-            pre, logits = eager_prefill(lm, ids, lens)  # [N, V]
-        # every row at once (one copy per layer and per settings field: 32 users arriving together
-        # would otherwise be ~2,000 small copies before anyone's first token)
         idx = torch.tensor(slots, device=self.device)
-        b.cache.load_rows(idx, pre, max(lens))
-        del pre
+        if self._recorded is not None and max(lens) <= CPU_LENGTHS[-1]:
+            logits = self._prefill_by_row(ids, lens, idx)  # [N, V]
+        else:
+            captured = None if self._prefill_graphs is None else self._prefill_graphs.run(ids, lens)
+            if captured is not None:
+                pre, logits = captured  # [N, V]
+                self.stats.captured_prefills += 1
+            else:
+                pre, logits = eager_prefill(lm, ids, lens)  # [N, V]
+            # every row at once (one copy per layer and per settings field: 32 users arriving together
+            # would otherwise be ~2,000 small copies before anyone's first token)
+            b.cache.load_rows(idx, pre, max(lens))
+            del pre
         b.row_settings.set_rows(idx, [r.settings for r in reqs], [r.seed for r in reqs])
         in_prompt = (torch.arange(ids.shape[1], device=self.device)[None, :]
                      < torch.tensor(lens, device=self.device)[:, None])  # [N, T]: not padding
@@ -513,6 +517,23 @@ class Engine:
         self.stats.prefills += 1
         self.stats.prefill_s += time.perf_counter() - t0
         self.stats.recent_prefills.append((len(reqs), sum(lens), round(1000 * (time.perf_counter() - t0), 1)))
+
+    def _prefill_by_row(self, ids: torch.Tensor, lens: list[int], idx: torch.Tensor) -> torch.Tensor:
+        """A CPU's prefill with recordings: each row alone, padded to its length bucket (on one
+        thread a batched prefill costs what its rows cost one by one), replayed where that bucket
+        is recorded and run eagerly at the same bucket until it is; each row's keys and values go
+        to its slot. -> each row's last-position logits [N, V] float32."""
+        lm, last = self._lm(), []
+        for i, n in enumerate(lens):
+            T = next(t for t in CPU_LENGTHS if t >= n)
+            padded = torch.zeros(1, T, dtype=torch.long, device=self.device)
+            padded[0, :n] = ids[i, :n]
+            flat = self._recorded.run(("prefill", 1, T), (padded,))
+            if flat is None:
+                flat = flat_prefill(lm, padded)
+            self.live.cache.load_rows(idx[i:i + 1], FlatCache(flat), n)
+            last.append(flat[-1][:, n - 1])  # [1, d]
+        return lm.adapter.logits_from_normed(torch.cat(last)).float()
 
     # --- one decode step for every running row ---------------------------------------------------
     def _steps(self, B: int, L: int, b: StepBuffers, stages: frozenset, fast: bool = False) -> None:
@@ -552,15 +573,79 @@ class Engine:
         st.step.add_(act.long())
         pos.copy_(torch.where(act, (pos + 1).clamp(max=self.max_len - 1), pos))
 
-    def _step_on(self, b: StepBuffers, key: tuple):
-        """The eager step of bucket key = (rows, length, stages) on buffers b (cpu_graphs records it)."""
-        B, L, stages = key
+    def _recipe(self, key: tuple):
+        """What cpu_graphs records for a bucket: ("step", rows, length, stages) -> the eager decode
+        step on scratch buffers of that length, and those buffers; ("prefill", rows, length) ->
+        flat_prefill, and ids of that shape."""
+        if key[0] == "step":
+            _, B, L, stages = key
+            b = self._scratch_for(L)
 
-        def step() -> torch.Tensor:
-            self._steps(B, L, b, stages)
-            return b.out_packed
+            def step(*_buffers) -> torch.Tensor:  # the buffers come in as the trace's inputs
+                self._steps(B, L, b, stages)
+                return b.out_packed
 
-        return step
+            return step, tuple(buffer_tensors(b))
+        if key[0] == "trace":
+            return self._trace_recipe(key)
+        _, rows, T = key
+        return (lambda ids: flat_prefill(self._lm(), ids)), (torch.zeros(rows, T, dtype=torch.long, device=self.device),)
+
+    def _trace_recipe(self, key: tuple):
+        """("trace", length, layers): Explore's instrumented forward of one row (model_core.trace)
+        as tensors: every capture by name, then the rotary (cos, sin) per layer, then the logits.
+        Which is which is `trace_layout(key)`, known once the tracer has run the forward."""
+        _, T, layers = key
+        lm = self._lm()
+        hooks.instrument(lm.adapter)
+
+        def forward(ids: torch.Tensor):
+            rec = hooks.Recorder(layers=layers)
+            with hooks.recording(rec):
+                logits = self._lm().model(input_ids=ids, use_cache=False).logits  # [1, T, V]
+            names, rope = sorted(rec.store), sorted(rec.rope)
+            self._trace_layouts[key] = (names, [(l, len(rec.rope[l])) for l in rope])
+            return (*(rec.store[n] for n in names), *(x for l in rope for x in rec.rope[l]), logits)
+
+        return forward, (torch.zeros(1, T, dtype=torch.long, device=self.device),)
+
+    def recorded_trace(self, token_ids: list[int], layers: frozenset):
+        """Explore's instrumented forward of token_ids replayed from a recording (padded to its
+        length bucket: causal attention never lets a position see the padding after it), as
+        model_core.trace's forward returns it: (captures [1, T, ...] by name, rotary per layer,
+        logits [T, V]); None where it is not recorded (it is recorded meanwhile) or too long.
+        Called on the request's thread: a replay holds no interpreter lock while it runs."""
+        n = len(token_ids)
+        if self._recorded is None or n > CPU_LENGTHS[-1] or len(layers) != self._lm().shape.n_layers:
+            return None  # (a subset of layers: rare, and each would be a recording of its own)
+        key = ("trace", next(t for t in CPU_LENGTHS if t >= n), frozenset(layers))
+        ids = torch.zeros(1, key[1], dtype=torch.long, device=self.device)
+        ids[0, :n] = torch.tensor(token_ids, dtype=torch.long)
+        with torch.inference_mode():
+            out = self._recorded.run(key, (ids,))
+        if out is None:
+            return None
+        names, rope = self._trace_layouts[key]
+        store = {name: out[j][:, :n] for j, name in enumerate(names)}  # views: the padding stays unread
+        pe, j = {}, len(names)
+        for layer, count in rope:
+            pe[layer] = tuple(x[:, :n] for x in out[j: j + count])
+            j += count
+        return store, pe, out[-1][0, :n]
+
+    def record_ahead(self) -> None:
+        """Record (in the background) the buckets a CPU server's first users need: decode steps of
+        every rows bucket over the shortest length, greedy and sampled, one-row prefills, and
+        Explore's traces of short prompts (longer ones are recorded when first asked for). (A
+        step's rows bucket is its highest slot's, not its count: under load rows come and go, and
+        two rows can sit in slots 1 and 9.)"""
+        if self._recorded is None:
+            return
+        L, rows = self._length_buckets[0], self._rows_buckets
+        every_layer = frozenset(range(self._lm().shape.n_layers))
+        self._recorded.want([("step", B, L, GREEDY_ONLY) for B in rows] + [("prefill", 1, T) for T in CPU_LENGTHS[:3]]
+                            + [("trace", T, every_layer) for T in CPU_LENGTHS[:3]]
+                            + [("step", B, L, ALL_STAGES) for B in rows] + [("prefill", 1, T) for T in CPU_LENGTHS[3:]])
 
     def _scratch_for(self, length: int) -> StepBuffers:
         """Buffers shaped as the live ones, for positions [0, length): what a recording steps."""
@@ -590,7 +675,7 @@ class Engine:
         fast = (B, L, stages) in self._compiled_keys if graph is not None else self.compile_state == "ready"
         if graph is not None:
             graph.replay()
-        elif fast or self._recorded is None or not self._recorded.run((B, L, stages)):  # else: replayed
+        elif fast or self._recorded is None or self._recorded.run(("step", B, L, stages), self._live_inputs) is None:
             self._steps(B, L, self.live, stages, fast=fast)
         K = self.steps_per_launch
         self.stats.compiled_steps += K * fast
@@ -928,18 +1013,22 @@ def max_len_from_env(lm) -> int:
 def engine_for(lm) -> Engine:
     """The model's engine, created on first use (kept in `lm.meta`; closed when the model is freed)
     with the settings of that moment: LMSCOPE_MAX_BATCH slots of max_len_from_env tokens,
-    LMSCOPE_COMPILE."""
+    LMSCOPE_COMPILE, LMSCOPE_RECORD_STEPS (a CPU engine starts recording its first buckets)."""
+    created = False
     with _LOCK:
         eng = lm.meta.get("engine")
         if eng is None:
             s = settings.current()
             eng = Engine(lm, slots_from_env(lm.device), max_len_from_env(lm), compile=s.compile,
-                         kv_cache_mb=s.kv_cache_mb)
+                         kv_cache_mb=s.kv_cache_mb, record_steps=s.record_steps)
+            created = True
             lm.meta["engine"] = eng
             _ALL.add(eng)
             # closed when the model is freed; at exit `_stop_all` closes it first
             weakref.finalize(lm, eng.close).atexit = False
     eng.ready.wait()
+    if created:
+        eng.record_ahead()
     return eng
 
 

@@ -26,6 +26,10 @@ from model_core.cache_api import cache_kwarg, full_prefill_cache, sliding_window
 
 LENGTHS = (32, 64)  # prompt-length buckets captured; longer prompts prefill eagerly
 MAX_ROWS = 32  # rows buckets captured: powers of two up to this (and the engine's slots)
+# A CPU's recorded prefills (model_core.cpu_graphs): one row each, padded to one of these lengths.
+# A CPU prefill's time grows with its tokens (1 thread, the default model: 8 tokens 88 ms, 16 123,
+# 32 170, 64 260), so the steps are finer than the GPU's, where a short prefill costs its launches.
+CPU_LENGTHS = (8, 16, 24, 32, 48, 64)
 
 
 def eager_prefill(lm, ids: torch.Tensor, lens: list[int]):
@@ -35,6 +39,33 @@ def eager_prefill(lm, ids: torch.Tensor, lens: list[int]):
     keep = sorted({n - 1 for n in lens})
     out = lm.model(input_ids=ids, use_cache=True, logits_to_keep=keep, **{cache_kwarg(lm.model): cache}).logits
     return cache, torch.stack([out[i, keep.index(n - 1)] for i, n in enumerate(lens)]).float()
+
+
+def decoder_prefill(lm, ids: torch.Tensor):
+    """ids [N, T] -> (a DynamicCache keeping every position, the decoder's normed hidden states
+    [N, T, d]): the forward without its head."""
+    decoder = lm.model.base_model
+    cache = full_prefill_cache(lm)
+    out = decoder(input_ids=ids, use_cache=True, **{cache_kwarg(decoder): cache})
+    return cache, out.last_hidden_state
+
+
+def flat_prefill(lm, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """decoder_prefill as tensors only (what a trace can return): (layer 0's keys, its values, layer
+    1's keys, ..., hidden [N, T, d])."""
+    cache, hidden = decoder_prefill(lm, ids)
+    return (*(t for layer in cache.layers for t in (layer.keys, layer.values)), hidden)
+
+
+class FlatCache:
+    """flat_prefill's keys and values as the `.layers[l].keys / .values` that SlotCache.load_rows reads."""
+
+    class Layer:
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+            self.keys, self.values = keys, values
+
+    def __init__(self, flat: tuple[torch.Tensor, ...]):
+        self.layers = [self.Layer(flat[i], flat[i + 1]) for i in range(0, len(flat) - 1, 2)]
 
 
 class PrefillGraphs:
@@ -51,11 +82,7 @@ class PrefillGraphs:
 
     def _forward(self, rows: int, length: int):
         """The decoder on the first rows x length static ids: (its DynamicCache, hidden [rows, length, d])."""
-        lm = self._lm()
-        decoder = lm.model.base_model
-        cache = full_prefill_cache(lm)
-        out = decoder(input_ids=self.ids[:rows, :length], use_cache=True, **{cache_kwarg(decoder): cache})
-        return cache, out.last_hidden_state
+        return decoder_prefill(self._lm(), self.ids[:rows, :length])
 
     def capture(self, cublas_workspace=contextlib.nullcontext) -> None:
         """Capture every bucket, largest first, in a pool of their own (each bucket's outputs stay

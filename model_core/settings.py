@@ -42,6 +42,7 @@ parameters and fall back to `current()` only for a default.
 | LMSCOPE_KV_CACHE_MB | (a quarter of free GPU memory, or 512 on a CPU) | Memory for the engine's preallocated KV slots (fewer slots than LMSCOPE_MAX_BATCH if it runs out). |
 | LMSCOPE_ENGINE_THREADS | half the CPU cores (at least 1) | CPU: threads of the engine's own torch work (the rest of the cores serve the web side's traces and views). |
 | LMSCOPE_COMPILE | on with CUDA | The engine's decode step compiled by torch.compile in the background (a few minutes once; the inductor cache keeps it) and re-captured, the uncompiled CUDA graphs serving meanwhile; 0: never; 1 on a CPU: compiled, no graphs. |
+| LMSCOPE_RECORD_STEPS | 1 | CPU: the engine's decode steps and short prefills recorded as TorchScript traces in the background (the buckets a server's first users need right after start, others at first use; ~2 s each) and replayed, which holds the interpreter lock once per call instead of ~1,500 times; 0: always eager. |
 | LMSCOPE_PATCH_TOKENS | 65536 on CUDA, else 1024 | Tokens per batch of an activation-patching sweep (rows = this / prompt length). |
 | LMSCOPE_JOB_STALE_SECONDS | 30 | A running job whose worker sent no heartbeat for this long is marked failed ("worker lost"). |
 | LMSCOPE_VISIBILITY_TIMEOUT | 21600 | Seconds before the broker redelivers an unacknowledged job message (longer than any job). |
@@ -78,7 +79,8 @@ VARIABLES = (
     "LMSCOPE_MAX_PROMPT_TOKENS", "LMSCOPE_MAX_NEW_TOKENS", "LMSCOPE_MAX_CONCURRENT_PER_USER",
     "LMSCOPE_JOBS_PER_HOUR", "LMSCOPE_UPLOAD_MAX_MB", "LMSCOPE_QUEUE_CONCURRENCY",
     "LMSCOPE_GENERATE_CONCURRENCY", "LMSCOPE_QUEUE_MAX", "LMSCOPE_TRACE_CACHE_ITEMS", "LMSCOPE_MAX_BATCH",
-    "LMSCOPE_ENGINE", "LMSCOPE_ENGINE_THREADS", "LMSCOPE_KV_CACHE_MB", "LMSCOPE_COMPILE", "LMSCOPE_PATCH_TOKENS",
+    "LMSCOPE_ENGINE", "LMSCOPE_ENGINE_THREADS", "LMSCOPE_KV_CACHE_MB", "LMSCOPE_COMPILE", "LMSCOPE_RECORD_STEPS",
+    "LMSCOPE_PATCH_TOKENS",
     "LMSCOPE_JOB_STALE_SECONDS", "LMSCOPE_VISIBILITY_TIMEOUT",
 )
 _WATCHED = VARIABLES + ("XDG_CACHE_HOME",)
@@ -131,6 +133,7 @@ class Settings:
     kv_cache_mb: int | None = None  # None: a quarter of free GPU memory, or 512 on a CPU
     engine_threads: int | None = None  # None: half the CPU cores, at least 1
     compile: bool | None = None  # None: on where the engine captures CUDA graphs
+    record_steps: bool = True  # CPU engines: decode steps and prefills replayed from TorchScript recordings
     patch_tokens: int | None = None  # None: 65536 on CUDA, else 1024
     # jobs
     job_stale_seconds: float = 30.0
@@ -264,6 +267,7 @@ class Settings:
             kv_cache_mb=kv_mb or None,
             engine_threads=integer("LMSCOPE_ENGINE_THREADS", 0, 0, 4096) or None,
             compile=flag("LMSCOPE_COMPILE", None),
+            record_steps=flag("LMSCOPE_RECORD_STEPS", True),
             patch_tokens=patch_tokens or None,
             job_stale_seconds=number("LMSCOPE_JOB_STALE_SECONDS", 30.0, 0, 10**7),
             visibility_timeout_s=integer("LMSCOPE_VISIBILITY_TIMEOUT", 6 * 3600, 1, 10**8),

@@ -149,6 +149,13 @@ class Trace:
 def _forward_traced(lm, token_ids: list[int], layers: frozenset[int], edits: dict | None):
     """One instrumented forward of one sequence -> (captures [1, T, ...] by hook name, rotary
     cos/sin per layer, logits [T, V])."""
+    if not edits:  # a CPU engine's recording of this forward, where it has one (model_core.cpu_graphs)
+        from model_core.engine import existing_engine
+
+        eng = existing_engine(lm)
+        replayed = None if eng is None else eng.recorded_trace(token_ids, layers)
+        if replayed is not None:
+            return replayed
     rec = Recorder(layers=layers, edits=dict(edits or {}))
     ids = torch.tensor([token_ids], device=lm.device)
     with torch.inference_mode(), recording(rec):

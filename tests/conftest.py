@@ -5,6 +5,10 @@ import torch
 
 # Tests run on the CPU in fp32 whatever the machine has, so references compare exactly.
 os.environ.setdefault("LMSCOPE_DEVICE", "cpu")
+# Every engine a test starts (and every test server's) would record its first buckets in the
+# background: ~20 s of tracing each, beside the tests on the 2 cores of CI. The recorded path has
+# tests of its own that turn it on (tests/reference/test_engine.py, tests/browser/test_load_server.py).
+os.environ.setdefault("LMSCOPE_RECORD_STEPS", "0")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 DEFAULT = "smollm2-135m-instruct"

@@ -40,6 +40,7 @@ class RawClient:
         """Read the session's stream until its event completes: {"data": [...]} or {"error": "..."};
         {"error": "hang"} past `timeout` (the stream's heartbeats would keep a read timeout from firing)."""
         deadline = time.monotonic() + (timeout or self.timeout)
+        self.started_at = None  # time.perf_counter() when the server started running the event
         with self.http.stream("GET", f"/gradio_api/queue/data?session_hash={session}") as resp:
             for line in resp.iter_lines():
                 if time.monotonic() > deadline:
@@ -47,6 +48,8 @@ class RawClient:
                 if not line.startswith("data:"):
                     continue
                 msg = json.loads(line[5:])
+                if msg.get("msg") == "process_starts":
+                    self.started_at = time.perf_counter()
                 if msg.get("msg") == "process_completed":
                     out = msg.get("output") or {}
                     return {"error": out.get("error") or "(no message)"} if not msg.get("success") else out

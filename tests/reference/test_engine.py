@@ -325,19 +325,23 @@ def test_prefill_graphs_leave_an_unloaded_model_to_be_freed():
 
 def test_recorded_cpu_steps_replay_the_eager_step(monkeypatch):
     """model_core.cpu_graphs: the decode step recorded once per bucket (TorchScript, on scratch
-    buffers) and replayed on the live ones. References: transformers' `generate(do_sample=False)`
-    alone per prompt (greedy rows), lmscope's plain path without the engine (the same seed draws the
-    same tokens); the replay counter proves the recordings ran, not the eager step."""
+    buffers) and replayed on the live ones, and each prompt's prefill padded to its length bucket
+    and replayed. References: transformers' `generate(do_sample=False)` alone per prompt (greedy
+    rows), lmscope's plain path without the engine (the same seed draws the same tokens); the replay
+    counters prove the recordings ran, not the eager calls."""
     from model_core.engine import GREEDY_ONLY, Engine
+    from model_core.prefill_graphs import CPU_LENGTHS
 
     lm = load_model(DEFAULT)
     eng = Engine(lm, slots=4, max_len=256, record_steps=True)
     eng.ready.wait()
     try:
         L = eng._length_buckets[0]
-        eng._recorded.want([(4, L, GREEDY_ONLY), (4, L, ALL_STAGES)])
+        prefills = {("prefill", 1, next(t for t in CPU_LENGTHS if t >= len(lm.tokenizer(p).input_ids)))
+                    for p in PROMPTS}
+        eng._recorded.want([("step", 4, L, GREEDY_ONLY), ("step", 4, L, ALL_STAGES), *sorted(prefills)])
         assert eng._recorded.wait_recorded(300), eng._recorded.stats()
-        assert eng._recorded.stats()["buckets"] == 2, eng._recorded.stats()  # neither fell back to eager
+        assert eng._recorded.stats()["buckets"] == 2 + len(prefills), eng._recorded.stats()  # none fell back to eager
         monkeypatch.setitem(lm.meta, "engine", eng)
         s = SamplingSettings(temperature=0.9, top_k=40, top_p=0.95, min_p=0.01, repetition_penalty=1.1)
         n_new, out = 8, [None] * len(PROMPTS)
@@ -347,7 +351,7 @@ def test_recorded_cpu_steps_replay_the_eager_step(monkeypatch):
                 return generate(lm, PROMPTS[i], max_new_tokens=n_new, ignore_eos=True)
             return generate(lm, PROMPTS[i], max_new_tokens=n_new, settings=s, seed=i, ignore_eos=True)
 
-        before = eng._recorded.replays
+        before = dict(eng._recorded.replays)
         with eng.hold():
             threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, one(i))) for i in range(len(PROMPTS))]
             for t in threads:
@@ -355,7 +359,8 @@ def test_recorded_cpu_steps_replay_the_eager_step(monkeypatch):
             _wait(lambda: eng.waiting() == len(PROMPTS), "the requests to queue")
         for t in threads:
             t.join(120)
-        assert eng._recorded.replays - before >= n_new - 1, eng._recorded.stats()
+        replayed = {k: eng._recorded.replays.get(k, 0) - before.get(k, 0) for k in ("step", "prefill")}
+        assert replayed["step"] >= n_new - 1 and replayed["prefill"] == len(PROMPTS), eng._recorded.stats()
         for i in range(2):
             assert out[i].token_ids == _hf_greedy(lm, PROMPTS[i], n_new), PROMPTS[i]
         monkeypatch.setenv("LMSCOPE_ENGINE", "0")

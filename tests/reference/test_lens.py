@@ -76,3 +76,24 @@ def test_rank_with_exact_ties_counts_only_higher_logits(monkeypatch):
     finally:
         with torch.no_grad():
             W.copy_(saved)
+
+
+def test_the_walk_runs_as_torchscript_and_computes_what_its_python_does():
+    """The vocabulary walk runs as TorchScript (it holds no interpreter lock while it runs, see
+    model_core.lens), not its Python fallback, and gives bit for bit what the same function gives
+    run as Python: with and without a softcap, a bias, targets and several blocks."""
+    from model_core import lens as lens_mod
+
+    walk = lens_mod._walk()
+    assert isinstance(walk, torch.jit.ScriptFunction)
+    g = torch.Generator().manual_seed(0)
+    normed, weight = torch.randn(12, 16, generator=g), torch.randn(300, 16, generator=g)
+    bias, tgt = torch.randn(300, generator=g), torch.randint(0, 300, (12, 1), generator=g)
+    t_logit, tol = torch.randn(12, 1, generator=g), torch.full((12, 1), 1e-3)
+    for args in [(None, 0.0, 1, 300, None, None, None), (bias, 30.0, 5, 64, tgt, t_logit, tol),
+                 (None, 0.0, 3, 300, tgt, None, None)]:
+        bias_, cap, k, block, *rest = args
+        with torch.jit.optimized_execution(False):
+            got = walk(normed, weight, bias_, cap, k, block, *rest)
+        want = lens_mod._vocab_blocks(normed, weight, bias_, cap, k, block, *rest)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), args

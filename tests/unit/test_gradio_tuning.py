@@ -1,7 +1,8 @@
 """app.gradio_tuning: skipped outputs answer what Gradio itself answers, without Gradio rebuilding
 the component and its config for each (the reference is Gradio's own Blocks.postprocess_data,
 run on the same predictions); the queue polls less often; a session's component configs are
-worked out when first used and come out as Gradio's own eager SessionState has them."""
+worked out when first used and come out as Gradio's own eager SessionState has them; a page's
+config is copied once per address and answers what Gradio's own /config route answers."""
 
 import asyncio
 
@@ -127,8 +128,8 @@ def test_session_configs_are_worked_out_when_used_and_equal_gradios_own(monkeypa
     assert {c["id"]: c for c in ours.components}[text._id]["props"]["value"] == "t"
 
 
-def test_the_served_app_has_all_three():
-    """What `lmscope serve` builds (app.main.build_app) runs with the three changes in place."""
+def test_the_served_app_has_all_four():
+    """What `lmscope serve` builds (app.main.build_app) runs with the four changes in place."""
     import sys
 
     from app.main import build_app
@@ -136,10 +137,55 @@ def test_the_served_app_has_all_three():
 
     marked_before = {n for n, m in sys.modules.items() if m is None}
     try:
-        _app, demo = build_app(Settings.from_env())
+        app, demo = build_app(Settings.from_env())
+        gradio_app = next(r.app for r in app.routes if getattr(r, "path", None) == "")
+        config_routes = [r for r in gradio_app.router.routes if getattr(r, "path", None) in ("/config", "/config/")]
+        assert len(config_routes) == 2 and all(getattr(r.endpoint, "__lmscope_cached__", False) for r in config_routes)
         assert getattr(Blocks.postprocess_data, "__lmscope_skips__", False)
         assert getattr(SessionState.__init__, "__lmscope_lazy__", False)
         assert demo._queue.sleep_when_free == gradio_tuning.QUEUE_POLL_S
     finally:  # build_app marks absent plotting libraries as missing: leave sys.modules as it was
         for name in [n for n, m in sys.modules.items() if m is None and n not in marked_before]:
             del sys.modules[name]
+
+
+def test_page_config_is_copied_once_per_address_and_equals_gradios_own(monkeypatch):
+    """cache_page_config: /config answers what Gradio's own route answers (the reference: the same
+    app's answer before the change), per address (behind a proxy's X-Forwarded-Host too) and per
+    signed-in user, while Gradio copies the page's config once per address instead of per load."""
+    import gradio.utils
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    demo, _ = _demo()
+    app = gr.mount_gradio_app(FastAPI(), demo, path="", auth=[("alice", "pw"), ("bob", "pw")])
+    gradio_app = next(r.app for r in app.routes if getattr(r, "path", None) == "")
+
+    def signed_in(user):
+        c = TestClient(app)
+        assert c.post("/login", data={"username": user, "password": "pw"}).status_code == 200
+        return c
+
+    clients = {u: signed_in(u) for u in ("alice", "bob")}
+    asks = [(u, h) for u in clients for h in ({}, {"X-Forwarded-Host": "lab.example.org"})]
+
+    def answers():
+        out = []
+        for u, headers in asks:
+            r = clients[u].get("/config", headers=headers)
+            assert r.status_code == 200
+            out.append(r.json())
+        return out
+
+    theirs = answers()
+    assert theirs[0]["username"] == "alice" and "lab.example.org" in str(theirs[1]) and theirs[0] != theirs[1]
+    copies = []
+    own_copy = gradio.utils.safe_deepcopy
+    monkeypatch.setattr(gradio.utils, "safe_deepcopy", lambda x: copies.append(1) or own_copy(x))
+    assert gradio_tuning.cache_page_config(gradio_app)
+    assert gradio_tuning.cache_page_config(gradio_app)  # installing twice replaces once
+    assert answers() == theirs
+    assert answers() == theirs
+    assert len(copies) == 2  # one per address, not one per page load (8 loads)
+    assert TestClient(app).get("/config").status_code == 401  # not signed in: Gradio's own check still runs
+    assert clients["bob"].get("/config", params={"deep_link": "nope"}).json()["deep_link_state"] == "invalid"
