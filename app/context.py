@@ -236,7 +236,10 @@ def endpoint(fn=None, *, model: bool = False):
         return functools.partial(endpoint, model=model)
 
     def slot(args, kwargs):
-        return user_slot(_request_of(args, kwargs)) if model else contextlib.nullcontext()
+        if not model:
+            return contextlib.nullcontext()
+        _share_the_cores()
+        return user_slot(_request_of(args, kwargs))
 
     if inspect.isgeneratorfunction(fn):
         @functools.wraps(fn)
@@ -258,6 +261,14 @@ def endpoint(fn=None, *, model: bool = False):
                 raise _fail(fn, e) from None
     wrapper.__lmscope_endpoint__ = {"model": model}
     return wrapper
+
+
+def _share_the_cores() -> None:
+    """This worker thread's torch work on its share of the cores (model_core.cpu_threads)."""
+    from model_core.cpu_threads import limit_request_thread, request_threads
+    from model_core.engine import engine_threads
+
+    limit_request_thread(request_threads(os.cpu_count() or 1, engine_threads(), settings().queue_concurrency))
 
 
 def guard(fn):

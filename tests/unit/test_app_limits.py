@@ -48,3 +48,35 @@ def test_concurrent_requests_per_user_are_capped(monkeypatch):
             fail()
     with user_slot(alice), user_slot(alice):
         pass
+
+
+def test_model_endpoints_run_torch_on_their_share_of_the_cores():
+    """A model endpoint's worker thread runs its torch work on its share of the cores
+    (model_core.cpu_threads.request_threads: 1 on a 2-core machine, where a team of 2 per request
+    beside the engine's thread oversubscribed the cores); a direct call on the main thread keeps its
+    count."""
+    import os
+    import threading
+
+    import torch
+
+    from app.context import endpoint, settings
+    from model_core.cpu_threads import request_threads
+    from model_core.engine import engine_threads
+
+    @endpoint(model=True)
+    def threads_in_a_request():
+        return torch.get_num_threads()
+
+    def in_new_thread(fn):
+        out = []
+        t = threading.Thread(target=lambda: out.append(fn()))
+        t.start()
+        t.join()
+        return out[0]
+
+    cores = os.cpu_count() or 1
+    assert in_new_thread(threads_in_a_request) == request_threads(cores, engine_threads(), settings().queue_concurrency)
+    before = torch.get_num_threads()
+    assert threads_in_a_request() == before  # the main thread (a script's, a test's) keeps its count
+    assert request_threads(2, 1, 2) == 1 and request_threads(16, 8, 2) == 4 and request_threads(1, 1, 2) == 1
