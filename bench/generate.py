@@ -82,7 +82,7 @@ def _server_vs_script(lm, model: str, ids: list[int], prompt: str, n: int, repea
     adds up to 50 ms to every message it waits for."""
     import re
 
-    from load import connect
+    from load import connect, wait_for_recordings
 
     from model_core.generate import generate
     from model_core.sampling import SamplingSettings
@@ -96,6 +96,14 @@ def _server_vs_script(lm, model: str, ids: list[int], prompt: str, n: int, repea
         best_server = best_script = float("inf")
         steps, pair_ratios = None, []
         for i in range(repeats + 2):
+            if i in (0, 2):  # a CPU engine's recordings, here and in the server: made before timing
+                # (at start, and those the warm-ups asked for: model_core.cpu_graphs)
+                print("server:", wait_for_recordings(server.url, None, model))
+                from model_core.engine import existing_engine
+
+                eng = existing_engine(lm)
+                if eng is not None and eng._recorded is not None:
+                    eng._recorded.wait_recorded(300)
             t0 = time.perf_counter()
             g = generate(lm, token_ids=ids, max_new_tokens=n, settings=greedy, seed=0, ignore_eos=True)
             t_script = time.perf_counter() - t0
@@ -179,6 +187,8 @@ def main(argv=None) -> int:
         ours = lambda: generate(lm, token_ids=ids_list, max_new_tokens=n, settings=s, seed=0, ignore_eos=True)  # noqa: E731
         hf = lambda: _hf_generate(lm, ids, n, s)  # noqa: E731
         ours(), hf()  # warm up
+        if can_use_engine(lm) and engine_for(lm)._recorded is not None:  # a CPU engine's recordings, made
+            engine_for(lm)._recorded.wait_recorded(300)  # before timing (model_core.cpu_graphs)
         g = ours()
         assert len(g.steps) == n
         t_ours, t_hf = _time_pair(ours, hf, dev, args.repeats)

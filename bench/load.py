@@ -171,9 +171,13 @@ def wait_for_recordings(url, auth, model, timeout: float = 180.0) -> str:
     before opening it to a team; what it waited, for the printout."""
     t0 = time.time()
     while time.time() - t0 < timeout:
-        rec = (_engine(url, auth, model) or {}).get("recorded_steps")
+        eng = _engine(url, auth, model)
+        if eng is None and time.time() - t0 < 30:  # the server may still be loading the model
+            time.sleep(1)
+            continue
+        rec = (eng or {}).get("recorded_steps")
         if rec is None:
-            return "no recorded steps (GPU, or LMSCOPE_RECORD_STEPS=0)"
+            return "no recorded steps (no engine, a GPU, or LMSCOPE_RECORD_STEPS=0)"
         if rec.get("waiting") == 0:
             return f"recorded {rec['buckets']} buckets, waited {time.time() - t0:.0f} s"
         time.sleep(1)

@@ -22,6 +22,10 @@ sampling with inductor (one graph for one row, one for any other number of rows 
 on scratch buffers of the live ones' shapes) while the graphs above serve; the engine thread then
 re-captures every bucket from the compiled step, one per loop, and swaps it in.
 
+On a CPU (LMSCOPE_RECORD_STEPS, on) the decode step, one-row prefills and Explore's traces are
+replayed from TorchScript recordings (`model_core.cpu_graphs`) per bucket instead: a replay holds
+no interpreter lock while it runs, where the eager step waits for it after each torch call.
+
 Run alone instead (`model_core.generate` keeps its own path for these): edits or a recorder active
 in the caller's context, models split over several GPUs, a non-default
 number of recorded candidates.
