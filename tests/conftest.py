@@ -7,7 +7,8 @@ import torch
 os.environ.setdefault("LMSCOPE_DEVICE", "cpu")
 # Every engine a test starts (and every test server's) would record its first buckets in the
 # background: ~20 s of tracing each, beside the tests on the 2 cores of CI. The recorded path has
-# tests of its own that turn it on (tests/reference/test_engine.py, tests/browser/test_load_server.py).
+# tests of its own that turn it on (tests/reference/test_engine.py, test_trace_reference.py), and the
+# browser tests' shared server records as `make run`'s does (the `server` fixture below).
 os.environ.setdefault("LMSCOPE_RECORD_STEPS", "0")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -32,10 +33,11 @@ def default_lm_eager():
 @pytest.fixture(scope="session")
 def server():
     """One `lmscope serve` (default settings, no job services) for every browser test module;
-    modules that need other settings (sign-in, fuzzing) define their own `server`."""
+    modules that need other settings (sign-in, fuzzing) define their own `server`. It records its
+    CPU engine's calls as `make run`'s server does (this session's default turns that off above)."""
     from tests.helpers.browser import LiveServer
 
-    s = LiveServer()
+    s = LiveServer(extra_env={"LMSCOPE_RECORD_STEPS": "1"})
     yield s
     s.stop()
 

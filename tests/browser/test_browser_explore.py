@@ -9,6 +9,7 @@ from tests.helpers.browser import (
     launch_browser,
     plot_data,
     plot_title,
+    recorded_calls,
     screenshot,
     set_number,
     wait_title,
@@ -20,6 +21,10 @@ PROMPT = "The animal didn't cross the street because it was too tired"
 
 
 def test_explore_in_the_browser(server):
+    # the server records its first buckets at start (model_core.cpu_graphs), Explore's short
+    # prompts among them: this run shows what a replayed forward gives
+    wait_until(lambda: (recorded_calls(server.url) or {}).get("waiting") == 0, 300, "the server's recordings")
+    traces_before = recorded_calls(server.url)["replays"].get("trace", 0)
     with sync_playwright() as pw:
         browser = launch_browser(pw)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
@@ -29,6 +34,7 @@ def test_explore_in_the_browser(server):
         for plot in ("head-grid", "head-big", "head-bars", "lens", "resid", "next-token", "neurons"):
             page.wait_for_selector(f"#{plot} .js-plotly-plot", timeout=120_000)
         wait_title(page, "head-grid", "Layer 0")
+        assert recorded_calls(server.url)["replays"].get("trace", 0) > traces_before  # the replayed forward
 
         # real data: 9 heads of 12x12 attention rows summing to 1; 30 lens rows; a proper distribution
         grid = plot_data(page, "head-grid")
@@ -348,6 +354,6 @@ def test_long_prompt_whole_and_linked(server):
         # double-click on the chosen head: the whole prompt again
         px, py = _xy(page, "head-big", 5, 5)
         page.mouse.dblclick(px, py)
-        wait_title(page, "head-big", "queries 0-599", 30)
+        wait_title(page, "head-big", "queries 0-599", 180)  # every view of the whole prompt again, as at the start
         assert page.locator("#zoom textarea, #zoom input").first.input_value() == ""
         browser.close()

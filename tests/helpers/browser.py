@@ -83,6 +83,14 @@ def wait_until(cond, timeout: float = 60, what: str = "condition", every: float 
     raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
 
 
+def recorded_calls(url: str, model: str = "smollm2-135m-instruct") -> dict | None:
+    """The server's recorded CPU calls for `model` (GET /metrics: buckets, replays by kind, buckets
+    still waiting to be recorded), or None while it has no engine or records nothing."""
+    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10) as r:
+        models = json.loads(r.read()).get("models") or []
+    return next(((m.get("engine") or {}).get("recorded_steps") for m in models if m.get("name") == model), None)
+
+
 def wait_title(page, elem_id: str, needle: str, timeout: float = 60) -> None:
     """Wait until the plot's title contains `needle` (a view has redrawn)."""
     try:
