@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import sys
 from dataclasses import dataclass
-from typing import List, Optional
 
 import torch
 
@@ -51,9 +50,9 @@ class VocabStats:
     target_ranks: torch.Tensor | None  # [R], number of tokens with a higher logit
 
 
-def _vocab_blocks(normed: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cap: float, k: int,
-                  block: int, tgt: Optional[torch.Tensor], t_logit: Optional[torch.Tensor],
-                  tol: Optional[torch.Tensor]) -> List[torch.Tensor]:
+def _vocab_blocks(normed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cap: float, k: int,
+                  block: int, tgt: torch.Tensor | None, t_logit: torch.Tensor | None,
+                  tol: torch.Tensor | None) -> list[torch.Tensor]:
     """vocab_stats' walk over the vocabulary (TorchScript: see the module docstring). normed [R, d],
     weight [V, d] (and bias [V]) of the unembedding, cap: its final softcap (0: none), tgt [R, 1]
     target ids or None, t_logit / tol [R, 1]: each target's logit and rounding bound when the walk
