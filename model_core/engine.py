@@ -529,15 +529,21 @@ class Engine:
         to its slot. -> each row's last-position logits [N, V] float32."""
         lm, last = self._lm(), []
         for i, n in enumerate(lens):
-            T = next(t for t in CPU_LENGTHS if t >= n)
-            padded = torch.zeros(1, T, dtype=torch.long, device=self.device)
-            padded[0, :n] = ids[i, :n]
-            flat = self._recorded.run(("prefill", 1, T), (padded,))
+            padded = self._padded_row(ids[i, :n])  # [1, T]
+            flat = self._recorded.run(("prefill", 1, padded.shape[1]), (padded,))
             if flat is None:
                 flat = flat_prefill(lm, padded)
             self.live.cache.load_rows(idx[i:i + 1], FlatCache(flat), n)
             last.append(flat[-1][:, n - 1])  # [1, d]
         return lm.adapter.logits_from_normed(torch.cat(last)).float()
+
+    def _padded_row(self, ids) -> torch.Tensor:
+        """One prompt's ids (a list or a 1-D tensor, at most CPU_LENGTHS[-1]) right-padded with
+        zeros to its length bucket: [1, T], what a recorded prefill or trace takes."""
+        n = len(ids)
+        padded = torch.zeros(1, next(t for t in CPU_LENGTHS if t >= n), dtype=torch.long, device=self.device)
+        padded[0, :n] = torch.as_tensor(ids, dtype=torch.long)
+        return padded
 
     # --- one decode step for every running row ---------------------------------------------------
     def _steps(self, B: int, L: int, b: StepBuffers, stages: frozenset, fast: bool = False) -> None:
@@ -598,7 +604,7 @@ class Engine:
     def _trace_recipe(self, key: tuple):
         """("trace", length, layers): Explore's instrumented forward of one row (model_core.trace)
         as tensors: every capture by name, then the rotary (cos, sin) per layer, then the logits.
-        Which is which is `trace_layout(key)`, known once the tracer has run the forward."""
+        Which is which goes to `_trace_layouts[key]` when the tracer runs the forward."""
         _, T, layers = key
         lm = self._lm()
         hooks.instrument(lm.adapter)
@@ -622,9 +628,8 @@ class Engine:
         n = len(token_ids)
         if self._recorded is None or n > CPU_LENGTHS[-1] or len(layers) != self._lm().shape.n_layers:
             return None  # (a subset of layers: rare, and each would be a recording of its own)
-        key = ("trace", next(t for t in CPU_LENGTHS if t >= n), frozenset(layers))
-        ids = torch.zeros(1, key[1], dtype=torch.long, device=self.device)
-        ids[0, :n] = torch.tensor(token_ids, dtype=torch.long)
+        ids = self._padded_row(token_ids)  # [1, T]
+        key = ("trace", ids.shape[1], frozenset(layers))
         with torch.inference_mode():
             out = self._recorded.run(key, (ids,))
         if out is None:
