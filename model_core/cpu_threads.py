@@ -11,6 +11,7 @@ import ctypes
 import glob
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -46,9 +47,59 @@ def request_threads(cores: int, engine_threads: int, concurrency: int) -> int:
     return max(1, (cores - engine_threads) // max(1, concurrency))
 
 
+# Linux nice values: who yields the cores to whom when they are all busy. The engine's thread (0)
+# runs one decode step for every generating user; a web request's thread works for one user; a
+# job's process works for no one waiting on a page. At equal priority on the 2-core CPU the engine
+# and two requests shared the cores evenly and 20 users' p95 was 2.3-4.3 s; with requests at 10,
+# 1.4-1.7 s, Explore's traces no slower (docs/PERFORMANCE.md). Jobs below requests, so a
+# fine-tuning run does not take a request's core now that requests yield.
+REQUEST_NICE = 10
+JOB_NICE = 15
+
+
 def limit_request_thread(n: int) -> None:
-    """limit_this_thread(n) once per worker thread (Gradio's are pooled: each keeps its count). The
-    main thread (a script's, a test's direct call) keeps the count it has."""
-    if threading.current_thread() is not threading.main_thread() and getattr(_THIS_THREAD, "n", None) != n:
-        limit_this_thread(n)
-        _THIS_THREAD.n = n
+    """limit_this_thread(n), and REQUEST_NICE for this thread, once per worker thread (Gradio's are
+    pooled: each keeps both). The main thread (a script's, a test's direct call) keeps its count and
+    its priority."""
+    if threading.current_thread() is threading.main_thread() or getattr(_THIS_THREAD, "n", None) == n:
+        return
+    limit_this_thread(n)
+    _THIS_THREAD.n = n
+    if not getattr(_THIS_THREAD, "yields", False):
+        _starter()  # started before this thread yields, so at the priority threads start with
+        _THIS_THREAD.yields = lower_this_thread(REQUEST_NICE)
+
+
+def lower_this_thread(nice: int) -> bool:
+    """Raise this thread's nice value to `nice` (an unprivileged thread can lower its own priority,
+    never raise it back). False where the platform has no per-thread priority."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+        return True
+    except (AttributeError, OSError):
+        return False
+
+
+def start_thread(thread: threading.Thread) -> None:
+    """thread.start(), at the priority threads start with even when called from a request thread that
+    yields (a Linux thread inherits its creator's nice value: an engine started by the first request
+    for a model would otherwise run at the requests' priority and lose the cores to them)."""
+    if getattr(_THIS_THREAD, "yields", False):
+        _starter().submit(thread.start).result()
+    else:
+        thread.start()
+
+
+_STARTER: ThreadPoolExecutor | None = None
+_STARTER_LOCK = threading.Lock()
+
+
+def _starter() -> ThreadPoolExecutor:
+    """One thread, created by a thread that has not yielded, that starts threads for those that have."""
+    global _STARTER
+    with _STARTER_LOCK:
+        if _STARTER is None:
+            _STARTER = ThreadPoolExecutor(1, thread_name_prefix="lmscope-thread-starter")
+            _STARTER.submit(int).result()  # its thread exists now, created by this one
+        return _STARTER

@@ -52,6 +52,7 @@ import torch
 from model_core import decode_attention, hooks, settings
 from model_core.cache_api import cache_kwarg, new_cache, sliding_window_of
 from model_core.cpu_graphs import TracedSteps, buffer_tensors
+from model_core.cpu_threads import start_thread
 from model_core.prefill_graphs import CPU_LENGTHS, FlatCache, PrefillGraphs, eager_prefill, flat_prefill
 from model_core.row_sampling import ALL_STAGES, RowSettings, packed_width, sample_rows, stages_in_use
 from model_core.slot_cache import SlotCache
@@ -259,7 +260,7 @@ class Engine:
         self.ready = threading.Event()
         self.start_error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name=f"lmscope-engine-{lm.name}", daemon=True)
-        self._thread.start()
+        start_thread(self._thread)  # at full priority, even for an engine a request thread creates
 
     # --- client side ----------------------------------------------------------------------------
     def submit(self, req: EngineRequest) -> EngineRequest:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 
 from celery import Celery
-from celery.signals import worker_ready, worker_shutdown
+from celery.signals import worker_process_init, worker_ready, worker_shutdown
 
 from tasks import config
 
@@ -47,6 +47,15 @@ app.conf.update(
     broker_pool_limit=4,
     timezone="UTC",
 )
+
+
+@worker_process_init.connect
+def _yield_to_the_web_server(**_):
+    """A pool process runs its jobs at nice JOB_NICE (the threads its jobs start inherit it): below
+    the web server's engine and its requests (model_core.cpu_threads) on a machine they share."""
+    from model_core.cpu_threads import JOB_NICE, lower_this_thread
+
+    lower_this_thread(JOB_NICE)
 
 
 @worker_ready.connect

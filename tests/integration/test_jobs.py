@@ -59,6 +59,25 @@ def finished_bytelevel(svc, jobs):
     return done, seen
 
 
+def test_jobs_run_below_the_web_servers_priority(svc, finished_bytelevel):
+    """The worker's pool processes, which run the jobs, are at nice JOB_NICE: a fine-tuning run on
+    the machine the server is on yields the cores to its requests (REQUEST_NICE) and its engine."""
+    from model_core.cpu_threads import JOB_NICE, REQUEST_NICE
+
+    def stat(pid):  # /proc/<pid>/stat after the command name: state is field 3, ppid 4, nice 19
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+    pool = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and int(stat(d.name)[1]) == svc.worker.pid:
+                pool.append(int(stat(d.name)[16]))
+        except (OSError, IndexError):  # a process that ended while being read
+            continue
+    assert pool and all(n >= JOB_NICE > REQUEST_NICE for n in pool), pool
+    assert int(stat(svc.worker.pid)[16]) < JOB_NICE  # the main process only takes messages
+
+
 def test_submit_progress_success_artifacts(svc, jobs, finished_bytelevel):
     rec, seen = finished_bytelevel
     assert rec["state"] == "succeeded", (rec, svc.worker_log())

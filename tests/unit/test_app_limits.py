@@ -80,3 +80,40 @@ def test_model_endpoints_run_torch_on_their_share_of_the_cores():
     before = torch.get_num_threads()
     assert threads_in_a_request() == before  # the main thread (a script's, a test's) keeps its count
     assert request_threads(2, 1, 2) == 1 and request_threads(16, 8, 2) == 4 and request_threads(1, 1, 2) == 1
+
+
+def test_request_threads_yield_the_cores_to_the_engine_and_start_threads_at_full_priority():
+    """A model endpoint's worker thread runs at nice REQUEST_NICE (the engine's thread, which works for
+    every generating user, keeps the cores on a busy CPU: docs/PERFORMANCE.md); a thread it starts
+    through cpu_threads.start_thread (the engine of a model a request loaded) runs at the priority
+    threads start with, where a plain start would inherit the request's; the main thread keeps its own."""
+    import os
+    import threading
+
+    from app.context import endpoint
+    from model_core.cpu_threads import REQUEST_NICE, start_thread
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    base = nice()
+    seen = {}
+
+    def record(name):
+        seen[name] = nice()
+
+    @endpoint(model=True)
+    def a_request():
+        seen["request"] = nice()
+        for name, start in (("started", start_thread), ("inherited", threading.Thread.start)):
+            t = threading.Thread(target=record, args=(name,))
+            start(t)
+            t.join()
+
+    t = threading.Thread(target=a_request)
+    t.start()
+    t.join()
+    assert REQUEST_NICE > 0
+    assert seen == {"request": max(base, REQUEST_NICE), "started": base, "inherited": max(base, REQUEST_NICE)}
+    a_request()  # the main thread keeps its priority
+    assert nice() == base
