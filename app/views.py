@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from model_core.cpu_threads import limit_this_thread
+from model_core.cpu_threads import REQUEST_NICE, limit_this_thread, lower_this_thread
 from model_core.lens import logit_lens
 from model_core.sampling import SamplingSettings, apply_sampling
 from model_core.trace import Trace
@@ -398,6 +398,7 @@ class LensFiller:
         self.working = False  # a chunk is being computed
         self._last_busy = 0.0  # time.monotonic() when a request was last seen running
         self.one_thread = None  # whether the filler's torch work runs on one core (set by its thread)
+        self.yields = None  # whether its thread runs at REQUEST_NICE (set by its thread)
 
     def schedule(self, tr: Trace) -> None:
         if not self.enabled:
@@ -470,6 +471,8 @@ class LensFiller:
 
     def _run(self) -> None:
         self.one_thread = limit_this_thread(1)  # this thread's torch work on one core
+        # background work no page waits on: never before the engine's thread (model_core.cpu_threads)
+        self.yields = lower_this_thread(REQUEST_NICE)
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: any(r() is not None for r in self._queue) and self.enabled)

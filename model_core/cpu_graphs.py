@@ -146,9 +146,10 @@ class TracedSteps:
             self._thread.join(timeout=30)
 
     def _record_loop(self) -> None:
-        from model_core.cpu_threads import limit_this_thread
+        from model_core.cpu_threads import REQUEST_NICE, limit_this_thread, lower_this_thread
 
         limit_this_thread(1)  # beside the engine's thread and the web side, not over them
+        lower_this_thread(REQUEST_NICE)  # and behind the engine's thread: it serves eagerly meanwhile
         while True:
             with self._cv:
                 while not self._stop and not self._wanted:

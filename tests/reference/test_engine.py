@@ -12,6 +12,7 @@ References:
 The engine's step counters prove the requests really ran together (else the test is vacuous).
 """
 
+import os
 import threading
 import time
 
@@ -28,6 +29,7 @@ from transformers import (
 
 from conftest import DEFAULT
 from model_core import load_model
+from model_core.cpu_threads import REQUEST_NICE
 from model_core.engine import EngineRequest, engine_for
 from model_core.generate import generate, iter_generate, sample_step
 from model_core.row_sampling import ALL_STAGES, RowSettings, sample_rows, stages_in_use
@@ -342,6 +344,8 @@ def test_recorded_cpu_steps_replay_the_eager_step(monkeypatch):
         eng._recorded.want([("step", 4, L, GREEDY_ONLY), ("step", 4, L, ALL_STAGES), *sorted(prefills)])
         assert eng._recorded.wait_recorded(300), eng._recorded.stats()
         assert eng._recorded.stats()["buckets"] == 2 + len(prefills), eng._recorded.stats()  # none fell back to eager
+        # the recording thread yields to the engine's, which serves eagerly meanwhile (model_core.cpu_threads)
+        assert os.getpriority(os.PRIO_PROCESS, eng._recorded._thread.native_id) >= REQUEST_NICE
         monkeypatch.setitem(lm.meta, "engine", eng)
         s = SamplingSettings(temperature=0.9, top_k=40, top_p=0.95, min_p=0.01, repetition_penalty=1.1)
         n_new, out = 8, [None] * len(PROMPTS)
