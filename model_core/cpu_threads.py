@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -51,7 +52,7 @@ def request_threads(cores: int, engine_threads: int, concurrency: int) -> int:
 # runs one decode step for every generating user; a web request's thread works for one user; a
 # job's process works for no one waiting on a page. At equal priority on the 2-core CPU the engine
 # and two requests shared the cores evenly and 20 users' p95 was 2.3-4.3 s; with requests at 10,
-# 1.4-1.7 s, Explore's traces no slower (docs/PERFORMANCE.md). Jobs below requests, so a
+# 1.3-1.7 s, Explore's traces no slower (docs/PERFORMANCE.md). Jobs below requests, so a
 # fine-tuning run does not take a request's core now that requests yield.
 REQUEST_NICE = 10
 JOB_NICE = 15
@@ -72,7 +73,10 @@ def limit_request_thread(n: int) -> None:
 
 def lower_this_thread(nice: int) -> bool:
     """Raise this thread's nice value to `nice` (an unprivileged thread can lower its own priority,
-    never raise it back). False where the platform has no per-thread priority."""
+    never raise it back). False where the platform has no per-thread priority (only Linux takes a
+    thread's id where setpriority asks for a process's)."""
+    if not sys.platform.startswith("linux"):
+        return False
     try:
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
