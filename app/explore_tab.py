@@ -319,9 +319,12 @@ class ExploreTab:
         z1 = self.zoom.submit(set_zoom, zoom_inputs, self.zoom_outputs, concurrency_id="views")
         z2 = self.zoom_reset.click(reset_zoom, [self.state, self.layer, self.head, self.query, self.view,
                                                 self.lens_colour], self.zoom_outputs, concurrency_id="views")
+        # always_last: a double-click is a click (a query message) then a zoom message a few ms
+        # later; Gradio's default for an input event ("once") dropped the zoom whenever the click's
+        # event was still running, so the double-click did nothing
         a = self.action.input(on_action, [self.state, self.action, *slice_inputs[1:]],
                               [self.layer, self.head, self.query, *self.zoom_outputs, self.overview],
-                              concurrency_id="views", show_progress="minimal")
+                              concurrency_id="views", show_progress="minimal", trigger_mode="always_last")
         # a zoom draws the lens from the columns already computed (the background filler computes every
         # position while the server is idle); columns it lacks are blank, said in the title, and this
         # fills them in (and sends nothing when none was missing)

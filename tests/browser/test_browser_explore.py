@@ -356,4 +356,16 @@ def test_long_prompt_whole_and_linked(server):
         page.mouse.dblclick(px, py)
         wait_title(page, "head-big", "queries 0-599", 180)  # every view of the whole prompt again, as at the start
         assert page.locator("#zoom textarea, #zoom input").first.input_value() == ""
+        # a message that arrives while the last one's event runs is not lost: a click, then 50 ms
+        # later a zoom, as a double-click sends them (the zoom was dropped when its event was "once")
+        page.evaluate("""async () => {
+            const box = document.querySelector('#explore-action textarea, #explore-action input');
+            const send = (msg) => { box.value = JSON.stringify(msg);
+                box.dispatchEvent(new Event('input', {bubbles: true}));
+                box.dispatchEvent(new KeyboardEvent('keypress', {key: 'x', bubbles: true})); };
+            send({kind: 'query', pos: 300, n: 1001});
+            await new Promise((r) => setTimeout(r, 50));
+            send({kind: 'zoom', rows: [0, 9], cols: [0, 9], n: 1002});
+        }""")
+        wait_title(page, "head-big", "queries 0-9 ", 180)
         browser.close()
