@@ -15,6 +15,7 @@ from conftest import DEFAULT
 from model_core import load_model, trace
 from model_core.batching import batcher_for
 from model_core.generate import generate
+from tests.helpers.tolerance import assert_close_to_scale
 
 PROMPTS = ["The capital of France is", "Once upon a time, there was a little",
            "def add(a, b):\n    return", "Water boils at"]
@@ -89,7 +90,7 @@ def test_batched_traces_equal_transformers_and_solo_traces(name):
             ref = lm.model(torch.tensor([ids]), output_hidden_states=True)
         torch.testing.assert_close(tr.logits().float(), ref.logits[0].float(), atol=2e-4, rtol=1e-4)
         for l in range(lm.shape.n_layers - 1):
-            torch.testing.assert_close(tr.resid_post(l), ref.hidden_states[l + 1][0], atol=2e-4, rtol=1e-4)
+            assert_close_to_scale(tr.resid_post(l), ref.hidden_states[l + 1][0], rel=2e-5)
         solo = trace(lm, prompt)
         assert solo.token_ids == ids
         torch.testing.assert_close(tr.next_logits, solo.next_logits, atol=2e-4, rtol=1e-4)

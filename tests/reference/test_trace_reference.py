@@ -14,6 +14,7 @@ import torch
 from conftest import DEFAULT, RANDOM_MODELS
 from model_core import load_model, trace
 from model_core.lens import logit_lens
+from tests.helpers.tolerance import assert_close_to_scale
 
 PROMPT = "The animal didn't cross the street because it was too tired"
 
@@ -65,9 +66,9 @@ def _check_against_transformers(lm, tr, name):
         assert pattern.shape == (lm.shape.n_heads, tr.n_tokens, tr.n_tokens)
         torch.testing.assert_close(pattern, out.attentions[l][0], atol=1e-5, rtol=1e-4)
         if l < L - 1:
-            torch.testing.assert_close(tr[f"blocks.{l}.hook_resid_post"], out.hidden_states[l + 1][0],
-                                       atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(tr["ln_final.hook_normalized"], out.hidden_states[L][0], atol=1e-4, rtol=1e-5)
+            assert_close_to_scale(tr[f"blocks.{l}.hook_resid_post"], out.hidden_states[l + 1][0],
+                                  msg=f"layer {l} resid_post")
+    assert_close_to_scale(tr["ln_final.hook_normalized"], out.hidden_states[L][0], msg="ln_final")
 
 
 @pytest.mark.parametrize("name", [DEFAULT, *RANDOM_MODELS])
