@@ -264,7 +264,7 @@ def logits_histogram(step: dict) -> go.Figure:
     return fig
 
 
-# --- chapters computed on tiny random-weight models (model_core.chapters) -----------------------
+# --- chapters computed on tiny random-weight models (model_core.anatomy.textbook_chapters) -----------------------
 
 def kv_variants_bars(rows: list[dict]) -> go.Figure:
     """KV-cache bytes per token of each attention variant: formula next to the measured cache."""
@@ -396,7 +396,7 @@ def moe_router(r: dict, labels: list[str]) -> go.Figure:
     return fig
 
 
-# --- entropy, cross-entropy, KL and MFU (model_core.infotheory) ---------------------------------
+# --- entropy, cross-entropy, KL and MFU (model_core.interp.infotheory) ---------------------------------
 
 def surprisal_bars(labels: list[str], surprisal: list[float], mean: float) -> go.Figure:
     """-log p of each actual next token of the prompt (nats), with their mean: the cross-entropy."""

@@ -16,13 +16,13 @@ from app import anatomy_figures as fig
 from app import cards_figures as cfig
 from app.context import Shared, default_model, endpoint, get_model, max_prompt_tokens
 from app.trace_store import STORE
-from model_core import anatomy as A
-from model_core import chapters as C
-from model_core import reference_cards as R
-from model_core import trace as run_trace
-from model_core.errors import LmscopeError
-from model_core.registry import RANDOM_CONFIGS, REGISTRY, list_models
-from model_core.tokenization import describe_tokens
+from model_core.anatomy import reference_cards as R
+from model_core.anatomy import textbook_chapters as C
+from model_core.anatomy import walkthrough as A
+from model_core.core.errors import LmscopeError
+from model_core.core.registry import RANDOM_CONFIGS, REGISTRY, list_models
+from model_core.core.tokenization import describe_tokens
+from model_core.interp import trace as run_trace
 
 LATEX = [{"left": "$$", "right": "$$", "display": True}, {"left": "$", "right": "$", "display": False}]
 GPT2_SMALL = "gpt2-small (config only)"  # older name of the GPT-2 reference card (still accepted)
@@ -97,7 +97,7 @@ produced (captured, not recomputed).""",
     "out": """**Output.** The last position's residual vector goes through the final norm, the unembedding matrix $W_U$ turns it
 into one score (logit) per vocabulary entry, and softmax turns scores into probabilities:
 $$\\text{logits} = W_U\\,\\operatorname{norm}(x_L),\\qquad p_i = \\frac{e^{\\text{logit}_i}}{\\sum_j e^{\\text{logit}_j}}$$""",
-    # chapters computed on tiny random-weight models (model_core.chapters), whatever model is selected
+    # chapters computed on tiny random-weight models (model_core.anatomy.textbook_chapters), whatever model is selected
     "variants": """**Attention variants and the KV cache** (tiny models with **random weights**, built from transformers' own
 config classes at one width: $d_{model} = 256$, 8 query heads of 32, 2 layers; your prompt as byte tokens).
 MHA gives every query head its own K and V; GQA lets groups of query heads share one K/V head; MQA shares one K/V
@@ -416,7 +416,7 @@ def output_panel(model_name, prompt, chat, k, request: gr.Request = None):
     return fig.output_bars(s), fig.logits_histogram(s), info
 
 
-# --- chapters on tiny random-weight models (model_core.chapters) ----------------------------------
+# --- chapters on tiny random-weight models (model_core.anatomy.textbook_chapters) ----------------------------------
 
 def _kv_check(rows) -> str:
     return "\n\n".join(
@@ -544,7 +544,7 @@ def _initial_shape(name: str) -> tuple[int, int]:
     try:
         from transformers import AutoConfig
 
-        from model_core.registry import converted_dir, is_ready
+        from model_core.core.registry import converted_dir, is_ready
 
         if name in RANDOM_CONFIGS:
             cfg = dict(RANDOM_CONFIGS[name])
@@ -709,7 +709,7 @@ def build(shared: Shared) -> None:
             i_ce = gr.Plot(elem_id="info-ce")
             i_kl = gr.Plot(elem_id="info-kl")
         _md(MFU_TEXT)
-        from model_core.infotheory import DEFAULT_PEAK, PEAKS
+        from model_core.interp.infotheory import DEFAULT_PEAK, PEAKS
 
         with gr.Row():
             f_src = gr.Dropdown([GEN_SOURCE], value=GEN_SOURCE, label="measured tokens/s from", elem_id="mfu-source")
@@ -808,7 +808,7 @@ def card_table_for(names: list[str]) -> pd.DataFrame:
     return pd.DataFrame(data, index=pd.Index(labels, name="property")).reset_index()
 
 
-# --- entropy, cross-entropy, KL and MFU on the model's own distributions (model_core.infotheory) ---
+# --- entropy, cross-entropy, KL and MFU on the model's own distributions (model_core.interp.infotheory) ---
 
 INFO_TEXT = """**Entropy, cross-entropy, KL — on this model's real numbers.** For the next token after your prompt the model
 gives a distribution $P$. Its **entropy** $H(P) = -\\sum_x P(x)\\log P(x)$ is how unsure it is (nats; ÷ ln 2 for bits;
@@ -833,7 +833,7 @@ def _jobs_for(request) -> list[dict]:
     """Jobs with a recorded training throughput the requester may see; none when no job queue answers."""
     try:
         from app.context import job_viewer
-        from model_core.infotheory import job_throughputs
+        from model_core.interp.infotheory import job_throughputs
         from tasks.jobs import list_jobs
 
         return job_throughputs(list_jobs(owner=job_viewer(request), limit=50))
@@ -847,7 +847,7 @@ def _info_check(label: str, mine: float, ref: float, tol: float) -> str:
 
 @endpoint(model=True)
 def info_panel(model_name, prompt, chat, temperature, other, request: gr.Request = None):
-    from model_core import infotheory as I
+    from model_core.interp import infotheory as I
 
     lm, tr = _trace(model_name, prompt, chat)
     ids = tr.token_ids
@@ -897,7 +897,7 @@ def measure_panel(model_name, prompt, chat, source, request: gr.Request = None):
         n = job["n_params"] or float(get_model(job["model"]).n_params)
         return (round(job["tokens_per_s"], 2), n, "training",
                 f"Measured by {source.split(':')[0]}: {job['tokens_per_s']:,.1f} training tokens/s, N = {n:,.0f}.")
-    from model_core.generate import generate
+    from model_core.serving.generate import generate
 
     lm = get_model(model_name)
     try:
@@ -911,7 +911,7 @@ def measure_panel(model_name, prompt, chat, source, request: gr.Request = None):
 
 @endpoint
 def mfu_panel(n_params, tokens_per_s, mode, peak_name, custom_tflops, request: gr.Request = None):
-    from model_core import infotheory as I
+    from model_core.interp import infotheory as I
 
     if not n_params or not tokens_per_s:
         return "Press **Measure**, or type tokens/s and N.", gr.skip()

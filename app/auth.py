@@ -18,7 +18,7 @@ one client address, each less than LMSCOPE_LOGIN_WINDOW_S after the previous one
 are refused without checking the password (HTTP 429 and a sentence saying how long to wait) for
 LMSCOPE_LOGIN_LOCK_S, then twice that after the next failure, and so on up to LMSCOPE_LOGIN_MAX_LOCK_S.
 A successful sign-in clears its user name's count (not its address's). These six settings are
-part of model_core.settings.Settings (`login_*`), read and checked with every other one at start.
+part of model_core.core.settings.Settings (`login_*`), read and checked with every other one at start.
 """
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ class LoginThrottle:
 
     @classmethod
     def from_settings(cls, settings, **kw) -> LoginThrottle:
-        """From a model_core.settings.Settings' login_* values (LMSCOPE_LOGIN_*)."""
+        """From a model_core.core.settings.Settings' login_* values (LMSCOPE_LOGIN_*)."""
         return cls(max_failures=settings.login_max_failures,
                    max_failures_per_address=settings.login_max_failures_per_address,
                    window_s=settings.login_window_s, lock_s=settings.login_lock_s,
@@ -207,7 +207,7 @@ class LoginThrottle:
     @classmethod
     def from_env(cls, environ, **kw) -> LoginThrottle:
         """From LMSCOPE_LOGIN_* in the mapping `environ`; SettingsError for a bad value."""
-        from model_core.settings import Settings
+        from model_core.core.settings import Settings
 
         return cls.from_settings(Settings.from_env(environ, check_files=False), **kw)
 
@@ -304,12 +304,12 @@ _shared_lock = threading.Lock()
 
 def shared_throttle(settings=None) -> LoginThrottle:
     """The process's throttle, shared by /login and /metrics: made on first use from `settings`
-    (None: model_core.settings.current())."""
+    (None: model_core.core.settings.current())."""
     global _shared
     with _shared_lock:
         if _shared is None:
             if settings is None:
-                from model_core.settings import current
+                from model_core.core.settings import current
 
                 settings = current()
             _shared = LoginThrottle.from_settings(settings)
@@ -462,7 +462,7 @@ def main(argv=None) -> int:
     a.add_argument("--iterations", type=int, default=ITERATIONS)
     args = ap.parse_args(argv)
     if args.file is None:
-        from model_core.settings import Settings, SettingsError
+        from model_core.core.settings import Settings, SettingsError
 
         try:
             args.file = str(Settings.from_env(check_files=False).users_file or "users.txt")

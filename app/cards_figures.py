@@ -1,5 +1,5 @@
 """Architecture-card comparison views: pure functions, data (cards from
-model_core.reference_cards) -> HTML / plotly Figure."""
+model_core.anatomy.reference_cards) -> HTML / plotly Figure."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The `lmscope` command line: the one module that wires the model core, the job queue and the web
 app together (the top layer; docs/ARCHITECTURE.md). Settings are read once here
-(model_core.settings) and passed down. Subcommands import what they need when they run, so
+(model_core.core.settings) and passed down. Subcommands import what they need when they run, so
 `lmscope models` or `lmscope trace` never import gradio."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import json
 import sys
 from pathlib import Path
 
-from model_core.errors import LmscopeError
-from model_core.settings import Settings
+from model_core.core.errors import LmscopeError
+from model_core.core.settings import Settings
 
 
 def _print_json(obj) -> None:
@@ -20,7 +20,7 @@ def _print_json(obj) -> None:
 
 
 def cmd_models(args) -> int:
-    from model_core.registry import list_models
+    from model_core.core.registry import list_models
 
     rows = list_models(include_random=True)
     if args.json:
@@ -34,7 +34,7 @@ def cmd_models(args) -> int:
 
 
 def cmd_prepare(args) -> int:
-    from model_core.registry import REGISTRY, convert_gguf
+    from model_core.core.registry import REGISTRY, convert_gguf
 
     entry = REGISTRY.get(args.model)
     if entry is None or entry.source != "gguf-package":
@@ -46,9 +46,9 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_trace(args) -> int:
-    from model_core.registry import load_model
-    from model_core.summary import trace_summary
-    from model_core.trace import trace
+    from model_core.core.registry import load_model
+    from model_core.interp.trace import trace
+    from model_core.interp.trace_summary import trace_summary
 
     lm = load_model(args.model, device=args.device or args.settings.device, dtype=args.settings.dtype)
     tr = trace(lm, args.prompt, chat=args.chat, max_tokens=args.max_tokens, truncate=args.truncate)
@@ -68,8 +68,8 @@ def cmd_trace(args) -> int:
 
 def _search_settings(args):
     """--num-beams / --num-beam-groups / --diversity-penalty / --penalty-alpha ask for a search
-    (model_core.decoding) instead of sampling; None when none of them is set."""
-    from model_core.decoding import DecodingSettings
+    (model_core.serving.search_decoding) instead of sampling; None when none of them is set."""
+    from model_core.serving.search_decoding import DecodingSettings
 
     beams, alpha = args.num_beams, args.penalty_alpha
     if beams <= 1 and alpha <= 0 and args.num_beam_groups <= 1 and args.diversity_penalty <= 0:
@@ -86,8 +86,8 @@ def _search_settings(args):
 
 
 def cmd_search(args, settings) -> int:
-    from model_core.decoding import decode, decoding_to_json
-    from model_core.registry import load_model
+    from model_core.core.registry import load_model
+    from model_core.serving.search_decoding import decode, decoding_to_json
 
     lm = load_model(args.model, device=args.device or args.settings.device, dtype=args.settings.dtype)
     out = decoding_to_json(lm, decode(lm, args.prompt, settings, chat=args.chat))
@@ -102,9 +102,9 @@ def cmd_search(args, settings) -> int:
 
 
 def cmd_generate(args) -> int:
-    from model_core.generate import generate, generation_to_json
-    from model_core.registry import load_model
-    from model_core.sampling import SamplingSettings
+    from model_core.core.registry import load_model
+    from model_core.core.sampling import SamplingSettings
+    from model_core.serving.generate import generate, generation_to_json
 
     search = _search_settings(args)
     if search is not None:
@@ -128,8 +128,9 @@ def cmd_generate(args) -> int:
 def cmd_steered_generate(args, lm, options: dict) -> int:
     """The generation with alpha * v at --steer-layer (v from the --steer-pairs file) beside the
     unsteered one with the same seed."""
-    from model_core import steering as St
-    from model_core.generate import generation_to_json
+    from model_core.interp import steering as St
+    from model_core.serving import steered as Steered
+    from model_core.serving.generate import generation_to_json
 
     path = Path(args.steer_pairs)
     if args.steer_pairs in St.BUILTIN_PAIRS:
@@ -139,7 +140,7 @@ def cmd_steered_generate(args, lm, options: dict) -> int:
     else:
         raise LmscopeError(f"No pairs file {args.steer_pairs!r} (or a built-in set: {', '.join(St.BUILTIN_PAIRS)}).")
     vec = St.steering_vector(lm, pairs, args.steer_layer, chat=args.chat)
-    runs = [St.steered_generation(lm, args.prompt, vec, a, from_position=args.steer_from, **options)
+    runs = [Steered.steered_generation(lm, args.prompt, vec, a, from_position=args.steer_from, **options)
             for a in dict.fromkeys([0.0, St.check_alpha(args.alpha)])]
     out = {"steering": {**St.steering_to_json(vec), "alpha": runs[-1].alpha, "from_position": args.steer_from},
            "runs": [{"alpha": r.alpha, "base_perplexity": r.base_perplexity,
@@ -154,7 +155,7 @@ def cmd_steered_generate(args, lm, options: dict) -> int:
 
 
 def cmd_card(args) -> int:
-    from model_core import reference_cards as R
+    from model_core.anatomy import reference_cards as R
 
     card = R.card(args.name)
     if args.json:
@@ -193,7 +194,7 @@ def cmd_jobs(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from model_core.settings import DEFAULT_MODEL
+    from model_core.core.settings import DEFAULT_MODEL
 
     p = argparse.ArgumentParser(prog="lmscope", description="See inside decoder-only language models.")
     sub = p.add_subparsers(dest="command", required=True)

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 import gradio as gr
 
-from model_core.errors import LmscopeError
-from model_core.registry import LoadedModel, load_model
-from model_core.settings import Settings
-from model_core.settings import current as current_settings
+from model_core.core.errors import LmscopeError
+from model_core.core.registry import LoadedModel, load_model
+from model_core.core.settings import Settings
+from model_core.core.settings import current as current_settings
 
 
 @dataclass
@@ -30,7 +30,7 @@ class Shared:
 
 
 def settings() -> Settings:
-    """This server's settings (model_core.settings.current(): read once, again only when the
+    """This server's settings (model_core.core.settings.current(): read once, again only when the
     environment changed)."""
     return current_settings()
 
@@ -264,9 +264,9 @@ def endpoint(fn=None, *, model: bool = False):
 
 
 def _share_the_cores() -> None:
-    """This worker thread's torch work on its share of the cores (model_core.cpu_threads)."""
-    from model_core.cpu_threads import limit_request_thread, request_threads
-    from model_core.engine import engine_threads
+    """This worker thread's torch work on its share of the cores (model_core.core.cpu_threads)."""
+    from model_core.core.cpu_threads import limit_request_thread, request_threads
+    from model_core.serving.engine import engine_threads
 
     limit_request_thread(request_threads(os.cpu_count() or 1, engine_threads(), settings().queue_concurrency))
 

@@ -1,5 +1,5 @@
 """The Generate tab's "Beam search and contrastive search" accordion: its own controls, one search
-(model_core.decoding) per click, the beams as a tree with their scores, a table, contrastive search's
+(model_core.serving.search_decoding) per click, the beams as a tree with their scores, a table, contrastive search's
 candidates, and check lines against the model's own forward and transformers' own scores.
 
 `build(shared)` is called by app/generate_tab.build inside the Generate tab."""
@@ -11,7 +11,8 @@ import pandas as pd
 
 from app import generate_figures as F
 from app.context import Shared, endpoint, get_model, max_prompt_tokens
-from model_core.decoding import (
+from model_core.core.errors import LmscopeError
+from model_core.serving.search_decoding import (
     MAX_BEAMS,
     MAX_CONTRASTIVE_K,
     MAX_NEW_TOKENS,
@@ -20,7 +21,6 @@ from model_core.decoding import (
     decode,
     decoding_to_json,
 )
-from model_core.errors import LmscopeError
 
 METHODS = {"beam search": "beam", "diverse beam search": "diverse", "contrastive search": "contrastive"}
 COLUMNS = ["rank", "group", "text", "tokens", "log p (model)", "search score sum", "score = sum / length^lp",

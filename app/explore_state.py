@@ -9,7 +9,7 @@ import gradio as gr
 from app import steering_panel, views
 from app.context import get_model, max_prompt_tokens
 from app.trace_store import STORE
-from model_core.trace import trace
+from model_core.interp.trace import trace
 
 
 def trace_for_state(state: dict):

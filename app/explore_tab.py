@@ -17,10 +17,10 @@ from app import validation as V
 from app.context import Shared, endpoint, get_model, max_prompt_tokens, scratch_dir
 from app.explore_state import clamp, trace_for_state, where
 from app.trace_store import STORE
-from model_core import steering as St
-from model_core.errors import LmscopeError
-from model_core.sampling import SamplingSettings
-from model_core.trace import trace
+from model_core.core.errors import LmscopeError
+from model_core.core.sampling import SamplingSettings
+from model_core.interp import steering as St
+from model_core.interp.trace import trace
 
 OVERVIEW_METRICS = ["entropy (nats; low = focused)", "first-token attention (attention sink)",
                     "previous-token score"]
@@ -726,7 +726,7 @@ def on_action(state, action, layer, head, query, lens_colour, view=None, metric=
 @endpoint
 def update_next(state, temperature, top_k, top_p, min_p, rep, epsilon=0.0, eta=0.0):
     settings, problems = V.check_settings(temperature, top_k, top_p, min_p, rep)
-    from model_core.sampling import check_cutoff
+    from model_core.core.sampling import check_cutoff
 
     for name, v in (("epsilon", epsilon), ("eta", eta)):
         try:
@@ -758,7 +758,7 @@ def cutoffs_from_query(q: dict) -> tuple[dict, str]:
     """A link's ?epsilon= / ?eta= -> ({name: value to put in its box}, notice). A value the explainer
     cannot use (not a number, negative, 1 or more) is refused: that cutoff stays off (0), and the
     notice says so in one sentence (like ?layer=999, which is clamped with a notice)."""
-    from model_core.sampling import check_cutoff
+    from model_core.core.sampling import check_cutoff
 
     values, notes = {}, []
     for k in CUTOFF_KEYS:
@@ -796,7 +796,7 @@ def export_stages(state, temperature, top_k, top_p, min_p, rep, epsilon=0.0, eta
     trace's next-token distribution with these settings. A bad setting: its sentence under the
     settings, nothing written."""
     from app.exports import write_stages
-    from model_core.sampling import check_cutoff
+    from model_core.core.sampling import check_cutoff
 
     settings, problems = V.check_settings(temperature, top_k, top_p, min_p, rep)
     for name, v in (("epsilon", epsilon), ("eta", eta)):
@@ -822,7 +822,7 @@ def export(state):
     d = scratch_dir("export")
     table = views.token_table(tr)
     table.to_csv(d / "tokens.csv", index=False)
-    from model_core.summary import trace_summary
+    from model_core.interp.trace_summary import trace_summary
 
     (d / "trace.json").write_text(json.dumps(trace_summary(tr.lm, tr), ensure_ascii=False, indent=2))
     lv = views.lens_view(tr, tr.n_tokens - 1)
@@ -837,7 +837,7 @@ def export(state):
 @endpoint(model=True)
 def export_tensors(state, layer, head, query, view, lens_colour, temperature, top_k, top_p, min_p, rep,
                    request: gr.Request = None):
-    """The trace itself as safetensors (app/exports.trace_file; over model_core.trace_io's size cap:
+    """The trace itself as safetensors (app/exports.trace_file; over model_core.interp.trace_io's size cap:
     one sentence), with the view settings and the model id in its metadata."""
     from app.exports import trace_file
 

@@ -14,7 +14,7 @@ import math
 import re
 from pathlib import Path
 
-from model_core.trace_io import save_trace
+from model_core.interp.trace_io import save_trace
 
 
 def _safe(name: str) -> str:
@@ -54,7 +54,7 @@ def write_json(path: Path, data) -> Path:
 # --- Explore: the trace itself ------------------------------------------------------------------
 
 def trace_file(tr, folder: Path, settings: dict) -> Path:
-    """The trace as `<model>-<T>tok.safetensors` in `folder` (model_core.trace_io: every captured
+    """The trace as `<model>-<T>tok.safetensors` in `folder` (model_core.interp.trace_io: every captured
     tensor, the viewed layer's pattern, tokens, model id and these settings)."""
     return save_trace(tr, folder / f"trace-{_safe(tr.model_name)}-{tr.n_tokens}tok.safetensors", settings)
 

@@ -1,5 +1,5 @@
 """The Generate tab's "Clamp a feature" accordion: one sparse-autoencoder feature of a set trained
-in the app (model_core.features) clamped to a value in every forward (model_core.feature_steering;
+in the app (model_core.interp.features) clamped to a value in every forward (model_core.interp.feature_steering;
 0 ablates it), and the generation as the model runs next to the clamped one: same seed, same
 sampling settings as the Generate tab, the next token's KL and each output's perplexity under the
 unedited model.
@@ -16,10 +16,10 @@ from app import validation as V
 from app.context import Shared, endpoint, get_model
 from app.features_panel import open_set, sets_for
 from app.steering_panel import perplexity_text, whole
-from model_core import feature_steering as FS
-from model_core.errors import LmscopeError
-from model_core.generate import check_seed, generate, generation_to_json
-from model_core.steering import base_perplexity
+from model_core.core.errors import LmscopeError
+from model_core.interp import feature_steering as FS
+from model_core.interp.steering import base_perplexity
+from model_core.serving.generate import check_seed, generate, generation_to_json
 
 MAX_NEW = 48
 INTRO = """Clamp one **feature** of a sparse autoencoder trained in this app (Explore → *Sparse-autoencoder

@@ -1,5 +1,5 @@
 """Explore's "Sparse-autoencoder features" accordion: a feature set trained in the app (a `features`
-job, model_core.features) read on the current prompt, and a page per feature.
+job, model_core.interp.features) read on the current prompt, and a page per feature.
 
 - the set: which hook it reads, its size and its measured quality (variance explained, CE loss
   recovered with its reconstruction spliced into the forward pass, on held-out text);
@@ -28,7 +28,7 @@ from app import unit_figures as UF
 from app import validation as V
 from app.context import endpoint
 from app.explore_state import clamp, trace_for_state
-from model_core import features as FT
+from model_core.interp import features as FT
 
 MAX_SEARCH = 20
 
@@ -192,7 +192,7 @@ def _dense(feats, x, f: int) -> list[float]:
 def clamp_feature(state, name, feature, value, request: gr.Request = None):
     """[figure, summary, message]: the next token after the prompt with the feature clamped to
     `value` at every position from 1 (0 ablates it), against the model as it runs."""
-    from model_core.feature_steering import feature_edits, next_token_shift
+    from model_core.interp.feature_steering import feature_edits, next_token_shift
 
     try:
         feats, _, _ = open_set(name)
@@ -206,7 +206,7 @@ def clamp_feature(state, name, feature, value, request: gr.Request = None):
     base, after, kl = shift["base"], shift["after"], shift["kl"]
     union = list(dict.fromkeys(base.topk(8).indices.tolist() + after.topk(8).indices.tolist()))
     union.sort(key=lambda i: -float(base[i]))
-    from model_core.tokenization import describe_tokens
+    from model_core.core.tokenization import describe_tokens
 
     names = [r["display"] for r in describe_tokens(lm.tokenizer, union)]
     rows = [{"token": n, "before": float(base[i].exp()), "after": float(after[i].exp())} for n, i in zip(names, union)]

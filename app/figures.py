@@ -64,7 +64,7 @@ def empty_figure(message: str, height: int = 300) -> go.Figure:
 
 def token_strip_html(tokens: list[dict], logprobs: list[float | None], perplexity: float | None) -> str:
     """Tokens as chips coloured by surprisal (-log2 p); hover shows id, bytes and probability.
-    Tokens that only make a character together (model_core.tokenization glyph spans: a Burmese
+    Tokens that only make a character together (model_core.core.tokenization glyph spans: a Burmese
     letter is three byte tokens) are grouped: the character on top, one chip per token below."""
     def chip(i: int, t: dict, lp, text: str, extra: str = "") -> str:
         byte_ids = f" · bytes {t['bytes']}" if t.get("bytes") else ""
@@ -232,7 +232,7 @@ def head_overview(values: np.ndarray, metric: str, selected: tuple[int, int] | N
 
 
 def head_search_map(mean, std, metric: str, n_prompts: int, model: str, snippets=None) -> go.Figure:
-    """A head search over a corpus (model_core.head_search): mean [L][H] of one metric over the
+    """A head search over a corpus (model_core.interp.head_search): mean [L][H] of one metric over the
     prompts (None where undefined), its spread std [L][H] (None for a single-number test) and, per
     head, the start of the prompt where it scored highest (snippets [L][H] or None)."""
     if mean is None:

@@ -1,4 +1,4 @@
-"""Pure figure functions for the Generation lab: plain data (the JSON of model_core.generate)
+"""Pure figure functions for the Generation lab: plain data (the JSON of model_core.serving.generate)
 in, a plotly Figure out. No gradio, no model."""
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ def samples_figure(samples: list[dict]) -> go.Figure:
     return fig
 
 
-# --- search decoding (model_core.decoding): beams as a tree, contrastive candidates ------------
+# --- search decoding (model_core.serving.search_decoding): beams as a tree, contrastive candidates ------------
 
 def beam_tree_figure(beams: list[dict], prompt_tail: str = "prompt") -> go.Figure:
     """Every returned beam as a path from the prompt, one lane per beam (best on top); a prefix that

@@ -1,7 +1,7 @@
 """Generation lab tab: token-by-token generation with live sampling settings, every step's
 distribution before and after the filters, N samples side by side, and the KV cache.
 
-`build(shared)` is called inside an open `gr.Tab`. All heavy lifting is model_core.generate;
+`build(shared)` is called inside an open `gr.Tab`. All heavy lifting is model_core.serving.generate;
 figures come from app.generate_figures (pure functions)."""
 
 from __future__ import annotations
@@ -14,8 +14,16 @@ import gradio as gr
 from app import generate_figures as F
 from app import validation as V
 from app.context import Shared, endpoint, generate_concurrency, get_model, max_prompt_tokens
-from model_core.errors import LmscopeError
-from model_core.generate import (
+from model_core.core.errors import LmscopeError
+from model_core.core.sampling import SamplingSettings
+from model_core.core.tokenization import (
+    continuation_display,
+    describe_raw,
+    describe_tokens,
+    pending_bytes,
+    token_bytes,
+)
+from model_core.serving.generate import (
     check_seed,
     generate,
     generation_to_json,
@@ -25,14 +33,6 @@ from model_core.generate import (
     step_attention,
     step_to_json,
     time_cache_vs_no_cache,
-)
-from model_core.sampling import SamplingSettings
-from model_core.tokenization import (
-    continuation_display,
-    describe_raw,
-    describe_tokens,
-    pending_bytes,
-    token_bytes,
 )
 
 MAX_SAMPLES = 8
@@ -64,7 +64,7 @@ def _problems(t, k, p, m, r, sd) -> dict[str, str]:
 
 class _Labeller:
     """Generated tokens as people should see them while they stream: a character spelled by
-    several byte tokens is labelled "glyph·k/n" on each of them (model_core.tokenization), and a
+    several byte tokens is labelled "glyph·k/n" on each of them (model_core.core.tokenization), and a
     step's candidates that finish a character the text so far left open show it ("…မ")."""
 
     def __init__(self, tokenizer, prompt_ids):

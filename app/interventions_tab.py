@@ -1,7 +1,7 @@
 """Interventions tab: ablate heads / MLPs / neurons, patch a clean prompt into a corrupted one,
 attribute the answer to layers and heads, and compare two prompts side by side.
 
-Everything here is a thin wire between widgets, model_core.interventions / attribution, and the
+Everything here is a thin wire between widgets, model_core.interp.interventions / attribution, and the
 pure figure functions in app.interventions_figures. Interventions run inside a per-request
 Recorder (a ContextVar), so nothing a user toggles here changes another user's model.
 """
@@ -16,10 +16,11 @@ import torch
 
 from app import interventions_figures as fig
 from app.context import Shared, default_model, endpoint, get_model, job_owner, job_viewer
-from model_core import paths
-from model_core.attribution import direct_logit_attribution
-from model_core.errors import LmscopeError
-from model_core.interventions import (
+from model_core.core import paths
+from model_core.core.errors import LmscopeError
+from model_core.core.registry import REGISTRY, converted_dir
+from model_core.interp.attribution import direct_logit_attribution
+from model_core.interp.interventions import (
     Ablation,
     ablate,
     compare_prompts,
@@ -27,8 +28,7 @@ from model_core.interventions import (
     patch_heads,
     patch_residual,
 )
-from model_core.lens import logit_lens
-from model_core.registry import REGISTRY, converted_dir
+from model_core.interp.lens import logit_lens
 
 CLEAN = "The Eiffel Tower is in the city of"
 CORRUPT = "The Colosseum is in the city of"
@@ -119,14 +119,14 @@ def _metric(lm, target, other, kind):
 
 def _tok(lm, i: int) -> str:
     """Byte-safe, as in every other view: ␣ for a space, ↵ for a newline, <0xNN> for a raw byte."""
-    from model_core.tokenization import display_bytes, token_bytes
+    from model_core.core.tokenization import display_bytes, token_bytes
 
     return display_bytes(token_bytes(lm.tokenizer, int(i))) or "∅"
 
 
 def _pos_labels(lm, ids) -> list[str]:
     """'position:token' axis labels; byte tokens that make a character together say which ("မ·1/3")."""
-    from model_core.tokenization import describe_tokens
+    from model_core.core.tokenization import describe_tokens
 
     return [f"{p}:{r['display'] or '∅'}" for p, r in enumerate(describe_tokens(lm.tokenizer, ids))]
 
@@ -286,7 +286,7 @@ def poll_patch_job(job_id, request: gr.Request = None):
 
 
 def _space_problems(lm, target, other, kind) -> list[tuple[str, dict]]:
-    from model_core.tokenization import spaced_alternative
+    from model_core.core.tokenization import spaced_alternative
 
     fields = [("target", target)] + ([("other", other)] if kind == "logit_diff" else [])
     return [(name, alt) for name, text in fields if (alt := spaced_alternative(lm.tokenizer, text))]

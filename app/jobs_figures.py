@@ -236,7 +236,7 @@ def _piece(text: str) -> str:
 
 def _shown(text: str, limit: int = 80) -> str:
     """A bit of text for a tooltip or the stats line: byte-safe (␣ ↵ <0xNN>), cut at `limit`."""
-    from model_core.tokenization import display_bytes
+    from model_core.core.tokenization import display_bytes
 
     s = display_bytes(text.encode("utf-8"))
     return "“" + (s if len(s) <= limit else s[:limit] + "…") + "”"

@@ -14,7 +14,7 @@ import gradio as gr
 
 from app import jobs_figures as jf
 from app.context import Shared, endpoint, job_owner, job_viewer, scratch_dir, uploaded_file
-from model_core.errors import LmscopeError
+from model_core.core.errors import LmscopeError
 
 REFRESH_S = 1.5
 DEFAULT_REF = "smollm2-135m-instruct"

@@ -7,7 +7,7 @@ then the Gradio app mounted on a FastAPI app that also answers the operator's en
                    trace cache size. With sign-in on it needs `Authorization: Bearer <token>`
                    (LMSCOPE_AUTH_TOKEN, or `user:password` of a users-file user).
 
-Configuration: model_core.settings.Settings (environment variables; see that module's table), read
+Configuration: model_core.core.settings.Settings (environment variables; see that module's table), read
 once by app/cli.py and passed to serve().
 """
 
@@ -39,9 +39,9 @@ def metrics(settings) -> dict:
     except Exception as e:  # noqa: BLE001 - the operator wants to see that Redis is down, not a 500
         out["jobs"] = {"redis": "unreachable", "error": str(e).splitlines()[0] if str(e) else type(e).__name__}
     try:
-        from model_core import registry
-        from model_core.batching import stats_for
-        from model_core.engine import existing_engine
+        from model_core.core import registry
+        from model_core.interp.trace_batching import stats_for
+        from model_core.serving.engine import existing_engine
 
         def engine_stats(lm):
             eng = existing_engine(lm)
@@ -107,7 +107,7 @@ def build_app(settings=None):
     from app import auth
     from app.api import limit_queue_share
     from app.ui import HEAD_JS, build_demo
-    from model_core.settings import Settings
+    from model_core.core.settings import Settings
 
     settings = settings or Settings.from_env()
     api = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
@@ -213,7 +213,7 @@ def session_user(gradio_app, request) -> str | None:
 def artifact_file(job_id: str, name: str, owner: str | None) -> Path | None:
     """The artifact `name` of job `job_id` when `owner` (None: anyone) may read it; tasks.jobs
     .artifact_path only returns files inside the job's own folder."""
-    from model_core.errors import LmscopeError
+    from model_core.core.errors import LmscopeError
     from tasks import jobs
 
     try:
@@ -228,8 +228,9 @@ def model_zip(name: str) -> str | None:
     import json
     import tempfile
 
-    from model_core import export, paths
-    from model_core.registry import list_models
+    from model_core.core import paths
+    from model_core.core.registry import list_models
+    from model_core.training import export
 
     known = {r["name"] for r in list_models(include_random=False) if r["source"] == "finetuned"}
     if name not in known:
@@ -252,12 +253,13 @@ def model_zip(name: str) -> str | None:
 def _preload(name: str, device: str | None = None, dtype: str | None = None) -> None:
     """Load the default model and start its engine in the background while the server starts, so the
     first visitor does not pay the ~2 s of importing transformers' model code and reading the
-    weights, nor its first generations the engine's recordings (model_core.cpu_graphs)."""
+    weights, nor its first generations the engine's recordings (model_core.serving.torchscript_replay)."""
     import threading
 
     def load():
-        from model_core import engine, load_model
-        from model_core.errors import LmscopeError
+        from model_core import load_model
+        from model_core.core.errors import LmscopeError
+        from model_core.serving import engine
 
         try:
             lm = load_model(name, device=device, dtype=dtype, allow_paths=False, allow_hub=False)
@@ -270,8 +272,8 @@ def _preload(name: str, device: str | None = None, dtype: str | None = None) -> 
 
 
 def serve(settings=None, host: str = "127.0.0.1", port: int = 7860, embedded_services: bool = True) -> None:
-    """settings: the model_core.settings.Settings app/cli.py read at start (None: read them here)."""
-    from model_core.settings import Settings, SettingsError
+    """settings: the model_core.core.settings.Settings app/cli.py read at start (None: read them here)."""
+    from model_core.core.settings import Settings, SettingsError
 
     if settings is None:
         try:

@@ -1,5 +1,5 @@
 """Pure views of the reward / DPO / GRPO jobs (tasks/preference_job.py): a job record (or the
-per-token log-ratios of model_core.preference.token_logratios) in, a plotly Figure, a table or a
+per-token log-ratios of model_core.training.preference.token_logratios) in, a plotly Figure, a table or a
 few lines of text out. No gradio, no model: app/preference_panel.py shows them.
 
 Record schema read here: rec['preference'] = {kind, history: [{step, total, loss, tokens_per_s,

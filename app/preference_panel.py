@@ -22,9 +22,9 @@ import gradio as gr
 from app import preference_figures as pf
 from app import validation as V
 from app.context import Shared, default_model, endpoint, get_model, job_owner, job_viewer, uploaded_file
-from model_core import preference as P
-from model_core import preference_data as D
-from model_core.errors import LmscopeError
+from model_core.core.errors import LmscopeError
+from model_core.training import preference as P
+from model_core.training import preference_data as D
 
 REFRESH_S = 2.0
 KINDS = P.KINDS  # ("reward", "dpo", "grpo")
@@ -60,7 +60,7 @@ def _base_choices() -> list[tuple[str, str]]:
 
 
 def _trained_rows(kinds: tuple[str, ...]) -> list[dict]:
-    from model_core.registry import list_models
+    from model_core.core.registry import list_models
 
     return [r for r in list_models(include_random=True) if r.get("source") == "finetuned" and r.get("kind") in kinds]
 
@@ -253,7 +253,7 @@ def default_example(kind: str | None) -> tuple[str, str]:
 
 
 def _plain_tokenizer(tok):
-    from model_core import sft
+    from model_core.training import sft
 
     if getattr(tok, "chat_template", None):
         return tok

@@ -11,7 +11,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from model_core.pretrain import CHINCHILLA_2022, KAPLAN_2020, chinchilla_loss, kaplan_loss
+from model_core.training.pretrain import CHINCHILLA_2022, KAPLAN_2020, chinchilla_loss, kaplan_loss
 
 WIDTH_COLOURS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#a16207", "#db2777"]
 LOSS_TICKS = [0.5, 0.75, 1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10, 12, 15, 20, 25, 30, 40, 50, 70, 100]

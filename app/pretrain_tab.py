@@ -13,7 +13,7 @@ import gradio as gr
 
 from app import pretrain_figures as pf
 from app.context import Shared, endpoint, job_owner, job_viewer
-from model_core.errors import LmscopeError
+from model_core.core.errors import LmscopeError
 
 REFRESH_S = 2.0
 KINDS = ("pretrain", "scaling")
@@ -38,7 +38,7 @@ def _choices(recs: list[dict]) -> list[tuple[str, str]]:
 
 def _num(v):
     """An empty or zero box means the default; anything else goes to the settings check as it is
-    (model_core.pretrain.validate_settings answers a bad value with one sentence)."""
+    (model_core.training.pretrain.validate_settings answers a bad value with one sentence)."""
     return None if v is None or (isinstance(v, (str, int, float)) and not isinstance(v, bool) and v in ("", 0)) else v
 
 

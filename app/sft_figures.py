@@ -237,7 +237,7 @@ def lens_table_html(lens_top: dict, base_name: str, tuned_name: str) -> str:
 
 
 def weight_delta_figure(rows: list[dict] | None) -> go.Figure:
-    """Heatmap of model_core.weight_delta rows: layers × module kinds, colour = ‖ΔW‖_F / ‖W‖_F of the
+    """Heatmap of model_core.anatomy.weight_delta rows: layers × module kinds, colour = ‖ΔW‖_F / ‖W‖_F of the
     fine-tuned weights against the parent; below it one row for what lies outside the layers
     (embeddings, final norm, lm_head). The title names the largest change and where it is."""
     rows = rows or []

@@ -22,8 +22,8 @@ from app.context import (
     uploaded_file,
 )
 from app.jobs_tab import JOB_URL_JS
-from model_core import sft
-from model_core.errors import LmscopeError
+from model_core.core.errors import LmscopeError
+from model_core.training import sft
 
 REFRESH_S = 2.0
 
@@ -211,7 +211,7 @@ MAX_MASK_EXAMPLE = 999  # the built-in set is generated up to the example asked 
 @endpoint(model=True)
 def generate_both(base, tuned, prompt, chat, request: gr.Request = None):
     """The same prompt, greedy, through the base and the fine-tuned model."""
-    from model_core.generate import generate
+    from model_core.serving.generate import generate
 
     b, t = _pair(base, tuned)
     rows = []
@@ -225,7 +225,7 @@ def generate_both(base, tuned, prompt, chat, request: gr.Request = None):
 @endpoint(model=True)
 def weight_change(base, tuned, request: gr.Request = None):
     """Per layer and module, how far the fine-tuned weights moved from the base's (‖ΔW‖/‖W‖)."""
-    from model_core.weight_delta import weight_delta
+    from model_core.anatomy.weight_delta import weight_delta
 
     b, t = _pair(base, tuned)
     return sf.weight_delta_figure(weight_delta(b, t))
@@ -235,7 +235,7 @@ def weight_change(base, tuned, request: gr.Request = None):
 def parent_of(tuned):
     if not tuned:
         return gr.skip()
-    from model_core.registry import list_models
+    from model_core.core.registry import list_models
 
     row = next((r for r in list_models(include_random=True) if r["name"] == tuned), None)
     return gr.update(value=row.get("parent")) if row and row.get("parent") else gr.skip()

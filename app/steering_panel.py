@@ -1,5 +1,5 @@
 """The Generate tab's "Steering vector" accordion: a direction built from contrastive prompt pairs
-(model_core.steering), added as alpha * v to one layer's input; the steered and the unsteered
+(model_core.interp.steering), added as alpha * v to one layer's input; the steered and the unsteered
 generation side by side (same seed, same sampling settings as the Generate tab), and an alpha sweep
 (KL from the unsteered next-token distribution, the output's perplexity under the unsteered model,
 the on-target score) as a plot and a table.
@@ -18,9 +18,10 @@ import pandas as pd
 from app import generate_figures as F
 from app import validation as V
 from app.context import Shared, endpoint, get_model
-from model_core import steering as St
-from model_core.errors import LmscopeError
-from model_core.generate import check_seed, generation_to_json
+from model_core.core.errors import LmscopeError
+from model_core.interp import steering as St
+from model_core.serving import steered as Steered
+from model_core.serving.generate import check_seed, generation_to_json
 
 MY_PAIRS = "my pairs (JSONL below)"
 MAX_NEW = 48  # tokens per continuation here (a sweep generates one per alpha)
@@ -126,9 +127,9 @@ def run_pair(model_name, prompt, chat, choice, pairs_text, layer, alpha, from_po
         lm, vec, options, targets, from_pos, note = _setup(model_name, prompt, chat, choice, pairs_text, layer,
                                                            from_pos, targets_text, max_new, t, k, p, m, r, sd)
         alpha = St.check_alpha(alpha)
-        base = St.steered_generation(lm, prompt, vec, 0.0, **options)
-        steered = St.steered_generation(lm, prompt, vec, alpha, from_position=from_pos, **options)
-        sweep = St.alpha_sweep(lm, prompt, vec, [0.0, alpha], targets=[i for _, i in targets] or None,
+        base = Steered.steered_generation(lm, prompt, vec, 0.0, **options)
+        steered = Steered.steered_generation(lm, prompt, vec, alpha, from_position=from_pos, **options)
+        sweep = Steered.alpha_sweep(lm, prompt, vec, [0.0, alpha], targets=[i for _, i in targets] or None,
                                chat=options["chat"], from_position=from_pos)
     except LmscopeError as e:
         return gr.skip(), gr.skip(), gr.skip(), V.show(str(e))
@@ -154,7 +155,7 @@ def run_sweep(model_name, prompt, chat, choice, pairs_text, layer, alphas_text, 
                                                            from_pos, targets_text, max_new, t, k, p, m, r, sd)
         alphas = St.parse_alphas(alphas_text)
         chat = options.pop("chat")
-        rows = St.alpha_sweep(lm, prompt, vec, alphas, targets=[i for _, i in targets] or None, chat=chat,
+        rows = Steered.alpha_sweep(lm, prompt, vec, alphas, targets=[i for _, i in targets] or None, chat=chat,
                               from_position=from_pos, generate_options=options)
     except LmscopeError as e:
         return gr.skip(), gr.skip(), gr.skip(), V.show(str(e))

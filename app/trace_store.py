@@ -12,8 +12,8 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
-from model_core.settings import current
-from model_core.trace import Trace
+from model_core.core.settings import current
+from model_core.interp.trace import Trace
 
 
 class TraceStore:

@@ -13,7 +13,7 @@ from app.api import harden
 from app.context import Shared, allowed_models, default_model, endpoint, get_model
 from app.narrow import NARROW_JS
 from app.views import SCALES
-from model_core.registry import list_models
+from model_core.core.registry import list_models
 
 EXAMPLE_PROMPT = "The animal didn't cross the street because it was too tired"
 

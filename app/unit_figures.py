@@ -12,7 +12,7 @@ PROMOTE, SUPPRESS = "#e4572e", "#3b75af"
 
 def weights_figure(top: dict, title: str) -> go.Figure:
     """Horizontal bars: the tokens a unit promotes (largest logit effect, red, on top) and suppresses
-    (most negative, blue, below). top: model_core.neurons.top_tokens."""
+    (most negative, blue, below). top: model_core.interp.neurons.top_tokens."""
     pro, sup = top.get("promoted", []), top.get("suppressed", [])
     rows = sup  # most negative at the bottom
     y = [f"{t['token']} ({t['id']})" for t in pro] + [f"{t['token']} ({t['id']}) " for t in rows]
@@ -97,7 +97,7 @@ def clamp_figure(rows: list[dict], title: str) -> go.Figure:
 
 def density_figure(d: dict, title: str) -> go.Figure:
     """A feature's activations over the corpus scan: counts per log-spaced bin (d from
-    model_core.features.density: counts [B], edges [B + 1]), bars spanning their bins."""
+    model_core.interp.features.density: counts [B], edges [B + 1]), bars spanning their bins."""
     edges, counts = d["edges"], d["counts"]
     lo, hi = edges[:-1], edges[1:]
     mid = [(a * b) ** 0.5 for a, b in zip(lo, hi)]  # geometric centre: the middle of a log bin

@@ -5,7 +5,7 @@ L5H4 (head 4 of layer 5); "n767" alone takes the Explore layer. A click on a neu
 heatmap or bars opens its page (UNIT_JS, a js-only load event: it writes the name and presses
 Open), and "Open the chosen head" opens the Explore head.
 
-The page shows, from model_core.neurons: the tokens the unit promotes and suppresses through the
+The page shows, from model_core.interp.neurons: the tokens the unit promotes and suppresses through the
 unembedding (a head: its OV circuit on the prompt's tokens), its activation on the current prompt,
 and its top-activating contexts over the built-in corpus, which a background job (kind 'neurons',
 tasks/neuron_job.py) computes once per model and stores for every page; until it has, the page
@@ -75,7 +75,7 @@ _INDEX: dict = {}  # path -> (mtime, ContextIndex): the stored scans, read once 
 
 def stored_index(model: str):
     """The built-in corpus scan of `model` (tasks/neuron_job.py), or None while there is none."""
-    from model_core.neurons import ContextIndex
+    from model_core.interp.neurons import ContextIndex
     from tasks.neuron_job import shared_index_path
 
     path = shared_index_path(model)
@@ -110,7 +110,7 @@ def contexts_for(lm, kind: str, layer: int, unit: int) -> tuple[str, dict]:
 
 def render(state: dict, text, layer_default) -> tuple:
     """(title, weights figure, activation figure, OV html, contexts html, compute button, unit text)."""
-    from model_core import neurons as N
+    from model_core.interp import neurons as N
 
     tr = trace_for_state(state)
     lm = tr.lm
@@ -129,7 +129,7 @@ def render(state: dict, text, layer_default) -> tuple:
         distinct = list(dict.fromkeys(tr.token_ids))[:16]
         ov_logits = N.head_ov_logits(lm, layer, unit, distinct)
         logits = ov_logits.mean(0)
-        from model_core.tokenization import describe_tokens
+        from model_core.core.tokenization import describe_tokens
 
         shown = describe_tokens(lm.tokenizer, distinct)
         rows = []

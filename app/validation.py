@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import gradio as gr
 
-from model_core.errors import LmscopeError
-from model_core.sampling import SamplingSettings
+from model_core.core.errors import LmscopeError
+from model_core.core.sampling import SamplingSettings
 
 SETTING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 

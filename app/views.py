@@ -21,10 +21,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from model_core.cpu_threads import REQUEST_NICE, limit_this_thread, lower_this_thread
-from model_core.lens import logit_lens
-from model_core.sampling import SamplingSettings, apply_sampling
-from model_core.trace import Trace
+from model_core.core.cpu_threads import REQUEST_NICE, limit_this_thread, lower_this_thread
+from model_core.core.sampling import SamplingSettings, apply_sampling
+from model_core.interp.lens import logit_lens
+from model_core.interp.trace import Trace
 
 EXACT = 64  # a region at most this many positions per axis is drawn cell by cell, with token labels
 BIG_BINS = 80  # cells per axis at most in the chosen head's heatmap (max-pooled beyond)
@@ -471,7 +471,7 @@ class LensFiller:
 
     def _run(self) -> None:
         self.one_thread = limit_this_thread(1)  # this thread's torch work on one core
-        # background work no page waits on: never before the engine's thread (model_core.cpu_threads)
+        # background work no page waits on: never before the engine's thread (model_core.core.cpu_threads)
         self.yields = lower_this_thread(REQUEST_NICE)
         while True:
             with self._cv:
@@ -529,14 +529,14 @@ def lens_view(tr: Trace, query: int, colour: str = "probability", rows: tuple[in
 
 
 def _show(tok, i: int) -> str:
-    from model_core.tokenization import display_bytes, token_bytes
+    from model_core.core.tokenization import display_bytes, token_bytes
 
     return display_bytes(token_bytes(tok, i))
 
 
 def _pending(tr: Trace, p: int) -> bytes:
     """The bytes of a character the prompt has started but not finished at position p (b"" if none)."""
-    from model_core.tokenization import pending_bytes
+    from model_core.core.tokenization import pending_bytes
 
     rows = tr.tokens[max(0, p - 3): p + 1]
     return pending_bytes([bytes.fromhex(t.get("bytes", "")) for t in rows]) if any(
@@ -545,10 +545,10 @@ def _pending(tr: Trace, p: int) -> bytes:
 
 def _cell(show: dict, tok, i: int, pending: bytes) -> str:
     """A lens cell: the predicted token, or after an unfinished character the character it would
-    finish ("…မ", model_core.tokenization.continuation_display) instead of a bare byte."""
+    finish ("…မ", model_core.core.tokenization.continuation_display) instead of a bare byte."""
     if not pending:
         return show.get(i) or show.setdefault(i, _show(tok, i))
-    from model_core.tokenization import continuation_display, token_bytes
+    from model_core.core.tokenization import continuation_display, token_bytes
 
     key = (i, pending)
     return show.get(key) or show.setdefault(key, continuation_display(pending, token_bytes(tok, i)))

@@ -1,14 +1,14 @@
 """Many users at once: lmscope's engine against transformers' own batched generate, in one process.
 
 Generation: N threads at once, each one user asking for --new-tokens greedy tokens with every step
-recorded, through model_core.generate (the engine: continuous batching over a slot cache, CUDA
+recorded, through model_core.serving.generate (the engine: continuous batching over a slot cache, CUDA
 graphs on a GPU). Baseline in the same run: transformers' `generate` on all N prompts as one batch
 (static cache on CUDA, which compiles the forward; dynamic cache on the CPU), which records
 nothing. Prints aggregate tokens/s of both, their ratio, p50/p95 time to first token of the
 engine's users, and how many greedy generations differ from transformers' (0 on the CPU in
 float32; in bf16 on a GPU a near-tie may go the other way, so the count is reported).
 
-Traces: N threads at once, each a trace of a ~30-token prompt, batched (model_core.batching) and
+Traces: N threads at once, each a trace of a ~30-token prompt, batched (model_core.interp.trace_batching) and
 one forward at a time (max_batch 1), interleaved; traces/s and the ratio.
 
 CPU:  .venv/bin/python bench/batching.py                 (the real default model)
@@ -29,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from model_core import load_model, trace  # noqa: E402
-from model_core.batching import batcher_for  # noqa: E402
+from model_core import load_model  # noqa: E402
+from model_core.interp import trace
+from model_core.interp.trace_batching import batcher_for  # noqa: E402
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven curious students measure how far "
          "sound travels in warm air and cold water before the evening bell").split()
@@ -77,7 +78,7 @@ def _hf_batch(lm, ids: list[list[int]], n_new: int, static: bool):
 
 def _user(lm, ids, n_new):
     """One user's recorded generation; returns (tokens, seconds to the first token)."""
-    from model_core.generate import iter_generate
+    from model_core.serving.generate import iter_generate
 
     t0 = time.perf_counter()
     ttft, gen = None, None
@@ -113,14 +114,14 @@ def main(argv=None) -> int:
     ap.add_argument("--switch-interval", type=float, nargs="+", default=None,
                     help="seconds between the interpreter's thread switches, each measured in turn (default: the engine's)")
     args = ap.parse_args(argv)
-    import model_core.engine
+    import model_core.serving.engine
 
     if args.lookahead is not None:
-        model_core.engine.LOOKAHEAD = max(args.lookahead)  # its ring of host buffers fits the most
+        model_core.serving.engine.LOOKAHEAD = max(args.lookahead)  # its ring of host buffers fits the most
     if args.steps_per_launch is not None:
-        model_core.engine.STEPS_PER_LAUNCH = args.steps_per_launch
+        model_core.serving.engine.STEPS_PER_LAUNCH = args.steps_per_launch
     if args.switch_interval is not None:
-        model_core.engine.SWITCH_INTERVAL = max(args.switch_interval)  # the engine only lowers it
+        model_core.serving.engine.SWITCH_INTERVAL = max(args.switch_interval)  # the engine only lowers it
     lm = load_model("random-smollm2-135m" if args.random else "smollm2-135m-instruct", device=args.device)
     b = batcher_for(lm)
     static = lm.device.type == "cuda"
@@ -132,8 +133,8 @@ def main(argv=None) -> int:
     global _POOL
     _POOL = ThreadPoolExecutor(max(args.users))
     concurrently(lambda i: _user(lm, ids[i], 4), max(args.users))  # warm every thread and the engine
-    from model_core.engine import engine_for
-    from model_core.generate import eos_ids
+    from model_core.serving.engine import engine_for
+    from model_core.serving.generate import eos_ids
 
     eng = engine_for(lm)
     t0 = time.perf_counter()
@@ -178,8 +179,8 @@ def main(argv=None) -> int:
     sys.setswitchinterval(default[0])
     eng._gate, eng.lookahead = default[1], default[2]
     # the engine alone: requests submitted directly, records drained without turning them into text
-    from model_core.engine import EngineRequest
-    from model_core.sampling import SamplingSettings
+    from model_core.core.sampling import SamplingSettings
+    from model_core.serving.engine import EngineRequest
 
     for n in args.users:
         reqs = [EngineRequest(ids=ids[i], n_steps=args.new_tokens, settings=SamplingSettings(temperature=0), seed=0,

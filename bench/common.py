@@ -52,8 +52,8 @@ def graph_ms(g, n: int = 200) -> float:
 
 def capture(fn):
     """fn run once on a side stream (lazy inits outside the capture), then captured as a CUDA graph
-    with its own cuBLAS workspace (model_core.engine.own_cublas_workspace)."""
-    from model_core.engine import own_cublas_workspace
+    with its own cuBLAS workspace (model_core.serving.engine.own_cublas_workspace)."""
+    from model_core.serving.engine import own_cublas_workspace
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())

@@ -1,4 +1,4 @@
-"""A training job on one GPU against the same job on N GPUs (model_core.data_parallel), same run:
+"""A training job on one GPU against the same job on N GPUs (model_core.training.data_parallel), same run:
 the SFT job's own function (run_sft_on_gpus: Trainer, the GPU speed options of train_speed), the
 built-in data, the same global batch, so the loss curves should agree within bf16 noise.
 
@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto")
     a = ap.parse_args()
     os.environ.setdefault("LMSCOPE_DATA_DIR", tempfile.mkdtemp(prefix="lmscope-dp-bench-"))
-    from model_core import sft
+    from model_core.training import sft
 
     print(f"# {device_info(a.device)} · model {a.model} · batch {a.batch} (whole step) · {a.steps} steps · "
           f"max_length {a.max_length}", flush=True)

@@ -26,9 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from common import capture, captured_ms  # noqa: E402
 
-from model_core import decode_attention, load_model  # noqa: E402
-from model_core.engine import GREEDY_ONLY, Engine, StepBuffers, max_len_from_env  # noqa: E402
-from model_core.row_sampling import sample_rows  # noqa: E402
+from model_core import load_model  # noqa: E402
+from model_core.serving import decode_attention
+from model_core.serving.batch_sampling import sample_rows  # noqa: E402
+from model_core.serving.engine import GREEDY_ONLY, Engine, StepBuffers, max_len_from_env  # noqa: E402
 
 VARIANTS = {  # inductor options, and whether rows and positions are dynamic sizes (the engine's way)
     "engine": ({}, True),
@@ -57,7 +58,7 @@ def _kernels(fn, n: int = 20) -> str:
 
 
 def _forward_only(eng: Engine, lm, b: StepBuffers, rows: int, L: int):
-    from model_core.cache_api import cache_kwarg
+    from model_core.core.cache_api import cache_kwarg
 
     mask = b.cache.window(rows, L, b.pos[:rows])
     return lambda: eng._fast_forward(input_ids=b.tok_in[:rows, None], position_ids=b.pos[:rows, None], attention_mask=mask,
@@ -66,7 +67,7 @@ def _forward_only(eng: Engine, lm, b: StepBuffers, rows: int, L: int):
 
 
 def _compiled_step(eng: Engine, lm, variant: tuple, rows: int, lengths: list[int], profile: bool):
-    import model_core.engine as engine_module
+    import model_core.serving.engine as engine_module
 
     options, dynamic = variant
     torch._dynamo.reset()

@@ -18,12 +18,12 @@ import torch  # noqa: E402
 from common import captured_ms, graph_ms  # noqa: E402
 
 from model_core import load_model  # noqa: E402
-from model_core.engine import RECORDED, engine_for  # noqa: E402
-from model_core.row_sampling import sample_rows  # noqa: E402
+from model_core.serving.batch_sampling import sample_rows  # noqa: E402
+from model_core.serving.engine import RECORDED, engine_for  # noqa: E402
 
 
 def main() -> int:
-    from model_core.engine import ALL_STAGES, GREEDY_ONLY, Engine, max_len_from_env
+    from model_core.serving.engine import ALL_STAGES, GREEDY_ONLY, Engine, max_len_from_env
 
     lm = load_model("random-smollm2-135m", device="cuda")
     print(f"# {torch.cuda.get_device_name(0)}, {lm.name} {lm.dtype}")
@@ -55,8 +55,8 @@ def main() -> int:
             samp = captured_ms(lambda: sample_rows(logits, st, seen, RECORDED))
             print(f"uncompiled sampling + records alone, {B:>2} rows, all stages: {samp:.3f} ms", flush=True)
     if "--host" in sys.argv:  # where a served step's wall time goes: host work per step vs the whole
-        from model_core.engine import EngineRequest
-        from model_core.sampling import SamplingSettings
+        from model_core.core.sampling import SamplingSettings
+        from model_core.serving.engine import EngineRequest
 
         for B in (1, 32):
             spent = {"_launch": 0.0, "_hand_out": 0.0, "_drop_cancelled": 0.0}

@@ -46,7 +46,8 @@ from common import device_info, interleaved  # noqa: E402
 
 from app import explore_tab, views  # noqa: E402
 from app.explore_state import trace_for_state  # noqa: E402
-from model_core import load_model, trace  # noqa: E402
+from model_core import load_model  # noqa: E402
+from model_core.interp import trace
 
 METRIC = explore_tab.OVERVIEW_METRICS[2]
 

@@ -6,7 +6,7 @@ the share of it spent in the model's forward, and the held-out quality (1 - FVU,
   python bench/features.py --tokens 200000 --device cuda    # on a GPU (bf16 model, fp32 autoencoder)
   python bench/features.py --tokens 20000 --layer 3 --hook mlp_out --expansion 16 --k 64
 
-Runs model_core.features.train_features (the function the 'features' job calls) without saving
+Runs model_core.interp.features.train_features (the function the 'features' job calls) without saving
 and without the top-context scan. Not part of the test suite: 100k tokens take minutes on a CPU.
 
 Measured (CPU, 2 threads shared with other jobs (load 5-7), torch 2.13 CPU, eai-sparsify 1.3.3;
@@ -61,7 +61,7 @@ def main() -> None:
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     os.environ["LMSCOPE_DEVICE"] = device
     from bench.common import device_info
-    from model_core import features as F
+    from model_core.interp import features as F
 
     print(f"device: {device_info(device)}", flush=True)
     t0 = time.time()

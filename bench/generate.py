@@ -1,7 +1,7 @@
 """Generation throughput: lmscope's recorded generation against transformers' generate.
 
 For greedy and sampled settings, in the same run and on the same model:
-  - tokens/s of model_core.generate.generate (every step recorded: top candidates before/after
+  - tokens/s of model_core.serving.generate.generate (every step recorded: top candidates before/after
     the filters, chosen rank and probability, entropies, per-filter counts),
   - tokens/s of transformers' model.generate with the same settings (dynamic cache; and on
     CUDA, with --hf-static, cache_implementation="static" which compiles the forward),
@@ -84,8 +84,8 @@ def _server_vs_script(lm, model: str, ids: list[int], prompt: str, n: int, repea
 
     from load import connect, wait_for_recordings
 
-    from model_core.generate import generate
-    from model_core.sampling import SamplingSettings
+    from model_core.core.sampling import SamplingSettings
+    from model_core.serving.generate import generate
     from tests.helpers.browser import LiveServer
 
     greedy = SamplingSettings(temperature=0)
@@ -97,9 +97,9 @@ def _server_vs_script(lm, model: str, ids: list[int], prompt: str, n: int, repea
         steps, pair_ratios = None, []
         for i in range(repeats + 2):
             if i in (0, 2):  # a CPU engine's recordings, here and in the server: made before timing
-                # (at start, and those the warm-ups asked for: model_core.cpu_graphs)
+                # (at start, and those the warm-ups asked for: model_core.serving.torchscript_replay)
                 print("server:", wait_for_recordings(server.url, None, model))
-                from model_core.engine import existing_engine
+                from model_core.serving.engine import existing_engine
 
                 eng = existing_engine(lm)
                 if eng is not None and eng._recorded is not None:
@@ -155,14 +155,14 @@ def main(argv=None) -> int:
     n = args.tokens or (256 if dev_name == "cuda" else 32)
     os.environ["LMSCOPE_MAX_NEW_TOKENS"] = str(max(n, args.no_cache_tokens, 256))
 
-    from model_core.generate import generate, time_cache_vs_no_cache
-    from model_core.registry import load_model
-    from model_core.sampling import SamplingSettings
+    from model_core.core.registry import load_model
+    from model_core.core.sampling import SamplingSettings
+    from model_core.serving.generate import generate, time_cache_vs_no_cache
 
     name = args.model or ("random-smollm2-135m" if (args.random or dev_name == "cuda") else "smollm2-135m-instruct")
     lm = load_model(name, device=dev_name)
     dev = lm.device
-    from model_core.engine import can_use_engine, engine_for
+    from model_core.serving.engine import can_use_engine, engine_for
 
     engine_state = None
     if can_use_engine(lm):  # measure the engine as it serves once started (compiled on CUDA)
@@ -188,7 +188,7 @@ def main(argv=None) -> int:
         hf = lambda: _hf_generate(lm, ids, n, s)  # noqa: E731
         ours(), hf()  # warm up
         if can_use_engine(lm) and engine_for(lm)._recorded is not None:  # a CPU engine's recordings, made
-            engine_for(lm)._recorded.wait_recorded(300)  # before timing (model_core.cpu_graphs)
+            engine_for(lm)._recorded.wait_recorded(300)  # before timing (model_core.serving.torchscript_replay)
         g = ours()
         assert len(g.steps) == n
         t_ours, t_hf = _time_pair(ours, hf, dev, args.repeats)

@@ -33,11 +33,11 @@ TEXT = ("The printing press spread across Europe within fifty years of its inven
 
 
 class StandInEngine:
-    """What model_core.generate asks of an engine, with a timer where the GPU would be."""
+    """What model_core.serving.generate asks of an engine, with a timer where the GPU would be."""
 
     def __init__(self, packed: list[list[float]], token_ids: list[int], step_s: float, releases: int = 0,
                  launch_first: bool = True, gate: bool = False, convert: bool = True):
-        from model_core.engine import RECORDED
+        from model_core.serving.engine import RECORDED
 
         self.k, self.max_len, self.start_error = RECORDED, 10_000, None
         self.layer_bytes_per_token = [1024] * 30
@@ -65,7 +65,7 @@ class StandInEngine:
             time.sleep(0)
 
     def _loop(self) -> None:
-        from model_core.engine import Record
+        from model_core.serving.engine import Record
 
         due = time.perf_counter()
         while True:
@@ -109,8 +109,8 @@ class StandInEngine:
 
 
 def _real_records(lm, n: int = 16) -> list[list[float]]:
-    from model_core.engine import EngineRequest, engine_for
-    from model_core.sampling import SamplingSettings
+    from model_core.core.sampling import SamplingSettings
+    from model_core.serving.engine import EngineRequest, engine_for
 
     eng = engine_for(lm)
     req = eng.submit(EngineRequest(ids=lm.tokenizer(TEXT[:60])["input_ids"], n_steps=n,
@@ -136,10 +136,10 @@ def main(argv=None) -> int:
                     help="launch the next step before handing out this one's records, or after")
     args = ap.parse_args(argv)
 
-    import model_core.generate as generate
+    import model_core.serving.generate as generate
     from model_core import load_model
-    from model_core.engine import SWITCH_INTERVAL, EngineRequest
-    from model_core.sampling import SamplingSettings
+    from model_core.core.sampling import SamplingSettings
+    from model_core.serving.engine import SWITCH_INTERVAL, EngineRequest
 
     lm = load_model("smollm2-135m-instruct", device="cpu")
     packed = _real_records(lm)

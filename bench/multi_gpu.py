@@ -13,9 +13,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from model_core import load_model, trace  # noqa: E402
-from model_core.generate import generate  # noqa: E402
-from model_core.lens import logit_lens  # noqa: E402
+from model_core import load_model  # noqa: E402
+from model_core.interp import trace
+from model_core.interp.lens import logit_lens  # noqa: E402
+from model_core.serving.generate import generate  # noqa: E402
 
 
 def main() -> int:
@@ -42,12 +43,12 @@ def main() -> int:
     gb = generate(split, token_ids=ids[:64], max_new_tokens=32, ignore_eos=True)
     print(f"trace: max |dlogits| {dl:.2e}, max |dpattern| {dp:.2e}, max |dresid| {dr:.2e}, logit lens top-5 equal: {same_lens}")
     print(f"greedy generation (32 tokens) equal: {ga.token_ids == gb.token_ids}")
-    # Concurrent users on the split model: their traces share forwards (model_core.batching; a split
+    # Concurrent users on the split model: their traces share forwards (model_core.interp.trace_batching; a split
     # model's generations run one request at a time, not on the engine); each must still equal the
     # one-GPU model run alone.
     import threading
 
-    from model_core.batching import batcher_for
+    from model_core.interp.trace_batching import batcher_for
 
     prompts = [ids[i * 16: i * 16 + 20 + 4 * i] for i in range(6)]
     before = batcher_for(split).stats.batched_requests

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from model_core import load_model  # noqa: E402
-from model_core.interventions import Metric, patch_residual  # noqa: E402
+from model_core.interp.interventions import Metric, patch_residual  # noqa: E402
 
 
 def _sync(lm):

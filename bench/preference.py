@@ -7,7 +7,7 @@ held-out numbers before and after a short built-in run, training tokens/s and wa
   python bench/preference.py --kinds reward
   python bench/preference.py --device cuda          # on a GPU (bf16 autocast through TRL)
 
-Each run goes through the same functions the jobs call (model_core.preference.train_*), registers
+Each run goes through the same functions the jobs call (model_core.training.preference.train_*), registers
 its model in a scratch data folder (removed at the end unless --keep), and prints:
   DPO     held-out chosen-vs-rejected pairs (date + style): implicit-reward accuracy and margin
           beta * ((log pi - log pi_ref)(chosen) - (log pi - log pi_ref)(rejected)), and the policy's own
@@ -79,7 +79,7 @@ def _printer(kind: str):
 
 
 def run_dpo(args) -> dict:
-    from model_core import preference as P
+    from model_core.training import preference as P
 
     s = P.DPOSettings(method=args.dpo_method, max_steps=args.dpo_steps, batch_size=args.dpo_batch,
                       beta=args.beta, learning_rate=args.dpo_lr, builtin_train_size=args.dpo_train,
@@ -104,7 +104,7 @@ def run_dpo(args) -> dict:
 
 
 def run_grpo(args) -> dict:
-    from model_core import preference as P
+    from model_core.training import preference as P
 
     s = P.GRPOSettings(method=args.grpo_method, max_steps=args.grpo_steps, loss_type=args.grpo_loss,
                        learning_rate=args.grpo_lr, num_generations=args.generations,
@@ -138,7 +138,7 @@ def run_grpo(args) -> dict:
 
 
 def run_reward(args) -> dict:
-    from model_core import preference as P
+    from model_core.training import preference as P
 
     s = P.RewardSettings(method=args.rm_method, max_steps=args.rm_steps, batch_size=args.dpo_batch,
                          builtin_train_size=args.dpo_train, eval_examples=args.dpo_eval, seed=args.seed,
@@ -169,7 +169,7 @@ def main() -> None:
     ap.add_argument("--dpo-method", default="full", choices=["full", "lora"])
     ap.add_argument("--dpo-steps", type=int, default=12)
     ap.add_argument("--dpo-batch", type=int, default=4)
-    ap.add_argument("--dpo-lr", type=float, default=None, help="default: model_core.preference.default_lr")
+    ap.add_argument("--dpo-lr", type=float, default=None, help="default: model_core.training.preference.default_lr")
     ap.add_argument("--dpo-train", type=int, default=48)
     ap.add_argument("--dpo-eval", type=int, default=24)
     ap.add_argument("--beta", type=float, default=0.1)

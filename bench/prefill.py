@@ -1,4 +1,4 @@
-"""The engine's captured prefill (model_core/prefill_graphs.py) against the eager prefill it replaces,
+"""The engine's captured prefill (model_core/serving/cuda_prefill_graphs.py) against the eager prefill it replaces,
 in the same run, on the same random prompts: milliseconds of each (host and device, synchronized),
 their ratio, and how far the captured one's last-position logits and keys are from the eager ones'.
 
@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from model_core import load_model  # noqa: E402
-from model_core.prefill_graphs import PrefillGraphs, eager_prefill  # noqa: E402
+from model_core.serving.cuda_prefill_graphs import PrefillGraphs, eager_prefill  # noqa: E402
 
 
 def _sync(device):
@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 3, 17, 32])
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
-    from model_core.engine import _buckets, own_cublas_workspace
+    from model_core.serving.engine import _buckets, own_cublas_workspace
 
     lm = load_model(args.model, device=args.device)
     graphs = PrefillGraphs(lm, _buckets(max(args.rows)), lm.shape.context_length)

@@ -1,4 +1,4 @@
-"""A scaling sweep outside the job queue (model_core.pretrain.run_scaling), on the CPU or a GPU: each
+"""A scaling sweep outside the job queue (model_core.training.pretrain.run_scaling), on the CPU or a GPU: each
 width trained for the same tokens on the built-in corpus, then the fitted exponent α, its standard
 error and R², the offset fit with four or more widths, tokens/s and wall time per width.
 
@@ -36,7 +36,7 @@ def main() -> int:
 
     import torch
 
-    from model_core import pretrain as pt
+    from model_core.training import pretrain as pt
     from tasks import corpus
 
     if a.threads:

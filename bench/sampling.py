@@ -1,4 +1,4 @@
-"""The sampling pipeline + per-step records alone (model_core.row_sampling.sample_rows), eager against
+"""The sampling pipeline + per-step records alone (model_core.serving.batch_sampling.sample_rows), eager against
 compiled by inductor, per number of rows and stage set, each captured as a CUDA graph and replayed.
 
 Every variant compiles in its own process (an inductor failure in one says nothing of the others).
@@ -24,7 +24,7 @@ VOCAB = 49152  # SmolLM2's
 def one(rows: int, stages: str, options: dict | None, n: int = 200) -> dict:
     import torch
 
-    from model_core.row_sampling import ALL_STAGES, RowSettings, sample_rows
+    from model_core.serving.batch_sampling import ALL_STAGES, RowSettings, sample_rows
 
     st_set = ALL_STAGES if stages == "all" else frozenset()
     logits = torch.randn(rows, VOCAB, device="cuda") * 3

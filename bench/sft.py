@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from common import device_info, sync  # noqa: E402
 
-from model_core import sft  # noqa: E402
+from model_core.training import sft  # noqa: E402
 
 
 def cpu_peak_estimate() -> tuple[float, str]:

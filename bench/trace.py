@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from common import device_info, interleaved  # noqa: E402
 
-from model_core import load_model, trace  # noqa: E402
+from model_core import load_model  # noqa: E402
+from model_core.interp import trace
 
 
 def load_times(name: str) -> tuple[tuple | None, tuple]:

@@ -52,8 +52,8 @@ app.conf.update(
 @worker_process_init.connect
 def _yield_to_the_web_server(**_):
     """A pool process runs its jobs at nice JOB_NICE (the threads its jobs start inherit it): below
-    the web server's engine and its requests (model_core.cpu_threads) on a machine they share."""
-    from model_core.cpu_threads import JOB_NICE, lower_this_thread
+    the web server's engine and its requests (model_core.core.cpu_threads) on a machine they share."""
+    from model_core.core.cpu_threads import JOB_NICE, lower_this_thread
 
     lower_this_thread(JOB_NICE)
 

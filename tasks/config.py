@@ -1,4 +1,4 @@
-"""Where the job queue lives, and the knobs for jobs, all from model_core.settings (this process's
+"""Where the job queue lives, and the knobs for jobs, all from model_core.core.settings (this process's
 Settings; the worker never imports app).
 
 Broker URL: REDIS_URL if set, else the URL the embedded server wrote to <data dir>/redis.url
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from model_core import paths, settings
+from model_core.core import paths, settings
 
 DEFAULT_EMBEDDED_PORT = settings.Settings.redis_port  # the dataclass field's default
 KEY_PREFIX = "lmscope:"

@@ -19,8 +19,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from model_core import paths
-from model_core.errors import LmscopeError
+from model_core.core import paths
+from model_core.core.errors import LmscopeError
 from tasks import config
 
 BUILTIN_VERSION = "stdlib-docstrings-v2"

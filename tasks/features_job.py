@@ -1,4 +1,4 @@
-"""Sparse-autoencoder features as a background job (kind 'features'; issue 19): model_core.features.
+"""Sparse-autoencoder features as a background job (kind 'features'; issue 19): model_core.interp.features.
 train_features on one hook point of a model over the built-in corpus (the standard library's
 docstrings), evaluated on its held-out split, saved under <data dir>/features/<name>/.
 
@@ -18,8 +18,8 @@ tasks.lifecycle's.
 
 from __future__ import annotations
 
-from model_core import features as F
-from model_core.errors import SettingsError
+from model_core.core.errors import SettingsError
+from model_core.interp import features as F
 from tasks import kinds
 from tasks.celery_app import app
 from tasks.lifecycle import CurvesProgress, Done, Job, JobTask
@@ -31,7 +31,7 @@ PHASES = {"evaluating": 0.85, "contexts": 0.93, "saving": 0.98}
 def validate_params(params: dict) -> dict:
     """The params as the worker will use them; SettingsError (one sentence) otherwise. The layer is
     checked against the model when the job loads it (a sentence in the record)."""
-    from model_core.registry import DEFAULT_MODEL
+    from model_core.core.registry import DEFAULT_MODEL
 
     p = {k: v for k, v in dict(params or {}).items() if v is not None and v != ""}
     model = p.pop("model", DEFAULT_MODEL)
@@ -122,7 +122,7 @@ def add_arguments(s) -> None:
 
 
 def params_from_args(args) -> tuple[dict, list]:
-    from model_core.registry import DEFAULT_MODEL
+    from model_core.core.registry import DEFAULT_MODEL
 
     g = lambda k: getattr(args, k, None)  # noqa: E731
     p = {"model": g("model") or DEFAULT_MODEL, "layer": g("layer"), "hook": g("hook"), "dataset": g("dataset"),

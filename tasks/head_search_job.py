@@ -1,5 +1,5 @@
 """Head search over a corpus as a background job (kind 'heads'; issue 19 part 3):
-model_core.head_search.search_heads over the built-in corpus (the standard library's docstrings) or
+model_core.interp.head_search.search_heads over the built-in corpus (the standard library's docstrings) or
 texts given inline, saved as heads.json in the job's folder. The Explore tab's "Head search over a
 corpus" panel draws it: the layer x head map of a metric with its spread, each head a click away
 from the prompts where it scored highest.
@@ -13,7 +13,7 @@ checked between prompts. Claim, heartbeat, cancel and the ending are tasks.lifec
 
 from __future__ import annotations
 
-from model_core.errors import SettingsError
+from model_core.core.errors import SettingsError
 from tasks import kinds
 from tasks.celery_app import app
 from tasks.lifecycle import Done, Job, JobTask
@@ -23,7 +23,7 @@ MAX_TEXT_BYTES = 1 << 20
 
 
 def validate_params(params: dict) -> dict:
-    from model_core.head_search import MAX_PROMPTS, MAX_TOKENS
+    from model_core.interp.head_search import MAX_PROMPTS, MAX_TOKENS
 
     p = dict(params or {})
     if not isinstance(p.get("model"), str) or not p["model"].strip():
@@ -44,8 +44,8 @@ def validate_params(params: dict) -> dict:
 
 @app.task(bind=True, base=JobTask, name="lmscope.head_search")
 def run_head_search(self, job: Job) -> Done:
-    from model_core import head_search as HS
     from model_core import load_model
+    from model_core.interp import head_search as HS
 
     params = validate_params(job.params)
     job.stage("loading model", 0.01, f"loading {params['model']}")
@@ -81,7 +81,7 @@ def add_arguments(s) -> None:
 
 
 def params_from_args(args) -> tuple[dict, list]:
-    from model_core.registry import DEFAULT_MODEL
+    from model_core.core.registry import DEFAULT_MODEL
 
     return {"model": args.model or DEFAULT_MODEL, "prompts": args.prompts, "max_tokens": args.prompt_tokens}, []
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from model_core import settings
+from model_core.core import settings
 from tasks import kinds, store
 from tasks.lifecycle import JobError, artifact_path, queue_client, read_json_artifact
 

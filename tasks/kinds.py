@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from model_core.errors import SettingsError
+from model_core.core.errors import SettingsError
 from tasks.celery_app import KIND_MODULES
 from tasks.lifecycle import queue
 
@@ -105,7 +105,7 @@ def options(parser, title: str) -> Callable[..., None]:
 def int_setting(p: dict, key: str, default: int, lo: int, hi: int) -> int:
     """A whole-number setting between lo and hi; `default` when absent. One sentence otherwise
     (model_core's own check, the one the training settings use)."""
-    from model_core.sft import setting_number
+    from model_core.training.sft import setting_number
 
     v = setting_number(p, key, int, lo, hi, allow_none=True)
     return default if v is None else v

@@ -40,7 +40,7 @@ from pathlib import Path
 import redis
 from celery import Task
 
-from model_core.errors import LmscopeError
+from model_core.core.errors import LmscopeError
 from tasks import config, store
 
 MAX_ATTEMPTS = 2

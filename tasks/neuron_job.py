@@ -1,5 +1,5 @@
 """Top-activating contexts of every neuron and head, once per model, as a background job (kind
-'neurons'; issue 15 item 9): model_core.neurons.scan over the built-in corpus (the standard
+'neurons'; issue 15 item 9): model_core.interp.neurons.scan over the built-in corpus (the standard
 library's docstrings) or texts given inline, saved as contexts.safetensors in the job's folder.
 
 A scan of the built-in corpus is also stored where every page finds it, data/contexts/<model>.
@@ -21,7 +21,7 @@ import shutil
 import time
 from pathlib import Path
 
-from model_core.errors import SettingsError
+from model_core.core.errors import SettingsError
 from tasks import kinds, store
 from tasks.celery_app import app
 from tasks.lifecycle import Done, Job, JobTask, queue_client
@@ -32,7 +32,7 @@ ARTIFACT = "contexts.safetensors"
 
 
 def validate_params(params: dict) -> dict:
-    from model_core.neurons import DEFAULT_TOKENS, DEFAULT_WINDOW, TOP_K
+    from model_core.interp.neurons import DEFAULT_TOKENS, DEFAULT_WINDOW, TOP_K
 
     p = dict(params or {})
     if not isinstance(p.get("model"), str) or not p["model"].strip():
@@ -57,7 +57,7 @@ def shared_index_path(model: str) -> Path:
     """Where the built-in corpus scan of `model` is kept for every page (a registry or fine-tuned
     model name; anything else is reduced to a safe file name)."""
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", str(model))[:120].lstrip(".") or "model"
-    from model_core import paths
+    from model_core.core import paths
 
     return paths.data_dir() / "contexts" / f"{safe}.safetensors"
 
@@ -83,7 +83,7 @@ def _model(name: str):
 
 @app.task(bind=True, base=JobTask, name="lmscope.neuron_contexts")
 def run_neurons(self, job: Job) -> Done:
-    from model_core import neurons as N
+    from model_core.interp import neurons as N
 
     params = validate_params(job.params)
     job.stage("loading model", 0.01, f"loading {params['model']}")
@@ -125,7 +125,7 @@ def add_arguments(s) -> None:
 
 
 def params_from_args(args) -> tuple[dict, list]:
-    from model_core.registry import DEFAULT_MODEL
+    from model_core.core.registry import DEFAULT_MODEL
 
     return {"model": args.model or DEFAULT_MODEL, "tokens": args.tokens, "window": args.context}, []
 

@@ -1,4 +1,4 @@
-"""Whole-model activation-patching sweeps as a background job: model_core.interventions.patch_residual
+"""Whole-model activation-patching sweeps as a background job: model_core.interp.interventions.patch_residual
 (layers x positions) or patch_heads (layers x heads) on the worker, result saved as patching.json.
 
 Params: model, clean, corrupted, target, other (optional: then the metric is the logit difference
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from model_core.errors import SettingsError
+from model_core.core.errors import SettingsError
 from tasks import kinds
 from tasks.celery_app import app
 from tasks.lifecycle import Done, Job, JobTask, read_json_artifact
@@ -71,7 +71,7 @@ def labels(lm, result) -> tuple[list[str], list[str]]:
 
 def run_sweep(lm, params: dict, progress=None):
     """The sweep itself (also what the tests compare against): a PatchingResult."""
-    from model_core.interventions import make_metric, patch_heads, patch_residual
+    from model_core.interp.interventions import make_metric, patch_heads, patch_residual
 
     m = make_metric(lm, params["target"], params.get("other"))
     kw = dict(align=params["align"], batch_size=params.get("batch_size"), progress=progress,
@@ -126,7 +126,7 @@ def add_arguments(s) -> None:
 
 
 def params_from_args(args) -> tuple[dict, list]:
-    from model_core.registry import DEFAULT_MODEL
+    from model_core.core.registry import DEFAULT_MODEL
 
     return {"model": args.model or DEFAULT_MODEL, "clean": args.clean, "corrupted": args.corrupted,
             "target": args.target, "other": args.other, "sweep": args.sweep, "align": args.align,

@@ -1,12 +1,12 @@
 """After SFT as background jobs: kinds 'reward' (a Bradley-Terry reward model), 'dpo' and 'grpo', each
-running model_core.preference.train_<kind> on the worker.
+running model_core.training.preference.train_<kind> on the worker.
 
 Params: model (a registry or fine-tuned name; a local directory from the CLI only), dataset
 ('builtin', 'builtin:<set>[,<set>]', or an uploaded JSONL: then 'upload' and dataset_file) and the
 fields of the kind's settings class (preference.RewardSettings / DPOSettings / GRPOSettings:
 method, learning_rate, max_steps, batch_size, beta, loss_type, num_generations, ...). Submission
 validates the settings (one sentence), the model's name and the dataset: an upload is parsed with
-model_core.preference_data's parser, so malformed lines are reported by line number and nothing is
+model_core.training.preference_data's parser, so malformed lines are reported by line number and nothing is
 queued. The output name is fixed at submission (default '<model>-<kind>-<method>-<job id>') and
 refused when taken.
 
@@ -34,10 +34,10 @@ import shutil
 from dataclasses import fields
 from pathlib import Path
 
-from model_core import preference as P
-from model_core import preference_data as D
-from model_core import sft
-from model_core.errors import SettingsError
+from model_core.core.errors import SettingsError
+from model_core.training import preference as P
+from model_core.training import preference_data as D
+from model_core.training import sft
 from tasks import config, kinds
 from tasks.celery_app import app
 from tasks.lifecycle import CurvesProgress, Done, Job, JobTask, queue
@@ -50,7 +50,7 @@ _NOT_JOB_SETTINGS = ("device",)  # the worker's to choose
 
 
 def _known_model(name: str, what: str, allow_paths: bool) -> None:
-    from model_core.registry import REGISTRY, finetuned_path
+    from model_core.core.registry import REGISTRY, finetuned_path
 
     if not isinstance(name, str) or not name.strip():
         raise SettingsError(f"The {what} must be a model name.")
@@ -74,7 +74,7 @@ def validate_params(kind: str, params: dict, allow_paths: bool = False) -> dict:
     """The params as the worker will use them (JSON-able): model, dataset, dataset_file and the
     kind's checked settings. SettingsError (one sentence) for a bad value, an unknown setting or
     model. Local model directories only with allow_paths (the CLI on the server)."""
-    from model_core.registry import DEFAULT_MODEL
+    from model_core.core.registry import DEFAULT_MODEL
 
     if kind not in KINDS:
         raise SettingsError(f"Unknown kind '{kind}'; use {', '.join(KINDS)}.")
@@ -156,8 +156,8 @@ def submit_preference(kind: str, params: dict, owner: str = "cli", files: list |
         v["dataset_file"] = paths[0].name
 
     def prepare(rec: dict) -> None:
-        from model_core import paths as mpaths
-        from model_core.checkpoints import builtin_names
+        from model_core.core import paths as mpaths
+        from model_core.core.checkpoints import builtin_names
 
         if not v["output_name"]:
             v["output_name"] = P.default_output_name(v["model"], kind, v["method"], suffix=rec["id"][:8])
@@ -321,7 +321,7 @@ _PER_KIND = {
 
 def preference_params_from_args(args) -> tuple[dict, list]:
     """(params, files) for `lmscope jobs submit <reward|dpo|grpo>`; a flag of another kind is refused."""
-    from model_core.registry import DEFAULT_MODEL
+    from model_core.core.registry import DEFAULT_MODEL
 
     kind = args.kind
     mine = {**_COMMON, **_PER_KIND[kind]}

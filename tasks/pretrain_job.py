@@ -1,9 +1,9 @@
 """Training from scratch as background jobs: kinds 'pretrain' (one tiny decoder) and 'scaling' (several
-widths for the same token budget, then the fitted power law L(N)). model_core.pretrain does the work;
+widths for the same token budget, then the fitted power law L(N)). model_core.training.pretrain does the work;
 the text is the built-in corpus (tasks.corpus: the standard library's docstrings, train split, and its
 held-out split of every 10th file).
 
-Params ('pretrain'): model_core.pretrain.PretrainSettings fields (width, layers, context, batch_size,
+Params ('pretrain'): model_core.training.pretrain.PretrainSettings fields (width, layers, context, batch_size,
 max_steps or tokens, learning_rate, warmup_steps, eval_every, eval_tokens, seed, output_name,
 keep_checkpoints). 'scaling': the same (width ignored) plus widths ('64,128,256' or a list) and
 tokens (the budget each width trains for); output_name is the prefix of the models it registers,
@@ -28,8 +28,8 @@ import functools
 import time
 from dataclasses import asdict
 
-from model_core import pretrain as pt
-from model_core.errors import SettingsError
+from model_core.core.errors import SettingsError
+from model_core.training import pretrain as pt
 from tasks import kinds
 from tasks.celery_app import app
 from tasks.lifecycle import CurvesProgress, Done, Job, JobTask, queue, read_json_artifact
@@ -62,7 +62,7 @@ def validate_params(kind: str, params: dict) -> dict:
 
 def model_names(kind: str, p: dict) -> list[str]:
     """Every model name the job will register (final models and checkpoints)."""
-    from model_core.sft import checkpoint_name
+    from model_core.training.sft import checkpoint_name
 
     if kind == "scaling":
         base = {k: v for k, v in p.items() if k != "widths"}
@@ -77,8 +77,8 @@ def model_names(kind: str, p: dict) -> list[str]:
 
 
 def _check_names(names: list[str], overwrite: bool) -> None:
-    from model_core import paths
-    from model_core.checkpoints import builtin_names
+    from model_core.core import paths
+    from model_core.core.checkpoints import builtin_names
 
     builtin = builtin_names()
     for n in names:

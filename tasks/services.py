@@ -10,7 +10,7 @@ ensure_services(data_dir):
     workers find it.
   - REDIS_URL set: nothing of that; the server is yours.
   - a Celery worker subprocess, unless REDIS_URL is set and LMSCOPE_START_WORKER is not 1.
-All three come from model_core.settings (passed in, or this process's current Settings).
+All three come from model_core.core.settings (passed in, or this process's current Settings).
 Returns a ServicesHandle(.redis_url, .stop()). stop() ends only what this call started.
 
 Supervision: the handle runs a thread that notices a child (the Valkey it started, the worker) that
@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from model_core.errors import LmscopeError
+from model_core.core.errors import LmscopeError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -400,10 +400,10 @@ def _forget_worker(url: str, name: str) -> None:
 
 def ensure_services(data_dir: str | os.PathLike | None = None, start_worker_proc: bool | None = None,
                     concurrency: int = 1, settings=None) -> ServicesHandle:
-    """settings: a model_core.settings.Settings (None: this process's current one) for REDIS_URL,
+    """settings: a model_core.core.settings.Settings (None: this process's current one) for REDIS_URL,
     LMSCOPE_REDIS_PORT and LMSCOPE_START_WORKER."""
-    from model_core import paths
-    from model_core import settings as settings_mod
+    from model_core.core import paths
+    from model_core.core import settings as settings_mod
     from tasks import config
 
     settings = settings or settings_mod.current()

@@ -1,6 +1,6 @@
-"""Supervised fine-tuning as a background job: model_core.sft.run_sft on the worker.
+"""Supervised fine-tuning as a background job: model_core.training.sft.run_sft on the worker.
 
-Params: model_core.sft.SFTSettings fields (model, dataset 'builtin' or an uploaded JSONL, method
+Params: model_core.training.sft.SFTSettings fields (model, dataset 'builtin' or an uploaded JSONL, method
 full|lora, lora_rank, learning_rate, max_steps / epochs, batch_size, max_length, eval_fraction,
 seed, output_name, ...). Submission validates the settings and parses an uploaded dataset, so bad
 input (malformed JSONL with line numbers, no assistant turn, unknown model, name taken) fails at
@@ -32,8 +32,8 @@ import shutil
 import zipfile
 from pathlib import Path
 
-from model_core import sft
-from model_core.errors import SettingsError
+from model_core.core.errors import SettingsError
+from model_core.training import sft
 from tasks import config, kinds, store
 from tasks.celery_app import app
 from tasks.lifecycle import CurvesProgress, Done, Job, JobTask, artifact, queue
@@ -46,7 +46,7 @@ PHASES = {"loading model": (0.0, 0.02), "accuracy before": (0.02, 0.05), "traini
 def validate_params(params: dict, allow_paths: bool = False) -> dict:
     """Settings as run_sft will see them (a JSON-able dict); SettingsError for bad values. Local model
     directories only with allow_paths (the CLI on the server), never from the browser."""
-    from model_core.registry import REGISTRY, finetuned_path
+    from model_core.core.registry import REGISTRY, finetuned_path
 
     p = dict(params or {})
     p.pop("dataset_file", None)
@@ -247,7 +247,7 @@ def add_sft_arguments(s) -> None:
 
 
 def sft_params_from_args(args) -> tuple[dict, list]:
-    from model_core.registry import DEFAULT_MODEL
+    from model_core.core.registry import DEFAULT_MODEL
 
     method = args.method or ("lora" if args.lora_rank else "full")
     params = {"model": args.model or DEFAULT_MODEL, "method": method, "lora_rank": args.lora_rank,

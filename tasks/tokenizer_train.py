@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from model_core.errors import LmscopeError
+from model_core.core.errors import LmscopeError
 from tasks.corpus import first_bytes
 
 ALGORITHMS = ("bpe", "byte-level-bpe", "wordpiece", "unigram")
@@ -151,7 +151,7 @@ def _readable(piece: str, algo: str) -> str:
 
 
 def _bytelevel_to_text(piece: str) -> str:
-    from model_core.tokenization import byte_level_decoder
+    from model_core.core.tokenization import byte_level_decoder
 
     table = byte_level_decoder()
     return bytes(table.get(ch, 63) for ch in piece).decode("utf-8", errors="replace")
@@ -188,7 +188,7 @@ def reference_tokenizer(name: str = "smollm2-135m-instruct"):
     try:
         from transformers import AutoTokenizer
 
-        from model_core.registry import converted_dir
+        from model_core.core.registry import converted_dir
 
         d = converted_dir(name)
         if not d.exists():
@@ -249,7 +249,7 @@ def report(tok: Tokenizer, p: dict, heldout: list[str], heldout_source: str, tra
 #
 # A chip shows the token itself: the vocabulary's string for its id (never the input text it was
 # matched on: Unigram and BPE report the input characters as the "token" of an <unk>), made
-# byte-safe like everywhere else (model_core.tokenization: ␣ space, ↵ newline, byte tokens that
+# byte-safe like everywhere else (model_core.core.tokenization: ␣ space, ↵ newline, byte tokens that
 # only make a character together as "glyph·k/n", their <0xNN> bytes kept in `raw` and `bytes`;
 # `glyph`, `part`, `parts` say which character and which part of it). Each piece also says which
 # characters of the text it covered:
@@ -270,7 +270,7 @@ def unk_id_of(tok: Tokenizer) -> int | None:
 
 def _pieces(ids, offsets, tokens: list[str], raw: list[bytes], specials: set[int], unk_id: int | None,
             unk_token: str | None, text: str) -> list[dict]:
-    from model_core.tokenization import describe_raw
+    from model_core.core.tokenization import describe_raw
 
     shown = describe_raw(ids, raw)  # byte tokens that make a character together: "မ·1/3" (glyph spans)
     out, pos = [], 0
@@ -304,7 +304,7 @@ def _pieces(ids, offsets, tokens: list[str], raw: list[bytes], specials: set[int
 def token_pieces(tok: Tokenizer, text: str) -> list[dict]:
     """[{id, token, display, text, start, end, unk, special}] for a `tokenizers` Tokenizer (the
     jobs' tokenizer.json); see the comment above for the fields."""
-    from model_core.tokenization import piece_bytes, vocab_kind
+    from model_core.core.tokenization import piece_bytes, vocab_kind
 
     enc = tok.encode(text, add_special_tokens=False)
     kind = vocab_kind(tok)  # byte-level, sentencepiece ("▁", <0xNN>) or plain (WordPiece keeps its "##")
@@ -318,7 +318,7 @@ def token_pieces(tok: Tokenizer, text: str) -> list[dict]:
 
 def hf_pieces(hf_tok, text: str) -> list[dict]:
     """Same as token_pieces for a transformers fast tokenizer (e.g. the default model's)."""
-    from model_core.tokenization import token_bytes
+    from model_core.core.tokenization import token_bytes
 
     enc = hf_tok(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = [int(i) for i in enc["input_ids"]]

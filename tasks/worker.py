@@ -1,6 +1,6 @@
 """`lmscope worker`: a Celery worker in the foreground (run one per machine to add capacity).
 
-The worker is its own process and never imports app: its settings are model_core.settings'
+The worker is its own process and never imports app: its settings are model_core.core.settings'
 (checked here at start; jobs read the same Settings through settings.current())."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def worker_argv(concurrency: int = 1, loglevel: str = "INFO") -> list[str]:
 def run_worker(concurrency: int = 1, settings=None) -> None:
     """settings: the Settings app/cli.py read and checked; None: check this process's now (a bad
     value raises SettingsError, one sentence each, before the worker takes any job)."""
-    from model_core import settings as settings_mod
+    from model_core.core import settings as settings_mod
 
     if settings is None:
         settings_mod.current()

@@ -49,7 +49,7 @@ def feature_set(default_lm):
     session's `lmscope serve` also finds it; removed at the end."""
     import shutil
 
-    from model_core import features as F
+    from model_core.interp import features as F
 
     name = "tests-small-l6"
     shutil.rmtree(F.features_dir() / name, ignore_errors=True)

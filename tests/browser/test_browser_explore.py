@@ -21,7 +21,7 @@ PROMPT = "The animal didn't cross the street because it was too tired"
 
 
 def test_explore_in_the_browser(server):
-    # the server records its first buckets at start (model_core.cpu_graphs), Explore's short
+    # the server records its first buckets at start (model_core.serving.torchscript_replay), Explore's short
     # prompts among them: this run shows what a replayed forward gives
     wait_until(lambda: (recorded_calls(server.url) or {}).get("waiting") == 0, 300, "the server's recordings")
     traces_before = recorded_calls(server.url)["replays"].get("trace", 0)

@@ -7,7 +7,7 @@ trust_remote_code and a network; lmscope runs neither. transformers 4.55.4 is th
 core `generate` (`_group_beam_search` with BeamSearchScorer + HammingDiversityLogitsProcessor,
 `_contrastive_search` with `_ranking_fast`). This script runs them offline from the model's converted
 safetensors folder, so tests/reference/test_decoding.py can compare lmscope's hand implementation
-(model_core/decoding.py) with a reference nobody here wrote.
+(model_core/serving/search_decoding.py) with a reference nobody here wrote.
 
 Two steps, because the reference needs an older transformers than lmscope's:
 
@@ -42,8 +42,8 @@ CASES = [
 
 def spec() -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-    from model_core.registry import DEFAULT_MODEL, converted_dir, load_model
-    from model_core.trace import encode_prompt
+    from model_core.core.registry import DEFAULT_MODEL, converted_dir, load_model
+    from model_core.interp.trace import encode_prompt
 
     lm = load_model(DEFAULT_MODEL, device="cpu")
     out = {"model": DEFAULT_MODEL, "model_dir": str(converted_dir(DEFAULT_MODEL)), "cases": []}

@@ -1,4 +1,4 @@
-"""Training in several processes, data parallel (model_core.data_parallel), on the CPU with gloo:
+"""Training in several processes, data parallel (model_core.training.data_parallel), on the CPU with gloo:
 the same launcher, Trainer and accelerate path that a GPU machine takes with NCCL, one process per
 GPU. The reference is the same run in one process with the whole batch (the issue's bar: N GPUs
 give the loss curve of one GPU with N times the per-GPU batch); fp32 on the CPU, so the curves agree
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from model_core import preference as P
-from model_core import preference_data as D
-from model_core import sft
+from model_core.training import preference as P
+from model_core.training import preference_data as D
+from model_core.training import sft
 
 TINY = "random-llama-tiny"
 RUN = {"model": TINY, "dataset": "builtin", "batch_size": 8, "learning_rate": 3e-3, "accuracy_examples": 0,
@@ -123,11 +123,11 @@ def test_a_killed_caller_takes_its_training_processes_down(data_dir, tmp_path):
     while not started.exists() and time.time() < deadline and parent.poll() is None:
         time.sleep(0.5)
     assert started.exists(), "training never started"
-    assert _processes_running("model_core.data_parallel")
+    assert _processes_running("model_core.training.data_parallel")
     parent.kill()
     parent.wait()
     deadline = time.time() + 60
-    while _processes_running("model_core.data_parallel") and time.time() < deadline:
+    while _processes_running("model_core.training.data_parallel") and time.time() < deadline:
         time.sleep(0.5)
-    assert not _processes_running("model_core.data_parallel")
+    assert not _processes_running("model_core.training.data_parallel")
     assert not (data_dir / "models" / name).exists()

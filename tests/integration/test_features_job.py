@@ -1,6 +1,6 @@
 """The 'features' job end to end (real Valkey + a real Celery worker): `lmscope jobs submit features
 ... --wait --json` trains a sparse autoencoder on the worker, saves it under <data dir>/features, and
-its held-out numbers are what model_core.features.evaluate gives here for the saved weights; a bad
+its held-out numbers are what model_core.interp.features.evaluate gives here for the saved weights; a bad
 setting is refused before queueing, a bad layer fails the job with one sentence."""
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ def _cli(svc, *args):
 
 
 def test_features_job_through_the_cli_saves_what_it_reports(svc):
-    from model_core import features as F
     from model_core import load_model
+    from model_core.interp import features as F
     from tasks.lifecycle import artifact_path
 
     out = _cli(svc, "--model", MODEL, "--layer", "1", "--dataset", "builtin", "--max-tokens", "2048",
@@ -65,7 +65,7 @@ def test_features_job_through_the_cli_saves_what_it_reports(svc):
 
 
 def test_bad_settings_are_refused_and_a_bad_layer_fails_with_one_sentence(svc):
-    from model_core.errors import LmscopeError
+    from model_core.core.errors import LmscopeError
     from tasks import jobs
 
     with pytest.raises(LmscopeError, match="'k' must be a whole number"):

@@ -9,7 +9,7 @@ import argparse
 
 import pytest
 
-from model_core.errors import LmscopeError
+from model_core.core.errors import LmscopeError
 
 pytestmark = pytest.mark.integration
 
@@ -98,7 +98,7 @@ def test_every_kind_refuses_a_bad_setting_before_queueing(svc):
 
 def test_a_head_search_runs_on_the_worker_through_the_cli(svc):
     """A kind end to end through the registry's door: `lmscope jobs submit heads --wait --json` on
-    the real worker; its heads.json equals model_core.head_search run here on the same prompts (the
+    the real worker; its heads.json equals model_core.interp.head_search run here on the same prompts (the
     held-out split of the built-in corpus), and the induction test's strongest head is in its log."""
     import json
     import os
@@ -107,8 +107,8 @@ def test_a_head_search_runs_on_the_worker_through_the_cli(svc):
 
     import numpy as np
 
-    from model_core import head_search as HS
     from model_core import load_model
+    from model_core.interp import head_search as HS
     from tasks.corpus import builtin_docs
     from tasks.lifecycle import artifact_path
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from model_core.errors import LmscopeError
+from model_core.core.errors import LmscopeError
 from tests.helpers.services import LiveServices
 
 pytestmark = pytest.mark.integration
@@ -62,7 +62,7 @@ def finished_bytelevel(svc, jobs):
 def test_jobs_run_below_the_web_servers_priority(svc, finished_bytelevel):
     """The worker's pool processes, which run the jobs, are at nice JOB_NICE: a fine-tuning run on
     the machine the server is on yields the cores to its requests (REQUEST_NICE) and its engine."""
-    from model_core.cpu_threads import JOB_NICE, REQUEST_NICE
+    from model_core.core.cpu_threads import JOB_NICE, REQUEST_NICE
 
     def stat(pid):  # /proc/<pid>/stat after the command name: state is field 3, ppid 4, nice 19
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

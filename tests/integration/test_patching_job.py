@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from model_core.errors import LmscopeError
+from model_core.core.errors import LmscopeError
 from tests.helpers.services import LiveServices
 
 pytestmark = pytest.mark.integration
@@ -86,7 +86,7 @@ def _same(a, b, tol=1e-5) -> bool:
 
 def test_residual_job_matches_in_process(svc, jobs):
     from model_core import load_model
-    from model_core.interventions import make_metric, patch_residual
+    from model_core.interp.interventions import make_metric, patch_residual
     from tasks.patching_job import read_result
 
     p = params(4)  # 136 tokens x 3 layers = 408 patched runs, one per batch
@@ -118,7 +118,7 @@ def test_residual_job_matches_in_process(svc, jobs):
 
 def test_heads_job(svc, jobs):
     from model_core import load_model
-    from model_core.interventions import make_metric, patch_heads
+    from model_core.interp.interventions import make_metric, patch_heads
     from tasks.patching_job import read_result
 
     p = params(1, sweep="heads", other=None, batch_size=None)

@@ -61,7 +61,7 @@ def _finite(x) -> bool:
 
 
 def _registered(name: str) -> dict | None:
-    from model_core.registry import list_models
+    from model_core.core.registry import list_models
 
     return next((r for r in list_models(include_random=False) if r["name"] == name), None)
 
@@ -72,8 +72,8 @@ def _opens_in_the_compare_view(name: str, parent: str, changed: bool = True) -> 
     models' plain transformers forwards of the same tokens."""
     from app import sft_tab
     from app.ui import finetuned_choices
-    from model_core.registry import load_model
-    from model_core.trace import encode_prompt
+    from model_core.core.registry import load_model
+    from model_core.interp.trace import encode_prompt
 
     assert name in [v for _, v in finetuned_choices()]
     prompt = "Convert 2024-03-15 to DD/MM/YYYY."
@@ -110,7 +110,7 @@ def _summed_logp(lm, prompt: str, completion: str) -> float:
 
 @pytest.mark.integration
 def test_malformed_upload_is_refused_by_line_and_nothing_is_queued(svc, tmp_path):
-    from model_core.preference_data import PreferenceDataError
+    from model_core.training.preference_data import PreferenceDataError
     from tasks import jobs
 
     lines = [
@@ -153,7 +153,7 @@ def test_malformed_upload_is_refused_by_line_and_nothing_is_queued(svc, tmp_path
 
 @pytest.mark.integration
 def test_dpo_job_through_cli_registers_a_better_model(svc):
-    from model_core.registry import load_model
+    from model_core.core.registry import load_model
 
     beta = 0.1
     rec = _submit_wait(svc, "dpo", "dpo", "--model", MODEL, "--dataset", "builtin", "--beta", str(beta),

@@ -1,10 +1,10 @@
-"""Training from scratch (model_core/pretrain.py) and its jobs (tasks/pretrain_job.py).
+"""Training from scratch (model_core/training/pretrain.py) and its jobs (tasks/pretrain_job.py).
 
 In process: the loop lowers held-out loss on a tiny config, its loss equals transformers' own, the
 parameter counts are the hand formula, checkpoints register and load, a cancel registers nothing;
 the power-law fit recovers a known exponent (and agrees with numpy's polyfit). Then one real
 scaling sweep and one pretrain run through the CLI against a real Valkey and Celery worker
-(tests/helpers/services.py), the sweep's models opened with model_core.registry.load_model.
+(tests/helpers/services.py), the sweep's models opened with model_core.core.registry.load_model.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from model_core import pretrain as pt
-from model_core.errors import LmscopeError
+from model_core.core.errors import LmscopeError
+from model_core.training import pretrain as pt
 from tests.helpers.services import LiveServices
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,7 +43,7 @@ def data_dir(tmp_path, monkeypatch):
 
 
 def test_training_lowers_heldout_loss_and_registers(docs, data_dir):
-    from model_core.registry import load_model
+    from model_core.core.registry import load_model
 
     rows = []
     res = pt.run_pretrain({**TINY, "max_steps": 60, "keep_checkpoints": 2, "output_name": "tiny"}, *docs,
@@ -75,7 +75,7 @@ def test_training_lowers_heldout_loss_and_registers(docs, data_dir):
         ref0 = init.model(input_ids=w, labels=w).loss.item()
     assert ref == pytest.approx(m["final_eval_loss"], abs=1e-4)
     assert ref0 == pytest.approx(m["first_eval_loss"], abs=1e-4)
-    from model_core.registry import list_models
+    from model_core.core.registry import list_models
 
     row = next(r for r in list_models() if r["name"] == "tiny")
     assert row["description"].startswith("trained from scratch")
@@ -158,7 +158,7 @@ def _cli(svc, *args, timeout=240):
 
 @pytest.mark.integration
 def test_scaling_sweep_through_cli(svc):
-    from model_core.registry import load_model
+    from model_core.core.registry import load_model
     from tasks.pretrain_job import read_result
 
     rec = _cli(svc, "scaling", "--widths", "32,48,64", "--layers", "1", "--context", "64", "--batch-size", "8",

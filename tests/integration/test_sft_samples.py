@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from model_core import sft
+from model_core.training import sft
 
 TINY = "random-llama-tiny"
 RUN = {"model": TINY, "dataset": "builtin", "batch_size": 4, "learning_rate": 3e-3, "accuracy_examples": 4,

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from model_core import sft
-from model_core.errors import SettingsError
+from model_core.core.errors import SettingsError
+from model_core.training import sft
 
 TINY = "random-llama-tiny"
 

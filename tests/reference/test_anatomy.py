@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from conftest import DEFAULT
-from model_core import anatomy as A
-from model_core import load_model, trace
-from model_core.errors import PromptError
+from model_core import load_model
+from model_core.anatomy import walkthrough as A
+from model_core.core.errors import PromptError
+from model_core.interp import trace
 
 MODELS = [DEFAULT, "random-gpt2-tiny", "random-gemma3-tiny"]
 # long enough (> Gemma tiny's sliding window of 6) that the window shows in the mask
@@ -75,7 +76,7 @@ def test_param_counts_and_kv_cache_are_real(name):
 def test_untied_unembedding_is_counted():
     from transformers import AutoConfig
 
-    from model_core.registry import RANDOM_CONFIGS
+    from model_core.core.registry import RANDOM_CONFIGS
 
     cfg = dict(RANDOM_CONFIGS["random-llama-tiny"], tie_word_embeddings=False)
     model = A.config_only_model(AutoConfig.for_model(cfg.pop("model_type"), **cfg))

@@ -1,4 +1,4 @@
-"""Concurrent traces batched into shared forwards (model_core.batching). Generation is batched by
+"""Concurrent traces batched into shared forwards (model_core.interp.trace_batching). Generation is batched by
 the engine (tests/reference/test_engine.py).
 
 References: transformers' own forward (hidden states and logits) of each prompt alone, and
@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from conftest import DEFAULT
-from model_core import load_model, trace
-from model_core.batching import batcher_for
-from model_core.generate import generate
+from model_core import load_model
+from model_core.interp import trace
+from model_core.interp.trace_batching import batcher_for
+from model_core.serving.generate import generate
 from tests.helpers.tolerance import assert_close_to_scale
 
 PROMPTS = ["The capital of France is", "Once upon a time, there was a little",
@@ -68,10 +69,10 @@ def _queued_together(b, kind, fns):
 def test_sliding_window_models_generate_on_the_engine_and_still_correct():
     from test_engine import _hf_greedy  # transformers' own greedy generate, one prompt alone
 
-    from model_core.engine import can_use_engine
+    from model_core.serving.engine import can_use_engine
 
     lm = load_model("random-gemma3-tiny")
-    assert can_use_engine(lm)  # sliding windows: the engine masks them (model_core.slot_cache)
+    assert can_use_engine(lm)  # sliding windows: the engine masks them (model_core.serving.slot_cache)
     gens = _concurrent(lm, lambda i: generate(lm, PROMPTS[i], max_new_tokens=6, ignore_eos=True), 2)
     for prompt, g in zip(PROMPTS, gens):
         assert g.token_ids == _hf_greedy(lm, prompt, 6)

@@ -1,4 +1,4 @@
-"""The textbook chapters computed on tiny random-weight models (model_core.chapters), each against a
+"""The textbook chapters computed on tiny random-weight models (model_core.anatomy.textbook_chapters), each against a
 reference nobody here wrote: the real KV cache after transformers' forward, transformers' own hidden
 states, router outputs and aux loss, torch's layer_norm / rms_norm, Llama's rotary embedding,
 BLOOM's ALiBi and DistilBERT's sinusoidal table. Every ✓ line of these panels is shown turning red
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import DEFAULT
-from model_core import chapters as C
+from model_core.anatomy import textbook_chapters as C
 
 PROMPT = "The capital of France is Paris, and the capital of Italy is"
 IDS = C.byte_ids(PROMPT, 48)

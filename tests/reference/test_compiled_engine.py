@@ -13,12 +13,13 @@ References:
 import torch
 import torch._dynamo
 
-from model_core import decode_attention, load_model
-from model_core.cache_api import cache_kwarg, new_cache
-from model_core.engine import Engine, EngineRequest, engine_for
-from model_core.row_sampling import sample_rows
-from model_core.sampling import SamplingSettings
-from model_core.slot_cache import SlotCache
+from model_core import load_model
+from model_core.core.cache_api import cache_kwarg, new_cache
+from model_core.core.sampling import SamplingSettings
+from model_core.serving import decode_attention
+from model_core.serving.batch_sampling import sample_rows
+from model_core.serving.engine import Engine, EngineRequest, engine_for
+from model_core.serving.slot_cache import SlotCache
 
 PROMPTS = ["The capital of France is", "Once upon a time, there was a little"]
 

@@ -1,4 +1,4 @@
-"""Search decoding (model_core/decoding.py) against transformers on the real default model (CPU fp32).
+"""Search decoding (model_core/serving/search_decoding.py) against transformers on the real default model (CPU fp32).
 
 - Beam search is transformers' generate; what lmscope reads back (every beam, its length-normalised score,
   its per-step log-probs) is checked against generate's own output and against a plain forward pass.
@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from model_core.decoding import (
+from model_core.core.errors import SettingsError
+from model_core.interp.trace import encode_prompt
+from model_core.serving.search_decoding import (
     DecodingSettings,
     contrastive_search,
     decode,
@@ -26,8 +28,6 @@ from model_core.decoding import (
     repetition,
     teacher_forced_logprobs,
 )
-from model_core.errors import SettingsError
-from model_core.trace import encode_prompt
 
 REF = json.loads((Path(__file__).resolve().parents[1] / "data" / "decoding_reference.json").read_text())
 CASES = {c["name"]: c for c in REF["cases"]}

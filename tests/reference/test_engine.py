@@ -1,4 +1,4 @@
-"""The inference engine (model_core.engine): continuous batching over a slot cache, sampling and
+"""The inference engine (model_core.serving.engine): continuous batching over a slot cache, sampling and
 records per row on the device.
 
 References:
@@ -29,11 +29,11 @@ from transformers import (
 
 from conftest import DEFAULT
 from model_core import load_model
-from model_core.cpu_threads import REQUEST_NICE
-from model_core.engine import EngineRequest, engine_for
-from model_core.generate import generate, iter_generate, sample_step
-from model_core.row_sampling import ALL_STAGES, RowSettings, sample_rows, stages_in_use
-from model_core.sampling import SamplingSettings
+from model_core.core.cpu_threads import REQUEST_NICE
+from model_core.core.sampling import SamplingSettings
+from model_core.serving.batch_sampling import ALL_STAGES, RowSettings, sample_rows, stages_in_use
+from model_core.serving.engine import EngineRequest, engine_for
+from model_core.serving.generate import generate, iter_generate, sample_step
 
 PROMPTS = ["The capital of France is", "Once upon a time, there was a little",
            "def add(a, b):\n    return", "Water boils at"]
@@ -247,7 +247,7 @@ def test_several_steps_per_launch_equal_transformers_generate_alone():
     """A launch of several decode steps (as a CUDA graph runs them; eager here): rows whose lengths
     end mid-launch stop there, a row that arrives later joins between launches, and each step's kept
     logits are that step's (greedy: their argmax is the token drawn)."""
-    from model_core.engine import Engine
+    from model_core.serving.engine import Engine
 
     lm = load_model(DEFAULT)
     eng = Engine(lm, slots=4, max_len=64, use_graphs=False, compile=False, steps_per_launch=3)
@@ -278,12 +278,12 @@ def test_several_steps_per_launch_equal_transformers_generate_alone():
 
 
 def test_prefills_padded_to_their_bucket_equal_transformers_generate_alone():
-    """What a captured prefill computes (model_core.prefill_graphs: rows right-padded to the bucket's
+    """What a captured prefill computes (model_core.serving.cuda_prefill_graphs: rows right-padded to the bucket's
     length and row count, each row's last hidden state through the adapter's unembedding), run
     eagerly on the CPU: each generation equals transformers' generate alone, with buckets filled in
     part (3 rows in a bucket of 4, prompts of 6-11 tokens in one of 32) and exactly (one row)."""
-    from model_core.engine import Engine
-    from model_core.prefill_graphs import PrefillGraphs
+    from model_core.serving.cuda_prefill_graphs import PrefillGraphs
+    from model_core.serving.engine import Engine
 
     lm = load_model(DEFAULT)
     eng = Engine(lm, slots=4, max_len=64, use_graphs=False, compile=False)
@@ -314,7 +314,7 @@ def test_prefill_graphs_leave_an_unloaded_model_to_be_freed():
     import gc
     import weakref
 
-    from model_core.prefill_graphs import PrefillGraphs
+    from model_core.serving.cuda_prefill_graphs import PrefillGraphs
 
     lm = copy.copy(load_model("random-llama-tiny"))  # a model object of this test's own, not the registry's
     graphs = PrefillGraphs(lm, [1, 2], 64)
@@ -326,13 +326,13 @@ def test_prefill_graphs_leave_an_unloaded_model_to_be_freed():
 
 
 def test_recorded_cpu_steps_replay_the_eager_step(monkeypatch):
-    """model_core.cpu_graphs: the decode step recorded once per bucket (TorchScript, on scratch
+    """model_core.serving.torchscript_replay: the decode step recorded once per bucket (TorchScript, on scratch
     buffers) and replayed on the live ones, and each prompt's prefill padded to its length bucket
     and replayed. References: transformers' `generate(do_sample=False)` alone per prompt (greedy
     rows), lmscope's plain path without the engine (the same seed draws the same tokens); the replay
     counters prove the recordings ran, not the eager calls."""
-    from model_core.engine import GREEDY_ONLY, Engine
-    from model_core.prefill_graphs import CPU_LENGTHS
+    from model_core.serving.cuda_prefill_graphs import CPU_LENGTHS
+    from model_core.serving.engine import GREEDY_ONLY, Engine
 
     lm = load_model(DEFAULT)
     eng = Engine(lm, slots=4, max_len=256, record_steps=True)
@@ -344,7 +344,7 @@ def test_recorded_cpu_steps_replay_the_eager_step(monkeypatch):
         eng._recorded.want([("step", 4, L, GREEDY_ONLY), ("step", 4, L, ALL_STAGES), *sorted(prefills)])
         assert eng._recorded.wait_recorded(300), eng._recorded.stats()
         assert eng._recorded.stats()["buckets"] == 2 + len(prefills), eng._recorded.stats()  # none fell back to eager
-        # the recording thread yields to the engine's, which serves eagerly meanwhile (model_core.cpu_threads)
+        # the recording thread yields to the engine's, which serves eagerly meanwhile (model_core.core.cpu_threads)
         assert os.getpriority(os.PRIO_PROCESS, eng._recorded._thread.native_id) >= REQUEST_NICE
         monkeypatch.setitem(lm.meta, "engine", eng)
         s = SamplingSettings(temperature=0.9, top_k=40, top_p=0.95, min_p=0.01, repetition_penalty=1.1)

@@ -1,4 +1,4 @@
-"""Feature steering (model_core/feature_steering.py) on the real default model: clamping a feature
+"""Feature steering (model_core/interp/feature_steering.py) on the real default model: clamping a feature
 of a sparse autoencoder at layer 6's output. The arithmetic is checked for any autoencoder weights,
 so this uses a freshly initialised eai-sparsify SparseCoder (training one is test_features.py's job).
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_core import features as F
-from model_core.feature_steering import feature_activation, feature_edits
-from model_core.hooks import Recorder, instrument, recording
+from model_core.core.hooks import Recorder, instrument, recording
+from model_core.interp import features as F
+from model_core.interp.feature_steering import feature_activation, feature_edits
 
 LAYER = 6
 PROMPT = "The capital of France is Paris, and the capital of Italy is"

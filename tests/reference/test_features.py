@@ -15,9 +15,9 @@ import math
 import pytest
 import torch
 
-from model_core import features as F
-from model_core.hook_names import act_name
-from model_core.hooks import Recorder, instrument, recording
+from model_core.core.hook_names import act_name
+from model_core.core.hooks import Recorder, instrument, recording
+from model_core.interp import features as F
 
 LAYER = 6
 SMALL = dict(max_tokens=512, num_latents=1152, k=16, batch_size=4, context=32, eval_tokens=256, context_tokens=256)
@@ -190,13 +190,13 @@ def test_feature_activations_top_contexts_and_promoted_tokens_by_hand(default_lm
     want = torch.topk(logits, 5).indices.tolist()
     assert [r["id"] for r in F.promoted_tokens(lm, feats, f, 5)["promoted"]] == want
     lab = F.label(lm, feats, index, f)
-    from model_core.tokenization import byte_safe_decode
+    from model_core.core.tokenization import byte_safe_decode
 
     # the tokenizer's decode, or <0xNN> for a token that is part of a character (this set's top one is)
     assert lab["promotes"][0] == byte_safe_decode(lm.tokenizer, [want[0]]) and lab["contexts"] == len(ctx)
     assert "\ufffd" not in lab["label"]
     # the label shows tokens as the views do (␣ for a space, <0xNN> for a stray byte), each quoted
-    from model_core.tokenization import display_bytes, token_bytes
+    from model_core.core.tokenization import display_bytes, token_bytes
 
     assert f"“{display_bytes(token_bytes(lm.tokenizer, want[0]))}”" in lab["label"].split(" → ")[1]
 
@@ -237,7 +237,7 @@ def test_labels_of_contexts_cut_inside_a_character_show_bytes_not_replacement_ma
     """Burmese: SmolLM2 spells each character in 3 byte tokens, so an n-gram ending at the activating
     token often starts or ends inside one. The label shows those bytes as <0xNN> (as the views do);
     whole characters decode as the tokenizer decodes them."""
-    from model_core.tokenization import byte_safe_decode
+    from model_core.core.tokenization import byte_safe_decode
 
     lm = default_lm
     ids = lm.tokenizer("မြန်မာ စာ", add_special_tokens=False)["input_ids"]

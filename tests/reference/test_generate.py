@@ -1,4 +1,4 @@
-"""Generation lab (model_core.generate) against transformers as the reference.
+"""Generation lab (model_core.serving.generate) against transformers as the reference.
 
 - Greedy generation equals transformers' `model.generate(do_sample=False)` token for token on
   the default model (reference = transformers generate), with and without a repetition penalty.
@@ -30,9 +30,11 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from model_core import load_model, trace
-from model_core.errors import PromptError, SettingsError
-from model_core.generate import (
+from model_core import load_model
+from model_core.core.errors import PromptError, SettingsError
+from model_core.core.sampling import SamplingSettings, apply_sampling
+from model_core.interp import trace
+from model_core.serving.generate import (
     attention_rows,
     generate,
     generation_to_json,
@@ -41,7 +43,6 @@ from model_core.generate import (
     step_attention,
     time_cache_vs_no_cache,
 )
-from model_core.sampling import SamplingSettings, apply_sampling
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The capital of France is"
@@ -284,7 +285,7 @@ def test_streaming_generation_resumes_on_other_threads():
     import threading
 
     from model_core import load_model
-    from model_core.generate import iter_generate
+    from model_core.serving.generate import iter_generate
 
     lm = load_model("random-llama-tiny")
     it = iter_generate(lm, "hello", max_new_tokens=6, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""Head search (model_core/head_search.py): the scores on constructed patterns whose answers are
+"""Head search (model_core/interp/head_search.py): the scores on constructed patterns whose answers are
 known, and on the real default model against transformers' own attention weights
 (output_attentions=True, eager attention)."""
 
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from model_core import head_search as HS
+from model_core.interp import head_search as HS
 
 
 def _repeated(S: int = 6) -> list[int]:

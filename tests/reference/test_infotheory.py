@@ -1,4 +1,4 @@
-"""Entropy, cross-entropy, KL and MFU (model_core/infotheory.py) on the real default model, against
+"""Entropy, cross-entropy, KL and MFU (model_core/interp/infotheory.py) on the real default model, against
 transformers' own loss, torch's kl_div and Categorical entropy, and the SFT code's MFU."""
 
 import math
@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_core import infotheory as I
-from model_core.errors import SettingsError
-from model_core.trace import encode_prompt
+from model_core.core.errors import SettingsError
+from model_core.interp import infotheory as I
+from model_core.interp.trace import encode_prompt
 
 PROMPT = "The capital of France is Paris, and the capital of Italy is"
 
@@ -62,7 +62,7 @@ def test_kl_needs_one_vocabulary():
 
 
 def test_mfu_arithmetic_and_jobs():
-    from model_core.sft import mfu as sft_mfu
+    from model_core.training.sft import mfu as sft_mfu
 
     r = I.mfu(134_515_008, 1000.0, 989e12, "training")
     assert r["mfu"] == pytest.approx(sft_mfu(134_515_008, 1000.0, 989e12))

@@ -18,9 +18,9 @@ import torch
 
 from conftest import DEFAULT
 from model_core import load_model
-from model_core.attribution import direct_logit_attribution
-from model_core.errors import PromptError, SettingsError
-from model_core.interventions import (
+from model_core.core.errors import PromptError, SettingsError
+from model_core.interp.attribution import direct_logit_attribution
+from model_core.interp.interventions import (
     Ablation,
     Metric,
     ablate,

@@ -10,15 +10,16 @@ import pytest
 import torch
 
 from conftest import DEFAULT, RANDOM_MODELS
-from model_core import load_model, trace
-from model_core.lens import logit_lens
+from model_core import load_model
+from model_core.interp import trace
+from model_core.interp.lens import logit_lens
 
 PROMPT = "The animal didn't cross the street because it was too tired"
 
 
 @pytest.mark.parametrize("name", [DEFAULT, *RANDOM_MODELS])
 def test_lens_equals_whole_vocabulary_softmax(name, monkeypatch):
-    from model_core import lens as lens_mod
+    from model_core.interp import lens as lens_mod
 
     lm = load_model(name)
     if lm.shape.vocab_size < 4 * lens_mod.MIN_BLOCK:  # tiny vocabularies: force several blocks anyway
@@ -55,7 +56,7 @@ def test_lens_equals_whole_vocabulary_softmax(name, monkeypatch):
 def test_rank_with_exact_ties_counts_only_higher_logits(monkeypatch):
     """Tokens whose unembedding rows equal the target's tie with it exactly; the rank counts only
     strictly higher logits, as the whole-vocabulary reference does (blocks forced)."""
-    from model_core import lens as lens_mod
+    from model_core.interp import lens as lens_mod
 
     lm = load_model("random-llama-tiny")
     monkeypatch.setattr(lens_mod, "MIN_BLOCK", 16)
@@ -80,9 +81,9 @@ def test_rank_with_exact_ties_counts_only_higher_logits(monkeypatch):
 
 def test_the_walk_runs_as_torchscript_and_computes_what_its_python_does():
     """The vocabulary walk runs as TorchScript (it holds no interpreter lock while it runs, see
-    model_core.lens), not its Python fallback, and gives bit for bit what the same function gives
+    model_core.interp.lens), not its Python fallback, and gives bit for bit what the same function gives
     run as Python: with and without a softcap, a bias, targets and several blocks."""
-    from model_core import lens as lens_mod
+    from model_core.interp import lens as lens_mod
 
     walk = lens_mod._walk()
     assert isinstance(walk, torch.jit.ScriptFunction)

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from model_core import sft
-from model_core.export import model_card, write_model_zip
+from model_core.training import sft
+from model_core.training.export import model_card, write_model_zip
 
 TINY = "random-llama-tiny"
 RUN = {"model": TINY, "dataset": "builtin", "batch_size": 8, "learning_rate": 3e-3, "max_steps": 2,

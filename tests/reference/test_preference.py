@@ -1,4 +1,4 @@
-"""Reward model, DPO and GRPO (model_core.preference on TRL's trainers) against references no one here
+"""Reward model, DPO and GRPO (model_core.training.preference on TRL's trainers) against references no one here
 wrote: the published loss formulas, computed by hand from log-probs and scores that a plain forward
 pass (transformers' own `labels=` loss, the model's own score head) gives for the very batch TRL
 trained on; GRPO's group-relative advantages recomputed from the rewards TRL logged; the per-token
@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_core import preference as P
-from model_core import preference_data as D
-from model_core import sft
+from model_core.training import preference as P
+from model_core.training import preference_data as D
+from model_core.training import sft
 
 POLICY = "random-llama-tiny"
 OTHER = "random-gpt2-tiny"  # same byte tokenizer, other weights: a reference that differs from the policy

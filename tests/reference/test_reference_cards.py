@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from app.cli import main
-from model_core import anatomy as A
-from model_core import reference_cards as R
-from model_core.registry import load_model
+from model_core.anatomy import reference_cards as R
+from model_core.anatomy import walkthrough as A
+from model_core.core.registry import load_model
 
 # --- the bar: numbers computed from the published configs ------------------------------------------
 

@@ -12,8 +12,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from model_core.errors import SettingsError
-from model_core.sampling import SamplingSettings, apply_sampling
+from model_core.core.errors import SettingsError
+from model_core.core.sampling import SamplingSettings, apply_sampling
 
 CASES = [
     (SamplingSettings(), 3e-4, 0.0),

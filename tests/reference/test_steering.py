@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from model_core.hook_names import act_name
-from model_core.steering import (
+from model_core.core.hook_names import act_name
+from model_core.interp.steering import (
     SteeringError,
     SteeringPair,
     alpha_sweep,
@@ -23,7 +23,7 @@ from model_core.steering import (
     steering_vector,
     target_ids,
 )
-from model_core.trace import trace
+from model_core.interp.trace import trace
 
 LAYER = 6
 
@@ -126,8 +126,8 @@ def test_malformed_pairs_file_is_reported_by_line_number():
 
 
 def test_steered_generation_alpha_zero_is_plain_generate_and_steering_follows_the_edited_forward(default_lm, love):
-    from model_core.generate import generate
-    from model_core.steering import steered_generation
+    from model_core.serving.generate import generate
+    from model_core.serving.steered import steered_generation
 
     prompt = "Honestly, my neighbours are"
     plain = generate(default_lm, prompt, max_new_tokens=6)  # greedy; equals transformers' generate (test_generate)
@@ -169,10 +169,12 @@ def test_sweep_generations_alpha_zero_is_plain_generate_and_perplexity_is_transf
     """Each sweep row's continuation: alpha 0 equals plain generate (the unsteered run, same seed);
     its perplexity under the unsteered model equals exp of transformers' own causal-LM loss with the
     prompt masked out (labels=-100), computed here from the model's forward with labels."""
-    from model_core.generate import generate
+    from model_core.serving.generate import generate
 
     lm, prompt = default_lm, "Honestly, my neighbours are"
-    rows = alpha_sweep(lm, prompt, love, [0, 6], generate_options=dict(max_new_tokens=8, seed=3))
+    from model_core.serving.steered import alpha_sweep as generating_sweep
+
+    rows = generating_sweep(lm, prompt, love, [0, 6], generate_options=dict(max_new_tokens=8, seed=3))
     plain = generate(lm, prompt, max_new_tokens=8, seed=3)
     assert rows[0].text == plain.text and rows[1].text != plain.text
     full = torch.tensor([list(plain.prompt_ids) + list(plain.token_ids)])

@@ -1,4 +1,4 @@
-"""The generation's text as it grows (model_core.generate.TextSoFar) against the reference: the
+"""The generation's text as it grows (model_core.serving.generate.TextSoFar) against the reference: the
 tokenizer's own `decode(ids, skip_special_tokens=True)` of every prefix, on the default model's
 byte-level BPE and the sentencepiece-style tokenizers of the random Gemma 3 and Llama models, for
 prose with spaces before punctuation, prose without punctuation, Burmese, emoji and code, and for random ids (most of them
@@ -14,7 +14,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from model_core import load_model
-from model_core.generate import TextSoFar
+from model_core.serving.generate import TextSoFar
 
 TEXTS = [
     "The cat sat on the mat . It 's fine , isn't it ? Yes !  Two  spaces\tand\ttabs\n\nnew lines",

@@ -6,7 +6,7 @@ offsets (Rust `tokenizers`), never our own decoding."""
 import pytest
 import regex
 
-from model_core.tokenization import (
+from model_core.core.tokenization import (
     char_units,
     continuation_display,
     describe_raw,
@@ -175,7 +175,7 @@ def test_sentencepiece_letters_are_letters_and_byte_fallback_merges():
 
 
 def test_byte_level_vocabulary_kind(smol_tok):
-    from model_core.tokenization import byte_tokenizer
+    from model_core.core.tokenization import byte_tokenizer
 
     assert vocab_kind(smol_tok) == "byte-level"
     assert vocab_kind(byte_tokenizer()) == "byte-level"
@@ -190,7 +190,7 @@ def test_generate_labels_streamed_tokens_by_the_character_they_make():
     of it is labelled with the character, and a step's candidates that finish a character the text
     left open show it ("…é")."""
     from app.generate_tab import _highlight, _Labeller
-    from model_core.tokenization import byte_tokenizer
+    from model_core.core.tokenization import byte_tokenizer
 
     bt = byte_tokenizer()
     ids = bt("aé🦜", add_special_tokens=False)["input_ids"]
@@ -212,7 +212,7 @@ def test_lens_cells_after_an_open_character_show_the_character_they_finish(defau
     """On the real model: where the prompt stops two bytes into a Burmese letter, the last layer's
     guess is the letter's last byte; the lens cell shows the letter it finishes ("…မ"), not <0x99>."""
     from app import views
-    from model_core.trace import trace
+    from model_core.interp.trace import trace
 
     tr = trace(default_lm, SCRIPTS["burmese"])
     lv = views.lens_view(tr, tr.n_tokens - 1)
@@ -228,8 +228,8 @@ def test_lens_cells_after_an_open_character_show_the_character_they_finish(defau
 def test_exports_carry_bytes_and_characters(default_lm):
     """tokens.csv and trace.json: each token's bytes, the character it helps spell and which part."""
     from app import views
-    from model_core.summary import trace_summary
-    from model_core.trace import trace
+    from model_core.interp.trace import trace
+    from model_core.interp.trace_summary import trace_summary
 
     text = "🍕 " + SCRIPTS["burmese"][:6]
     tr = trace(default_lm, text)

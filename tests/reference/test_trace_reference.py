@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from conftest import DEFAULT, RANDOM_MODELS
-from model_core import load_model, trace
-from model_core.lens import logit_lens
+from model_core import load_model
+from model_core.interp import trace
+from model_core.interp.lens import logit_lens
 from tests.helpers.tolerance import assert_close_to_scale
 
 PROMPT = "The animal didn't cross the street because it was too tired"
@@ -33,11 +34,11 @@ def test_trace_equals_transformers(name):
 
 @pytest.mark.parametrize("name", [DEFAULT, "random-gemma3-tiny"])
 def test_recorded_trace_equals_transformers(name, monkeypatch):
-    """A CPU server's engine records Explore's forward per length bucket (model_core.cpu_graphs):
+    """A CPU server's engine records Explore's forward per length bucket (model_core.serving.torchscript_replay):
     the replayed trace, padded to its bucket and cut back, meets the same references as the eager
     one (sliding-window layers included); the replay counter proves the recording ran."""
-    from model_core.engine import Engine
-    from model_core.prefill_graphs import CPU_LENGTHS
+    from model_core.serving.cuda_prefill_graphs import CPU_LENGTHS
+    from model_core.serving.engine import Engine
 
     lm = load_model(name)
     eng = Engine(lm, slots=2, max_len=128, record_steps=True)

@@ -52,7 +52,7 @@ def test_concurrent_requests_per_user_are_capped(monkeypatch):
 
 def test_model_endpoints_run_torch_on_their_share_of_the_cores():
     """A model endpoint's worker thread runs its torch work on its share of the cores
-    (model_core.cpu_threads.request_threads: 1 on a 2-core machine, where a team of 2 per request
+    (model_core.core.cpu_threads.request_threads: 1 on a 2-core machine, where a team of 2 per request
     beside the engine's thread oversubscribed the cores); a direct call on the main thread keeps its
     count."""
     import os
@@ -61,8 +61,8 @@ def test_model_endpoints_run_torch_on_their_share_of_the_cores():
     import torch
 
     from app.context import endpoint, settings
-    from model_core.cpu_threads import request_threads
-    from model_core.engine import engine_threads
+    from model_core.core.cpu_threads import request_threads
+    from model_core.serving.engine import engine_threads
 
     @endpoint(model=True)
     def threads_in_a_request():
@@ -91,7 +91,7 @@ def test_request_threads_yield_the_cores_to_the_engine_and_start_threads_at_full
     import threading
 
     from app.context import endpoint
-    from model_core.cpu_threads import REQUEST_NICE, start_thread
+    from model_core.core.cpu_threads import REQUEST_NICE, start_thread
 
     def nice() -> int:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())

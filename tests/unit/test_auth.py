@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from app import auth
-from model_core.settings import Settings, SettingsError
+from model_core.core.settings import Settings, SettingsError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -159,7 +159,7 @@ def test_settings_from_environment():
     d = auth.LoginThrottle.from_env({})
     assert (d.max_failures, d.max_failures_per_address, d.window_s, d.lock_s, d.max_lock_s, d.max_keys) == \
         (5, 20, 900, 1, 300, 10_000)
-    # a bad value is refused at start with one sentence each (model_core.settings), never silently replaced
+    # a bad value is refused at start with one sentence each (model_core.core.settings), never silently replaced
     with pytest.raises(SettingsError) as e:
         auth.LoginThrottle.from_env({"LMSCOPE_LOGIN_MAX_FAILURES": "lots", "LMSCOPE_LOGIN_LOCK_S": "-1"})
     assert "LMSCOPE_LOGIN_MAX_FAILURES must be a whole number" in str(e.value)

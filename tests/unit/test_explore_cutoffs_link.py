@@ -1,14 +1,14 @@
 """Explore's epsilon / eta cutoffs in the page URL (issue 15 item 5): a link's values go into their
 boxes, a value the explainer cannot use is refused with one sentence (the cutoff stays off), and
 after the link's own run the distribution is drawn with the cutoffs (real trace, random-weight
-model; the reference is model_core.sampling.apply_sampling on the trace's own next-token logits)."""
+model; the reference is model_core.core.sampling.apply_sampling on the trace's own next-token logits)."""
 
 from __future__ import annotations
 
 import pytest
 
 from app import explore_tab
-from model_core.sampling import SamplingSettings, apply_sampling
+from model_core.core.sampling import SamplingSettings, apply_sampling
 
 MODEL = "random-llama-tiny"
 

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from app import explore_tab, views
-from model_core import load_model, trace
-from model_core.cpu_threads import REQUEST_NICE
+from model_core import load_model
+from model_core.core.cpu_threads import REQUEST_NICE
+from model_core.interp import trace
 
 MODEL = "random-llama-tiny"  # byte-level tokens: one token per character
 
@@ -298,7 +299,7 @@ def test_the_lens_of_every_position_is_filled_in_while_the_server_is_idle(lm):
     assert views.lens_filled(tr) == T
     # it ran torch on one core of its own; every other thread keeps its thread count
     assert views.FILLER.one_thread is True and torch.get_num_threads() == threads
-    # and below the engine's priority, whichever thread started it (model_core.cpu_threads)
+    # and below the engine's priority, whichever thread started it (model_core.core.cpu_threads)
     assert views.FILLER.yields is True
     assert os.getpriority(os.PRIO_PROCESS, views.FILLER._thread.native_id) >= REQUEST_NICE
     cols = views.lens_columns(tr, list(range(T)), compute=False)

@@ -26,11 +26,11 @@ def test_attribution_csv_adds_up(tmp_path):
 
 def test_explore_stage_table_download_is_the_table_shown(tmp_path):
     """Explore's 'what each stage did' as stages.csv / stages.json, from the tab's own callbacks on a
-    real trace; the reference is model_core.sampling.apply_sampling on the trace's next-token logits."""
+    real trace; the reference is model_core.core.sampling.apply_sampling on the trace's next-token logits."""
     import json
 
     from app import explore_tab
-    from model_core.sampling import SamplingSettings, apply_sampling
+    from model_core.core.sampling import SamplingSettings, apply_sampling
 
     out = explore_tab.run_trace("random-llama-tiny", "the quick brown fox", False, False, 0, 0, -1, "probability",
                                 0.8, 5, 0.9, 0.0, 1.0)

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from app import feature_clamp_panel as P
-from model_core import features as F
-from model_core.feature_steering import feature_edits
-from model_core.generate import generate
-from model_core.interventions import last_logits
+from model_core.interp import features as F
+from model_core.interp.feature_steering import feature_edits
+from model_core.interp.interventions import last_logits
+from model_core.serving.generate import generate
 
 SET = "tests-small-l6"
 PROMPT = "The capital of France is Paris, and the capital of Italy is"

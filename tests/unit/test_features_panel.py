@@ -1,5 +1,5 @@
 """Explore's sparse-autoencoder panel on a small feature set trained here on the real default model
-(model_core.features, 512 tokens): the menu at the chosen token lists the features that fire there,
+(model_core.interp.features, 512 tokens): the menu at the chosen token lists the features that fire there,
 largest first, with the activation the autoencoder gives on the model's own captured activation;
 a feature's page shows its activation on every position (equal to encoding that position's captured
 activation by hand), its top contexts and its promoted tokens; bad values are one sentence."""
@@ -11,7 +11,7 @@ import torch
 
 from app import explore_tab, views
 from app import features_panel as P
-from model_core import features as F
+from model_core.interp import features as F
 
 PROMPT = "The capital of France is Paris, and the capital of Italy is"
 SET = "tests-small-l6"  # tests/conftest.feature_set
@@ -60,9 +60,9 @@ def test_features_at_the_chosen_token_and_a_feature_page(default_lm, trained):
     assert len(acts.data[0].y) == len(ids) and "promotes" in weights.layout.title.text
     assert acts.data[0].x[1] == "1:␣capital"  # token labels, byte-safe, as every other view
     # feature steering: ablating it moves the next-token distribution by the KL the page states,
-    # recomputed here from the model's forward with the same clamp (model_core.feature_steering)
-    from model_core.feature_steering import feature_edits
-    from model_core.interventions import last_logits
+    # recomputed here from the model's forward with the same clamp (model_core.interp.feature_steering)
+    from model_core.interp.feature_steering import feature_edits
+    from model_core.interp.interventions import last_logits
 
     fig, note, msg = P.clamp_feature(state, SET, f, 0)
     t = torch.tensor([ids])

@@ -133,7 +133,7 @@ def test_the_served_app_has_all_four():
     import sys
 
     from app.main import build_app
-    from model_core.settings import Settings
+    from model_core.core.settings import Settings
 
     marked_before = {n for n, m in sys.modules.items() if m is None}
     try:

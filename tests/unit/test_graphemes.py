@@ -11,7 +11,7 @@ import re
 import pytest
 
 from app import figures
-from model_core.tokenization import (
+from model_core.core.tokenization import (
     codepoint_spans,
     describe_tokens,
     glyph_spans,

@@ -1,4 +1,4 @@
-"""Explore's head-search panel on a real search result (model_core.head_search on the tiny random
+"""Explore's head-search panel on a real search result (model_core.interp.head_search on the tiny random
 model): the map shows the chosen metric's means with the spread and top prompt on hover, a typed
 head lists its top prompts best first, and opening it hands the prompt, layer and head to the run;
 a bad head is one sentence and runs nothing."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 
 from app import head_search_panel as P
-from model_core import head_search as HS
 from model_core import load_model
+from model_core.interp import head_search as HS
 
 TEXTS = ["the cat sat on the mat and the cat sat on the mat again today",
          "one two three four five six seven eight one two three four five six",

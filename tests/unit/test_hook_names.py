@@ -1,4 +1,4 @@
-"""model_core.hook_names: the one place TransformerLens-style names are built and read.
+"""model_core.core.hook_names: the one place TransformerLens-style names are built and read.
 
 References: the names written out by hand below (they are external API: saved trace files, URLs,
 tests), the shapes the module documents evaluated with each model's own sizes, and the names the
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from conftest import RANDOM_MODELS
-from model_core import load_model, load_trace, save_trace, trace
-from model_core.hook_names import (
+from model_core import load_model, load_trace, save_trace
+from model_core.core.hook_names import (
     KINDS,
     LAYER_KINDS,
     TRACE_LAYER_KINDS,
@@ -21,7 +21,8 @@ from model_core.hook_names import (
     layer_of,
     parse,
 )
-from model_core.interventions import last_logits, trace_with_edits
+from model_core.interp import trace
+from model_core.interp.interventions import last_logits, trace_with_edits
 
 PROMPT = "The animal didn't cross the street because it was too tired"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from app import auth
-from model_core.settings import Settings, SettingsError
+from model_core.core.settings import Settings, SettingsError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,7 +62,7 @@ def test_settings_defaults_and_validation(tmp_path):
 
 
 def test_current_settings_follow_the_environment(monkeypatch):
-    from model_core import settings
+    from model_core.core import settings
 
     monkeypatch.delenv("LMSCOPE_MAX_BATCH", raising=False)
     first = settings.current()
@@ -120,8 +120,8 @@ def test_compose_file_shape_and_commands():
         assert {"lmscope-data", "lmscope-models"} <= vols
         assert sv[name]["depends_on"]["redis"]["condition"] == "service_healthy"
     assert {"redis-data", "lmscope-data", "lmscope-models"} <= set(doc["volumes"])
-    # every setting is read by model_core.settings and documented there and in the README's table
-    import model_core.settings as settings_mod
+    # every setting is read by model_core.core.settings and documented there and in the README's table
+    import model_core.core.settings as settings_mod
 
     documented = {ln.split("|")[1].strip() for ln in settings_mod.__doc__.splitlines()
                   if ln.startswith("| ") and "Variable" not in ln}
@@ -224,7 +224,7 @@ def test_api_client_needs_credentials(server):
 def test_concurrent_users_generations_share_forwards(server):
     """Two signed-in users, two generations each, at once through the real server (Gradio queue,
     the "generate" concurrency group): every one finishes with its tokens, and the server's own
-    /metrics shows decode steps that shared a forward (model_core.batching), i.e. they ran together."""
+    /metrics shows decode steps that shared a forward (model_core.interp.trace_batching), i.e. they ran together."""
     import threading
 
     from gradio_client import Client
@@ -291,7 +291,7 @@ def test_browser_sees_only_login_until_signed_in(server):
 
 @pytest.mark.integration
 def test_jobs_belong_to_their_owner(tmp_path, monkeypatch):
-    from model_core.errors import LmscopeError
+    from model_core.core.errors import LmscopeError
     from tests.helpers.services import LiveServices
 
     svc = LiveServices(tmp_path / "data").start()

@@ -42,7 +42,7 @@ def test_a_target_without_its_leading_space_is_named_and_the_spaced_one_offered(
 
     from app import interventions_tab as iv
     from conftest import DEFAULT
-    from model_core.registry import converted_dir
+    from model_core.core.registry import converted_dir
 
     tok = AutoTokenizer.from_pretrained(str(converted_dir(DEFAULT)))
     paris, spaced = tok.encode("Paris", add_special_tokens=False), tok.encode(" Paris", add_special_tokens=False)

@@ -6,7 +6,7 @@ import torch
 
 from conftest import DEFAULT
 from model_core import load_model
-from model_core.generate import generate
+from model_core.serving.generate import generate
 
 
 def test_kv_formula_runs_to_the_tokens_the_cache_holds():
@@ -43,7 +43,7 @@ def test_default_weights_are_the_q4_1_gguf_dequantised():
     from gguf.quants import dequantize
 
     from app.ui import model_info
-    from model_core.registry import REGISTRY, _gguf_path
+    from model_core.core.registry import REGISTRY, _gguf_path
 
     lm = load_model(DEFAULT)
     assert "Q4_1.gguf" in lm.summary()["weights"] and "210 × Q4_1 (4-bit)" in lm.summary()["weights"]

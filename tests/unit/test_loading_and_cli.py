@@ -7,9 +7,10 @@ import threading
 import pytest
 import torch
 
-from model_core import load_model, trace
-from model_core.errors import ModelLoadError, PromptError
-from model_core.tokenization import display_bytes
+from model_core import load_model
+from model_core.core.errors import ModelLoadError, PromptError
+from model_core.core.tokenization import display_bytes
+from model_core.interp import trace
 
 
 def _cli(*args):
@@ -106,7 +107,7 @@ def test_odd_unicode_is_traced_and_shown_byte_safe(default_lm):
     prompt = "emoji 🦜, e\u0301, שלום, \x07bell\nnew"
     tr = trace(default_lm, prompt)
     assert default_lm.tokenizer.decode(tr.token_ids) == prompt
-    from model_core.tokenization import token_bytes
+    from model_core.core.tokenization import token_bytes
 
     assert b"".join(token_bytes(default_lm.tokenizer, i) for i in tr.token_ids) == prompt.encode()
     shown = "".join(t["display"] for t in tr.tokens)
@@ -144,5 +145,5 @@ def test_hooks_do_not_leak_between_threads(default_lm):
             assert tr.token_ids == expected[p].token_ids
             torch.testing.assert_close(tr.resid_post(29), expected[p].resid_post(29))
     # and a plain forward with no active trace records nothing anywhere
-    from model_core.hooks import _ACTIVE
+    from model_core.core.hooks import _ACTIVE
     assert _ACTIVE.get() is None

@@ -4,7 +4,7 @@ once per batch (a default sweep on a CPU is a few batches of ~10 s each, and the
 import torch
 
 from model_core import load_model
-from model_core.interventions import Metric, patch_heads, patch_residual
+from model_core.interp.interventions import Metric, patch_heads, patch_residual
 
 
 def test_progress_moves_per_layer_inside_one_batch():

@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from model_core import preference as P
-from model_core.errors import SettingsError
-from model_core.preference_data import PreferenceDataError
+from model_core.core.errors import SettingsError
+from model_core.training import preference as P
+from model_core.training.preference_data import PreferenceDataError
 from tasks import preference_job as pj
 
 MODEL = "smollm2-135m-instruct"

@@ -19,7 +19,7 @@ BETA = 0.1
 
 
 def _dpo_row(step, total, loss, acc, lc, lr_, rc, rr):
-    # the keys model_core.preference._callback writes for a DPO step (seen in a real run)
+    # the keys model_core.training.preference._callback writes for a DPO step (seen in a real run)
     return {"step": step, "total": total, "loss": loss, "grad_norm": 0.65, "lr": 1e-5, "tokens_seen": 458.0 * step,
             "accuracy": acc, "margin": rc - rr, "reward_chosen": rc, "reward_rejected": rr, "logp_chosen": lc,
             "logp_rejected": lr_, "entropy": 5.5, "tokens_per_s": 90.0 + step, "elapsed_s": 5.0 * step,
@@ -176,7 +176,7 @@ def perturbed(tmp_path_factory):
     """random-llama-tiny and a copy with every weight nudged, registered as a DPO-made fine-tuned model."""
     import os
 
-    from model_core import sft
+    from model_core.training import sft
 
     d = tmp_path_factory.mktemp("data")
     old = os.environ.get("LMSCOPE_DATA_DIR")
@@ -203,7 +203,7 @@ def perturbed(tmp_path_factory):
 
 def _seq_logp(lm, prompt, completion):
     """log p(completion | prompt) by hand: the conversation through the chat template, one forward."""
-    from model_core import sft
+    from model_core.training import sft
 
     tok = lm.tokenizer
     if not getattr(tok, "chat_template", None):
@@ -221,7 +221,7 @@ def _seq_logp(lm, prompt, completion):
 
 
 def test_logratio_view_sums_to_the_sequence_logratio(perturbed):
-    from model_core.registry import load_model
+    from model_core.core.registry import load_model
 
     assert perturbed in {v for _, v in pp.trained_choices()}
     prompt, completion = pp.default_example("dpo")
@@ -253,8 +253,8 @@ def test_reward_score_of_a_typed_response(perturbed):
 
     from transformers import AutoModelForSequenceClassification
 
-    from model_core import preference as P
-    from model_core import sft
+    from model_core.training import preference as P
+    from model_core.training import sft
 
     model, tok, _ = sft.load_trainable("random-llama-tiny", "cpu")
     sft.ensure_chat_template(tok)

@@ -1,4 +1,4 @@
-"""A registered reward model (kind 'reward' in its lmscope.json, as model_core.preference writes it)
+"""A registered reward model (kind 'reward' in its lmscope.json, as model_core.training.preference writes it)
 is listed with its kind, kept out of every language-model picker, and refused by load_model with one
 sentence (it has a score head, no next-token head: loading it as a causal LM would show its parent
 with a reward-trained body, or a random head)."""
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from model_core.errors import LmscopeError
+from model_core.core.errors import LmscopeError
 
 
 def test_reward_models_are_listed_with_their_kind_and_never_picked(tmp_path, monkeypatch):
@@ -20,7 +20,7 @@ def test_reward_models_are_listed_with_their_kind_and_never_picked(tmp_path, mon
         (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
         (d / "lmscope.json").write_text(json.dumps({"kind": kind, "parent": "smollm2-135m-instruct"}))
     from app.ui import model_choices
-    from model_core.registry import list_models, load_model
+    from model_core.core.registry import list_models, load_model
 
     kinds = {r["name"]: r.get("kind") for r in list_models(include_random=False) if r["source"] == "finetuned"}
     assert kinds == {"rm-dates": "reward", "dpo-dates": "dpo"}

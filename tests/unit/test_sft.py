@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model_core import sft
+from model_core.training import sft
 
 TINY = "random-llama-tiny"
 TINY_RUN = {"model": TINY, "dataset": "builtin", "batch_size": 8,
@@ -52,7 +52,7 @@ def test_loss_mask_smollm2_token_by_token(default_lm):
 
 
 def test_loss_mask_byte_template_and_prompt_completion():
-    from model_core.tokenization import byte_tokenizer
+    from model_core.core.tokenization import byte_tokenizer
 
     tok = byte_tokenizer()
     assert sft.ensure_chat_template(tok) is True
@@ -139,7 +139,8 @@ def test_mfu_worked_example():
 # ---- end to end on the tiny random model -------------------------------------------------------
 
 def test_tiny_full_sft_registers_a_loadable_model(data_dir):
-    from model_core import list_models, load_model, trace
+    from model_core import list_models, load_model
+    from model_core.interp import trace
 
     rows = []
     res = sft.run_sft({**TINY_RUN, "max_steps": 24, "output_name": "tiny-full", "eval_every": 12},
@@ -260,7 +261,8 @@ def test_sft_job_through_a_real_worker(tmp_path):
         assert s["accuracy_before"]["n"] == 4 and s["accuracy_after"]["n"] == 4
         assert (svc.data_dir / "models" / name / "model.safetensors").exists()
         assert {a["name"] for a in done["artifacts"]} == {"lmscope.json", "model.safetensors", "tensorboard.zip"}
-        from model_core import load_model, trace
+        from model_core import load_model
+        from model_core.interp import trace
 
         lm = load_model(name)
         assert lm.meta["parent"] == TINY and trace(lm, "hello").n_tokens == 5

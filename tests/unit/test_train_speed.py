@@ -1,4 +1,4 @@
-"""The training jobs' GPU speed-ups (model_core.train_speed): compiled layer by layer on a GPU, not on
+"""The training jobs' GPU speed-ups (model_core.training.train_speed): compiled layer by layer on a GPU, not on
 the CPU unless asked, through a LoRA wrapper too, without renaming a single weight (a saved model must
 load as a plain transformers checkpoint); Liger's fused loss only on a GPU and only when installed.
 Compiling happens at the first call, so nothing here pays it."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from model_core import sft, train_speed
+from model_core.training import sft, train_speed
 
 
 def test_each_decoder_layer_compiled_in_place_and_no_weight_renamed():

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from app.sft_figures import weight_delta_figure
-from model_core import load_model, sft
-from model_core.errors import SettingsError
-from model_core.weight_delta import weight_delta
+from model_core import load_model
+from model_core.anatomy.weight_delta import weight_delta
+from model_core.core.errors import SettingsError
+from model_core.training import sft
 
 TINY = "random-llama-tiny"
 LLAMA_KINDS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "input_layernorm",
@@ -102,7 +103,7 @@ def test_neither_model_is_modified_even_in_float64():
 def test_models_of_other_shapes_are_refused():
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from model_core.registry import RANDOM_CONFIGS
+    from model_core.core.registry import RANDOM_CONFIGS
 
     with pytest.raises(SettingsError, match="different parameters"):
         weight_delta(load_model(TINY), load_model("random-gemma3-tiny"))
