@@ -1,4 +1,4 @@
-"""lmscope's Gradio UI: layout in app/ui.py, one module per tab (build(shared)), figures as pure
+"""lmscope's Gradio UI: layout in app/server/page.py, one module per tab (build(shared)), figures as pure
 functions in app/*figures.py."""
 
 import plotly.io as _pio

@@ -44,8 +44,9 @@ import plotly.graph_objects as go  # noqa: E402
 import torch  # noqa: E402
 from common import device_info, interleaved  # noqa: E402
 
-from app import explore_tab, views  # noqa: E402
-from app.explore_state import trace_for_state  # noqa: E402
+from app.tabs.explore import tab as explore_tab  # noqa: E402
+from app.tabs.explore import views
+from app.tabs.explore.state import trace_for_state  # noqa: E402
 from model_core import load_model  # noqa: E402
 from model_core.interp import trace
 

@@ -13,7 +13,7 @@ queued on bad input.
 Progress: 'loading corpus' (0-2 %), 'training' (2-97 %, by step; a sweep weighs each width by its
 cost per token), 'fitting' / 'saving' (97-100 %). The record gets `pretrain`: {history: [{step,
 loss, eval_loss, eval_ppl, lr, tokens_seen, tokens_per_s, width}], latest, model_name, widths,
-points (a sweep: one per finished width), fit, fit_offset, checkpoints}; app/pretrain_figures.py draws
+points (a sweep: one per finished width), fit, fit_offset, checkpoints}; app/tabs/finetune/pretrain_figures.py draws
 it. A sweep also writes scaling.json (run_scaling's result) as an artifact.
 
 Cancel: the runs poll the cancel flag between steps (and the revoke from jobs.cancel_job terminates

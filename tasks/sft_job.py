@@ -15,7 +15,7 @@ Progress: 'loading model' (0-2 %), 'accuracy before' (2-5 %), 'training' (5-90 %
 accuracy_after, model_name, dataset_lines (uploads), samples, checkpoints}; the Jobs/SFT tabs draw
 loss curves from it. `samples` grows while the job runs (settings sample_every, sample_prompts):
 [{step, index, prompt, completion, expected, correct}], step 0 first, thinned to
-sft.MAX_SAMPLE_STEPS steps (app.sft_figures.samples_table_html draws it). `checkpoints` (setting
+sft.MAX_SAMPLE_STEPS steps (app.tabs.finetune.figures.samples_table_html draws it). `checkpoints` (setting
 keep_checkpoints), set when the run succeeds: [{name, step}], each a registered model '<name>-step<S>'.
 
 Cancel: run_sft polls the cancel flag between steps (the revoke from jobs.cancel_job also

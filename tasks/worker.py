@@ -16,7 +16,7 @@ def worker_argv(concurrency: int = 1, loglevel: str = "INFO") -> list[str]:
 
 
 def run_worker(concurrency: int = 1, settings=None) -> None:
-    """settings: the Settings app/cli.py read and checked; None: check this process's now (a bad
+    """settings: the Settings app/server/cli.py read and checked; None: check this process's now (a bad
     value raises SettingsError, one sentence each, before the worker takes any job)."""
     from model_core.core import settings as settings_mod
 

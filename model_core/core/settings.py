@@ -21,7 +21,7 @@ parameters and fall back to `current()` only for a default.
 | LMSCOPE_ALLOWED_MODELS | (all registry + fine-tuned) | Comma-separated names the server may load; nothing else. |
 | LMSCOPE_AUTH | off | Sign-in: `off`, `token` (one shared token, any user name) or `users` (users file). |
 | LMSCOPE_AUTH_TOKEN | (unset) | The shared token for `LMSCOPE_AUTH=token`; also the Bearer token for /metrics. |
-| LMSCOPE_USERS_FILE | (unset) | For `users`: lines `name:pbkdf2_sha256$iterations$salt$hash` (`python -m app.auth add-user NAME`). |
+| LMSCOPE_USERS_FILE | (unset) | For `users`: lines `name:pbkdf2_sha256$iterations$salt$hash` (`python -m app.server.auth add-user NAME`). |
 | LMSCOPE_LOGIN_MAX_FAILURES | 5 | Failed sign-ins per user name before it is locked. |
 | LMSCOPE_LOGIN_MAX_FAILURES_PER_ADDRESS | 20 | Failed sign-ins per client address before it is locked. |
 | LMSCOPE_LOGIN_WINDOW_S | 900 | A failure count is forgotten this long after its last failure. |
@@ -228,7 +228,7 @@ class Settings:
         if auth == "users":
             if not users:
                 errors.append("LMSCOPE_AUTH=users needs LMSCOPE_USERS_FILE (make one with "
-                              "`python -m app.auth add-user NAME`).")
+                              "`python -m app.server.auth add-user NAME`).")
             elif check_files and not Path(users).expanduser().is_file():
                 errors.append(f"LMSCOPE_USERS_FILE {users} does not exist.")
         patch_tokens = integer("LMSCOPE_PATCH_TOKENS", 0, 0, 100_000_000)

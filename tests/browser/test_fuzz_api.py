@@ -92,7 +92,7 @@ def _log(server) -> str:
 
 
 def _unexpected(server) -> list[str]:
-    """Server-side failures that were not a sentence for the user (app.context / app.api log these
+    """Server-side failures that were not a sentence for the user (app.shared.context / app.server.api log these
     with a traceback; user errors are not logged)."""
     return re.findall(r"lmscope: unexpected error in [^\n]+|lmscope: request to [^\n]+failed in processing|"
                       r"Traceback \(most recent call last\)", _log(server))
@@ -111,8 +111,8 @@ def test_fuzz_public_api(server):
     from gradio_client import Client
 
     client = Client(server.url, auth=("fuzzer", TOKEN), verbose=False)
-    # what a client sees is exactly the documented public API (app.api.PUBLIC_API, the README's table)
-    from app.api import PUBLIC_API
+    # what a client sees is exactly the documented public API (app.server.api.PUBLIC_API, the README's table)
+    from app.server.api import PUBLIC_API
 
     listed = {name.lstrip("/") for name in client.view_api(print_info=False, return_format="dict")["named_endpoints"]}
     assert listed == set(PUBLIC_API), listed ^ set(PUBLIC_API)

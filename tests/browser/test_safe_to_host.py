@@ -21,7 +21,7 @@ from pathlib import Path
 import gradio as gr
 import pytest
 
-from app import auth
+from app.server import auth
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = "random-llama-tiny"  # the queue and ownership rules are the same for any model; this one is instant
@@ -33,21 +33,21 @@ SECRET = f"SECRET-{uuid.uuid4().hex}"
 
 @pytest.fixture(scope="module")
 def demo():
-    from app.ui import build_demo
+    from app.server.page import build_demo
 
     return build_demo()
 
 
 def test_every_event_goes_through_the_endpoint_door(demo):
     """A new callback cannot skip the caps, the slots and the one-sentence errors: every event with a
-    Python function is wrapped by app.context.endpoint, every one that loads a model or runs a
+    Python function is wrapped by app.shared.context.endpoint, every one that loads a model or runs a
     trace holds a model slot, and no event takes an owner (or any browser-side state) as input."""
     checked = 0
     for fn in demo.fns.values():
         if fn.fn is None:
             continue  # JS-only (the URL mirror) and the Stop button's cancel
         marker = getattr(fn.fn, "__lmscope_endpoint__", None)
-        assert marker is not None, f"{fn.name} is not wrapped by app.context.endpoint"
+        assert marker is not None, f"{fn.name} is not wrapped by app.shared.context.endpoint"
         source = inspect.getsource(inspect.unwrap(fn.fn))
         if re.search(r"\b(get_model|_trace|run_trace)\(", source.split(":", 1)[1]):
             assert marker["model"] or "run_trace(" in source, f"{fn.name} touches a model without a model slot"
@@ -60,7 +60,7 @@ def test_every_event_goes_through_the_endpoint_door(demo):
 
 def test_public_api_matches_the_readme(demo):
     """The public endpoints are exactly PUBLIC_API, and the README's table lists exactly those."""
-    from app.api import PUBLIC_API
+    from app.server.api import PUBLIC_API
 
     public = {fn.api_name for fn in demo.fns.values() if fn.api_visibility == "public"}
     assert public == set(PUBLIC_API)
@@ -73,7 +73,7 @@ def test_public_api_matches_the_readme(demo):
 def test_uploaded_file_accepts_only_the_upload_folder(tmp_path, monkeypatch):
     from gradio.utils import get_upload_folder
 
-    from app.context import uploaded_file
+    from app.shared.context import uploaded_file
 
     secret = tmp_path / "secret.txt"
     secret.write_text(SECRET)
@@ -100,7 +100,7 @@ def test_uploaded_file_accepts_only_the_upload_folder(tmp_path, monkeypatch):
 
 
 def test_text_caps_and_slots(monkeypatch):
-    from app import context
+    from app.shared import context
 
     monkeypatch.setenv("LMSCOPE_MAX_PROMPT_TOKENS", "100")
 
@@ -138,7 +138,7 @@ def test_text_caps_and_slots(monkeypatch):
 
 def test_scratch_folders_are_bounded():
     """Export (and any callback handing files to Gradio) reuses one bounded scratch area."""
-    from app import context
+    from app.shared import context
 
     dirs = [context.scratch_dir("export") for _ in range(context.SCRATCH_KEEP + 9)]
     left = [d for d in dirs if d.exists()]

@@ -30,7 +30,7 @@ class LiveServer:
         self.url = f"http://127.0.0.1:{self.port}/"
         env = {**os.environ, "LMSCOPE_DEVICE": "cpu", "GRADIO_ANALYTICS_ENABLED": "False", **(extra_env or {})}
         self.log = open(ROOT / "artifacts" / f"server-{self.port}.log", "w") if (ROOT / "artifacts").exists() else subprocess.DEVNULL
-        self.proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(self.port), *args],
+        self.proc = subprocess.Popen([sys.executable, "-m", "app.server.cli", "serve", "--port", str(self.port), *args],
                                      cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + 180
         while time.time() < deadline:

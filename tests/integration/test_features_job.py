@@ -27,7 +27,7 @@ def svc(tmp_path_factory):
 
 
 def _cli(svc, *args):
-    return subprocess.run([sys.executable, "-m", "app.cli", "jobs", "submit", "features", *args, "--wait", "--json"],
+    return subprocess.run([sys.executable, "-m", "app.server.cli", "jobs", "submit", "features", *args, "--wait", "--json"],
                           capture_output=True, text=True, timeout=300, env={**os.environ, **svc.env()})
 
 
@@ -50,7 +50,7 @@ def test_features_job_through_the_cli_saves_what_it_reports(svc):
     assert {"loss", "fvu", "dead_share"} <= set(f["latest"])
     assert f["memory"]["peak_rows"] <= f["memory"]["limit_rows"] == 8 * 32
     # the Jobs tab's progress panel reads the same record: the last step's numbers and the quality
-    from app.jobs_figures import progress_html
+    from app.shared.job_views import progress_html
 
     shown = progress_html(rec)
     assert f"step 8: loss {f['latest']['loss']:.4g}, FVU {f['latest']['fvu']:.3f}" in shown

@@ -112,7 +112,7 @@ def test_a_head_search_runs_on_the_worker_through_the_cli(svc):
     from tasks.corpus import builtin_docs
     from tasks.lifecycle import artifact_path
 
-    out = subprocess.run([sys.executable, "-m", "app.cli", "jobs", "submit", "heads", "--model", "random-llama-tiny",
+    out = subprocess.run([sys.executable, "-m", "app.server.cli", "jobs", "submit", "heads", "--model", "random-llama-tiny",
                           "--prompts", "3", "--prompt-tokens", "24", "--wait", "--json"],
                          capture_output=True, text=True, timeout=300, env={**os.environ, **svc.env()})
     assert out.returncode == 0, out.stderr[-2000:] + svc.worker_log()

@@ -178,7 +178,7 @@ def test_restart_redis_and_worker_keeps_history(svc, jobs, finished_bytelevel):
     svc.start_redis()
     svc.start_worker()
     # a fresh "web" process (the CLI) sees the same history and artifacts
-    out = subprocess.run([sys.executable, "-m", "app.cli", "jobs", "list", "--json", "--limit", "1000"],
+    out = subprocess.run([sys.executable, "-m", "app.server.cli", "jobs", "list", "--json", "--limit", "1000"],
                          capture_output=True, text=True, env={**os.environ, **svc.env()}, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     after = {r["id"]: r for r in json.loads(out.stdout)}
@@ -238,7 +238,7 @@ def test_cli_submit_wait_json_end_to_end(svc, tmp_path):
     # no REDIS_URL: the CLI finds the broker through <data dir>/redis.url, like after `make run`
     env = {**os.environ, **svc.env()}
     env.pop("REDIS_URL")
-    cmd = [sys.executable, "-m", "app.cli", "jobs"]
+    cmd = [sys.executable, "-m", "app.server.cli", "jobs"]
     out = subprocess.run(cmd + ["submit", "tokenizer", "--algorithm", "wordpiece", "--vocab-size", "400",
                                 "--corpus", str(corpus_file), "--min-frequency", "1", "--wait", "--json"],
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=180)
@@ -286,7 +286,7 @@ def test_jobs_tab_callbacks_against_live_worker(svc, jobs):
     """The Jobs tab's callbacks (what the buttons and the timer call), without a browser."""
     import gradio as gr
 
-    from app import jobs_tab
+    from app.tabs.jobs import tab as jobs_tab
 
     job_id, msg = jobs_tab.submit("bpe", 400, 2, "<unk>, <s>", "builtin", None, 0.1)
     assert job_id in msg and jobs.get_job(job_id)["owner"] == "local"  # a direct call: no request, no browser

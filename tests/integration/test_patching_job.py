@@ -170,7 +170,7 @@ def test_bad_input(svc, jobs):
 
 def test_cli_submit_patching_wait_json(svc):
     env = {**os.environ, **svc.env()}
-    cmd = [sys.executable, "-m", "app.cli", "jobs", "submit", "patching", "--model", MODEL,
+    cmd = [sys.executable, "-m", "app.server.cli", "jobs", "submit", "patching", "--model", MODEL,
            "--clean", CLEAN, "--corrupted", CORRUPT, "--target", "P", "--other", "R", "--kind", "heads",
            "--wait", "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=180)
@@ -184,7 +184,7 @@ def test_cli_submit_patching_wait_json(svc):
 def test_interventions_tab_offers_and_runs_the_job(svc, jobs, monkeypatch, tmp_path):
     """The tab's callbacks end to end: over the interactive cap -> job offer -> submit -> poll until
     the heatmap is drawn from the job's patching.json."""
-    from app import interventions_tab as tab
+    from app.tabs.interventions import tab
 
     monkeypatch.setattr(tab, "MAX_SWEEP_CELLS", 50)  # 3 layers x 34 positions is over it
     summary, plot, offer, _ = tab.run_patching(MODEL, CLEAN, CORRUPT, "P", "R", "logit_diff", "resid", False,
@@ -208,7 +208,7 @@ def test_interventions_tab_offers_and_runs_the_job(svc, jobs, monkeypatch, tmp_p
     assert len(z) == 3 and len(z[0]) == 34
     assert all(_same(a, b) for ra, rb in zip(z, want) for a, b in zip(ra, rb))
     # the job's grid is what the tab's results download writes (issue 15 item 6)
-    from app.exports import write_interventions
+    from app.shared.exports import write_interventions
 
     csv_path, json_path = write_interventions(None, data, None, tmp_path)
     lines = csv_path.read_text().splitlines()

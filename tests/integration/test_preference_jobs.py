@@ -44,7 +44,7 @@ def svc(tmp_path_factory):
 
 def _cli(svc, *args, timeout=400):
     env = {**os.environ, **svc.env()}
-    return subprocess.run([sys.executable, "-m", "app.cli", "jobs", "submit", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "app.server.cli", "jobs", "submit", *args], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=timeout)
 
 
@@ -70,8 +70,8 @@ def _opens_in_the_compare_view(name: str, parent: str, changed: bool = True) -> 
     """A model a CLI run registered is in the Fine-tune tab's compare menu and its compare view runs
     against its parent; the mean next-token KL the headline states is recomputed here from both
     models' plain transformers forwards of the same tokens."""
-    from app import sft_tab
-    from app.ui import finetuned_choices
+    from app.server.page import finetuned_choices
+    from app.tabs.finetune import tab as sft_tab
     from model_core.core.registry import load_model
     from model_core.interp.trace import encode_prompt
 

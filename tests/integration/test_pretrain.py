@@ -150,7 +150,7 @@ def svc(tmp_path_factory):
 
 def _cli(svc, *args, timeout=240):
     env = {**os.environ, **svc.env()}
-    out = subprocess.run([sys.executable, "-m", "app.cli", "jobs", "submit", *args, "--wait", "--json"],
+    out = subprocess.run([sys.executable, "-m", "app.server.cli", "jobs", "submit", *args, "--wait", "--json"],
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:] + svc.worker_log()
     return json.loads(out.stdout)

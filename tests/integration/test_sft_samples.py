@@ -252,7 +252,7 @@ def test_job_record_gets_samples_while_it_runs(tmp_path, monkeypatch):
 # ---- the table ----------------------------------------------------------------------------------------
 
 def test_samples_table_html():
-    from app.sft_figures import samples_table_html
+    from app.tabs.finetune.figures import samples_table_html
 
     empty = samples_table_html([])
     assert "No sample generations yet" in empty and "<table" not in empty and samples_table_html(None) == empty

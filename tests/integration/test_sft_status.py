@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from app import jobs_figures as jf
-from app import sft_figures as sf
+from app.shared import job_views as jf
+from app.tabs.finetune import figures as sf
 
 pytestmark = pytest.mark.integration
 
@@ -27,7 +27,7 @@ def svc(tmp_path_factory):
 
 
 def test_cancel_clears_eta_and_state_everywhere(svc):
-    from app import sft_tab
+    from app.tabs.finetune import tab as sft_tab
     from tasks import jobs
 
     rec = jobs.submit("sft", {"model": TINY, "method": "full", "max_steps": 5000, "batch_size": 2,

@@ -319,7 +319,7 @@ def test_module_tree_names_the_layer_list(lm_tr):
 
 
 def test_sliding_window_in_the_step_and_labels():
-    from app import anatomy_figures as fig
+    from app.tabs.anatomy import figures as fig
 
     lm = load_model("random-gemma3-tiny")
     tr = trace(lm, PROMPT)
@@ -360,7 +360,7 @@ def test_mlp_reference_curve_and_activation_label(lm_tr):
 def test_tab_panels_fallbacks_and_checks():
     import gradio as gr  # noqa: F401
 
-    from app import anatomy_tab as T
+    from app.tabs.anatomy import tab as T
 
     near, ana, note = T.embed_panel("random-gpt2-tiny", " London", " king", " man", " woman", 5)
     assert near is not None and "Nearest to 'L'" in near.layout.title.text and "using L" in note
@@ -453,7 +453,7 @@ def default_trace():
 @pytest.mark.parametrize("panel,which,layer,broken,how", CORRUPTIONS,
                          ids=[f"{c[0]}-{c[1] or ''}-{c[3]}" for c in CORRUPTIONS])
 def test_each_check_turns_red_when_its_input_is_corrupted(default_trace, panel, which, layer, broken, how):
-    from app import anatomy_tab as T
+    from app.tabs.anatomy import tab as T
 
     lm, tr = default_trace
     assert lm.shape.n_layers - 1 == LAST
@@ -539,7 +539,7 @@ def test_rotation_step_q_before_rope_is_the_models_projection_and_the_pairing_is
 
 
 def test_rope_panels_say_after_rope_and_the_full_turn():
-    from app import anatomy_tab as T
+    from app.tabs.anatomy import tab as T
 
     steps, _, info, rot = T.attention_panel(DEFAULT, PROMPT, False, 2, 4, False, False)
     assert "Q and K are shown after RoPE" in info and "i + 32" in info and "rotate_half" in info
@@ -552,7 +552,7 @@ def test_rope_panels_say_after_rope_and_the_full_turn():
 
 
 def test_norm_panel_shows_the_gain_distribution(default_trace):
-    from app import anatomy_tab as T
+    from app.tabs.anatomy import tab as T
 
     lm, tr = default_trace
     g = lm.model.model.layers[0].input_layernorm.weight.float()

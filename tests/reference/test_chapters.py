@@ -58,7 +58,7 @@ def test_variant_patterns_are_causal_softmax(variants):
 
 
 def test_kv_check_lines_green_and_red_when_the_cache_is_corrupted(variants):
-    from app import anatomy_tab as T
+    from app.tabs.anatomy import tab as T
 
     green = T._kv_check(variants["rows"])
     assert green.count("✓ check") == 4 and "MISMATCH" not in green
@@ -93,7 +93,7 @@ def test_pre_norm_grows_post_norm_stays_at_sqrt_d():
 
 
 def test_norm_chapter_panel_on_the_real_model_and_its_check_red_when_corrupted():
-    from app import anatomy_tab as T
+    from app.tabs.anatomy import tab as T
 
     _, growth, info = T.norms_chapter_panel(DEFAULT, PROMPT, False, 5, -1)
     assert "✓ check: the pre-norm wiring" in info and "RMS² =" in info and "random weights" in info
@@ -160,7 +160,7 @@ def test_rope_and_sinusoidal_fall_with_distance_along_one_curve():
 
 
 def test_schemes_panel_shows_the_worked_example():
-    from app import anatomy_tab as T
+    from app.tabs.anatomy import tab as T
 
     sin_df, rope_df, alibi_df, fig, info, _ = T.schemes_panel(8, 64)
     assert list(sin_df["sin(p·θ₀)"]) == ["0.0000", "0.8415", "0.9093", "0.1411"]
@@ -195,7 +195,7 @@ def test_router_by_hand_equals_the_models_router_and_aux_loss(routing):
 
 
 def test_moe_check_lines_green_and_red_when_captures_are_corrupted(routing):
-    from app import anatomy_tab as T
+    from app.tabs.anatomy import tab as T
 
     fig, info = T.moe_panel(PROMPT, 1)
     assert info.count("✓ check") == 3 and "random weights" in info
@@ -211,7 +211,7 @@ def test_moe_check_lines_green_and_red_when_captures_are_corrupted(routing):
 
 
 def test_variants_panel_labels_random_weights():
-    from app import anatomy_tab as T
+    from app.tabs.anatomy import tab as T
 
     table, bars, pats, info = T.variants_panel(PROMPT)
     assert list(table["variant"]) == ["MHA", "GQA", "MQA", "MLA"] and "random weights" in info
@@ -230,6 +230,6 @@ def test_rope_scaling_linear_and_yarn():
     assert float(rs["yarn"][-1]) == pytest.approx(float(rs["default"][-1]) / 4, rel=1e-5)
     assert bool((rs["yarn"] <= rs["default"] + 1e-9).all() and (rs["yarn"] >= rs["linear"] - 1e-9).all())
     assert rs["yarn_attention_factor"] == pytest.approx(0.1 * math.log(4) + 1)
-    _, _, _, _, info, fig = __import__("app.anatomy_tab", fromlist=["x"]).schemes_panel(8, 64)
+    _, _, _, _, info, fig = __import__("app.tabs.anatomy.tab", fromlist=["x"]).schemes_panel(8, 64)
     assert "YaRN keeps the 8 fastest pairs" in info and [t.name.split(" ")[0] for t in fig.data] == ["plain", "linear",
                                                                                                       "YaRN"]

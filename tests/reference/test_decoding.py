@@ -153,7 +153,7 @@ def test_settings_are_one_sentence(kw, msg):
 
 
 def test_cli_generate_beams_json(default_lm, capsys):
-    from app.cli import main
+    from app.server.cli import main
 
     assert main(["generate", CHAT_Q, "--chat", "--num-beams", "2", "--max-new-tokens", "4", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -180,7 +180,7 @@ def test_panel_checks_turn_red_when_corrupted(default_lm):
     whose log p or score is off shows ✗."""
     import copy
 
-    from app.decoding_panel import summary
+    from app.tabs.generate.decoding_panel import summary
 
     d = decode(default_lm, "Hello", DecodingSettings(method="beam", num_beams=2, max_new_tokens=3), with_greedy=False)
     j = decoding_to_json(default_lm, d)

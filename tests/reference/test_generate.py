@@ -268,13 +268,13 @@ def test_json_shape(tiny):
 
 def test_cli_generate_json():
     env = {**os.environ, "LMSCOPE_DEVICE": "cpu", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "app.cli", "generate", PROMPT, "--max-new-tokens", "8", "--json"],
+    r = subprocess.run([sys.executable, "-m", "app.server.cli", "generate", PROMPT, "--max-new-tokens", "8", "--json"],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["text"].startswith(" Paris") and len(out["token_ids"]) == len(out["steps"]) <= 8
     assert out["steps"][0]["chosen"]["token"] == " Paris" and out["steps"][0]["chosen"]["rank"] == 1
-    r = subprocess.run([sys.executable, "-m", "app.cli", "generate", "hi", "--model", "random-llama-tiny",
+    r = subprocess.run([sys.executable, "-m", "app.server.cli", "generate", "hi", "--model", "random-llama-tiny",
                         "--max-new-tokens", "-1"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert r.returncode == 2 and "max_new_tokens must be at least 1" in r.stderr
 

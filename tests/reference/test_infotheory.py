@@ -80,7 +80,7 @@ def test_mfu_arithmetic_and_jobs():
 def test_panel_checks_turn_red_when_corrupted(default_lm, monkeypatch):
     """The Anatomy panel's check lines: hand cross-entropy vs transformers' loss, hand KL vs kl_div; a
     corrupted hand computation (targets shifted by one; KL terms with a wrong sign) shows MISMATCH."""
-    from app import anatomy_tab
+    from app.tabs.anatomy import tab as anatomy_tab
 
     ok, _, _ = anatomy_tab.info_panel("smollm2-135m-instruct", PROMPT, False, 2.0, None)
     assert ok.count("✓ check") == 3 and "MISMATCH" not in ok

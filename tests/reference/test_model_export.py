@@ -218,7 +218,7 @@ def test_download_route_serves_registered_finetuned_models_only(tuned, tmp_path)
 def test_download_route_needs_sign_in_when_it_is_on(tuned, tmp_path):
     import httpx
 
-    from app import auth
+    from app.server import auth
     from tests.helpers.browser import LiveServer
 
     users = tmp_path / "users.txt"

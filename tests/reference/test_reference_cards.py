@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from app.cli import main
+from app.server.cli import main
 from model_core.anatomy import reference_cards as R
 from model_core.anatomy import walkthrough as A
 from model_core.core.registry import load_model
@@ -242,7 +242,7 @@ def test_cli_card_json(capsys, tmp_path):
 def test_cli_entry_point():
     """The installed `lmscope card` command, in a fresh process (imports included)."""
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "app.cli", "card", "gpt3-175b", "--json"],
+    out = subprocess.run([sys.executable, "-m", "app.server.cli", "card", "gpt3-175b", "--json"],
                          capture_output=True, text=True, timeout=300, check=True)
     print(f"\n`lmscope card gpt3-175b --json` in a fresh process: {time.perf_counter() - t0:.1f} s")
     card = json.loads(out.stdout)
@@ -252,7 +252,7 @@ def test_cli_entry_point():
 # --- figures are pure functions of the cards ---------------------------------------------------------
 
 def test_figures_and_table():
-    from app import cards_figures as F
+    from app.tabs.anatomy import cards_figures as F
 
     cards = {R.reference_card(n)["title"]: R.reference_card(n) for n in R.REFERENCES}
     kv = F.kv_growth_figure(R.kv_growth(cards))

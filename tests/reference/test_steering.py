@@ -152,7 +152,7 @@ def test_cli_steered_generation_json(tmp_path):
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text('{"positive": "I love this", "negative": "I hate this"}\n'
                      '{"positive": "What a lovely day", "negative": "What a horrible day"}\n')
-    r = subprocess.run([sys.executable, "-m", "app.cli", "generate", "Honestly, my neighbours are", "--steer-pairs",
+    r = subprocess.run([sys.executable, "-m", "app.server.cli", "generate", "Honestly, my neighbours are", "--steer-pairs",
                         str(pairs), "--steer-layer", str(LAYER), "--alpha", "6", "--max-new-tokens", "4", "--json"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -160,7 +160,7 @@ def test_cli_steered_generation_json(tmp_path):
     assert out["steering"]["layer"] == LAYER and out["steering"]["n_pairs"] == 2
     assert [run["alpha"] for run in out["runs"]] == [0.0, 6.0]
     assert out["runs"][0]["token_ids"] != out["runs"][1]["token_ids"]
-    bad = subprocess.run([sys.executable, "-m", "app.cli", "generate", "hi", "--steer-pairs", str(pairs),
+    bad = subprocess.run([sys.executable, "-m", "app.server.cli", "generate", "hi", "--steer-pairs", str(pairs),
                           "--alpha", "inf"], capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "alpha must be a finite number" in bad.stderr and "Traceback" not in bad.stderr
 

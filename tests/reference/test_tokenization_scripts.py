@@ -189,7 +189,7 @@ def test_generate_labels_streamed_tokens_by_the_character_they_make():
     """Generate's tokens arrive one at a time: once a character's last byte token is in, every token
     of it is labelled with the character, and a step's candidates that finish a character the text
     left open show it ("…é")."""
-    from app.generate_tab import _highlight, _Labeller
+    from app.tabs.generate.tab import _highlight, _Labeller
     from model_core.core.tokenization import byte_tokenizer
 
     bt = byte_tokenizer()
@@ -211,7 +211,7 @@ def test_generate_labels_streamed_tokens_by_the_character_they_make():
 def test_lens_cells_after_an_open_character_show_the_character_they_finish(default_lm):
     """On the real model: where the prompt stops two bytes into a Burmese letter, the last layer's
     guess is the letter's last byte; the lens cell shows the letter it finishes ("…မ"), not <0x99>."""
-    from app import views
+    from app.tabs.explore import views
     from model_core.interp.trace import trace
 
     tr = trace(default_lm, SCRIPTS["burmese"])
@@ -227,7 +227,7 @@ def test_lens_cells_after_an_open_character_show_the_character_they_finish(defau
 
 def test_exports_carry_bytes_and_characters(default_lm):
     """tokens.csv and trace.json: each token's bytes, the character it helps spell and which part."""
-    from app import views
+    from app.tabs.explore import views
     from model_core.interp.trace import trace
     from model_core.interp.trace_summary import trace_summary
 

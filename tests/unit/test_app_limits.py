@@ -4,8 +4,8 @@
 import gradio as gr
 import pytest
 
-from app import explore_tab
-from app.context import user_slot
+from app.shared.context import user_slot
+from app.tabs.explore import tab as explore_tab
 
 
 class _Req:
@@ -60,7 +60,7 @@ def test_model_endpoints_run_torch_on_their_share_of_the_cores():
 
     import torch
 
-    from app.context import endpoint, settings
+    from app.shared.context import endpoint, settings
     from model_core.core.cpu_threads import request_threads
     from model_core.serving.engine import engine_threads
 
@@ -90,7 +90,7 @@ def test_request_threads_yield_the_cores_to_the_engine_and_start_threads_at_full
     import os
     import threading
 
-    from app.context import endpoint
+    from app.shared.context import endpoint
     from model_core.core.cpu_threads import REQUEST_NICE, start_thread
 
     def nice() -> int:

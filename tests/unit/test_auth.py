@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from app import auth
+from app.server import auth
 from model_core.core.settings import Settings, SettingsError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -196,7 +196,7 @@ def test_add_user_refuses_control_characters(tmp_path):
     users = tmp_path / "users.txt"
     with pytest.raises(ValueError, match="control characters"):
         auth.write_user(users, "alice", "alice-password\x00")
-    out = subprocess.run([sys.executable, "-m", "app.auth", "add-user", "alice", "--file", str(users),
+    out = subprocess.run([sys.executable, "-m", "app.server.auth", "add-user", "alice", "--file", str(users),
                           "--iterations", "1000"], input="alice-pass\x00word\n", text=True, capture_output=True,
                          cwd=ROOT)
     assert out.returncode == 2 and "control characters" in out.stderr

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from app import explore_tab
+from app.tabs.explore import tab as explore_tab
 from model_core.core.sampling import SamplingSettings, apply_sampling
 
 MODEL = "random-llama-tiny"

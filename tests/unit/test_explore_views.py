@@ -14,7 +14,8 @@ import plotly.graph_objects as go
 import pytest
 import torch
 
-from app import explore_tab, views
+from app.tabs.explore import tab as explore_tab
+from app.tabs.explore import views
 from model_core import load_model
 from model_core.core.cpu_threads import REQUEST_NICE
 from model_core.interp import trace
@@ -286,7 +287,7 @@ def test_the_lens_of_every_position_is_filled_in_while_the_server_is_idle(lm):
     final norm and unembedding over the whole vocabulary."""
     import time
 
-    from app import context
+    from app.shared import context
 
     tr = trace(lm, _prompt(150))
     T = tr.n_tokens
@@ -321,7 +322,7 @@ def test_the_filler_fills_the_rows_on_screen_first(lm, monkeypatch):
     them is the likely next step), coarse to fine within them, then the rest."""
     import threading
 
-    from app import context
+    from app.shared import context
 
     tr = trace(lm, _prompt(160))
     calls = []

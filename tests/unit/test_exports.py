@@ -4,8 +4,8 @@ layer's attention), from the tab's own callback on a tiny random-weight model.""
 
 import csv
 
-from app import interventions_tab as tab
-from app.exports import write_interventions
+from app.shared.exports import write_interventions
+from app.tabs.interventions import tab
 
 
 def test_attribution_csv_adds_up(tmp_path):
@@ -29,7 +29,7 @@ def test_explore_stage_table_download_is_the_table_shown(tmp_path):
     real trace; the reference is model_core.core.sampling.apply_sampling on the trace's next-token logits."""
     import json
 
-    from app import explore_tab
+    from app.tabs.explore import tab as explore_tab
     from model_core.core.sampling import SamplingSettings, apply_sampling
 
     out = explore_tab.run_trace("random-llama-tiny", "the quick brown fox", False, False, 0, 0, -1, "probability",
@@ -61,9 +61,9 @@ def test_generate_samples_download_is_the_table_shown(tmp_path):
 
     import gradio as gr
 
-    from app import generate_tab
-    from app.context import Shared
-    from app.exports import write_samples
+    from app.shared.context import Shared
+    from app.shared.exports import write_samples
+    from app.tabs.generate import tab as generate_tab
 
     with gr.Blocks():
         shared = Shared(model=gr.Dropdown(["random-llama-tiny"], value="random-llama-tiny"), prompt=gr.Textbox(),
@@ -106,9 +106,10 @@ def test_runs_and_jobs_downloads_are_the_tables_shown(tmp_path):
     table functions) and JSON (the records' settings and results, logs left out)."""
     import json
 
-    from app import jobs_figures as jf
-    from app import sft_figures as sf
-    from app.exports import write_jobs, write_runs
+    from app.shared import job_views as jf
+    from app.shared.job_views import write_jobs
+    from app.tabs.finetune import figures as sf
+    from app.tabs.finetune.downloads import write_runs
 
     recs = [_job(1, sft={"model_name": "tiny-sft-lora-1", "metrics": {"steps": 8, "final_loss": 2.5, "final_eval_loss": 2.75,
                                                                       "tokens_per_s": 812.4},

@@ -1,4 +1,4 @@
-"""Generate's "Clamp a feature" panel (app/feature_clamp_panel.py) on the real default model with the
+"""Generate's "Clamp a feature" panel (app/tabs/generate/feature_clamp_panel.py) on the real default model with the
 session's small feature set (tests/conftest.feature_set).
 
 References: `generate` without edits for the run as it is (same seed, greedy); for the clamped run, a
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app import feature_clamp_panel as P
+from app.tabs.generate import feature_clamp_panel as P
 from model_core.interp import features as F
 from model_core.interp.feature_steering import feature_edits
 from model_core.interp.interventions import last_logits

@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app import explore_tab, views
-from app import features_panel as P
+from app.tabs.explore import features_panel as P
+from app.tabs.explore import tab as explore_tab
+from app.tabs.explore import views
 from model_core.interp import features as F
 
 PROMPT = "The capital of France is Paris, and the capital of Italy is"

@@ -1,4 +1,4 @@
-"""app.generate_figures' two-panel figures are built in one constructor; their layout is the one
+"""app.tabs.generate.figures' two-panel figures are built in one constructor; their layout is the one
 plotly's own make_subplots makes (the reference), their traces sit on the panels make_subplots'
 row/col would have put them on."""
 
@@ -7,7 +7,7 @@ import json
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from app import generate_figures as GF
+from app.tabs.generate import figures as GF
 
 
 def _json(fig: go.Figure) -> dict:

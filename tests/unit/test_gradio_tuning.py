@@ -1,4 +1,4 @@
-"""app.gradio_tuning: skipped outputs answer what Gradio itself answers, without Gradio rebuilding
+"""app.server.gradio_tuning: skipped outputs answer what Gradio itself answers, without Gradio rebuilding
 the component and its config for each (the reference is Gradio's own Blocks.postprocess_data,
 run on the same predictions); the queue polls less often; a session's component configs are
 worked out when first used and come out as Gradio's own eager SessionState has them; a page's
@@ -11,7 +11,7 @@ import plotly.graph_objects as go
 from gradio.blocks import Blocks
 from gradio.state_holder import SessionState
 
-from app import gradio_tuning
+from app.server import gradio_tuning
 
 
 def _gradio_own():
@@ -129,10 +129,10 @@ def test_session_configs_are_worked_out_when_used_and_equal_gradios_own(monkeypa
 
 
 def test_the_served_app_has_all_four():
-    """What `lmscope serve` builds (app.main.build_app) runs with the four changes in place."""
+    """What `lmscope serve` builds (app.server.main.build_app) runs with the four changes in place."""
     import sys
 
-    from app.main import build_app
+    from app.server.main import build_app
     from model_core.core.settings import Settings
 
     marked_before = {n for n, m in sys.modules.items() if m is None}

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from app import figures
+from app.tabs.explore import figures
 from model_core.core.tokenization import (
     codepoint_spans,
     describe_tokens,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from app import head_search_panel as P
+from app.tabs.explore import head_search_panel as P
 from model_core import load_model
 from model_core.interp import head_search as HS
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from app import auth
+from app.server import auth
 from model_core.core.settings import Settings, SettingsError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,7 +84,7 @@ def test_password_hash_and_add_user_cli(tmp_path):
     assert not auth.verify_password("x", "garbage")
     users = tmp_path / "users.txt"
     for name, pw in (("alice", "alice-pass-1"), ("bob", "bob-pass-22"), ("alice", "alice-pass-2")):
-        out = subprocess.run([sys.executable, "-m", "app.auth", "add-user", name, "--file", str(users),
+        out = subprocess.run([sys.executable, "-m", "app.server.auth", "add-user", name, "--file", str(users),
                               "--iterations", "1000"], input=pw + "\n", text=True, capture_output=True, cwd=ROOT)
         assert out.returncode == 0, out.stderr
     lines = users.read_text().splitlines()
@@ -92,7 +92,7 @@ def test_password_hash_and_add_user_cli(tmp_path):
     check = auth.authenticator(Settings.from_env({"LMSCOPE_AUTH": "users", "LMSCOPE_USERS_FILE": str(users)}))
     assert check("alice", "alice-pass-2") and not check("alice", "alice-pass-1")
     assert check("bob", "bob-pass-22") and not check("carol", "bob-pass-22") and not check("", "")
-    bad = subprocess.run([sys.executable, "-m", "app.auth", "add-user", "../evil", "--file", str(users)],
+    bad = subprocess.run([sys.executable, "-m", "app.server.auth", "add-user", "../evil", "--file", str(users)],
                          input="whatever-pass\n", text=True, capture_output=True, cwd=ROOT)
     assert bad.returncode == 2 and "User names" in bad.stderr
 
@@ -144,7 +144,7 @@ def test_compose_file_shape_and_commands():
         dev = gpu["services"][name]["deploy"]["resources"]["reservations"]["devices"][0]
         assert dev["driver"] == "nvidia" and "gpu" in dev["capabilities"]
     # the worker's health check and CLI names exist
-    from app.cli import main as _  # noqa: F401
+    from app.server.cli import main as _  # noqa: F401
     from tasks.celery_app import app  # noqa: F401
     docker = (ROOT / "Dockerfile").read_text()
     assert "torch==${TORCH_VERSION}" in docker and "ARG TORCH_VERSION=2.13.0" in docker
@@ -296,7 +296,7 @@ def test_jobs_belong_to_their_owner(tmp_path, monkeypatch):
 
     svc = LiveServices(tmp_path / "data").start()
     try:
-        from app import jobs_tab
+        from app.tabs.jobs import tab as jobs_tab
         from tasks import jobs
 
         slow = {"algorithm": "unigram", "vocab_size": 8000}
@@ -318,7 +318,7 @@ def test_jobs_belong_to_their_owner(tmp_path, monkeypatch):
         monkeypatch.setenv("LMSCOPE_USERS_FILE", str(tmp_path / "users.txt"))
         table, _, prog, log = jobs_tab.refresh(a["id"], Req("bob"))
         assert a["id"] not in table.to_string() and log == ""
-        # the job list download holds what each viewer's table holds (app/exports.write_jobs)
+        # the job list download holds what each viewer's table holds (app.shared.job_views.write_jobs)
         def listed(user):
             files = {Path(f).name: Path(f) for f in jobs_tab.export_jobs(Req(user))["value"]}
             return [j["id"] for j in json.loads(files["jobs.json"].read_text())["jobs"]], files["jobs.csv"].read_text()

@@ -4,7 +4,7 @@ token it became and offers the spaced one."""
 
 import time
 
-from app import jobs_figures as jf
+from app.shared import job_views as jf
 
 
 def _rec(state="running", fraction=0.05, eta=0.2, started_ago=1.0):
@@ -27,7 +27,7 @@ def test_eta_is_said_only_when_it_means_something():
 
 
 def test_cancel_button_only_while_a_job_can_stop():
-    from app.jobs_tab import _cancel_button
+    from app.tabs.jobs.tab import _cancel_button
 
     for state, shown in [("queued", True), ("running", True), ("succeeded", False), ("failed", False),
                          ("cancelled", False)]:
@@ -40,7 +40,7 @@ def test_a_target_without_its_leading_space_is_named_and_the_spaced_one_offered(
     'city of') is 7042; the note says both and the button puts the space in."""
     from transformers import AutoTokenizer
 
-    from app import interventions_tab as iv
+    from app.tabs.interventions import tab as iv
     from conftest import DEFAULT
     from model_core.core.registry import converted_dir
 
@@ -60,7 +60,7 @@ def test_a_target_without_its_leading_space_is_named_and_the_spaced_one_offered(
 
 
 def test_generate_settings_from_a_link_are_clamped_into_their_controls():
-    from app.generate_tab import settings_from_url
+    from app.tabs.generate.tab import settings_from_url
 
     q = {"tab": "generate", "prompt": "Hi", "gen_max": "99999", "gen_t": "50", "gen_k": "-3", "gen_p": "0",
          "gen_minp": "nan", "gen_rep": "1.2", "gen_seed": "7", "gen_step": "4", "gen_stop": "\\n"}
@@ -77,7 +77,7 @@ def test_generate_settings_from_a_link_are_clamped_into_their_controls():
 def test_interventions_choices_from_a_link_are_valid_values():
     import gradio as gr
 
-    from app.interventions_tab import choices_from_url
+    from app.tabs.interventions.tab import choices_from_url
 
     q = {"tab": "interventions", "iv_clean": "A", "iv_target": " Paris", "iv_metric": "logprob",
          "iv_heads": "L0H1,L99H0,L3H2,../x", "iv_mlps": "2,40", "iv_mode": "evil", "iv_align": "1"}

@@ -10,7 +10,7 @@ from model_core.serving.generate import generate
 
 
 def test_kv_formula_runs_to_the_tokens_the_cache_holds():
-    from app.generate_tab import _light_state
+    from app.tabs.generate.tab import _light_state
 
     lm = load_model("random-llama-tiny")
     gen = generate(lm, "Hello there", max_new_tokens=8, ignore_eos=True)
@@ -23,7 +23,7 @@ def test_kv_formula_runs_to_the_tokens_the_cache_holds():
 
 
 def test_generate_and_explore_say_which_distribution_mass_kept_refers_to():
-    from app import generate_figures as GF
+    from app.tabs.generate import figures as GF
 
     step = {"index": 0, "chosen": {"id": 1, "token": "a", "prob": 0.5, "rank": 1},
             "top_before": [{"id": 1, "token": "a", "prob": 0.5, "removed_by": None}],
@@ -42,7 +42,7 @@ def test_default_weights_are_the_q4_1_gguf_dequantised():
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    from app.ui import model_info
+    from app.server.page import model_info
     from model_core.core.registry import REGISTRY, _gguf_path
 
     lm = load_model(DEFAULT)

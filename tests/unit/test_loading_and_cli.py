@@ -14,7 +14,7 @@ from model_core.interp import trace
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "app.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "app.server.cli", *args], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "LMSCOPE_DEVICE": "cpu"})
 
 
@@ -51,7 +51,7 @@ def test_cli_error_is_one_sentence():
 
 def test_cli_bad_settings_stop_it_with_one_sentence_each():
     env = {**os.environ, "LMSCOPE_MAX_BATCH": "lots", "LMSCOPE_AUTH": "magic", "LMSCOPE_DEVICE": "cpu"}
-    r = subprocess.run([sys.executable, "-m", "app.cli", "models"], capture_output=True, text=True, timeout=300,
+    r = subprocess.run([sys.executable, "-m", "app.server.cli", "models"], capture_output=True, text=True, timeout=300,
                        env=env)
     assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr
     assert r.stderr.startswith("error: bad configuration: ")

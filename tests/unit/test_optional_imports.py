@@ -1,4 +1,4 @@
-"""app.main.mark_missing_optional_imports: Gradio's per-request optional imports of libraries that are
+"""app.server.main.mark_missing_optional_imports: Gradio's per-request optional imports of libraries that are
 not installed fail at once instead of searching sys.path each time; installed ones are untouched."""
 
 import importlib.util
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from app.main import mark_missing_optional_imports
+from app.server.main import mark_missing_optional_imports
 
 
 def test_only_missing_libraries_are_marked_and_gradio_still_works():

@@ -1,5 +1,5 @@
-"""The reward / DPO / GRPO panel (app/preference_panel.py) and its pure figures
-(app/preference_figures.py): figures read a job record shaped as tasks/preference_job.py writes it
+"""The reward / DPO / GRPO panel (app/tabs/finetune/preference_panel.py) and its pure figures
+(app/tabs/finetune/preference_figures.py): figures read a job record shaped as tasks/preference_job.py writes it
 (rows with the keys a real 2-step run on random-llama-tiny logged), a malformed upload is refused by
 line number before anything is queued, and the per-token log pi/pi_ref of a perturbed copy of
 random-llama-tiny sums to the sequence log-ratio computed here with a plain transformers forward."""
@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from app import preference_figures as pf
-from app import preference_panel as pp
+from app.tabs.finetune import preference_figures as pf
+from app.tabs.finetune import preference_panel as pp
 
 BETA = 0.1
 

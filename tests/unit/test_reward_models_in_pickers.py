@@ -19,7 +19,7 @@ def test_reward_models_are_listed_with_their_kind_and_never_picked(tmp_path, mon
         d.mkdir(parents=True)
         (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
         (d / "lmscope.json").write_text(json.dumps({"kind": kind, "parent": "smollm2-135m-instruct"}))
-    from app.ui import model_choices
+    from app.server.page import model_choices
     from model_core.core.registry import list_models, load_model
 
     kinds = {r["name"]: r.get("kind") for r in list_models(include_random=False) if r["source"] == "finetuned"}

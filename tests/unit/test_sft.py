@@ -270,7 +270,7 @@ def test_sft_job_through_a_real_worker(tmp_path):
         import subprocess
         import sys
 
-        out = subprocess.run([sys.executable, "-m", "app.cli", "jobs", "submit", "sft", "--model", TINY,
+        out = subprocess.run([sys.executable, "-m", "app.server.cli", "jobs", "submit", "sft", "--model", TINY,
                               "--lora-rank", "4", "--max-steps", "3", "--batch-size", "4", "--output-name",
                               "tiny-cli", "--wait", "--timeout", "120", "--json"],
                              capture_output=True, text=True, timeout=180, cwd=Path(__file__).resolve().parents[2])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from app import steering_panel as P
+from app.tabs.generate import steering_panel as P
 
 MODEL = "smollm2-135m-instruct"
 PROMPT = "Honestly, my neighbours are"
@@ -64,9 +64,10 @@ def test_explore_with_the_vector_shows_the_steered_model(monkeypatch):
     from the cache is re-run with the same vector."""
     import torch
 
-    from app import explore_tab, views
-    from app.explore_state import trace_for_state
-    from app.trace_store import STORE
+    from app.shared.trace_store import STORE
+    from app.tabs.explore import tab as explore_tab
+    from app.tabs.explore import views
+    from app.tabs.explore.state import trace_for_state
 
     monkeypatch.setattr(views.FILLER, "enabled", False)
     names = explore_tab.RUN_OUTPUT_NAMES

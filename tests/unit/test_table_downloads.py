@@ -11,8 +11,8 @@ from pathlib import Path
 import gradio as gr
 import pytest
 
-from app import sft_tab
-from app.generate_tab import GenerateTab
+from app.tabs.finetune import tab as sft_tab
+from app.tabs.generate.tab import GenerateTab
 
 TABLE = [[7, " Paris, the capital", 4, 0.61, "length"], [8, " a city in France", 4, 0.42, "length"],
          ["", "2 distinct texts out of 2", "", "", ""]]

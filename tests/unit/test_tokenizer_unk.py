@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from app import jobs_figures as jf
+from app.shared import job_views as jf
 from tasks import corpus
 from tasks import tokenizer_train as tt
 
@@ -134,7 +134,7 @@ def test_report_carries_unknown_rate_on_heldout(unigram, bytelevel):
 @pytest.mark.integration
 def test_jobs_tab_compare_with_a_real_unigram_job(tmp_path):
     """What the Jobs tab's "Tokenize prompt" button returns for a Unigram job and the default model."""
-    from app import jobs_tab
+    from app.tabs.jobs import tab as jobs_tab
     from tasks import jobs
     from tests.helpers.services import LiveServices
 

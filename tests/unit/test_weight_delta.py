@@ -11,7 +11,7 @@ import uuid
 import pytest
 import torch
 
-from app.sft_figures import weight_delta_figure
+from app.tabs.finetune.figures import weight_delta_figure
 from model_core import load_model
 from model_core.anatomy.weight_delta import weight_delta
 from model_core.core.errors import SettingsError

@@ -1,0 +1,294 @@
+"""The `lmscope` command line: the one module that wires the model core, the job queue and the web
+app together (the top layer; docs/ARCHITECTURE.md). Settings are read once here
+(model_core.core.settings) and passed down. Subcommands import what they need when they run, so
+`lmscope models` or `lmscope trace` never import gradio."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from model_core.core.errors import LmscopeError
+from model_core.core.settings import Settings
+
+
+def _print_json(obj) -> None:
+    json.dump(obj, sys.stdout, ensure_ascii=False, indent=2)
+    sys.stdout.write("\n")
+
+
+def cmd_models(args) -> int:
+    from model_core.core.registry import list_models
+
+    rows = list_models(include_random=True)
+    if args.json:
+        _print_json(rows)
+    else:
+        for r in rows:
+            state = "ready" if r["ready"] else ("not installed" if not r["installed"] else "not converted yet")
+            params = f"{r['parameters'] / 1e6:.1f}M" if r.get("parameters") else "?"
+            print(f"{r['name']:28s} {r['architecture']:12s} {params:>8s}  {r['source']:13s} {state}")
+    return 0
+
+
+def cmd_prepare(args) -> int:
+    from model_core.core.registry import REGISTRY, convert_gguf
+
+    entry = REGISTRY.get(args.model)
+    if entry is None or entry.source != "gguf-package":
+        print(f"'{args.model}' needs no preparation.")
+        return 0
+    path = convert_gguf(entry)
+    print(f"{args.model}: ready at {path}")
+    return 0
+
+
+def cmd_trace(args) -> int:
+    from model_core.core.registry import load_model
+    from model_core.interp.trace import trace
+    from model_core.interp.trace_summary import trace_summary
+
+    lm = load_model(args.model, device=args.device or args.settings.device, dtype=args.settings.dtype)
+    tr = trace(lm, args.prompt, chat=args.chat, max_tokens=args.max_tokens, truncate=args.truncate)
+    out = trace_summary(lm, tr, k=args.top_k)
+    if args.json:
+        _print_json(out)
+    else:
+        print("tokens:", " | ".join(t["display"] for t in out["tokens"]))
+        print("next token:")
+        for row in out["next_tokens"]:
+            print(f"  {row['prob']:7.4f}  {row['token']!r}")
+        print("logit lens (last position, top-1 per layer):")
+        for row in out["logit_lens"]:
+            print(f"  layer {row['layer']:3d}  {row['prob']:7.4f}  {row['token']!r}")
+    return 0
+
+
+def _search_settings(args):
+    """--num-beams / --num-beam-groups / --diversity-penalty / --penalty-alpha ask for a search
+    (model_core.serving.search_decoding) instead of sampling; None when none of them is set."""
+    from model_core.serving.search_decoding import DecodingSettings
+
+    beams, alpha = args.num_beams, args.penalty_alpha
+    if beams <= 1 and alpha <= 0 and args.num_beam_groups <= 1 and args.diversity_penalty <= 0:
+        return None
+    if alpha > 0 and beams > 1:
+        raise LmscopeError("Pick one search: --num-beams for beam search or --penalty-alpha for contrastive search.")
+    if alpha > 0:
+        return DecodingSettings.from_values("contrastive", penalty_alpha=alpha, top_k=args.top_k or 4,
+                                            length_penalty=args.length_penalty, max_new_tokens=args.max_new_tokens)
+    method = "diverse" if args.num_beam_groups > 1 or args.diversity_penalty > 0 else "beam"
+    return DecodingSettings.from_values(method, num_beams=beams, num_beam_groups=args.num_beam_groups,
+                                        diversity_penalty=args.diversity_penalty, length_penalty=args.length_penalty,
+                                        max_new_tokens=args.max_new_tokens)
+
+
+def cmd_search(args, settings) -> int:
+    from model_core.core.registry import load_model
+    from model_core.serving.search_decoding import decode, decoding_to_json
+
+    lm = load_model(args.model, device=args.device or args.settings.device, dtype=args.settings.dtype)
+    out = decoding_to_json(lm, decode(lm, args.prompt, settings, chat=args.chat))
+    if args.json:
+        _print_json(out)
+    else:
+        print(args.prompt + out["text"])
+        for b in out["beams"]:
+            print(f"  #{b['rank']}  score {b['score']:.4f}  log p {b['logprob']:.3f}  {b['length']} tokens  "
+                  f"repeated 3-grams {b['repetition']:.0%}  {b['text']!r}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from model_core.core.registry import load_model
+    from model_core.core.sampling import SamplingSettings
+    from model_core.serving.generate import generate, generation_to_json
+
+    search = _search_settings(args)
+    if search is not None:
+        return cmd_search(args, search)
+    lm = load_model(args.model, device=args.device or args.settings.device, dtype=args.settings.dtype)
+    settings = SamplingSettings.from_values(args.temperature, args.top_k, args.top_p, args.min_p,
+                                            args.repetition_penalty)
+    options = dict(max_new_tokens=args.max_new_tokens, settings=settings, seed=args.seed, chat=args.chat,
+                   stop=args.stop or [])
+    if args.steer_pairs:
+        return cmd_steered_generate(args, lm, options)
+    res = generate(lm, args.prompt, **options)
+    out = generation_to_json(lm, res)
+    if args.json:
+        _print_json(out)
+    else:
+        print(args.prompt + out["text"])
+    return 0
+
+
+def cmd_steered_generate(args, lm, options: dict) -> int:
+    """The generation with alpha * v at --steer-layer (v from the --steer-pairs file) beside the
+    unsteered one with the same seed."""
+    from model_core.interp import steering as St
+    from model_core.serving import steered as Steered
+    from model_core.serving.generate import generation_to_json
+
+    path = Path(args.steer_pairs)
+    if args.steer_pairs in St.BUILTIN_PAIRS:
+        pairs = St.builtin_pairs(args.steer_pairs)
+    elif path.is_file():
+        pairs = St.parse_pairs(path.read_text(encoding="utf-8", errors="replace"))
+    else:
+        raise LmscopeError(f"No pairs file {args.steer_pairs!r} (or a built-in set: {', '.join(St.BUILTIN_PAIRS)}).")
+    vec = St.steering_vector(lm, pairs, args.steer_layer, chat=args.chat)
+    runs = [Steered.steered_generation(lm, args.prompt, vec, a, from_position=args.steer_from, **options)
+            for a in dict.fromkeys([0.0, St.check_alpha(args.alpha)])]
+    out = {"steering": {**St.steering_to_json(vec), "alpha": runs[-1].alpha, "from_position": args.steer_from},
+           "runs": [{"alpha": r.alpha, "base_perplexity": r.base_perplexity,
+                     **generation_to_json(lm, r.generation)} for r in runs]}
+    if args.json:
+        _print_json(out)
+    else:
+        for r in runs:
+            print(f"alpha {r.alpha:g} (perplexity under the base model {r.base_perplexity or float('nan'):.2f}):")
+            print("  " + args.prompt + r.generation.text)
+    return 0
+
+
+def cmd_card(args) -> int:
+    from model_core.anatomy import reference_cards as R
+
+    card = R.card(args.name)
+    if args.json:
+        _print_json(R.to_json(card))
+        return 0
+    marks = R.row_marks(card)
+    print(f"{card.get('title') or card['name']}  ({card['source']})")
+    for label, value in R.display_rows(card).items():
+        print(f"  {label:34s} {value}")
+        for m in marks.get(label, []):
+            said = "(value not quoted)" if m["claim"] is None else m["claim"]
+            print(f"  {'':34s} {'=' if m['agrees'] else '≠'} {m['source']}: {said}" + ("" if m["agrees"] else f" — {m['note']}"))
+    for note in card.get("notes", []):
+        print(f"  note: {note}")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from app.server.main import serve
+
+    serve(args.settings, host=args.host, port=args.port, embedded_services=not args.no_services)
+    return 0
+
+
+def cmd_worker(args) -> int:
+    from tasks.worker import run_worker
+
+    run_worker(concurrency=args.concurrency, settings=args.settings)
+    return 0
+
+
+def cmd_jobs(args) -> int:
+    from tasks.cli import jobs_command
+
+    return jobs_command(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from model_core.core.settings import DEFAULT_MODEL
+
+    p = argparse.ArgumentParser(prog="lmscope", description="See inside decoder-only language models.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    m = sub.add_parser("models", help="list the model registry")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(func=cmd_models)
+
+    pr = sub.add_parser("prepare", help="convert a packaged model to the safetensors cache")
+    pr.add_argument("--model", default=DEFAULT_MODEL)
+    pr.set_defaults(func=cmd_prepare)
+
+    t = sub.add_parser("trace", help="trace one forward pass and print tokens, next tokens, logit lens")
+    t.add_argument("prompt")
+    t.add_argument("--model", default=DEFAULT_MODEL)
+    t.add_argument("--top-k", type=int, default=10)
+    t.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    t.add_argument("--max-tokens", type=int, default=1024)
+    t.add_argument("--truncate", action="store_true", help="keep the last --max-tokens tokens of a long prompt")
+    t.add_argument("--device", default=None)
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(func=cmd_trace)
+
+    g = sub.add_parser("generate", help="generate token by token, recording every step")
+    g.add_argument("prompt")
+    g.add_argument("--model", default=DEFAULT_MODEL)
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--chat", action="store_true")
+    g.add_argument("--num-beams", type=int, default=1, help="beam search with N beams (transformers' generate); "
+                   "--json lists every beam with its scores")
+    g.add_argument("--num-beam-groups", type=int, default=1, help="diverse beam search: split the beams into groups")
+    g.add_argument("--diversity-penalty", type=float, default=0.0, help="diverse beam search: penalty per token "
+                   "an earlier group chose at the same step")
+    g.add_argument("--length-penalty", type=float, default=1.0, help="beam score = sum log p / length ** this")
+    g.add_argument("--penalty-alpha", type=float, default=0.0, help="contrastive search with this alpha and "
+                   "--top-k candidates (4 if unset)")
+    g.add_argument("--steer-pairs", default=None, help="steer: a JSONL file of {\"positive\": ..., "
+                   "\"negative\": ...} lines (or a built-in set: love-hate, formal-informal); prints the unsteered "
+                   "run (alpha 0) and the steered one, same seed")
+    g.add_argument("--steer-layer", type=int, default=6, help="steer: the layer whose input gets alpha * v")
+    g.add_argument("--alpha", type=float, default=4.0, help="steer: the vector's strength (0: unsteered)")
+    g.add_argument("--steer-from", type=int, default=0, help="steer: add the vector from this prompt position on")
+    g.add_argument("--device", default=None)
+    g.add_argument("--json", action="store_true")
+    g.set_defaults(func=cmd_generate)
+
+    cd = sub.add_parser("card", help="architecture card computed from a config on the meta device: "
+                        "llama-3.2-1b, gpt2, gpt3-175b, mistral-7b, deepseek-v2, granite-3b, or any model")
+    cd.add_argument("name", help="a reference card name, a registry model, a fine-tuned model or a local folder")
+    cd.add_argument("--json", action="store_true")
+    cd.set_defaults(func=cmd_card)
+
+    s = sub.add_parser("serve", help="start the web UI")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=7860)
+    s.add_argument("--no-services", action="store_true",
+                   help="do not start the embedded Redis and worker (use REDIS_URL and `lmscope worker`)")
+    s.set_defaults(func=cmd_serve)
+
+    w = sub.add_parser("worker", help="run a Celery worker for background jobs")
+    w.add_argument("--concurrency", type=int, default=1)
+    w.set_defaults(func=cmd_worker)
+
+    from tasks.cli import add_jobs_parser
+
+    add_jobs_parser(sub, cmd_jobs)
+    return p
+
+
+def main(argv=None, environ=None) -> int:
+    # read and checked once, here, before anything else reads them (building the parser imports the
+    # job modules); `serve` also checks that the users file exists
+    try:
+        settings = Settings.from_env(environ, check_files=False)
+        args = build_parser().parse_args(argv)
+        if args.func is cmd_serve:
+            settings = Settings.from_env(environ, check_files=True)
+    except LmscopeError as e:
+        print(f"error: bad configuration: {e}", file=sys.stderr)
+        return 2
+    args.settings = settings
+    try:
+        return args.func(args)
+    except LmscopeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""The Blocks layout: header, the shared model/prompt bar, one tab per view. Callbacks live in the
+tab modules; this file only arranges them and keeps the view state in the URL."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import gradio as gr
+
+from app.server.api import harden
+from app.server.narrow import NARROW_JS
+from app.shared.context import (
+    EXAMPLE_PROMPT,
+    Shared,
+    default_model,
+    endpoint,
+    finetuned_choices,
+    get_model,
+    model_choices,
+    model_names,
+)
+from app.tabs.explore import tab as explore_tab
+from app.tabs.explore.views import SCALES
+
+# Optional tabs: (module, title). Each module exposes build(shared).
+OTHER_TABS = [("app.tabs.generate.tab", "Generate"), ("app.tabs.interventions.tab", "Interventions"),
+              ("app.tabs.anatomy.tab", "Anatomy"), ("app.tabs.finetune.tab", "Fine-tune"), ("app.tabs.jobs.tab", "Jobs")]
+
+# Everything a teammate needs to reproduce a view, mirrored into the page URL.
+URL_KEYS = ["model", "prompt", "chat", "layer", "head", "query", "temperature", "top_k", "top_p", "min_p", "rep",
+            "scale", "zoom"]
+# Other keys in the URL (the open tab, the selected job) are kept as they are.
+URL_JS = """(...v) => {
+  const keys = %s;
+  const q = new URLSearchParams(location.search);
+  keys.forEach((k, i) => { let x = v[i]; if (typeof x === 'boolean') x = x ? 1 : 0;
+                           if (x !== null && x !== undefined && x !== '') q.set(k, x); else q.delete(k); });
+  history.replaceState(null, '', '?' + q.toString());
+  return [];
+}""" % (URL_KEYS,)
+TAB_URL_JS = """() => { const q = new URLSearchParams(location.search); q.set('tab', '%s');
+                       history.replaceState(null, '', '?' + q.toString()); return []; }"""
+# Read before the app renders (its first tab's select rewrites the URL); app/server/main.py puts it in <head>.
+HEAD_JS = "<script>window.lmscopeOpenTab = new URLSearchParams(location.search).get('tab');</script>"
+OPEN_TAB_JS = """() => { const t = window.lmscopeOpenTab;
+  // in a narrow window the tabs that do not fit are plain buttons of an overflow menu: any button will do
+  if (t && t !== 'explore') { const m = [...document.querySelectorAll('#tabs button')].filter(
+      x => x.textContent.trim().toLowerCase().replace(/ /g, '-') === t);
+    const b = m.find(x => x.getAttribute('role') === 'tab') || m[m.length - 1]; if (b) b.click(); }
+  return []; }"""
+MODEL_MENUS_REFRESH_S = 3.0  # how soon a model registered by a job appears in open pages' menus
+
+
+def _tab_id(title: str) -> str:
+    return title.lower().replace(" ", "-")
+
+
+TAB_IDS = ["explore"] + [_tab_id(t) for _, t in OTHER_TABS]
+
+
+@endpoint
+def fresh_choices_all():
+    return gr.update(choices=model_choices())
+
+
+@endpoint
+def fresh_choices_finetuned():
+    return gr.update(choices=finetuned_choices())
+
+
+def menus_refresher(kinds: list[str]):
+    """A timer callback that sends every model menu its new choices when the registry changed (a
+    fine-tuning run registered a model, one was deleted) and nothing otherwise. `known` is the
+    session's last-sent list of names."""
+    @endpoint
+    def refresh_model_menus(known):
+        names = model_names()
+        if known == names:
+            return gr.skip()  # one skip answers for every output
+        every, tuned = model_choices(), finetuned_choices()
+        return [names, *[gr.update(choices=every if k == "all" else tuned) for k in kinds]]
+    return refresh_model_menus
+
+
+@endpoint(model=True)
+def model_info(name: str, request: gr.Request = None) -> str:
+    try:
+        lm = get_model(name)
+    except gr.Error as e:
+        return f"⚠️ {e.message}"
+    s = lm.summary()
+    kind = "MHA" if s["kv_heads"] == s["heads"] else ("MQA" if s["kv_heads"] == 1 else "GQA")
+    return (f"**{s['name']}** · {s['parameters'] / 1e6:.1f}M parameters · {s['layers']} layers · "
+            f"{s['heads']} query heads / {s['kv_heads']} key-value heads ({kind}) · d_model {s['d_model']} · "
+            f"vocab {s['vocab_size']:,} · {s['dtype']} on {s['device']} · loaded in {lm.load_seconds:.1f} s"
+            + (" · has a chat template" if s["chat_template"] else "")
+            + (f" · weights: {s['weights']}" if s.get("weights") else ""))
+
+
+@endpoint
+def from_url(request: gr.Request):
+    """Initial values from ?model=...&prompt=...; returns updates for the shared and explore inputs."""
+    q = dict(request.query_params) if request is not None else {}
+
+    def num(k, cast, default):
+        try:
+            return cast(q[k])
+        except (KeyError, ValueError, TypeError):
+            return default
+    # Explore's attention colour scale and zoom (the zoom is clamped to the prompt when it runs)
+    scale = q.get("scale") if q.get("scale") in SCALES else "linear"
+    zoom = str(q.get("zoom") or "")[:80]
+    model = q.get("model") or default_model()
+    if model not in model_names():
+        model = default_model()
+    # A link's value outside a control's range would fail the whole page load (Gradio refuses a
+    # slider value beyond its bounds): each is clamped into its control, with a notice. The layer and
+    # head go to the run as asked, which clamps them to the model and says so (issue 15 item 4).
+    notes = []
+
+    def within(k, cast, default, lo, hi):
+        v = num(k, cast, default)
+        if v != v or v in (float("inf"), float("-inf")):
+            v = default
+        if not lo <= v <= hi:
+            c = max(lo, min(hi, v))
+            if k not in ("layer", "head", "query"):  # the run says those, against the model and prompt
+                notes.append(f"The link's {k}={q.get(k)} is outside {lo:g}–{hi:g}: using {c:g}.")
+            v = c
+        return v
+    layer, head = num("layer", int, 0), num("head", int, 0)
+    # the menu's choices come with the value: a model registered after the page was built opens too
+    return (gr.update(choices=model_choices(), value=model), q.get("prompt", EXAMPLE_PROMPT),
+            q.get("chat") in ("1", "true"),
+            within("layer", int, 0, 0, 127), within("head", int, 0, 0, 127), within("query", int, 0, 0, 8191),
+            within("temperature", float, 1.0, 0, 3), num("top_k", int, 0), within("top_p", float, 1.0, 0.01, 1),
+            within("min_p", float, 0.0, 0, 1), within("rep", float, 1.0, 0.5, 2), scale, zoom,
+            {"run": bool(q.get("prompt")), "query": num("query", int, -1), "scale": scale, "zoom": zoom,
+             "layer": layer, "head": head, "notice": " ".join(notes)})
+
+
+def build_demo() -> gr.Blocks:
+    with gr.Blocks(title="lmscope") as demo:
+        with gr.Column(elem_id="lmscope-header"):
+            gr.Markdown("# lmscope\nSee inside a language model: type a prompt, run one forward pass, and explore "
+                        "what every layer and head did with it.")
+        with gr.Row():
+            model = gr.Dropdown(model_choices(), value=default_model(), label="Model", scale=2, elem_id="model")
+            chat = gr.Checkbox(label="Wrap in chat template (instruct models)", value=False, scale=1,
+                               elem_id="chat")
+        info = gr.Markdown(elem_id="model-info")
+        with gr.Row():
+            prompt = gr.Textbox(value=EXAMPLE_PROMPT, label="Prompt", lines=2, max_lines=12, scale=5,
+                                elem_id="prompt", placeholder="Type a prompt and press Run")
+            run = gr.Button("Run", variant="primary", scale=1, elem_id="run")
+        shared = Shared(model=model, prompt=prompt, chat=chat, page=demo)
+        autorun = gr.State({"run": False, "query": -1})
+
+        with gr.Tabs(elem_id="tabs"):
+            with gr.Tab("Explore", id="explore") as tab:
+                explore = explore_tab.build(shared)
+            tab.select(None, None, None, js=TAB_URL_JS % "explore")
+            for module, title in OTHER_TABS:
+                if importlib.util.find_spec(module) is None:
+                    continue
+                with gr.Tab(title, id=_tab_id(title)) as tab:
+                    importlib.import_module(module).build(shared)
+                tab.select(None, None, None, js=TAB_URL_JS % _tab_id(title))
+
+        for dropdown, kind in shared.pickers:  # opened, a menu fetches its list (a hidden tab may miss the timer)
+            dropdown.focus(fresh_choices_finetuned if kind == "finetuned" else fresh_choices_all, None, [dropdown])
+        kinds = ["all"] + [k for _, k in shared.pickers]
+        known = gr.State(None)
+        gr.Timer(MODEL_MENUS_REFRESH_S).tick(menus_refresher(kinds), [known],
+                                             [known, model, *[d for d, _ in shared.pickers]],
+                                             queue=False, show_progress="hidden")
+
+        ev_run, ev_submit = explore.wire(run)
+        model.change(model_info, [model], [info], api_name="model_info")
+        url_inputs = [model, prompt, chat, explore.layer, explore.head, explore.query, *explore.sampling_inputs,
+                      explore.scale, explore.zoom]
+        for ev in (ev_run, ev_submit):
+            ev.then(None, url_inputs, None, js=URL_JS)
+        for comp in (explore.layer, explore.head, explore.query, *explore.sampling_inputs):
+            comp.input(None, url_inputs, None, js=URL_JS)
+        for ev in explore.url_events:  # zoom, colour scale, clicks in the views
+            ev.then(None, url_inputs, None, js=URL_JS)
+
+        load = demo.load(from_url, None, [*url_inputs, autorun])
+        # ?tab=<id> opens that tab, as a click on it would (only a link that names a tab switches, so a
+        # user who clicked another tab while the page loaded stays there)
+        demo.load(None, None, None, js=OPEN_TAB_JS)
+        demo.load(None, None, None, js=NARROW_JS)  # plots on a narrow screen (app/server/narrow.py)
+        load.then(model_info, [model], [info]).then(
+            _autorun, [autorun, model, prompt, chat, explore.truncate, explore.layer, explore.head,
+                       explore.lens_colour, *explore.sampling_inputs],
+            explore.run_outputs,
+            concurrency_id="model",
+        ).then(_overview_if_ready, [explore.state, explore.metric, explore.layer, explore.head], [explore.overview])
+    harden(demo)
+    return demo
+
+
+@endpoint
+def _autorun(autorun, model, prompt, chat, truncate, layer, head, lens_colour, temperature, top_k, top_p, min_p, rep,
+             request: gr.Request = None):
+    """A shared link (?prompt=...) reproduces the view at once; a plain visit waits for Run."""
+    from app.tabs.explore.tab import run_trace
+
+    if not isinstance(autorun, dict) or not autorun.get("run"):
+        return gr.skip()  # one skip answers for every output: the views stay as they are
+    view = {"query": autorun.get("query", -1), "scale": autorun.get("scale"), "zoom": autorun.get("zoom"),
+            "notice": autorun.get("notice") or ""}
+    # the link's own layer and head (the sliders hold them clamped to their bounds): the run clamps
+    # them to the model and says so
+    layer = autorun.get("layer", layer) if isinstance(autorun.get("layer"), int) else layer
+    head = autorun.get("head", head) if isinstance(autorun.get("head"), int) else head
+    return run_trace(model, prompt, chat, truncate, layer, head, view, lens_colour, temperature,
+                     top_k, top_p, min_p, rep, request=request)
+
+
+@endpoint
+def _overview_if_ready(state, metric, layer, head, request: gr.Request = None):
+    from app.tabs.explore.tab import overview
+
+    if not state or not state.get("key"):
+        return gr.skip()
+    return overview(state, metric, layer, head, request=request)
