@@ -29,8 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from model_core import load_model  # noqa: E402
-from model_core.interp import trace
+from model_core import (
+    load_model,  # noqa: E402
+    trace,
+)
 from model_core.interp.trace_batching import batcher_for  # noqa: E402
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven curious students measure how far "

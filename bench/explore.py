@@ -47,8 +47,10 @@ from common import device_info, interleaved  # noqa: E402
 from app.tabs.explore import tab as explore_tab  # noqa: E402
 from app.tabs.explore import views
 from app.tabs.explore.state import trace_for_state  # noqa: E402
-from model_core import load_model  # noqa: E402
-from model_core.interp import trace
+from model_core import (
+    load_model,  # noqa: E402
+    trace,
+)
 
 METRIC = explore_tab.OVERVIEW_METRICS[2]
 

@@ -13,8 +13,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from model_core import load_model  # noqa: E402
-from model_core.interp import trace
+from model_core import (
+    load_model,  # noqa: E402
+    trace,
+)
 from model_core.interp.lens import logit_lens  # noqa: E402
 from model_core.serving.generate import generate  # noqa: E402
 

@@ -25,8 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from common import device_info, interleaved  # noqa: E402
 
-from model_core import load_model  # noqa: E402
-from model_core.interp import trace
+from model_core import (
+    load_model,  # noqa: E402
+    trace,
+)
 
 
 def load_times(name: str) -> tuple[tuple | None, tuple]:

@@ -9,9 +9,8 @@ import time
 import pytest
 import torch
 
-from model_core import load_model
+from model_core import load_model, trace
 from model_core.interp import neurons as N
-from model_core.interp import trace
 from tests.helpers.services import LiveServices
 
 

@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from conftest import DEFAULT
-from model_core import load_model
+from model_core import load_model, trace
 from model_core.anatomy import walkthrough as A
 from model_core.core.errors import PromptError
-from model_core.interp import trace
 
 MODELS = [DEFAULT, "random-gpt2-tiny", "random-gemma3-tiny"]
 # long enough (> Gemma tiny's sliding window of 6) that the window shows in the mask

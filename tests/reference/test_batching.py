@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from conftest import DEFAULT
-from model_core import load_model
-from model_core.interp import trace
+from model_core import load_model, trace
 from model_core.interp.trace_batching import batcher_for
 from model_core.serving.generate import generate
 from tests.helpers.tolerance import assert_close_to_scale

@@ -30,10 +30,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from model_core import load_model
+from model_core import load_model, trace
 from model_core.core.errors import PromptError, SettingsError
 from model_core.core.sampling import SamplingSettings, apply_sampling
-from model_core.interp import trace
 from model_core.serving.generate import (
     attention_rows,
     generate,

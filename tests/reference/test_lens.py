@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from conftest import DEFAULT, RANDOM_MODELS
-from model_core import load_model
-from model_core.interp import trace
+from model_core import load_model, trace
 from model_core.interp.lens import logit_lens
 
 PROMPT = "The animal didn't cross the street because it was too tired"

@@ -11,9 +11,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from model_core import trace
 from model_core.core.errors import SettingsError
 from model_core.core.sampling import SamplingSettings, apply_sampling
-from model_core.interp import trace
 
 SETTINGS = [
     SamplingSettings(),

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from conftest import DEFAULT, RANDOM_MODELS
-from model_core import load_model
-from model_core.interp import trace
+from model_core import load_model, trace
 from model_core.interp.lens import logit_lens
 from tests.helpers.tolerance import assert_close_to_scale
 

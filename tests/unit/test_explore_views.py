@@ -16,9 +16,8 @@ import torch
 
 from app.tabs.explore import tab as explore_tab
 from app.tabs.explore import views
-from model_core import load_model
+from model_core import load_model, trace
 from model_core.core.cpu_threads import REQUEST_NICE
-from model_core.interp import trace
 
 MODEL = "random-llama-tiny"  # byte-level tokens: one token per character
 

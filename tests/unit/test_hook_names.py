@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import RANDOM_MODELS
-from model_core import load_model, load_trace, save_trace
+from model_core import load_model, load_trace, save_trace, trace
 from model_core.core.hook_names import (
     KINDS,
     LAYER_KINDS,
@@ -21,7 +21,6 @@ from model_core.core.hook_names import (
     layer_of,
     parse,
 )
-from model_core.interp import trace
 from model_core.interp.interventions import last_logits, trace_with_edits
 
 PROMPT = "The animal didn't cross the street because it was too tired"

@@ -7,10 +7,9 @@ import threading
 import pytest
 import torch
 
-from model_core import load_model
+from model_core import load_model, trace
 from model_core.core.errors import ModelLoadError, PromptError
 from model_core.core.tokenization import display_bytes
-from model_core.interp import trace
 
 
 def _cli(*args):

@@ -139,8 +139,7 @@ def test_mfu_worked_example():
 # ---- end to end on the tiny random model -------------------------------------------------------
 
 def test_tiny_full_sft_registers_a_loadable_model(data_dir):
-    from model_core import list_models, load_model
-    from model_core.interp import trace
+    from model_core import list_models, load_model, trace
 
     rows = []
     res = sft.run_sft({**TINY_RUN, "max_steps": 24, "output_name": "tiny-full", "eval_every": 12},
@@ -261,8 +260,7 @@ def test_sft_job_through_a_real_worker(tmp_path):
         assert s["accuracy_before"]["n"] == 4 and s["accuracy_after"]["n"] == 4
         assert (svc.data_dir / "models" / name / "model.safetensors").exists()
         assert {a["name"] for a in done["artifacts"]} == {"lmscope.json", "model.safetensors", "tensorboard.zip"}
-        from model_core import load_model
-        from model_core.interp import trace
+        from model_core import load_model, trace
 
         lm = load_model(name)
         assert lm.meta["parent"] == TINY and trace(lm, "hello").n_tokens == 5

@@ -6,8 +6,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from model_core import load_trace, save_trace
-from model_core.interp import trace
+from model_core import load_trace, save_trace, trace
 from model_core.interp.trace_io import TraceFileError, check_size
 
 

@@ -16,13 +16,13 @@ from app.shared.context import Shared, default_model, endpoint, get_model, max_p
 from app.shared.trace_store import STORE
 from app.tabs.anatomy import cards_figures as cfig
 from app.tabs.anatomy import figures as fig
+from model_core import trace as run_trace
 from model_core.anatomy import reference_cards as R
 from model_core.anatomy import textbook_chapters as C
 from model_core.anatomy import walkthrough as A
 from model_core.core.errors import LmscopeError
 from model_core.core.registry import RANDOM_CONFIGS, REGISTRY, list_models
 from model_core.core.tokenization import describe_tokens
-from model_core.interp import trace as run_trace
 
 LATEX = [{"left": "$$", "right": "$$", "display": True}, {"left": "$", "right": "$", "display": False}]
 GPT2_SMALL = "gpt2-small (config only)"  # older name of the GPT-2 reference card (still accepted)
