@@ -156,16 +156,14 @@ def submit_preference(kind: str, params: dict, owner: str = "cli", files: list |
         v["dataset_file"] = paths[0].name
 
     def prepare(rec: dict) -> None:
-        from model_core.core import paths as mpaths
-        from model_core.core.checkpoints import builtin_names
+        from model_core.core.checkpoints import name_taken
 
         if not v["output_name"]:
             v["output_name"] = P.default_output_name(v["model"], kind, v["method"], suffix=rec["id"][:8])
         name = v["output_name"]
-        if name in builtin_names():
-            raise SettingsError(f"'{name}' is a built-in model name; choose another output name.")
-        if (mpaths.finetuned_dir() / name).exists() and not v.get("overwrite"):
-            raise SettingsError(f"A model named '{name}' already exists; choose another output name.")
+        why = name_taken(name, bool(v.get("overwrite")))
+        if why:
+            raise SettingsError(why)
         rec["preference"] = {"kind": kind, "history": [], "latest": None, "model_name": name,
                              "before": None, "after": None}
         if paths:

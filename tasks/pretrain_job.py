@@ -62,7 +62,7 @@ def validate_params(kind: str, params: dict) -> dict:
 
 def model_names(kind: str, p: dict) -> list[str]:
     """Every model name the job will register (final models and checkpoints)."""
-    from model_core.training.sft import checkpoint_name
+    from model_core.core.checkpoints import checkpoint_name
 
     if kind == "scaling":
         base = {k: v for k, v in p.items() if k != "widths"}
@@ -77,17 +77,14 @@ def model_names(kind: str, p: dict) -> list[str]:
 
 
 def _check_names(names: list[str], overwrite: bool) -> None:
-    from model_core.core import paths
-    from model_core.core.checkpoints import builtin_names
+    from model_core.core.checkpoints import name_taken
 
-    builtin = builtin_names()
     for n in names:
         if len(n) > 100:
             raise SettingsError(f"The model name '{n[:40]}…' would be longer than 100 characters; shorten the name.")
-        if n in builtin:
-            raise SettingsError(f"'{n}' is a built-in model name; choose another output name.")
-        if (paths.finetuned_dir() / n).exists() and not overwrite:
-            raise SettingsError(f"A model named '{n}' already exists; choose another output name.")
+        why = name_taken(n, overwrite)
+        if why:
+            raise SettingsError(why)
 
 
 def submit_pretrain(kind: str, params: dict, owner: str = "cli", files: list | None = None) -> dict:
@@ -159,8 +156,8 @@ def _run(job: Job, kind: str) -> Done:
     job.cancel_note = "cancelled between steps; no model was registered"
 
     def say(msg: str) -> None:
-        if "registered '" in msg:
-            registered.append(msg.split("registered '", 1)[1].split("'", 1)[0])
+        if msg.startswith("registered model '"):  # model_core.training.run's line for a registered run
+            registered.append(msg.split("'", 2)[1])
             job.cancel_note = f"cancelled between steps; kept the finished widths' models: {', '.join(registered)}"
         job.say(msg)
 

@@ -32,6 +32,7 @@ import shutil
 import zipfile
 from pathlib import Path
 
+from model_core.core.checkpoints import name_taken
 from model_core.core.errors import SettingsError
 from model_core.training import sft
 from tasks import config, kinds, store
@@ -121,8 +122,9 @@ def submit_sft(params: dict, owner: str = "cli", files: list | None = None) -> d
     def prepare(rec: dict) -> None:
         if not v["output_name"]:
             v["output_name"] = sft.default_output_name(v["model"], rec["id"][:8], v.get("method", "full"))
-        if (sft.paths.finetuned_dir() / v["output_name"]).exists() and not v.get("overwrite"):
-            raise sft.SFTError(f"A model named '{v['output_name']}' already exists; choose another output name.")
+        why = name_taken(v["output_name"], bool(v.get("overwrite")))
+        if why:
+            raise sft.SFTError(why)
         rec["sft"] = {"history": [], "latest": None, "model_name": v["output_name"], "samples": [], "checkpoints": []}
         if files:
             inp = config.job_dir(rec["id"]) / "input"

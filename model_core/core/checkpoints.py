@@ -1,6 +1,8 @@
-"""Trained models on their way into the registry: the rule for output names, the staging folders
-runs write into before a finished model is renamed into data/models/<name>, and the names the
-registry's built-in entries already take. SFT, pretraining and the preference trainers share it."""
+"""Trained models on their way into the registry: the rule for output names (and for the names of a
+run's intermediate checkpoints), the staging folders runs write into before a finished model is
+renamed into data/models/<name>, and the names the registry's built-in entries already take.
+model_core.training.run (SFT, pretraining, the preference trainers) and the feature dictionaries
+(model_core.interp.features) share it."""
 
 from __future__ import annotations
 
@@ -17,6 +19,11 @@ OUTPUT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")  # a model name a
 
 def valid_output_name(name) -> bool:
     return isinstance(name, str) and OUTPUT_NAME.match(name) is not None
+
+
+def checkpoint_name(name: str, step: int) -> str:
+    """The registered name of a run's intermediate checkpoint: '<final name>-step<S>'."""
+    return f"{name}-step{int(step)}"
 
 
 def staging_root(kind: str = "sft") -> Path:
@@ -51,6 +58,17 @@ def sweep_staging(kind: str = "sft") -> int:
             shutil.rmtree(d, ignore_errors=True)
             n += 1
     return n
+
+
+def name_taken(name: str, overwrite: bool = False) -> str | None:
+    """Why a trained model may not be registered as `name` now, as one sentence, or None: the name is
+    a built-in registry entry's, or (unless the run overwrites) a registered model's. Checked when a
+    job is submitted and again when its run starts."""
+    if name in builtin_names():
+        return f"'{name}' is a built-in model name; choose another output name."
+    if not overwrite and (paths.finetuned_dir() / name).exists():
+        return f"A model named '{name}' already exists; choose another output name."
+    return None
 
 
 def builtin_names() -> set[str]:

@@ -38,7 +38,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from model_core.training.sft import DatasetError, held_out_split, read_dataset_text
+from model_core.training.sft_data import held_out_split, read_dataset_text
+from model_core.training.sft_settings import DatasetError
 
 BUILTIN = "builtin"
 PREFERENCE_SETS = ("date", "style")

@@ -43,10 +43,7 @@ more widths also L = E + A / N^α (`fit_power_law_offset`, a grid over E; scipy 
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -54,9 +51,10 @@ from pathlib import Path
 
 import torch
 
-from model_core.core import paths
+from model_core.core.checkpoints import valid_output_name
 from model_core.core.errors import LmscopeError, SettingsError
-from model_core.training.sft import setting_number
+from model_core.training.run import TrainingRun
+from model_core.training.sft_settings import setting_number
 
 ProgressFn = Callable[[dict], None]
 
@@ -143,8 +141,6 @@ class PretrainSettings:
 
 def validate_settings(raw: dict | PretrainSettings) -> PretrainSettings:
     """Settings with every value checked; SettingsError (one sentence) otherwise."""
-    from model_core.core.checkpoints import valid_output_name
-
     if isinstance(raw, PretrainSettings):
         raw = asdict(raw)
     d = {k: v for k, v in dict(raw or {}).items() if v is not None and v != ""}
@@ -334,199 +330,151 @@ class PretrainResult:
     checkpoints: list[dict] = field(default_factory=list)  # [{name, step, path}]
 
 
-def _save(model, tok, directory: Path, info: dict) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory, safe_serialization=True)
-    tok.save_pretrained(directory)
-    (directory / "lmscope.json").write_text(json.dumps(info, indent=1))
-
-
 def run_pretrain(settings: PretrainSettings | dict, train_docs: list[str], heldout_docs: list[str],
                  progress: ProgressFn | None = None, should_stop: Callable[[], bool] | None = None,
                  log: Callable[[str], None] | None = None, data_note: str = "") -> PretrainResult:
-    """Train a tiny decoder from scratch and register it (see the module docstring).
+    """Train a tiny decoder from scratch and register it (see the module docstring; the name checks,
+    staging folder, cancel, lmscope.json and registration are run.TrainingRun's).
 
     progress(dict) gets {phase: 'training', step, max_steps, loss, eval_loss, eval_ppl, lr,
     tokens_seen, tokens_per_s, elapsed_s, eta_s}: a row per step with the training loss, and a row
     with eval_loss/eval_ppl (loss None) at step 0, every eval_every steps and at the end. Also
     {phase: 'saving'} and {phase: 'done'}. should_stop() is polled between steps (-> PretrainCancelled,
     nothing registered); a non-finite loss -> PretrainError."""
-    from model_core.core.checkpoints import builtin_names, staging_dir, sweep_staging
-    from model_core.training.sft import checkpoint_name
-
-    s = validate_settings(settings)
-    say = log or (lambda m: None)
-    emit = progress or (lambda d: None)
-    stop = should_stop or (lambda: False)
-    name = s.output_name or default_output_name(s)
-    root = paths.finetuned_dir()
-    final = root / name
-    if final.exists() and not s.overwrite:
-        raise PretrainError(f"A model named '{name}' already exists; choose another output name.")
-    if name in builtin_names():
-        raise PretrainError(f"'{name}' is a built-in model name; choose another output name.")
-    max_steps = s.steps()
-    c_steps = checkpoint_steps(max_steps, s.keep_checkpoints)
-    for st in c_steps:
-        cname = checkpoint_name(name, st)
-        if len(cname) > 100:
-            raise PretrainError(f"The name '{name}' is too long to also name its checkpoints '<name>-step<S>'.")
-        if (root / cname).exists() and not s.overwrite:
-            raise PretrainError(f"A model named '{cname}' already exists (this run's checkpoint at step {st}); "
-                                "choose another output name.")
     from model_core.core.registry import resolve_device
 
+    s = validate_settings(settings)
+    max_steps = s.steps()
+    run = TrainingRun(s.output_name or default_output_name(s), error_cls=PretrainError,
+                      cancelled_cls=PretrainCancelled, overwrite=s.overwrite, progress=progress,
+                      should_stop=should_stop, log=log, max_steps=max_steps)
+    c_steps = checkpoint_steps(max_steps, s.keep_checkpoints)
+    run.reserve_checkpoints(c_steps)
     dev, _ = resolve_device(s.device)
-    t_start = time.time()
-    sweep_staging()
-    staging = staging_dir(name)
-    ckpt_dirs: dict[int, Path] = {}
-    try:
-        model, tok = build_model(s)
-        model.to(dev).train()
-        counts = param_counts(model)
-        train_ids = encode_docs(tok, train_docs)
-        held_ids = encode_docs(tok, heldout_docs)
-        span = s.context + 1
-        if train_ids.numel() < span:
-            raise PretrainError(f"The training text has {train_ids.numel()} tokens, fewer than one window of {span}.")
-        windows = eval_windows(held_ids, s.context, s.eval_tokens)
-        tokens_per_step = s.batch_size * s.context
-        say(f"model: d_model {s.width}, {s.layers} layers, {model.config.num_attention_heads} heads of "
-            f"{model.config.head_dim}, MLP {model.config.intermediate_size}; {counts['non_embedding']:,} non-embedding "
-            f"+ {counts['embedding']:,} embedding parameters (tied output)")
-        say(f"data: {train_ids.numel():,} training tokens (bytes), {held_ids.numel():,} held-out; "
-            f"{max_steps} steps x {tokens_per_step:,} tokens = {max_steps * tokens_per_step:,} tokens "
-            f"({max_steps * tokens_per_step / train_ids.numel():.2f} passes); evaluating on "
-            f"{windows.shape[0] * s.context:,} held-out tokens every {s.eval_interval()} steps, on {dev}")
-        decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-        no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay},
-                                 {"params": no_decay, "weight_decay": 0.0}],
-                                lr=lr_at(0, s), betas=(0.9, 0.95), eps=1e-8)
-        gen = torch.Generator().manual_seed(s.seed)
-        history: list[dict] = []
-        train_time = 0.0
-        eval_every = s.eval_interval()
+    with run:
+        return _pretrain(s, run, dev, c_steps, train_docs, heldout_docs, data_note)
 
-        def row(step, **kw):
-            elapsed = time.time() - t_start
-            eta = train_time / step * (max_steps - step) if step else None
-            return {"phase": "training", "step": step, "max_steps": max_steps, "tokens_seen": step * tokens_per_step,
-                    "tokens_per_s": round(step * tokens_per_step / train_time, 1) if train_time > 0 else None,
-                    "elapsed_s": round(elapsed, 2), "eta_s": round(eta, 1) if eta is not None else None, **kw}
 
-        def do_eval(step):
-            ev = evaluate(model, windows, s.batch_size, dev)
-            if not math.isfinite(ev):
-                raise PretrainError(f"The held-out loss became NaN/inf at step {step}; lower the learning rate.")
-            r = row(step, loss=None, lr=None, eval_loss=ev, eval_ppl=math.exp(min(ev, 50.0)))
-            for h in reversed(history):
-                if h["step"] == step:
-                    h["eval_loss"], h["eval_ppl"] = ev, r["eval_ppl"]
-                    break
-            else:
-                history.append({k: v for k, v in r.items() if k != "phase"})
-            emit(r)
-            return ev
+def _pretrain(s: PretrainSettings, run: TrainingRun, dev, c_steps: list[int], train_docs: list[str],
+              heldout_docs: list[str], data_note: str) -> PretrainResult:
+    """run_pretrain inside its TrainingRun: the model, the data, the training loop, the record."""
+    say, name, max_steps = run.say, run.name, run.max_steps
+    model, tok = build_model(s)
+    model.to(dev).train()
+    counts = param_counts(model)
+    train_ids = encode_docs(tok, train_docs)
+    held_ids = encode_docs(tok, heldout_docs)
+    span = s.context + 1
+    if train_ids.numel() < span:
+        raise PretrainError(f"The training text has {train_ids.numel()} tokens, fewer than one window of {span}.")
+    windows = eval_windows(held_ids, s.context, s.eval_tokens)
+    tokens_per_step = s.batch_size * s.context
+    say(f"model: d_model {s.width}, {s.layers} layers, {model.config.num_attention_heads} heads of "
+        f"{model.config.head_dim}, MLP {model.config.intermediate_size}; {counts['non_embedding']:,} non-embedding "
+        f"+ {counts['embedding']:,} embedding parameters (tied output)")
+    say(f"data: {train_ids.numel():,} training tokens (bytes), {held_ids.numel():,} held-out; "
+        f"{max_steps} steps x {tokens_per_step:,} tokens = {max_steps * tokens_per_step:,} tokens "
+        f"({max_steps * tokens_per_step / train_ids.numel():.2f} passes); evaluating on "
+        f"{windows.shape[0] * s.context:,} held-out tokens every {s.eval_interval()} steps, on {dev}")
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=lr_at(0, s), betas=(0.9, 0.95), eps=1e-8)
+    gen = torch.Generator().manual_seed(s.seed)
+    history: list[dict] = []
+    train_time = 0.0
+    eval_every = s.eval_interval()
 
-        def keep(step):
-            d = staging_dir(checkpoint_name(name, step))
-            ckpt_dirs[step] = d
-            model.save_pretrained(d, safe_serialization=True)
-            tok.save_pretrained(d)
+    def row(step, **kw):
+        elapsed = time.time() - run.t_start
+        eta = train_time / step * (max_steps - step) if step else None
+        return {"phase": "training", "step": step, "max_steps": max_steps, "tokens_seen": step * tokens_per_step,
+                "tokens_per_s": round(step * tokens_per_step / train_time, 1) if train_time > 0 else None,
+                "elapsed_s": round(elapsed, 2), "eta_s": round(eta, 1) if eta is not None else None, **kw}
 
-        first_eval = do_eval(0)
-        say(f"held-out loss at initialisation: {first_eval:.3f} nats/token (ln {len(tok)} = {math.log(len(tok)):.3f})")
-        if 0 in c_steps:
-            keep(0)
-        for step in range(max_steps):
-            if stop():
-                raise PretrainCancelled()
-            t0 = time.time()
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step, s)
-            starts = torch.randint(0, train_ids.numel() - span + 1, (s.batch_size,), generator=gen)
-            batch = torch.stack([train_ids[i:i + span] for i in starts.tolist()]).to(dev)
-            logits = model(input_ids=batch[:, :-1]).logits
-            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                                     batch[:, 1:].reshape(-1))
-            lv = float(loss.detach())
-            if not math.isfinite(lv):
-                raise PretrainError(f"The loss became NaN/inf at step {step + 1}; lower the learning rate.")
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            gn = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
-            opt.step()
-            train_time += time.time() - t0
-            done = step + 1
-            r = row(done, loss=lv, lr=opt.param_groups[0]["lr"], grad_norm=gn, eval_loss=None)
+    def do_eval(step):
+        ev = evaluate(model, windows, s.batch_size, dev)
+        if not math.isfinite(ev):
+            raise PretrainError(f"The held-out loss became NaN/inf at step {step}; lower the learning rate.")
+        r = row(step, loss=None, lr=None, eval_loss=ev, eval_ppl=math.exp(min(ev, 50.0)))
+        for h in reversed(history):
+            if h["step"] == step:
+                h["eval_loss"], h["eval_ppl"] = ev, r["eval_ppl"]
+                break
+        else:
             history.append({k: v for k, v in r.items() if k != "phase"})
-            emit(r)
-            if done in c_steps:
-                keep(done)
-            if done % eval_every == 0 or done == max_steps:
-                do_eval(done)
-        if stop():
-            raise PretrainCancelled()
-        emit({"phase": "saving", "step": max_steps, "max_steps": max_steps})
-        evals = [h for h in history if h.get("eval_loss") is not None]
-        final_eval = evals[-1]["eval_loss"]
-        train_losses = [h["loss"] for h in history if h.get("loss") is not None]
-        metrics = {"steps": max_steps, "tokens": max_steps * tokens_per_step, "train_seconds": round(train_time, 2),
-                   "tokens_per_s": round(max_steps * tokens_per_step / max(train_time, 1e-9), 1),
-                   "first_eval_loss": first_eval, "final_eval_loss": final_eval,
-                   "final_eval_ppl": math.exp(min(final_eval, 50.0)), "bits_per_byte": final_eval / math.log(2),
-                   "final_train_loss": sum(train_losses[-10:]) / len(train_losses[-10:]),
-                   "training_flops": 6 * counts["total"] * max_steps * tokens_per_step}
-        ckpt_list = [{"name": checkpoint_name(name, st), "step": st} for st in sorted(ckpt_dirs)]
-        info = {"parent": None, "from_scratch": True,
-                "description": f"trained from scratch: d_model {s.width}, {s.layers} layers, "
-                               f"{metrics['tokens']:,} tokens",
-                "parameters": counts["total"], "non_embedding_parameters": counts["non_embedding"],
-                "embedding_parameters": counts["embedding"], "training": s.to_json(),
-                "dataset": {"source": "builtin", "note": data_note, "train_tokens": int(train_ids.numel()),
-                            "heldout_tokens": int(held_ids.numel()), "eval_tokens": int(windows.shape[0] * s.context)},
-                "metrics": metrics, "history": history, "checkpoints": ckpt_list, "created": time.time()}
-        _save(model.to("cpu"), tok, staging, info)
-        for st, d in ckpt_dirs.items():
-            upto = [h for h in history if h["step"] <= st]
-            ev = [h["eval_loss"] for h in upto if h.get("eval_loss") is not None]
-            c_info = {**info, "checkpoint_of": name, "step": st, "max_steps": max_steps, "history": upto,
-                      "checkpoints": [], "description": f"{info['description']}; checkpoint at step {st}",
-                      "metrics": {"steps": st, "tokens": st * tokens_per_step, "last_eval_loss": ev[-1] if ev else None}}
-            (d / "lmscope.json").write_text(json.dumps(c_info, indent=1))
-        if stop():
-            raise PretrainCancelled()
-        if s.overwrite:
-            for c in ckpt_list:
-                shutil.rmtree(root / c["name"], ignore_errors=True)
-            shutil.rmtree(final, ignore_errors=True)
-        registered: list[Path] = []
-        try:  # checkpoints first, the final model last: a run's models all appear, or none do
-            for st in sorted(ckpt_dirs):
-                target = root / checkpoint_name(name, st)
-                if target.exists():
-                    raise PretrainError(f"A model named '{target.name}' appeared while this run trained.")
-                os.rename(ckpt_dirs[st], target)
-                registered.append(target)
-            if final.exists():
-                raise PretrainError(f"A model named '{name}' appeared while this run trained.")
-            os.rename(staging, final)
-        except BaseException:
-            for target in registered:
-                shutil.rmtree(target, ignore_errors=True)
-            raise
-        say(f"held-out loss {first_eval:.3f} -> {final_eval:.3f} nats/token ({metrics['bits_per_byte']:.3f} "
-            f"bits/byte, perplexity {metrics['final_eval_ppl']:.2f}) in {train_time:.1f} s; registered '{name}'"
-            + (f" and {len(ckpt_list)} checkpoint(s)" if ckpt_list else ""))
-        emit({"phase": "done", "step": max_steps, "max_steps": max_steps})
-        return PretrainResult(name=name, path=final, info=info, history=history,
-                              checkpoints=[{**c, "path": root / c["name"]} for c in ckpt_list])
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-        for d in ckpt_dirs.values():
-            shutil.rmtree(d, ignore_errors=True)
+        run.progress(r)
+        return ev
+
+    def keep(step):
+        d = run.checkpoint_dir(step)
+        model.save_pretrained(d, safe_serialization=True)
+        tok.save_pretrained(d)
+
+    first_eval = do_eval(0)
+    say(f"held-out loss at initialisation: {first_eval:.3f} nats/token (ln {len(tok)} = {math.log(len(tok)):.3f})")
+    if 0 in c_steps:
+        keep(0)
+    for step in range(max_steps):
+        run.check_stop()
+        t0 = time.time()
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, s)
+        starts = torch.randint(0, train_ids.numel() - span + 1, (s.batch_size,), generator=gen)
+        batch = torch.stack([train_ids[i:i + span] for i in starts.tolist()]).to(dev)  # [batch, context + 1]
+        logits = model(input_ids=batch[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                 batch[:, 1:].reshape(-1))
+        lv = float(loss.detach())
+        if not math.isfinite(lv):
+            raise PretrainError(f"The loss became NaN/inf at step {step + 1}; lower the learning rate.")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+        opt.step()
+        train_time += time.time() - t0
+        done = step + 1
+        r = row(done, loss=lv, lr=opt.param_groups[0]["lr"], grad_norm=gn, eval_loss=None)
+        history.append({k: v for k, v in r.items() if k != "phase"})
+        run.progress(r)
+        if done in c_steps:
+            keep(done)
+        if done % eval_every == 0 or done == max_steps:
+            do_eval(done)
+    run.check_stop()
+    run.phase("saving", max_steps)
+    evals = [h for h in history if h.get("eval_loss") is not None]
+    final_eval = evals[-1]["eval_loss"]
+    train_losses = [h["loss"] for h in history if h.get("loss") is not None]
+    metrics = {"steps": max_steps, "tokens": max_steps * tokens_per_step, "train_seconds": round(train_time, 2),
+               "tokens_per_s": round(max_steps * tokens_per_step / max(train_time, 1e-9), 1),
+               "first_eval_loss": first_eval, "final_eval_loss": final_eval,
+               "final_eval_ppl": math.exp(min(final_eval, 50.0)), "bits_per_byte": final_eval / math.log(2),
+               "final_train_loss": sum(train_losses[-10:]) / len(train_losses[-10:]),
+               "training_flops": 6 * counts["total"] * max_steps * tokens_per_step}
+    ckpt_list = run.checkpoint_list()
+    info = {"parent": None, "from_scratch": True,
+            "description": f"trained from scratch: d_model {s.width}, {s.layers} layers, "
+                           f"{metrics['tokens']:,} tokens",
+            "parameters": counts["total"], "non_embedding_parameters": counts["non_embedding"],
+            "embedding_parameters": counts["embedding"], "training": s.to_json(),
+            "dataset": {"source": "builtin", "note": data_note, "train_tokens": int(train_ids.numel()),
+                        "heldout_tokens": int(held_ids.numel()), "eval_tokens": int(windows.shape[0] * s.context)},
+            "metrics": metrics, "history": history, "checkpoints": ckpt_list, "created": time.time()}
+    run.save(model, tok, info)
+    for st in run.checkpoints:
+        upto = [h for h in history if h["step"] <= st]
+        ev = [h["eval_loss"] for h in upto if h.get("eval_loss") is not None]
+        run.save_checkpoint_record(st, {
+            **info, "checkpoint_of": name, "step": st, "max_steps": max_steps, "history": upto, "checkpoints": [],
+            "description": f"{info['description']}; checkpoint at step {st}",
+            "metrics": {"steps": st, "tokens": st * tokens_per_step, "last_eval_loss": ev[-1] if ev else None}})
+    say(f"held-out loss {first_eval:.3f} -> {final_eval:.3f} nats/token ({metrics['bits_per_byte']:.3f} "
+        f"bits/byte, perplexity {metrics['final_eval_ppl']:.2f}) in {train_time:.1f} s")
+    path = run.register()
+    return PretrainResult(name=name, path=path, info=info, history=history,
+                          checkpoints=[{**c, "path": run.root / c["name"]} for c in ckpt_list])
 
 
 # =============================================================================================

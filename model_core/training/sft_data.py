@@ -1,0 +1,354 @@
+"""Fine-tuning's data: chat JSONL parsing (malformed lines named by number), the built-in
+date-reformat task, tokenisation with the assistant-only loss mask, the train / held-out split and
+the collator. The masking rule is described in model_core.training.sft's docstring; everything here
+is re-exported there."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from model_core.training.sft_settings import (
+    BUILTIN,
+    IGNORE,
+    SIMPLE_CHAT_TEMPLATE,
+    DatasetError,
+    SFTError,
+    SFTSettings,
+)
+
+# =============================================================================================
+# JSONL parsing
+
+def _check_messages(msgs, where: str) -> list[dict]:
+    if not isinstance(msgs, list) or not msgs:
+        raise DatasetError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects.")
+    out = []
+    for j, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DatasetError(f"{where}: message {j + 1} must be an object with string 'role' and 'content'.")
+        role = m["role"].strip().lower()
+        if role not in ("system", "user", "assistant"):
+            raise DatasetError(f"{where}: message {j + 1} has role {m['role']!r}; use system, user or assistant.")
+        out.append({"role": role, "content": m["content"]})
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in out):
+        raise DatasetError(f"{where}: no assistant turn (nothing to learn from).")
+    return out
+
+
+def parse_example(obj, where: str = "example") -> list[dict]:
+    """One JSON object -> a list of messages (prompt/completion becomes user + assistant)."""
+    if not isinstance(obj, dict):
+        kind = {type(None): "null", list: "a list", str: "a string", bool: "true/false", int: "a number",
+                float: "a number"}.get(type(obj), "something else")
+        raise DatasetError(f"{where}: expected a JSON object like {{\"messages\": [...]}}, got {kind}.")
+    if "messages" in obj:
+        return _check_messages(obj["messages"], where)
+    if "prompt" in obj or "completion" in obj:
+        p, c = obj.get("prompt"), obj.get("completion")
+        if not isinstance(p, str) or not isinstance(c, str):
+            raise DatasetError(f"{where}: 'prompt' and 'completion' must both be strings.")
+        if not c.strip():
+            raise DatasetError(f"{where}: no assistant turn (the completion is empty).")
+        return [{"role": "user", "content": p}, {"role": "assistant", "content": c}]
+    raise DatasetError(f"{where}: needs 'messages', or 'prompt' and 'completion'.")
+
+
+def read_dataset_text(p: Path, error_cls: type = DatasetError) -> str:
+    """A dataset file's text; a missing or non-UTF-8 file is one sentence of `error_cls`."""
+    if not p.is_file():
+        raise error_cls(f"Dataset file '{p.name}' does not exist.")
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise error_cls(f"Dataset file '{p.name}' is not UTF-8 text (byte {e.start}).") from None
+
+
+def _scan_jsonl(p: Path) -> tuple[list[list[dict]], list[tuple[int, str]], int]:
+    """(good conversations in file order, [(line number, reason)] for every bad line, number of
+    non-blank lines). Raises DatasetError only for a missing or non-UTF-8 file."""
+    text = read_dataset_text(p)
+    convs, bad, n = [], [], 0
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        n += 1
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            bad.append((i, f"not valid JSON ({e.msg} at column {e.colno})"))
+            continue
+        try:
+            convs.append(parse_example(obj, f"line {i}"))
+        except DatasetError as e:
+            bad.append((i, str(e).removeprefix(f"line {i}: ")))
+    return convs, bad, n
+
+
+def _bad_lines_text(bad: list[tuple[int, str]], max_errors: int) -> str:
+    shown = "; ".join(f"line {i}: {why.rstrip('.')}" for i, why in bad[:max_errors])
+    more = f" (and {len(bad) - max_errors} more)" if len(bad) > max_errors else ""
+    return shown + more
+
+
+def load_jsonl(path: str | os.PathLike, max_errors: int = 5, skip_bad: bool = False):
+    """Parse a chat JSONL file. Blank lines are skipped. All bad lines are found.
+
+    skip_bad=False (default): -> [conversation, ...]; any bad line raises DatasetError naming up to
+    `max_errors` of them with their line numbers (and the column, for broken JSON).
+    skip_bad=True: -> (conversations from the good lines, report) where report is
+    {file, lines_kept, lines_skipped, skipped: [{line, reason}] (the first `max_errors`), message};
+    it still raises DatasetError when no good line is left (naming the bad ones) or there are no
+    examples at all. The report's `message` is one sentence for a panel."""
+    p = Path(path)
+    convs, bad, n = _scan_jsonl(p)
+    if bad and not (skip_bad and convs):
+        lead = (f"No usable examples in '{p.name}': all {len(bad)} line(s) are malformed: " if skip_bad and not convs
+                else f"{len(bad)} malformed line(s) in '{p.name}': ")
+        raise DatasetError(lead + _bad_lines_text(bad, max_errors) + ".")
+    if not convs:
+        raise DatasetError(f"Dataset file '{p.name}' has no examples.")
+    if not skip_bad:
+        return convs
+    if bad:
+        message = (f"Kept {len(convs)} of {n} lines of '{p.name}'; skipped {len(bad)} malformed: "
+                   + _bad_lines_text(bad, max_errors) + ".")
+    else:
+        message = f"All {n} lines of '{p.name}' are good."
+    return convs, {"file": p.name, "lines_kept": len(convs), "lines_skipped": len(bad),
+                   "skipped": [{"line": i, "reason": why} for i, why in bad[:max_errors]], "message": message}
+
+
+# =============================================================================================
+# The built-in demo task: rewrite an ISO date as DD/MM/YYYY.
+#
+# Checkable (exact match), generated offline from a seed, and a pure format rule that a model must
+# copy digits for: SmolLM2-135M-Instruct usually answers in another format, swaps day and month,
+# or adds words; a few minutes of SFT on this CPU teach it the rule (see the README for numbers).
+
+BUILTIN_TASK = "date-reformat"
+_TEST_SEED_OFFSET = 10_007
+
+
+def _date_example(rng: random.Random) -> tuple[str, str]:
+    y, m = rng.randint(1950, 2049), rng.randint(1, 12)
+    d = rng.randint(1, 28 if m == 2 else (30 if m in (4, 6, 9, 11) else 31))
+    q = f"Rewrite the date {y:04d}-{m:02d}-{d:02d} in the format DD/MM/YYYY. Answer with the date only."
+    return q, f"{d:02d}/{m:02d}/{y:04d}"
+
+
+def builtin_dataset(n_train: int = 512, n_test: int = 50, seed: int = 0):
+    """(train conversations, held-out [(messages without the answer, answer)]); disjoint questions."""
+    rng = random.Random(seed)
+    test_rng = random.Random(seed + _TEST_SEED_OFFSET)
+    test, seen = [], set()
+    while len(test) < n_test:
+        q, a = _date_example(test_rng)
+        if q not in seen:
+            seen.add(q)
+            test.append(([{"role": "user", "content": q}], a))
+    train = []
+    while len(train) < n_train:
+        q, a = _date_example(rng)
+        if q in seen:
+            continue
+        seen.add(q)
+        train.append([{"role": "user", "content": q}, {"role": "assistant", "content": a}])
+    return train, test
+
+
+def write_builtin_jsonl(path: str | os.PathLike, n: int = 512, seed: int = 0) -> Path:
+    train, _ = builtin_dataset(n, 0, seed)
+    p = Path(path)
+    p.write_text("".join(json.dumps({"messages": c}) + "\n" for c in train), encoding="utf-8")
+    return p
+
+
+# =============================================================================================
+# Tokenisation with the loss mask
+
+def ensure_chat_template(tokenizer) -> bool:
+    """Give a template-less tokenizer SIMPLE_CHAT_TEMPLATE. True if one was added."""
+    if getattr(tokenizer, "chat_template", None):
+        return False
+    tokenizer.chat_template = SIMPLE_CHAT_TEMPLATE
+    return True
+
+
+def _render(tokenizer, messages, add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """(full rendered text, [(start, end)) character spans of the assistant turns incl. end-of-turn)."""
+    full = _render(tokenizer, messages, False)
+    eos = tokenizer.eos_token or ""
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        a = _render(tokenizer, messages[:i], True)
+        b = _render(tokenizer, messages[: i + 1], False)
+        if not (b.startswith(a) and full.startswith(b)):
+            raise SFTError("This model's chat template is not prefix-stable (rendering a conversation changes "
+                           "its earlier turns), so the assistant tokens cannot be located; use prompt/completion "
+                           "data with a simpler template.")
+        start, end = len(a), len(b)
+        if eos:
+            k = b.rfind(eos, start)
+            if k >= 0:
+                end = k + len(eos)  # keep the end-of-turn token, drop the glue after it
+        if end > start:
+            spans.append((start, end))
+    return full, spans
+
+
+def encode_conversation(tokenizer, messages: list[dict]) -> dict:
+    """{input_ids, labels, assistant_mask} for one conversation (no truncation)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise SFTError("The tokenizer has no chat template; call ensure_chat_template first.")
+    full, spans = assistant_char_spans(tokenizer, messages)
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids = [int(x) for x in enc["input_ids"]]
+    mask = []
+    for s, _e in enc["offset_mapping"]:  # a token belongs to the turn its first character is in
+        mask.append(any(a <= s < b for a, b in spans))
+    labels = [t if m else IGNORE for t, m in zip(ids, mask)]
+    return {"input_ids": ids, "labels": labels, "assistant_mask": mask}
+
+
+@dataclass
+class EncodedData:
+    examples: list[dict]
+    total: int
+    truncated: int
+    dropped: int
+    tokens: int
+    trained_tokens: int
+
+    def stats(self) -> dict:
+        return {"examples": len(self.examples), "total": self.total, "truncated": self.truncated,
+                "dropped": self.dropped, "tokens": self.tokens, "trained_tokens": self.trained_tokens}
+
+
+def encode_dataset(tokenizer, convs: list[list[dict]], max_length: int) -> EncodedData:
+    """Encode and cut to max_length tokens (right truncation). An example whose assistant tokens all
+    fall beyond max_length is dropped (it would teach nothing); the counts are reported."""
+    out, truncated, dropped, tok, trained = [], 0, 0, 0, 0
+    for msgs in convs:
+        ex = encode_conversation(tokenizer, msgs)
+        if len(ex["input_ids"]) > max_length:
+            ex = {k: v[:max_length] for k, v in ex.items()}
+            if not any(ex["assistant_mask"][1:]):
+                dropped += 1
+                continue
+            truncated += 1
+        # The first token is never predicted (labels are shifted inside the model).
+        if not any(l != IGNORE for l in ex["labels"][1:]):
+            dropped += 1
+            continue
+        tok += len(ex["input_ids"])
+        trained += sum(1 for l in ex["labels"][1:] if l != IGNORE)
+        out.append(ex)
+    if not out:
+        raise DatasetError(f"All {len(convs)} examples are longer than max_length={max_length} before their "
+                           "assistant turn; raise max_length.")
+    return EncodedData(out, len(convs), truncated, dropped, tok, trained)
+
+
+def quiet_datasets() -> None:
+    """No progress bars from datasets' map/filter (TRL's trainers prepare data with them) in job logs."""
+    try:
+        from datasets.utils.logging import disable_progress_bar
+
+        disable_progress_bar()
+    except ImportError:  # pragma: no cover - datasets comes with trl
+        pass
+
+
+class Collator:
+    """Right-pad a batch; labels padded with -100."""
+
+    def __init__(self, pad_id: int):
+        self.pad_id = pad_id
+
+    def __call__(self, batch: list[dict]) -> dict:
+        T = max(len(b["input_ids"]) for b in batch)
+        ids = torch.full((len(batch), T), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(batch), T), IGNORE, dtype=torch.long)
+        att = torch.zeros((len(batch), T), dtype=torch.long)
+        for i, b in enumerate(batch):
+            n = len(b["input_ids"])
+            ids[i, :n] = torch.tensor(b["input_ids"])
+            labels[i, :n] = torch.tensor(b["labels"])
+            att[i, :n] = 1
+        return {"input_ids": ids, "labels": labels, "attention_mask": att}
+
+
+class ListDataset(torch.utils.data.Dataset):
+    """Encoded examples as the Trainer reads them (input_ids and labels; Collator pads them)."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        r = self.rows[i]
+        return {"input_ids": r["input_ids"], "labels": r["labels"]}
+
+
+# =============================================================================================
+# Train / held-out split and the data of one run
+
+def held_out_split(rows: list, eval_fraction: float, seed: int) -> tuple[list, list]:
+    """(train, held out): a seeded shuffle, at least one held-out row once there are 4 and a
+    fraction is asked for, never all of them."""
+    idx = list(range(len(rows)))
+    random.Random(seed).shuffle(idx)
+    n_eval = int(round(len(rows) * eval_fraction))
+    if eval_fraction > 0 and len(rows) >= 4:
+        n_eval = max(1, n_eval)
+    n_eval = min(n_eval, len(rows) - 1)
+    return [rows[i] for i in idx[n_eval:]], [rows[i] for i in idx[:n_eval]]
+
+
+def heldout_from_convs(convs: list[list[dict]]) -> list[tuple[list[dict], str]]:
+    """Held-out items from eval conversations: everything before the last assistant turn -> its text."""
+    items = []
+    for c in convs:
+        last = max(i for i, m in enumerate(c) if m["role"] == "assistant")
+        items.append((c[:last], c[last]["content"]))
+    return items
+
+
+def prepare_data(s: SFTSettings, tokenizer):
+    """-> (train EncodedData, eval EncodedData | None, held-out accuracy items, dataset description)."""
+    train, ev, test, _samples, desc = prepare_run_data(s, tokenizer)
+    return train, ev, test, desc
+
+
+def prepare_run_data(s: SFTSettings, tokenizer):
+    """prepare_data plus the prompts sampled during training: the first `sample_prompts` held-out items
+    (built-in task: its held-out questions, with answers; uploads: the eval split's conversations up
+    to their last assistant turn, whose text is the expected answer). Never trained on."""
+    n_samples = s.sample_prompts if s.sample_every != 0 else 0
+    if s.dataset == BUILTIN:
+        convs, held = builtin_dataset(s.builtin_train_size, max(s.accuracy_examples, n_samples), s.seed)
+        desc = {"source": BUILTIN, "task": BUILTIN_TASK, "size": len(convs)}
+    else:
+        convs = load_jsonl(s.dataset)
+        held = None
+        desc = {"source": "upload", "file": Path(s.dataset).name, "size": len(convs)}
+    train_c, eval_c = held_out_split(convs, s.eval_fraction, s.seed)
+    if held is None:
+        held = heldout_from_convs(eval_c)
+    train = encode_dataset(tokenizer, train_c, s.max_length)
+    ev = encode_dataset(tokenizer, eval_c, s.max_length) if eval_c else None
+    return train, ev, held[: s.accuracy_examples], held[:n_samples], desc
