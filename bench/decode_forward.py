@@ -67,13 +67,13 @@ def _forward_only(eng: Engine, lm, b: StepBuffers, rows: int, L: int):
 
 
 def _compiled_step(eng: Engine, lm, variant: tuple, rows: int, lengths: list[int], profile: bool):
-    import model_core.serving.engine as engine_module
+    import model_core.serving.engine_step as engine_step
 
     options, dynamic = variant
     torch._dynamo.reset()
-    mark = engine_module._mark_dynamic
+    mark = engine_step._mark_dynamic
     if not dynamic:
-        engine_module._mark_dynamic = lambda *dims: None
+        engine_step._mark_dynamic = lambda *dims: None
     eng._fast_forward = torch.compile(lm.model, dynamic=False)
     eng._fast_sample = {GREEDY_ONLY: torch.compile(sample_rows, dynamic=False, options={"split_reductions": False})}
     t0 = time.perf_counter()
@@ -105,7 +105,7 @@ def _compiled_step(eng: Engine, lm, variant: tuple, rows: int, lengths: list[int
         if profile:
             detail = ("whole step:\n" + _kernels(lambda: eng._step(rows, L, b, GREEDY_ONLY, fast=True))
                       + "\nforward alone:\n" + _kernels(fwd))
-    engine_module._mark_dynamic = mark
+    engine_step._mark_dynamic = mark
     from torch._dynamo.utils import counters
 
     fused = dict(counters["inductor"]).get("batch_linear_lhs", 0)

@@ -8,7 +8,8 @@ Python's default 5 ms interval; in the server under 20 users (0.5 ms) from ~40 t
 (docs/PERFORMANCE.md). A traced step is one call: TorchScript's interpreter runs the same ATen
 kernels in the same order without the Python interpreter, holding no lock until it returns.
 
-This is the CPU's counterpart of the CUDA graphs in `model_core.serving.engine`, with the same contract:
+This is the CPU's counterpart of the CUDA graphs in `model_core.serving.engine_cuda_graphs`, with the same
+contract (`model_core.serving.engine_cpu_replay` says what the engine records):
 the step only does tensor operations on the engine's preallocated buffers, so recording it once
 per bucket and replaying it is the same computation. The buffers are the trace's inputs (passed
 again, the same tensors, at every replay) and the model a submodule, so nothing is baked in as a
@@ -26,13 +27,15 @@ buckets at start) or after a launch first needed it; if recording fails, the buc
 from __future__ import annotations
 
 import dataclasses
-import sys
+import logging
 import threading
 import time
 import warnings
 from collections.abc import Callable
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def buffer_tensors(obj) -> list[torch.Tensor]:
@@ -172,8 +175,8 @@ class TracedSteps:
                     traced(*inputs)  # the first run profiles the graph: twice a call's time
             except Exception as e:  # noqa: BLE001 - the bucket stays eager
                 self._eager.add(key)
-                print(f"lmscope: recording the CPU {key[0]} {key[1:3]} failed ({type(e).__name__}: "
-                      f"{str(e)[:200]}); it runs eagerly", file=sys.stderr)
+                log.warning("recording the CPU %s %s failed (%s: %s); it runs eagerly", key[0], key[1:3],
+                            type(e).__name__, str(e)[:200])
                 return
             finally:
                 self.record_s += time.perf_counter() - t0

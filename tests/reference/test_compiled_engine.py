@@ -122,7 +122,7 @@ def test_the_compiled_engine_equals_transformers_and_the_uncompiled_engine():
         eng.close()
 
 
-def test_a_compile_that_fails_leaves_the_uncompiled_step_serving(monkeypatch, capsys):
+def test_a_compile_that_fails_leaves_the_uncompiled_step_serving(monkeypatch, caplog):
     lm = load_model("random-llama-tiny")
 
     def broken(*a, **k):
@@ -135,7 +135,7 @@ def test_a_compile_that_fails_leaves_the_uncompiled_step_serving(monkeypatch, ca
         out = _run(eng, lm, SamplingSettings(temperature=0.0), [0, 0], n=4)
         assert [[int(r.packed[0]) for r in recs] for recs in out] == [_hf_greedy(lm, p, 4) for p in PROMPTS]
         assert eng.stats.compiled_steps == 0
-        assert "uncompiled step goes on serving" in capsys.readouterr().err
+        assert "uncompiled step goes on serving" in caplog.text  # logged as a warning
     finally:
         eng.close()
 
