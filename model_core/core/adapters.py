@@ -141,10 +141,16 @@ class Adapter:
         raise NotImplementedError
 
     def sliding_window(self, layer_idx: int) -> int | None:
+        """The window of layer `layer_idx`'s attention, or None. Families with `layer_types` (Gemma,
+        Qwen2/3, ...) slide only on their "sliding_attention" layers; families without (Mistral)
+        pass `config.sliding_window` to every layer's attention, as transformers' masks do."""
+        window = getattr(self.config, "sliding_window", None)
         types = getattr(self.config, "layer_types", None)
-        if types and types[layer_idx] == "sliding_attention":
-            return getattr(self.config, "sliding_window", None)
-        return None
+        if types is not None:
+            return window if types[layer_idx] == "sliding_attention" else None
+        if getattr(self.config, "use_sliding_window", True) is False:
+            return None
+        return window or None
 
     def attn_logit_softcap(self) -> float | None:
         return None

@@ -305,7 +305,8 @@ class Engine:
         per_slot = sum(2 * h * d for h, d in shapes) * self.max_len * torch.empty((), dtype=self.dtype).element_size()
         slots = max(1, min(self.slots, kv_budget_bytes(self.device, self._kv_cache_mb) // per_slot))
         self.layout = StepLayout(shapes, slots, self.max_len, self.vocab, self.dtype, self.device,
-                                 self.steps_per_launch, sliding_window_of(lm))
+                                 self.steps_per_launch, sliding_window_of(lm),
+                                 getattr(lm.model.config, "layer_types", None) is not None)
         self.live = self.layout.buffers()
         self.layer_bytes_per_token = self.live.cache.layer_bytes_per_token()
         self.scheduler.attach(self.live)

@@ -63,11 +63,11 @@ class StepBuffers:
 
     @classmethod
     def allocate(cls, shapes, slots: int, max_len: int, vocab: int, dtype, device, steps: int = 1,
-                 sliding_window: int | None = None) -> StepBuffers:
+                 sliding_window: int | None = None, per_layer_type: bool = True) -> StepBuffers:
         def zeros(*shape, dtype=torch.float32):
             return torch.zeros(*shape, dtype=dtype, device=device)
 
-        return cls(SlotCache(shapes, slots, max_len, dtype, device, sliding_window), zeros(slots, dtype=torch.long),
+        return cls(SlotCache(shapes, slots, max_len, dtype, device, sliding_window, per_layer_type), zeros(slots, dtype=torch.long),
                    zeros(slots, dtype=torch.long), zeros(slots, dtype=torch.bool), zeros(slots, dtype=torch.long),
                    zeros(slots, vocab, dtype=torch.bool), RowSettings.empty(slots, device),
                    zeros(steps, slots, packed_width(RECORDED)), zeros(steps, slots, vocab), zeros(steps, slots, vocab))
@@ -86,6 +86,7 @@ class StepLayout:
     device: torch.device
     steps_per_launch: int
     sliding_window: int | None
+    per_layer_type: bool = True  # the model takes one mask per layer type (SlotCache.window)
 
     @property
     def rows_buckets(self) -> list[int]:
@@ -98,7 +99,8 @@ class StepLayout:
     def buffers(self, length: int | None = None) -> StepBuffers:
         """A set of buffers shaped as the live ones, for positions [0, length) (None: max_len)."""
         return StepBuffers.allocate(self.shapes, self.slots, length or self.max_len, self.vocab, self.dtype,
-                                    self.device, self.steps_per_launch, self.sliding_window)
+                                    self.device, self.steps_per_launch, self.sliding_window,
+                                    self.per_layer_type)
 
     def buckets_all(self) -> list[tuple[int, int, frozenset]]:
         """Every (rows, length, stages) bucket, largest first."""

@@ -22,10 +22,13 @@ import torch
 
 class SlotCache:
     def __init__(self, layer_shapes: list[tuple[int, int]], slots: int, max_len: int, dtype, device,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, per_layer_type: bool = True):
         """layer_shapes: (kv_heads, head_dim) per layer; sliding_window: the window of the model's
-        "sliding_attention" layers (None: it has none)."""
+        sliding layers (None: it has none); per_layer_type: the model names its layers' kinds
+        (`config.layer_types`: Gemma, Qwen) and takes one mask per kind, else every layer slides
+        (Mistral) and takes the sliding mask itself."""
         self.slots, self.max_len, self.sliding_window = slots, max_len, sliding_window
+        self.per_layer_type = per_layer_type
         self.keys = [torch.zeros(slots, h, max_len, d, dtype=dtype, device=device) for h, d in layer_shapes]
         self.values = [torch.zeros_like(k) for k in self.keys]
         self.positions = torch.arange(max_len, device=device)  # [max_len]; a step's window is a prefix
@@ -54,6 +57,8 @@ class SlotCache:
         full = step_mask(self.write_pos, self.span, self.keys[0].dtype)
         if self.sliding_window is None:
             return full
+        if not self.per_layer_type:
+            return step_mask(self.write_pos, self.span, self.keys[0].dtype, self.sliding_window)
         return {"full_attention": full,
                 "sliding_attention": step_mask(self.write_pos, self.span, self.keys[0].dtype, self.sliding_window)}
 
