@@ -6,6 +6,11 @@ Messages are acknowledged late and rejected back to the queue if the worker proc
 (acks_late + task_reject_on_worker_lost); a job's own record decides whether a redelivered message
 still has work to do, so a redelivery never runs a finished or reaped job twice.
 
+Logging: a worker's lines are lmscope's (model_core.core.settings.configure_logging: time, level,
+logger, message), at the level of its --loglevel (tasks.worker.worker_argv: LMSCOPE_LOG_LEVEL). The
+setup_logging receiver below is Celery's documented way to say so; with it, Celery leaves the root
+logger and stdout/stderr alone.
+
 Every worker's main process announces itself: from worker_ready until worker_shutdown a daemon
 thread sets lmscope:worker:<node name> every config.WORKER_BEAT_EVERY_S with a time-to-live of
 config.WORKER_BEAT_TTL_S (tasks.store.worker_beat); store.live_workers counts them (/healthz,
@@ -14,12 +19,15 @@ config.WORKER_BEAT_TTL_S (tasks.store.worker_beat); store.live_workers counts th
 
 from __future__ import annotations
 
+import logging
 import threading
 
 from celery import Celery
-from celery.signals import worker_process_init, worker_ready, worker_shutdown
+from celery.signals import setup_logging, worker_process_init, worker_ready, worker_shutdown
 
 from tasks import config
+
+log = logging.getLogger(__name__)
 
 QUEUE = "lmscope"
 
@@ -49,6 +57,15 @@ app.conf.update(
 )
 
 
+@setup_logging.connect
+def _configure_logging(loglevel=None, **_):
+    """Celery calls this once per worker, in its main process (pool processes inherit it); loglevel
+    is the number its --loglevel names (None or 0: LMSCOPE_LOG_LEVEL)."""
+    from model_core.core.settings import configure_logging, current
+
+    configure_logging(loglevel or current().log_level)
+
+
 @worker_process_init.connect
 def _yield_to_the_web_server(**_):
     """A pool process runs its jobs at nice JOB_NICE (the threads its jobs start inherit it): below
@@ -66,7 +83,7 @@ def _reap_on_start(**_):
     try:
         store.reap()
     except Exception:  # noqa: BLE001 - never keep a worker from starting
-        pass
+        log.warning("could not mark the jobs of an earlier worker as failed", exc_info=True)
 
 
 _BEAT: dict = {}  # this worker process's heartbeat thread: {"node", "stop", "thread"}

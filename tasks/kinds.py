@@ -1,5 +1,6 @@
 """The registry of job kinds: the one door through which a kind reaches the job service
-(tasks.jobs.submit), the CLI (`lmscope jobs submit <kind>`) and the worker (celery_app's include).
+(tasks.jobs.submit), the CLI (`lmscope jobs submit <kind>`: one subcommand per kind, with that kind's
+options only; tasks/cli.py builds them from here) and the worker (celery_app's include).
 
 A kind lives in its own module (tasks/<name>_job.py): its settings check, its Celery task (on
 tasks.lifecycle.JobTask, which owns claim, heartbeat, progress, cancel, finish and fail) and, at the
@@ -33,8 +34,11 @@ class JobKind:
     task: the Celery task that runs it (a tasks.lifecycle.JobTask; its message carries the job id).
     submit(params, owner, files) -> the queued record; default: validate, then queue a record with
         the validated params (files refused). A kind with uploads or extra record fields brings its own.
-    add_arguments(parser): its `lmscope jobs submit` options (use `options` to share flags).
-    params_from_args(args) -> (params, files) from those options.
+    add_arguments(parser): its `lmscope jobs submit <kind>` options, added with `options` to the
+        kind's own parser (--model, --lr, --batch-size ... mean the same for every kind by convention).
+    params_from_args(args) -> (params, files) from those options (args.kind: the kind's name).
+    flags: where one add_arguments serves several kinds (reward / dpo / grpo), the flags this kind
+        takes; its parser then has only those. None: all of add_arguments' flags.
     """
 
     name: str
@@ -44,6 +48,7 @@ class JobKind:
     add_arguments: Callable[[Any], None] | None = None
     params_from_args: Callable[[Any], tuple[dict, list]] | None = None
     help: str = ""
+    flags: tuple[str, ...] | None = None
 
     def submit_job(self, params: dict, owner: str = "cli", files: list | None = None) -> dict:
         if self.submit is not None:
@@ -89,13 +94,15 @@ def all_kinds() -> list[JobKind]:
 # ---- what kinds share ---------------------------------------------------------------------
 
 def options(parser, title: str) -> Callable[..., None]:
-    """An `add(flag, **kw)` for a kind's CLI option group that leaves out flags another kind
-    already defined: --model, --batch-size, --lr ... are one flag with one meaning for every kind."""
+    """An `add(flag, **kw)` for a kind's CLI option group. It leaves out a flag the parser already
+    has (so several kinds' options can share one parser) and, on the CLI's parser for one kind
+    (tasks/cli.py sets parser.kind_flags from JobKind.flags), a flag that kind does not take."""
     group = parser.add_argument_group(title)
     have = {a for act in parser._actions for a in act.option_strings}
+    takes = getattr(parser, "kind_flags", None)
 
     def add(flag: str, **kw) -> None:
-        if flag not in have:
+        if flag not in have and (takes is None or flag in takes):
             group.add_argument(flag, **kw)
             have.add(flag)
 

@@ -15,12 +15,13 @@ Returns a ServicesHandle(.redis_url, .stop()). stop() ends only what this call s
 
 Supervision: the handle runs a thread that notices a child (the Valkey it started, the worker) that
 died and starts it again after a back-off of 1 s, 2 s, 4 s ... up to 30 s (back to 1 s once a child
-has stayed up for a minute), with one line on stderr per restart. stop() ends that thread first,
+has stayed up for a minute), with one warning per restart (logger tasks.services). stop() ends that thread first,
 so nothing is restarted during shutdown.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import signal
@@ -36,6 +37,7 @@ from pathlib import Path
 from model_core.core.errors import LmscopeError
 
 ROOT = Path(__file__).resolve().parents[1]
+log = logging.getLogger(__name__)
 
 
 class ServicesError(LmscopeError):
@@ -265,8 +267,8 @@ STABLE_AFTER_S = 60.0  # a child that stayed up this long is restarted after BAC
 CHECK_EVERY_S = 0.5
 
 
-def _log(msg: str) -> None:
-    print(f"lmscope: {msg}", file=sys.stderr, flush=True)
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def _how_it_ended(rc: int | None) -> str:
@@ -322,7 +324,7 @@ class ServicesHandle:
                 try:
                     self._check(c)
                 except Exception as e:  # noqa: BLE001 - the supervisor itself must not die
-                    _log(f"supervising the {c.what} failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+                    log.error("supervising the %s failed: %s", c.what, _first_line(e))
 
     def _check(self, c: _Child) -> None:
         proc = getattr(self, c.attr)
@@ -349,16 +351,16 @@ class ServicesHandle:
                 new = c.start()
             except Exception as e:  # noqa: BLE001
                 c.due = time.monotonic() + c.delay
-                _log(f"could not restart the {c.what} ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
-                     f"next try in {c.delay:.0f} s")
+                log.warning("could not restart the %s (%s); next try in %.0f s", c.what, _first_line(e), c.delay)
                 return
             setattr(self, c.attr, new)
             c.due, c.started_at, c.restarts = None, time.monotonic(), c.restarts + 1
         if new is None:  # someone else serves the port with our password now: nothing left to watch
             self._children.remove(c)
-            _log(f"the {c.what} (pid {old}) {c.ended}; another process now serves its port, so it is not restarted")
+            log.warning("the %s (pid %s) %s; another process now serves its port, so it is not restarted",
+                        c.what, old, c.ended)
             return
-        _log(f"the {c.what} (pid {old}) {c.ended}; restarted it after {waited:.0f} s as pid {new.pid}")
+        log.warning("the %s (pid %s) %s; restarted it after %.0f s as pid %s", c.what, old, c.ended, waited, new.pid)
 
     def stop(self) -> None:
         self._stopping.set()  # the supervisor first: nothing may be restarted during shutdown

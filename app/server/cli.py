@@ -1,22 +1,33 @@
 """The `lmscope` command line: the one module that wires the model core, the job queue and the web
 app together (the top layer; docs/ARCHITECTURE.md). Settings are read once here
 (model_core.core.settings) and passed down. Subcommands import what they need when they run, so
-`lmscope models` or `lmscope trace` never import gradio."""
+`lmscope models` or `lmscope trace` never import gradio.
+
+A command's result goes to stdout (_out, _print_json); everything else (errors, progress) goes
+through logging, configured once in main(): `serve` and `worker` write time, level, logger and
+message per line, the one-shot commands the message alone (what a person at the terminal reads).
+LMSCOPE_LOG_LEVEL (default INFO) sets the level."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
 from model_core.core.errors import LmscopeError
-from model_core.core.settings import Settings
+from model_core.core.settings import LOG_FORMAT, Settings, configure_logging
+
+log = logging.getLogger(__name__)
+
+
+def _out(*lines: str) -> None:
+    sys.stdout.write("".join(line + "\n" for line in lines))
 
 
 def _print_json(obj) -> None:
-    json.dump(obj, sys.stdout, ensure_ascii=False, indent=2)
-    sys.stdout.write("\n")
+    _out(json.dumps(obj, ensure_ascii=False, indent=2))
 
 
 def cmd_models(args) -> int:
@@ -29,7 +40,7 @@ def cmd_models(args) -> int:
         for r in rows:
             state = "ready" if r["ready"] else ("not installed" if not r["installed"] else "not converted yet")
             params = f"{r['parameters'] / 1e6:.1f}M" if r.get("parameters") else "?"
-            print(f"{r['name']:28s} {r['architecture']:12s} {params:>8s}  {r['source']:13s} {state}")
+            _out(f"{r['name']:28s} {r['architecture']:12s} {params:>8s}  {r['source']:13s} {state}")
     return 0
 
 
@@ -38,10 +49,10 @@ def cmd_prepare(args) -> int:
 
     entry = REGISTRY.get(args.model)
     if entry is None or entry.source != "gguf-package":
-        print(f"'{args.model}' needs no preparation.")
+        _out(f"'{args.model}' needs no preparation.")
         return 0
     path = convert_gguf(entry)
-    print(f"{args.model}: ready at {path}")
+    _out(f"{args.model}: ready at {path}")
     return 0
 
 
@@ -56,13 +67,10 @@ def cmd_trace(args) -> int:
     if args.json:
         _print_json(out)
     else:
-        print("tokens:", " | ".join(t["display"] for t in out["tokens"]))
-        print("next token:")
-        for row in out["next_tokens"]:
-            print(f"  {row['prob']:7.4f}  {row['token']!r}")
-        print("logit lens (last position, top-1 per layer):")
-        for row in out["logit_lens"]:
-            print(f"  layer {row['layer']:3d}  {row['prob']:7.4f}  {row['token']!r}")
+        _out("tokens: " + " | ".join(t["display"] for t in out["tokens"]), "next token:",
+             *(f"  {row['prob']:7.4f}  {row['token']!r}" for row in out["next_tokens"]),
+             "logit lens (last position, top-1 per layer):",
+             *(f"  layer {row['layer']:3d}  {row['prob']:7.4f}  {row['token']!r}" for row in out["logit_lens"]))
     return 0
 
 
@@ -92,13 +100,19 @@ def cmd_search(args, settings) -> int:
     lm = load_model(args.model, device=args.device or args.settings.device, dtype=args.settings.dtype)
     out = decoding_to_json(lm, decode(lm, args.prompt, settings, chat=args.chat))
     if args.json:
-        _print_json(out)
+        _print_json(_generate_json([out]))
     else:
-        print(args.prompt + out["text"])
-        for b in out["beams"]:
-            print(f"  #{b['rank']}  score {b['score']:.4f}  log p {b['logprob']:.3f}  {b['length']} tokens  "
-                  f"repeated 3-grams {b['repetition']:.0%}  {b['text']!r}")
+        _out(args.prompt + out["text"],
+             *(f"  #{b['rank']}  score {b['score']:.4f}  log p {b['logprob']:.3f}  {b['length']} tokens  "
+               f"repeated 3-grams {b['repetition']:.0%}  {b['text']!r}" for b in out["beams"]))
     return 0
+
+
+def _generate_json(runs: list[dict], steering: dict | None = None) -> dict:
+    """What `lmscope generate --json` prints, whichever way it ran: {"runs": [...], "steering": ...}.
+    runs: one run (a sampled generation, or a search's decoding with its beams), or the unsteered
+    and the steered run; steering: the vector and its settings when it steered, else None."""
+    return {"runs": runs, "steering": steering}
 
 
 def cmd_generate(args) -> int:
@@ -119,9 +133,9 @@ def cmd_generate(args) -> int:
     res = generate(lm, args.prompt, **options)
     out = generation_to_json(lm, res)
     if args.json:
-        _print_json(out)
+        _print_json(_generate_json([out]))
     else:
-        print(args.prompt + out["text"])
+        _out(args.prompt + out["text"])
     return 0
 
 
@@ -142,15 +156,15 @@ def cmd_steered_generate(args, lm, options: dict) -> int:
     vec = St.steering_vector(lm, pairs, args.steer_layer, chat=args.chat)
     runs = [Steered.steered_generation(lm, args.prompt, vec, a, from_position=args.steer_from, **options)
             for a in dict.fromkeys([0.0, St.check_alpha(args.alpha)])]
-    out = {"steering": {**St.steering_to_json(vec), "alpha": runs[-1].alpha, "from_position": args.steer_from},
-           "runs": [{"alpha": r.alpha, "base_perplexity": r.base_perplexity,
-                     **generation_to_json(lm, r.generation)} for r in runs]}
     if args.json:
-        _print_json(out)
+        _print_json(_generate_json(
+            [{"alpha": r.alpha, "base_perplexity": r.base_perplexity, **generation_to_json(lm, r.generation)}
+             for r in runs],
+            {**St.steering_to_json(vec), "alpha": runs[-1].alpha, "from_position": args.steer_from}))
     else:
         for r in runs:
-            print(f"alpha {r.alpha:g} (perplexity under the base model {r.base_perplexity or float('nan'):.2f}):")
-            print("  " + args.prompt + r.generation.text)
+            _out(f"alpha {r.alpha:g} (perplexity under the base model {r.base_perplexity or float('nan'):.2f}):",
+                 "  " + args.prompt + r.generation.text)
     return 0
 
 
@@ -162,14 +176,13 @@ def cmd_card(args) -> int:
         _print_json(R.to_json(card))
         return 0
     marks = R.row_marks(card)
-    print(f"{card.get('title') or card['name']}  ({card['source']})")
+    _out(f"{card.get('title') or card['name']}  ({card['source']})")
     for label, value in R.display_rows(card).items():
-        print(f"  {label:34s} {value}")
+        _out(f"  {label:34s} {value}")
         for m in marks.get(label, []):
             said = "(value not quoted)" if m["claim"] is None else m["claim"]
-            print(f"  {'':34s} {'=' if m['agrees'] else '≠'} {m['source']}: {said}" + ("" if m["agrees"] else f" — {m['note']}"))
-    for note in card.get("notes", []):
-        print(f"  note: {note}")
+            _out(f"  {'':34s} {'=' if m['agrees'] else '≠'} {m['source']}: {said}" + ("" if m["agrees"] else f" — {m['note']}"))
+    _out(*(f"  note: {note}" for note in card.get("notes", [])))
     return 0
 
 
@@ -280,13 +293,17 @@ def main(argv=None, environ=None) -> int:
         if args.func is cmd_serve:
             settings = Settings.from_env(environ, check_files=True)
     except LmscopeError as e:
-        print(f"error: bad configuration: {e}", file=sys.stderr)
+        configure_logging(Settings.log_level, "%(message)s")  # the settings are what failed: the default level
+        log.error("error: bad configuration: %s", e)
         return 2
+    # the one logging setup of this process; a Celery worker's is tasks.celery_app's (the same one)
+    long_running = args.func in (cmd_serve, cmd_worker)
+    configure_logging(settings.log_level, LOG_FORMAT if long_running else "%(message)s")
     args.settings = settings
     try:
         return args.func(args)
     except LmscopeError as e:
-        print(f"error: {e}", file=sys.stderr)
+        log.error("error: %s", e)
         return 2
 
 

@@ -46,26 +46,32 @@ parameters and fall back to `current()` only for a default.
 | LMSCOPE_PATCH_TOKENS | 65536 on CUDA, else 1024 | Tokens per batch of an activation-patching sweep (rows = this / prompt length). |
 | LMSCOPE_JOB_STALE_SECONDS | 30 | A running job whose worker sent no heartbeat for this long is marked failed ("worker lost"). |
 | LMSCOPE_VISIBILITY_TIMEOUT | 21600 | Seconds before the broker redelivers an unacknowledged job message (longer than any job). |
+| LMSCOPE_LOG_LEVEL | INFO | Lowest level of the log lines `lmscope serve`, the worker and the CLI write: DEBUG, INFO, WARNING, ERROR or CRITICAL. |
 
 This module imports nothing heavy (no torch): the CLI, the web app and the worker all read it first.
+`configure_logging(level)` is the one logging setup of those processes (they call it once, at start).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
+import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from model_core.core.errors import SettingsError
 
-__all__ = ["Settings", "SettingsError", "current", "VARIABLES", "AUTH_MODES", "DTYPES", "DEFAULT_MODEL"]
+__all__ = ["Settings", "SettingsError", "current", "configure_logging", "VARIABLES", "AUTH_MODES", "DTYPES",
+           "DEFAULT_MODEL", "LOG_LEVELS", "LOG_FORMAT"]
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 AUTH_MODES = ("off", "token", "users")
 DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _DEVICE_RE = re.compile(r"^(auto|cpu|mps|meta|(cuda|xpu|hpu)(:\d+)?)$")
 
 # Every variable this module reads (the table above, in order), plus XDG_CACHE_HOME for the cache
@@ -81,7 +87,7 @@ VARIABLES = (
     "LMSCOPE_GENERATE_CONCURRENCY", "LMSCOPE_QUEUE_MAX", "LMSCOPE_TRACE_CACHE_ITEMS", "LMSCOPE_MAX_BATCH",
     "LMSCOPE_ENGINE", "LMSCOPE_ENGINE_THREADS", "LMSCOPE_KV_CACHE_MB", "LMSCOPE_COMPILE", "LMSCOPE_RECORD_STEPS",
     "LMSCOPE_PATCH_TOKENS",
-    "LMSCOPE_JOB_STALE_SECONDS", "LMSCOPE_VISIBILITY_TIMEOUT",
+    "LMSCOPE_JOB_STALE_SECONDS", "LMSCOPE_VISIBILITY_TIMEOUT", "LMSCOPE_LOG_LEVEL",
 )
 _WATCHED = VARIABLES + ("XDG_CACHE_HOME",)
 
@@ -138,6 +144,8 @@ class Settings:
     # jobs
     job_stale_seconds: float = 30.0
     visibility_timeout_s: int = 6 * 3600
+    # logging (configure_logging)
+    log_level: str = "INFO"
     # which variables the environment set (e.g. an operator's LMSCOPE_MAX_PROMPT_TOKENS bounds
     # every model_core entry point; unset, only the app's own requests are capped)
     given: frozenset = field(default=frozenset(), compare=False, repr=False)
@@ -232,6 +240,10 @@ class Settings:
             elif check_files and not Path(users).expanduser().is_file():
                 errors.append(f"LMSCOPE_USERS_FILE {users} does not exist.")
         patch_tokens = integer("LMSCOPE_PATCH_TOKENS", 0, 0, 100_000_000)
+        log_level = (s("LMSCOPE_LOG_LEVEL") or "INFO").upper()
+        if log_level not in LOG_LEVELS:
+            errors.append(f"LMSCOPE_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}, not '{s('LMSCOPE_LOG_LEVEL')}'.")
+            log_level = "INFO"
         kv_mb = integer("LMSCOPE_KV_CACHE_MB", 0, 1, 10_000_000) if s("LMSCOPE_KV_CACHE_MB") else 0
         out = cls(
             redis_url=redis_url,
@@ -271,6 +283,7 @@ class Settings:
             patch_tokens=patch_tokens or None,
             job_stale_seconds=number("LMSCOPE_JOB_STALE_SECONDS", 30.0, 0, 10**7),
             visibility_timeout_s=integer("LMSCOPE_VISIBILITY_TIMEOUT", 6 * 3600, 1, 10**8),
+            log_level=log_level,
             given=frozenset(n for n in VARIABLES if s(n) is not None),
         )
         if errors:
@@ -300,3 +313,28 @@ def current() -> Settings:
         s = Settings.from_env({n: v for n, v in zip(_WATCHED, fp) if v is not None}, check_files=False)
         _current = (fp, s)
         return s
+
+
+# ---- logging ------------------------------------------------------------------------------
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # one line per event
+
+
+class _Handler(logging.StreamHandler):
+    """The stderr handler configure_logging installs (and a later call replaces)."""
+
+
+def configure_logging(level: str | int = "INFO", fmt: str = LOG_FORMAT) -> None:
+    """Send every logger's lines at `level` and above to stderr, formatted as `fmt` (default: time,
+    level, logger, message). Called once by each process that reports to a person: `lmscope serve`
+    and the CLI (app/server/cli.py), the Celery worker (tasks/celery_app.py); modules only call
+    logging.getLogger(__name__). A second call replaces the handler of the first, and leaves other
+    handlers alone; the new one writes to the sys.stderr of *now* (the tests run the CLI in-process
+    under a captured stderr)."""
+    root = logging.getLogger()
+    for h in [h for h in root.handlers if isinstance(h, _Handler)]:
+        root.removeHandler(h)
+    handler = _Handler(sys.stderr)
+    handler.setFormatter(logging.Formatter(fmt))
+    root.addHandler(handler)
+    root.setLevel(level)

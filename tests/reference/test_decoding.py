@@ -157,6 +157,8 @@ def test_cli_generate_beams_json(default_lm, capsys):
 
     assert main(["generate", CHAT_Q, "--chat", "--num-beams", "2", "--max-new-tokens", "4", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"runs", "steering"} and out["steering"] is None and len(out["runs"]) == 1
+    out = out["runs"][0]
     seqs, scores = _hf_beams(default_lm, out["prompt_token_ids"], 2, 4, 1.0)
     assert out["method"] == "beam" and out["token_ids"] == seqs[0]
     assert [b["token_ids"] for b in out["beams"]] == seqs

@@ -271,6 +271,8 @@ def test_cli_generate_json():
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
+    assert set(out) == {"runs", "steering"} and out["steering"] is None and len(out["runs"]) == 1
+    out = out["runs"][0]
     assert out["text"].startswith(" Paris") and len(out["token_ids"]) == len(out["steps"]) <= 8
     assert out["steps"][0]["chosen"]["token"] == " Paris" and out["steps"][0]["chosen"]["rank"] == 1
     r = subprocess.run([sys.executable, "-m", "app.server.cli", "generate", "hi", "--model", "random-llama-tiny",

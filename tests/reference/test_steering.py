@@ -157,6 +157,7 @@ def test_cli_steered_generation_json(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
+    assert set(out) == {"runs", "steering"}  # the shape of every `generate --json`, steered or not
     assert out["steering"]["layer"] == LAYER and out["steering"]["n_pairs"] == 2
     assert [run["alpha"] for run in out["runs"]] == [0.0, 6.0]
     assert out["runs"][0]["token_ids"] != out["runs"][1]["token_ids"]
