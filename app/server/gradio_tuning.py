@@ -44,6 +44,14 @@ more samples than every trace's forward). The copy depends only on the address t
 asked at, so it is made once per address; each answer is that copy with the user's name, from
 Gradio's own code (tested equal to Gradio's answer). Deep links and multi-page requests go to
 Gradio as before.
+
+Each of the four reaches into Gradio's internals, so pyproject.toml pins Gradio to GRADIO_VERSION,
+the version they were written against, and each checks the shape it relies on (the parameters of the
+method it wraps, PARAMS below; the names in the source it imitates) before it changes anything. One
+that finds another shape leaves Gradio's own path in place and logs a warning: the app stays correct,
+only slower. tests/unit/test_gradio_tuning.py fails when the installed Gradio is another version or
+any of these shapes changed, so an upgrade is a deliberate step: re-read each change against the
+new Gradio, then move the pin and GRADIO_VERSION together.
 """
 
 from __future__ import annotations
@@ -51,6 +59,39 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import logging
+
+logger = logging.getLogger(__name__)
+
+GRADIO_VERSION = "6.31.0"  # what these changes were written against (pyproject.toml pins gradio to it)
+# The parameters each function lmscope wraps or replaces has in GRADIO_VERSION; the wrappers pass
+# them on by name. The last two are wrapped in app/server/api.py (harden, limit_queue_share).
+PARAMS = {
+    "Blocks.postprocess_data": ["self", "block_fn", "predictions", "state"],
+    "SessionState.__init__": ["self", "blocks"],
+    "BlocksConfig.config_for_block": ["_id", "rendered_ids", "block", "renderable"],
+    "/config": ["request", "user", "deep_link", "page"],
+    "route_utils.get_root_url": ["request", "route_path", "root_path"],
+    "Blocks.process_api": ["self", "block_fn", "inputs", "state", "request", "iterator", "session_hash", "event_id",
+                           "event_data", "in_event_listener", "simple_format", "explicit_call", "root_path",
+                           "oauth_token"],
+    "Queue.push": ["self", "body", "request", "username"],
+}
+
+
+def params(fn) -> list[str]:
+    """The parameter names of `fn`, as PARAMS lists them."""
+    return list(inspect.signature(fn).parameters)
+
+
+def _decline(change: str, why: str) -> bool:
+    """Log that `change` is left out (Gradio runs its own path there), and return False."""
+    import gradio
+
+    logger.warning("Gradio %s (these changes were written against %s): %s is not applied: %s.",
+                   gradio.__version__, GRADIO_VERSION, change, why)
+    return False
+
 
 EMPTY_UPDATE = {"__type__": "update"}
 
@@ -69,7 +110,7 @@ def poll_queue_every(demo, seconds: float = QUEUE_POLL_S, progress_seconds: floa
     queue = getattr(demo, "_queue", None)
     names = {"sleep_when_free": seconds, "progress_update_sleep_when_free": progress_seconds}
     if queue is None or not all(isinstance(getattr(queue, n, None), (int, float)) for n in names):
-        return False
+        return _decline("poll_queue_every", "the demo has no queue with numeric " + " and ".join(names))
     for name, value in names.items():
         setattr(queue, name, max(getattr(queue, name), value))
     return True
@@ -83,9 +124,9 @@ def skip_unchanged_outputs() -> bool:
     original = Blocks.postprocess_data
     if getattr(original, "__lmscope_skips__", False):
         return True
-    if list(inspect.signature(original).parameters) != ["self", "block_fn", "predictions", "state"] \
-            or not inspect.iscoroutinefunction(original):
-        return False
+    if params(original) != PARAMS["Blocks.postprocess_data"] or not inspect.iscoroutinefunction(original):
+        return _decline("skip_unchanged_outputs", f"Blocks.postprocess_data{inspect.signature(original)} is not "
+                        f"a coroutine function of {PARAMS['Blocks.postprocess_data']}")
 
     @functools.wraps(original)
     async def postprocess_data(self, block_fn, predictions, state):
@@ -120,16 +161,24 @@ def lazy_session_configs() -> bool:
     shape this was written against (the app then runs on Gradio's own path)."""
     from types import SimpleNamespace
 
+    from gradio.blocks import BlocksConfig
     from gradio.state_holder import SessionState
 
     original_init = SessionState.__init__
     if getattr(original_init, "__lmscope_lazy__", False):
         return True
     components = SessionState.__dict__.get("components")
+    if params(original_init) != PARAMS["SessionState.__init__"] or not isinstance(components, property):
+        return _decline("lazy_session_configs", "SessionState.__init__ does not take (self, blocks), or "
+                        "SessionState.components is not a property")
     init_source = inspect.getsource(original_init)
-    if not isinstance(components, property) or "config_for_block" not in init_source \
-            or "blocks.default_config" not in init_source or "config_values" not in inspect.getsource(components.fget):
-        return False
+    if "config_for_block" not in init_source or "blocks.default_config" not in init_source \
+            or "config_values" not in inspect.getsource(components.fget):
+        return _decline("lazy_session_configs", "SessionState no longer fills config_values from "
+                        "blocks.default_config with config_for_block")
+    if params(BlocksConfig.config_for_block) != PARAMS["BlocksConfig.config_for_block"]:
+        return _decline("lazy_session_configs", "BlocksConfig.config_for_block does not take "
+                        f"{PARAMS['BlocksConfig.config_for_block']}")
 
     @functools.wraps(original_init)
     def __init__(self, blocks):
@@ -173,13 +222,16 @@ def cache_page_config(gradio_app) -> bool:
     found = [i for i, r in enumerate(routes) if isinstance(r, APIRoute) and r.path in ("/config", "/config/")
              and r.methods == {"GET"}]
     if not found:
-        return False
+        return _decline("cache_page_config", "the Gradio app has no GET /config route")
     original = routes[found[0]].endpoint
     if getattr(original, "__lmscope_cached__", False):
         return True
-    if list(inspect.signature(original).parameters) != ["request", "user", "deep_link", "page"] \
-            or any(routes[i].endpoint is not original for i in found):
-        return False
+    if params(original) != PARAMS["/config"] or any(routes[i].endpoint is not original for i in found):
+        return _decline("cache_page_config", f"/config's endpoint does not take {PARAMS['/config']}, "
+                        "or /config and /config/ have different endpoints")
+    if params(route_utils.get_root_url) != PARAMS["route_utils.get_root_url"]:
+        return _decline("cache_page_config", "route_utils.get_root_url does not take "
+                        f"{PARAMS['route_utils.get_root_url']}")
     cache: dict[tuple, tuple[type, dict]] = {}
     lock = threading.Lock()
 

@@ -2,8 +2,8 @@
 
 static/lmscope.css stacks side-by-side plots below 900 px; there a plot is about 340 px wide at a
 400 px window, and Plotly neither wraps a long title nor makes room for long tick labels. NARROW_JS
-(a js-only load event, installed by app/server/page.py) checks the drawn plots every 400 ms while the window
-is narrower than 900 px and, once per figure Gradio draws:
+(static/js/narrow.js, a js-only load event installed by app/server/page.py) checks the drawn plots
+every 400 ms while the window is narrower than 900 px and, once per figure Gradio draws:
 - wraps a title that runs past the plot's width onto more lines (each line that is one styled span,
   such as a <sub> caption, keeps its style) and grows the top margin to hold them;
 - turns on automargin for every axis, so tick labels such as "12:␣capital" are not cut;
@@ -13,100 +13,6 @@ Once the window is wide again, every figure it changed gets its own titles, size
 (unless Gradio drew that plot anew meanwhile).
 """
 
-NARROW_JS = """() => {
-  if (window.lmscopeNarrow) return [];
-  window.lmscopeNarrow = true;
-  const plain = (s) => s.replace(/<[^>]*>/g, '');
-  const wrapWords = (text, n) => {
-    const out = []; let line = '';
-    for (const w of text.split(' ')) {
-      if (line && (line + ' ' + w).length > n) { out.push(line); line = w; } else line = line ? line + ' ' + w : w;
-    }
-    if (line) out.push(line);
-    return out;
-  };
-  const wrapTitle = (text, n) => {
-    const lines = [];
-    for (const line of text.split(/<br\\s*\\/?>/i)) {
-      const m = line.match(/^<(\\w+)([^>]*)>([^<]*)<\\/\\1>$/);
-      if (m) { const k = /^su[bp]$/i.test(m[1]) ? 1.4 : 1;
-               for (const part of wrapWords(m[3], Math.floor(n * k))) lines.push('<' + m[1] + m[2] + '>' + part + '</' + m[1] + '>'); }
-      else if (!line.includes('<')) lines.push(...wrapWords(line, n));
-      else lines.push(line);
-    }
-    return lines;
-  };
-  const fit = (gd) => {
-    const fl = gd._fullLayout;
-    if (!fl || !window.Plotly || !gd.offsetWidth) return;
-    const W = fl.width, upd = {};
-    const title = gd.layout && gd.layout.title;
-    const text = title && (typeof title === 'string' ? title : title.text);
-    const t = gd.querySelector('.gtitle');
-    if (text && t && gd.lmscopeTitle !== text) {
-      const r = t.getBoundingClientRect(), g = gd.getBoundingClientRect();
-      if (r.right > g.left + W - 2) {
-        const size = (fl.title && fl.title.font && fl.title.font.size) || 14;
-        const lines = wrapTitle(text, Math.max(16, Math.floor((W - 20) / (size * 0.56))));
-        const wrapped = lines.join('<br>');
-        const added = lines.length - text.split(/<br\\s*\\/?>/i).length;
-        upd['title.text'] = wrapped;
-        if (added > 0) upd['margin.t'] = fl.margin.t + Math.ceil(added * size * 1.3);
-        gd.lmscopeTitle = wrapped;
-      } else gd.lmscopeTitle = text;
-    }
-    for (const k of Object.keys(fl)) {
-      if (/^[xy]axis\\d*$/.test(k) && fl[k] && fl[k].visible !== false && !fl[k].automargin) upd[k + '.automargin'] = true;
-    }
-    const notes = [...gd.querySelectorAll('.annotation')];
-    const texts = (fl.annotations || []).map(a => a.text).join('|');
-    if (notes.length === 1 && gd.lmscopeNotes !== texts) {  // a message wider than the plot: more lines
-      const a = fl.annotations[0], r = notes[0].getBoundingClientRect();
-      if (a && a.text && !a.text.includes('<') && r.width > W - 16) {
-        const size = (a.font && a.font.size) || 12;
-        upd['annotations[0].text'] = wrapWords(a.text, Math.max(12, Math.floor((W - 24) / (size * 0.56)))).join('<br>');
-        gd.lmscopeNotes = upd['annotations[0].text'];
-      } else gd.lmscopeNotes = texts;
-    }
-    if (notes.length > 1 && gd.lmscopeNotes !== texts) {
-      const boxes = notes.map(n => n.getBoundingClientRect());
-      let overlap = false;
-      for (let i = 0; i < boxes.length && !overlap; i++) for (let j = i + 1; j < boxes.length; j++) {
-        const a = boxes[i], b = boxes[j];
-        if (a.left < b.right && b.left < a.right && a.top < b.bottom && b.top < a.bottom) { overlap = true; break; }
-      }
-      if (overlap) (fl.annotations || []).forEach((a, i) => {
-        if (!a.text) return;
-        upd['annotations[' + i + '].text'] = plain(a.text).split(' · ')[0].replace(/head (\\d+)/, 'h$1');
-        upd['annotations[' + i + '].font.size'] = 10;
-      });
-      gd.lmscopeNotes = overlap ? (fl.annotations || []).map((a, i) => upd['annotations[' + i + '].text'] || a.text).join('|') : texts;
-    }
-    if (Object.keys(upd).length) {
-      // what a wide window gets back (see `restore`): the first value of each text, size and margin changed
-      const was = {};
-      for (const k of Object.keys(upd)) {
-        if (k === 'title.text') was[k] = text;
-        else if (k === 'margin.t') was[k] = fl.margin.t;
-        else { const m = k.match(/^annotations\[(\d+)\]\.(text|font\.size)$/);
-               if (m) { const a = (gd.layout.annotations || [])[+m[1]] || {};
-                        was[k] = m[2] === 'text' ? a.text : ((a.font && a.font.size) || null); } }
-      }
-      gd.lmscopeWas = Object.assign(was, gd.lmscopeLayout === gd.layout ? gd.lmscopeWas : {});
-      window.Plotly.relayout(gd, upd);
-      gd.lmscopeLayout = gd.layout;
-    }
-  };
-  // Wide again (a phone turned, a window widened): a figure keeps the titles it was drawn with. Only
-  // while it still has the layout this script changed: a figure Gradio drew since is new.
-  const restore = (gd) => {
-    if (!gd.lmscopeWas) return;
-    if (gd.lmscopeLayout === gd.layout) window.Plotly.relayout(gd, gd.lmscopeWas);
-    gd.lmscopeWas = gd.lmscopeLayout = gd.lmscopeNotes = gd.lmscopeTitle = undefined;
-  };
-  setInterval(() => {
-    const wide = window.innerWidth >= 900;
-    for (const gd of document.querySelectorAll('.js-plotly-plot')) { try { wide ? restore(gd) : fit(gd); } catch (e) {} }
-  }, 400);
-  return [];
-}"""
+from app.shared.page_js import page_js
+
+NARROW_JS = page_js("narrow")  # static/js/narrow.js

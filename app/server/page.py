@@ -20,6 +20,7 @@ from app.shared.context import (
     model_choices,
     model_names,
 )
+from app.shared.page_js import head_script, page_js
 from app.tabs.explore import tab as explore_tab
 from app.tabs.explore.views import SCALES
 
@@ -31,25 +32,16 @@ OTHER_TABS = [("app.tabs.generate.tab", "Generate"), ("app.tabs.interventions.ta
 URL_KEYS = ["model", "prompt", "chat", "layer", "head", "query", "temperature", "top_k", "top_p", "min_p", "rep",
             "scale", "zoom"]
 # Other keys in the URL (the open tab, the selected job) are kept as they are.
-URL_JS = """(...v) => {
-  const keys = %s;
-  const q = new URLSearchParams(location.search);
-  keys.forEach((k, i) => { let x = v[i]; if (typeof x === 'boolean') x = x ? 1 : 0;
-                           if (x !== null && x !== undefined && x !== '') q.set(k, x); else q.delete(k); });
-  history.replaceState(null, '', '?' + q.toString());
-  return [];
-}""" % (URL_KEYS,)
-TAB_URL_JS = """() => { const q = new URLSearchParams(location.search); q.set('tab', '%s');
-                       history.replaceState(null, '', '?' + q.toString()); return []; }"""
+URL_JS = page_js("url_state", KEYS=repr(URL_KEYS))  # a list of plain names reads as a JS array
 # Read before the app renders (its first tab's select rewrites the URL); app/server/main.py puts it in <head>.
-HEAD_JS = "<script>window.lmscopeOpenTab = new URLSearchParams(location.search).get('tab');</script>"
-OPEN_TAB_JS = """() => { const t = window.lmscopeOpenTab;
-  // in a narrow window the tabs that do not fit are plain buttons of an overflow menu: any button will do
-  if (t && t !== 'explore') { const m = [...document.querySelectorAll('#tabs button')].filter(
-      x => x.textContent.trim().toLowerCase().replace(/ /g, '-') === t);
-    const b = m.find(x => x.getAttribute('role') === 'tab') || m[m.length - 1]; if (b) b.click(); }
-  return []; }"""
+HEAD_JS = head_script("opened_tab_head")
+OPEN_TAB_JS = page_js("open_tab")
 MODEL_MENUS_REFRESH_S = 3.0  # how soon a model registered by a job appears in open pages' menus
+
+
+def tab_url_js(tab_id: str) -> str:
+    """The js of a tab's select event: its id into the URL as ?tab=."""
+    return page_js("tab_url", TAB=tab_id)
 
 
 def _tab_id(title: str) -> str:
@@ -160,13 +152,13 @@ def build_demo() -> gr.Blocks:
         with gr.Tabs(elem_id="tabs"):
             with gr.Tab("Explore", id="explore") as tab:
                 explore = explore_tab.build(shared)
-            tab.select(None, None, None, js=TAB_URL_JS % "explore")
+            tab.select(None, None, None, js=tab_url_js("explore"))
             for module, title in OTHER_TABS:
                 if importlib.util.find_spec(module) is None:
                     continue
                 with gr.Tab(title, id=_tab_id(title)) as tab:
                     importlib.import_module(module).build(shared)
-                tab.select(None, None, None, js=TAB_URL_JS % _tab_id(title))
+                tab.select(None, None, None, js=tab_url_js(_tab_id(title)))
 
         for dropdown, kind in shared.pickers:  # opened, a menu fetches its list (a hidden tab may miss the timer)
             dropdown.focus(fresh_choices_finetuned if kind == "finetuned" else fresh_choices_all, None, [dropdown])

@@ -2,9 +2,18 @@
 the component and its config for each (the reference is Gradio's own Blocks.postprocess_data,
 run on the same predictions); the queue polls less often; a session's component configs are
 worked out when first used and come out as Gradio's own eager SessionState has them; a page's
-config is copied once per address and answers what Gradio's own /config route answers."""
+config is copied once per address and answers what Gradio's own /config route answers.
+
+These changes (and app/server/api.py's wrappers of process_api and the queue's push, app/server/main.py's
+has_launched and its sys.modules marks) lean on Gradio's internals: the installed Gradio must be the
+version they were written against, with the parameters, attributes and source they expect, and a change
+that finds another shape must say so in the log."""
 
 import asyncio
+import inspect
+import logging
+import tomllib
+from pathlib import Path
 
 import gradio as gr
 import plotly.graph_objects as go
@@ -189,3 +198,90 @@ def test_page_config_is_copied_once_per_address_and_equals_gradios_own(monkeypat
     assert len(copies) == 2  # one per address, not one per page load (8 loads)
     assert TestClient(app).get("/config").status_code == 401  # not signed in: Gradio's own check still runs
     assert clients["bob"].get("/config", params={"deep_link": "nope"}).json()["deep_link_state"] == "invalid"
+
+
+def test_the_installed_gradio_is_the_one_the_changes_were_written_against():
+    """An upgrade is a deliberate step: re-read every change against the new Gradio, then move the pin
+    in pyproject.toml and gradio_tuning.GRADIO_VERSION together."""
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text(encoding="utf-8"))
+    assert f"gradio=={gradio_tuning.GRADIO_VERSION}" in pyproject["project"]["dependencies"]
+    assert gr.__version__ == gradio_tuning.GRADIO_VERSION
+
+
+def _config_endpoints():
+    from gradio.routes import App
+
+    demo, _ = _demo()
+    app = App.create_app(demo)
+    return [r.endpoint for r in app.router.routes if getattr(r, "path", None) in ("/config", "/config/")]
+
+
+def test_what_the_changes_wrap_has_the_parameters_they_pass_on():
+    from gradio import route_utils
+    from gradio.blocks import BlocksConfig
+    from gradio.queueing import Queue
+
+    config = _config_endpoints()
+    assert len(config) == 2 and config[0] is config[1]  # one endpoint for /config and /config/
+    wrapped = {"Blocks.postprocess_data": Blocks.postprocess_data, "SessionState.__init__": SessionState.__init__,
+               "BlocksConfig.config_for_block": BlocksConfig.config_for_block, "/config": config[0],
+               "route_utils.get_root_url": route_utils.get_root_url, "Blocks.process_api": Blocks.process_api,
+               "Queue.push": Queue.push}
+    assert set(wrapped) == set(gradio_tuning.PARAMS)
+    for name, fn in wrapped.items():
+        assert gradio_tuning.params(inspect.unwrap(fn)) == gradio_tuning.PARAMS[name], name
+    for fn in (Blocks.postprocess_data, Blocks.process_api, Queue.push):  # awaited by the wrappers
+        assert inspect.iscoroutinefunction(inspect.unwrap(fn)), fn
+    assert isinstance(inspect.getattr_static(BlocksConfig, "config_for_block"), staticmethod)
+
+
+def test_what_the_changes_read_and_set_is_still_there():
+    from gradio import blocks, processing_utils, queueing, utils
+    from gradio.components import plot
+
+    assert isinstance(blocks.Block, type) and callable(blocks.convert_component_dict_to_list)  # skip_unchanged_outputs
+    own_init = inspect.getsource(inspect.unwrap(SessionState.__init__))  # lazy_session_configs imitates it
+    components = inspect.getattr_static(SessionState, "components")
+    assert "config_for_block" in own_init and "blocks.default_config" in own_init
+    assert "config_values" in inspect.getsource(inspect.unwrap(components.fget))
+    demo, _ = _demo()
+    demo.queue()
+    for name in ("sleep_when_free", "progress_update_sleep_when_free"):  # poll_queue_every
+        assert isinstance(getattr(demo._queue, name), (int, float)), name
+    assert isinstance(demo._queue.event_ids_to_events, dict)  # api.limit_queue_share counts a user's events ...
+    assert {"session_hash", "username"} <= set(inspect.signature(queueing.Event.__init__).parameters)  # ... by these
+    # main.build_app sets has_launched on the mounted demo: Gradio's check that an input file came through
+    # its upload route runs only on a demo that has it
+    assert demo.has_launched is False
+    assert "blocks.has_launched" in inspect.getsource(processing_utils._check_allowed)
+    # main.mark_missing_optional_imports: Gradio tries these imports and takes ImportError as "not installed"
+    for fn, name in ((plot.Plot.get_config, "bokeh"), (utils.MatplotlibBackendMananger.__enter__, "matplotlib")):
+        source = inspect.getsource(fn)
+        assert f"import {name}" in source and "except ImportError" in source, name
+
+
+def test_a_change_that_finds_another_shape_says_so_and_leaves_gradio_as_it_is(monkeypatch, caplog):
+    from fastapi import FastAPI
+
+    async def postprocess_data(self, block_fn, predictions, state, extra=None):  # a new parameter
+        return predictions
+
+    def session_init(self, blocks, extra=None):
+        pass
+
+    monkeypatch.setattr(Blocks, "postprocess_data", postprocess_data)
+    monkeypatch.setattr(SessionState, "__init__", session_init)
+    no_config = FastAPI()
+    other_config = FastAPI()
+    other_config.get("/config")(lambda request, user=None: {})
+    with caplog.at_level(logging.WARNING, logger=gradio_tuning.__name__):
+        assert not gradio_tuning.skip_unchanged_outputs()
+        assert not gradio_tuning.lazy_session_configs()
+        assert not gradio_tuning.poll_queue_every(object())
+        assert not gradio_tuning.cache_page_config(no_config)
+        assert not gradio_tuning.cache_page_config(other_config)
+    assert Blocks.postprocess_data is postprocess_data and SessionState.__init__ is session_init  # untouched
+    warned = [r.getMessage() for r in caplog.records if r.name == gradio_tuning.__name__ and r.levelno == logging.WARNING]
+    for change in ("skip_unchanged_outputs", "lazy_session_configs", "poll_queue_every", "cache_page_config"):
+        assert any(f"{change} is not applied" in m for m in warned), change
+    assert sum("cache_page_config" in m for m in warned) == 2

@@ -15,6 +15,7 @@ import json
 import gradio as gr
 
 from app.shared.context import default_model, endpoint
+from app.shared.page_js import page_js
 
 # key -> (kind, lowest, highest): kind "layer" / "head" take the model's range; "int" / "float" the
 # bounds given; "text" a capped string; "bool"; "choice" one of the bounds tuple; "list" names.
@@ -36,34 +37,19 @@ KEYS = list(CONTROLS)
 PANELS = ["card", "tree", "attention", "rope", "positions", "embedding", "norm", "mlp", "output", "kv-variants",
           "norm-chapter", "position-schemes", "moe", "info"]
 
-# Mirrors the controls into the URL (other keys stay as they are); an_run and an_open are written by
-# the Show button and the panels' expand/collapse events.
-# (a value equal to the control's default is left out: the link stays short)
-URL_JS = """(...v) => {
-  const keys = %s, defaults = %s;
-  const norm = (x) => { if (Array.isArray(x)) x = x.join(','); if (typeof x === 'boolean') x = x ? 1 : 0;
-                        return x === null || x === undefined ? '' : String(x); };
-  const q = new URLSearchParams(location.search);
-  keys.forEach((k, i) => { const x = norm(v[i]);
-    if (x !== '' && x !== norm(defaults[i])) q.set(k, x); else q.delete(k); });
-  history.replaceState(null, '', '?' + q.toString());
-  return [];
-}"""
-RUN_JS = """() => { const q = new URLSearchParams(location.search); q.set('tab', 'anatomy'); q.set('an_run', 1);
-  history.replaceState(null, '', '?' + q.toString()); return []; }"""
-PANEL_JS = """() => { const q = new URLSearchParams(location.search);
-  const open = new Set((q.has('an_open') ? q.get('an_open') : '%s').split(',').filter(x => x)); open.%s('%s');
-  q.set('an_open', [...open].join(','));  // empty: every panel closed
-  history.replaceState(null, '', '?' + q.toString()); return []; }"""
+# The controls are mirrored into the URL by static/js/anatomy_url.js (other keys stay as they are; a
+# value equal to the control's default is left out: the link stays short); an_run and an_open are
+# written by the Show button (RUN_JS) and the panels' expand/collapse events (panel_js).
+RUN_JS = page_js("anatomy_run")
 # after the link's values landed: press "Show anatomy" as the teammate did, and bring the first
 # open panel into view
-GO_JS = """() => { const q = new URLSearchParams(location.search);
-  if (window.lmscopeOpenTab === 'anatomy' && q.get('an_run') === '1') {
-    const b = document.querySelector('#anatomy-go'); if (b) b.click();
-    const first = (q.get('an_open') || '').split(',').filter(x => x)[0];
-    const el = first && document.querySelector('#anatomy-' + first);
-    if (el) setTimeout(() => el.scrollIntoView({block: 'start'}), 500); }
-  return []; }"""
+GO_JS = page_js("anatomy_go")
+
+
+def panel_js(first_open: str, op: str, panel: str) -> str:
+    """The js of a panel's expand (op "add") or collapse ("delete") event: ?an_open= gains or loses
+    `panel`; a URL without an_open yet starts from `first_open`, the panels open as built."""
+    return page_js("anatomy_panel", FIRST_OPEN=first_open, OP=op, PANEL=panel)
 
 
 def values_from_url(query: dict, opened_tab: str | None, shape: tuple[int, int], moe_layers: int,
@@ -108,7 +94,7 @@ def wire(shared, go_btn, controls: dict, shape_of, moe_layers: int, compare_name
     from gradio.context import get_blocks_context
 
     comps = [controls[k] for k in KEYS]
-    url_js = URL_JS % (json.dumps(KEYS), json.dumps([c.value for c in comps], default=str))
+    url_js = page_js("anatomy_url", KEYS=json.dumps(KEYS), DEFAULTS=json.dumps([c.value for c in comps], default=str))
     for c in comps:
         c.change(None, comps, None, js=url_js)
     go_btn.click(None, None, None, js=RUN_JS)
@@ -121,8 +107,8 @@ def wire(shared, go_btn, controls: dict, shape_of, moe_layers: int, compare_name
     names = [p for p in PANELS if p in accordions]
     first_open = ",".join(p for p in names if accordions[p].open)  # before any toggle: as built
     for p in names:
-        accordions[p].expand(None, None, None, js=PANEL_JS % (first_open, "add", p))
-        accordions[p].collapse(None, None, None, js=PANEL_JS % (first_open, "delete", p))
+        accordions[p].expand(None, None, None, js=panel_js(first_open, "add", p))
+        accordions[p].collapse(None, None, None, js=panel_js(first_open, "delete", p))
     if shared.page is None:
         return
     opened_tab = gr.Textbox(visible=False, elem_id="an-opened-tab")
@@ -151,5 +137,5 @@ def wire(shared, go_btn, controls: dict, shape_of, moe_layers: int, compare_name
         ups += [gr.skip() if opened is None else gr.update(open=p in opened) for p in names]
         return tuple(ups)
 
-    shared.page.load(an_from_url, [opened_tab], outputs, js="() => [window.lmscopeOpenTab || '']").then(
+    shared.page.load(an_from_url, [opened_tab], outputs, js=page_js("opened_tab")).then(
         None, None, None, js=GO_JS)

@@ -25,6 +25,7 @@ import torch
 
 from app.shared import validation as V
 from app.shared.context import endpoint
+from app.shared.page_js import page_js
 from app.tabs.explore import figures
 from app.tabs.explore import unit_figures as UF
 from app.tabs.explore.state import clamp, trace_for_state
@@ -278,7 +279,7 @@ class FeaturesPanel:
         # a token chip or the query slider moves the query: the menu follows (nothing runs without a set)
         tab.query.change(on_prompt, [tab.state, self.set, tab.query], show_outs, concurrency_id="views",
                          show_progress="hidden")
-        self.here.input(None, [self.here], [self.number], js="(f) => f")
+        self.here.input(None, [self.here], [self.number], js=page_js("pass_value"))
         self.search_text.submit(search, [self.set, self.search_text], [self.here, self.msg])
         page = [self.title, self.contexts, self.acts, self.weights, self.hist, self.msg]
         self.open_btn.click(open_feature, [tab.state, self.set, self.number], page, concurrency_id="views")

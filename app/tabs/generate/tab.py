@@ -13,6 +13,7 @@ import gradio as gr
 
 from app.shared import validation as V
 from app.shared.context import Shared, endpoint, generate_concurrency, get_model, max_prompt_tokens
+from app.shared.page_js import page_js
 from app.tabs.generate import figures as F
 from model_core.core.errors import LmscopeError
 from model_core.core.sampling import SamplingSettings
@@ -118,18 +119,7 @@ def _kv_markdown(kv: dict | None) -> str:
 # prompt / chat keys: a link with ?tab=generate&gen_max=... generates the same text (greedy, or the
 # same seed) and opens the same step.
 GEN_URL_KEYS = ["gen_max", "gen_t", "gen_k", "gen_p", "gen_minp", "gen_rep", "gen_seed", "gen_stop", "gen_step"]
-GEN_URL_JS = """(model, prompt, chat, ...v) => {
-  const keys = %s;
-  const q = new URLSearchParams(location.search);
-  q.set('tab', 'generate');
-  if (model) q.set('model', model);
-  if (prompt !== null && prompt !== undefined) q.set('prompt', prompt);
-  q.set('chat', chat ? 1 : 0);
-  keys.forEach((k, i) => { const x = v[i];
-    if (x !== null && x !== undefined && x !== '') q.set(k, x); else q.delete(k); });
-  history.replaceState(null, '', '?' + q.toString());
-  return [];
-}""" % (GEN_URL_KEYS,)
+GEN_URL_JS = page_js("generate_url", KEYS=repr(GEN_URL_KEYS))
 # (key, default, lowest, highest) of each number the link may carry; None: no bound
 _GEN_NUMBERS = [("gen_t", 0.0, 0.0, 2.0), ("gen_k", 0, None, None), ("gen_p", 1.0, 0.01, 1.0),
                 ("gen_minp", 0.0, 0.0, 1.0), ("gen_rep", 1.0, 0.5, 2.0), ("gen_seed", 0, None, None)]
@@ -339,7 +329,7 @@ class GenerateTab:
         controls = [self.max_new, self.temperature, self.top_k, self.top_p, self.min_p, self.rep, self.seed,
                     self.stop]
         shared.page.load(self.gen_from_url, [opened_tab], [*controls, self.linked],
-                         js="() => [window.lmscopeOpenTab || '']").then(
+                         js=page_js("opened_tab")).then(
             self.gen_autorun, [self.linked, *controls, self.color_by], self.gen_outputs,
             concurrency_id="generate", concurrency_limit=generate_concurrency()).then(
             self.gen_open_linked_step, [self.linked, self.opening, self.state, self.color_by, self.show_att],

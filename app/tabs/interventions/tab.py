@@ -15,6 +15,7 @@ import gradio as gr
 import torch
 
 from app.shared.context import Shared, default_model, endpoint, get_model, job_owner, job_viewer
+from app.shared.page_js import page_js
 from app.tabs.interventions import figures as fig
 from model_core.core import paths
 from model_core.core.errors import LmscopeError
@@ -387,15 +388,7 @@ def export_results(ablation, patching, attribution):
 # back when a link opens this tab (as the page read ?tab= before its first tab rewrote the URL).
 IV_URL_KEYS = ["iv_clean", "iv_corrupt", "iv_target", "iv_other", "iv_metric", "iv_heads", "iv_mlps", "iv_neurons",
                "iv_mode", "iv_patch", "iv_align"]
-IV_URL_JS = """(...v) => {
-  const keys = %s;
-  const q = new URLSearchParams(location.search);
-  keys.forEach((k, i) => { let x = v[i];
-    if (Array.isArray(x)) x = x.join(','); if (typeof x === 'boolean') x = x ? 1 : 0;
-    if (x !== null && x !== undefined && x !== '') q.set(k, x); else q.delete(k); });
-  history.replaceState(null, '', '?' + q.toString());
-  return [];
-}""" % (IV_URL_KEYS,)
+IV_URL_JS = page_js("interventions_url", KEYS=repr(IV_URL_KEYS))
 
 
 def choices_from_url(query: dict, opened_tab: str | None, model: str | None = None) -> dict | None:
@@ -533,4 +526,4 @@ def build(shared: Shared) -> None:
                 return (gr.skip(),) * len(url_inputs)
             return tuple(got[k] for k in IV_URL_KEYS)
 
-        shared.page.load(iv_from_url, [opened_tab], url_inputs, js="() => [window.lmscopeOpenTab || '']")
+        shared.page.load(iv_from_url, [opened_tab], url_inputs, js=page_js("opened_tab"))

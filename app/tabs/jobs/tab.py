@@ -14,6 +14,7 @@ import gradio as gr
 
 from app.shared import job_views as jf
 from app.shared.context import Shared, endpoint, job_owner, job_viewer, scratch_dir, uploaded_file
+from app.shared.page_js import page_js
 from model_core.core.errors import LmscopeError
 
 REFRESH_S = 1.5
@@ -240,8 +241,7 @@ def build(shared: Shared) -> None:
     others.focus(tokenizer_choices, None, [others])
 
 
-JOB_URL_JS = """(j) => { const q = new URLSearchParams(location.search); if (j) q.set('job', j); else q.delete('job');
-                        history.replaceState(null, '', '?' + q.toString()); return []; }"""
+JOB_URL_JS = page_js("job_url")
 
 
 @endpoint
