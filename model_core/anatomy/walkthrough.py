@@ -5,395 +5,61 @@ recomputed from a Trace with the model's own modules; nothing about an architect
 in. tests/reference/test_anatomy.py checks each step against the model's own forward.
 
 Pure PyTorch (+ pandas for tables); no gradio.
+
+This module walks a Trace through one block (attention, norms, MLP, output) and checks each
+panel's hand computation against the model's own forward; the parts beside it:
+  architecture_card  the card from config, modules and weights; compare_models
+  module_tree        the module tree with output shapes for the prompt
+  positions          sinusoidal, RoPE (frequencies, angles, a pair by hand, score vs distance), learned
+  embedding_space    a token from text, nearest tokens, analogies
+Everything stays importable from here.
 """
 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 
-import pandas as pd
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from model_core.core.adapters import adapter_for, apply_rope, is_norm, kv_cache_bytes
+from model_core.anatomy.architecture_card import (
+    activation_label,
+    architecture_card,
+    card_frame,
+    compare_models,
+    config_activation,
+    config_only_model,
+    count_by_part,
+    linear_out_features,
+    norm_kind,
+    param_counts,
+    rope_thetas,
+)
+from model_core.anatomy.embedding_space import analogy, nearest_tokens, resolve_token, token_id
+from model_core.anatomy.module_tree import module_tree, tree_frame
+from model_core.anatomy.positions import (
+    learned_positions,
+    rope_angles,
+    rope_full_turn_positions,
+    rope_inv_freq,
+    rope_pair_example,
+    rope_rotate,
+    rope_score_vs_distance,
+    sinusoidal_encoding,
+)
+from model_core.core.adapters import is_norm, kv_cache_bytes
 from model_core.core.errors import PromptError
 from model_core.core.tokenization import describe_tokens
 
-# ---------------------------------------------------------------------------------------------
-# Small helpers
-
-
-def _unwrap(lm_or_model):
-    """(model, adapter) from a LoadedModel or a bare transformers model."""
-    if hasattr(lm_or_model, "adapter") and hasattr(lm_or_model, "model"):
-        return lm_or_model.model, lm_or_model.adapter
-    return lm_or_model, adapter_for(lm_or_model)
-
-
-def _cfg(config, *names, default=None):
-    for n in names:
-        v = getattr(config, n, None)
-        if v is not None:
-            return v
-    return default
-
-
-def norm_kind(module: nn.Module) -> dict:
-    """What a norm module computes: {'type': 'RMSNorm'|'LayerNorm', 'gain_offset': 0 or 1, 'eps'}.
-    Gemma's RMSNorm multiplies by (1 + w) instead of w (its weights are stored as offsets from 1)."""
-    name = type(module).__name__
-    eps = getattr(module, "eps", None) or getattr(module, "variance_epsilon", None) or 1e-5
-    if isinstance(module, nn.LayerNorm) or ("LayerNorm" in name and "RMS" not in name):
-        return {"type": "LayerNorm", "gain_offset": 0.0, "eps": float(eps), "class": name}
-    offset = 1.0 if name.startswith("Gemma") else 0.0
-    return {"type": "RMSNorm", "gain_offset": offset, "eps": float(eps), "class": name}
-
-
-def linear_out_features(module: nn.Module) -> int:
-    """Output width of nn.Linear (weight [out, in]) or GPT-2's Conv1D (weight [in, out])."""
-    if isinstance(module, nn.Linear):
-        return module.weight.shape[0]
-    return module.weight.shape[1]
-
-
-def _project(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """x @ W (+ b) for nn.Linear or Conv1D, as a plain matmul: [in] -> [out] weight matrix."""
-    w = module.weight
-    w_in_out = w.T if isinstance(module, nn.Linear) else w
-    return x @ w_in_out
-
-
-def config_activation(config) -> str:
-    return str(_cfg(config, "hidden_act", "hidden_activation", "activation_function", default="?"))
-
-
-def activation_label(act: str) -> str:
-    a = act.lower()
-    if a in ("silu", "swish"):
-        return "SiLU"
-    if a.startswith("gelu"):
-        return "GELU" + (" (tanh approx.)" if ("tanh" in a or a in ("gelu_new", "gelu_fast")) else "")
-    if a == "relu":
-        return "ReLU"
-    return act
-
-
-# ---------------------------------------------------------------------------------------------
-# Architecture card
-
-
-def count_by_part(model: nn.Module, unembed: nn.Module, groups: dict[str, set[int]],
-                  parts: tuple[str, ...]) -> OrderedDict[str, int]:
-    """Parameters by part, each tensor once (tied weights counted once, like model.parameters()):
-    embeddings, norms (every norm, wherever it sits), the unembedding (only when untied), then the
-    first of `groups` (part -> ids of its parameters, in order) that holds the tensor, else other.
-    `parts` lists every part in the order the result keeps; "total" is added."""
-    out = OrderedDict((k, 0) for k in parts)
-    seen: set[int] = set()
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            if isinstance(module, nn.Embedding):
-                part = "embedding"
-            elif is_norm(module):
-                part = "norms"
-            elif module is unembed:
-                part = "unembedding"
-            else:
-                part = next((name for name, ids in groups.items() if id(p) in ids), "other")
-            out[part] += p.numel()
-    out["total"] = sum(out.values())
-    return out
-
-
-def param_counts(lm_or_model) -> OrderedDict[str, int]:
-    """Parameters by part, from the real tensors (count_by_part): embedding (token + learned
-    positions), attention (Q, K, V, O and their biases), mlp, norms (every norm incl. QK-norm and the
-    final norm), unembedding (only when untied), other (should be 0). Sums to the model's count."""
-    model, ad = _unwrap(lm_or_model)
-    attn_ids, mlp_ids = set(), set()
-    for layer in ad.layers:
-        attn = getattr(layer, "self_attn", None) or getattr(layer, "attn", None)
-        attn_ids |= {id(p) for p in attn.parameters()}
-        mlp_ids |= {id(p) for p in layer.mlp.parameters()}
-    return count_by_part(model, ad.unembed, {"attention": attn_ids, "mlp": mlp_ids},
-                         ("embedding", "attention", "mlp", "norms", "unembedding", "other"))
-
-
-def rope_thetas(config) -> dict[str, float]:
-    """RoPE base(s) from config.rope_parameters (flat, or per layer type as in Gemma 3) or the
-    older rope_theta / rope_local_base_freq fields."""
-    rp = getattr(config, "rope_parameters", None)
-    out: dict[str, float] = {}
-    if isinstance(rp, dict) and rp:
-        if "rope_theta" in rp:
-            out["all layers"] = float(rp["rope_theta"])
-        else:
-            for kind, sub in rp.items():
-                if isinstance(sub, dict) and "rope_theta" in sub:
-                    out[kind] = float(sub["rope_theta"])
-    if not out:
-        theta = getattr(config, "rope_theta", None)
-        if theta is not None:
-            out["all layers"] = float(theta)
-        local = getattr(config, "rope_local_base_freq", None)
-        if local is not None:
-            out["sliding_attention"] = float(local)
-    return out
-
-
-def architecture_card(lm_or_model) -> OrderedDict[str, object]:
-    """Everything about the architecture, read from config, modules and weights."""
-    model, ad = _unwrap(lm_or_model)
-    c = model.config
-    layers = ad.layers
-    layer0 = layers[0]
-    attn = getattr(layer0, "self_attn", None) or getattr(layer0, "attn", None)
-    n_layers = len(layers)
-    d_model = ad.embed_tokens.weight.shape[1]
-    vocab = ad.embed_tokens.weight.shape[0]
-    n_heads = int(_cfg(c, "num_attention_heads", "n_head"))
-    n_kv = int(_cfg(c, "num_key_value_heads", default=n_heads))
-    head_dim = int(getattr(attn, "head_dim", None) or _cfg(c, "head_dim", default=d_model // n_heads))
-    # cross-check against the weights: the K projection is kv_heads x head_dim wide
-    if hasattr(attn, "k_proj"):
-        n_kv = linear_out_features(attn.k_proj) // head_dim
-        n_heads = linear_out_features(attn.q_proj) // head_dim
-    if n_kv == n_heads:
-        attn_kind = "MHA (multi-head)"
-    elif n_kv == 1:
-        attn_kind = f"MQA (multi-query: {n_heads} query heads share 1 K/V head)"
-    else:
-        attn_kind = f"GQA (grouped-query: {n_heads // n_kv} query heads per K/V head)"
-    mlp = layer0.mlp
-    gated = hasattr(mlp, "gate_proj")
-    act = activation_label(config_activation(c))
-    if gated:
-        d_mlp = linear_out_features(mlp.up_proj)
-        ffn = {"SiLU": "SwiGLU", "GELU": "GeGLU", "GELU (tanh approx.)": "GeGLU"}.get(act, f"gated {act}")
-        ffn_desc = f"down(act(gate x) · up x), act = {act}"
-    else:
-        fc = getattr(mlp, "c_fc", None) or getattr(mlp, "fc1", None)
-        d_mlp = linear_out_features(fc)
-        ffn = f"{act.split(' ')[0]} MLP"
-        ffn_desc = f"down(act(up x)), act = {act}"
-    nk = norm_kind(ad.attn_norm(layer0))
-    post_norm = is_norm(ad.attn_out_module(layer0))
-    placement = "pre-norm"
-    if post_norm:
-        placement = "pre- and post-norm"  # the post-norm's output is what joins the residual
-    qk_norm = hasattr(attn, "q_norm")
-    if ad.uses_rope:
-        thetas = rope_thetas(c)
-        pos = "RoPE, θ " + ", ".join(
-            (f"{v:,.0f}" if k == "all layers" else f"{v:,.0f} ({k})") for k, v in thetas.items())
-    else:
-        wpe = getattr(getattr(model, "transformer", None), "wpe", None)
-        pos = "learned absolute" + (f" [{wpe.weight.shape[0]}, {wpe.weight.shape[1]}]" if wpe is not None else "")
-    unembed = ad.unembed
-    tied = unembed.weight is ad.embed_tokens.weight
-    counts = param_counts(model)
-    dtype = next(model.parameters()).dtype
-    bpv = torch.empty((), dtype=dtype).element_size()
-    kv_bytes = kv_cache_bytes(n_layers, n_kv, head_dim, 1, bpv)
-    windows = "no (every layer sees all tokens)"
-    types = getattr(c, "layer_types", None)
-    if types and "sliding_attention" in types:
-        n_slide = sum(t == "sliding_attention" for t in types)
-        windows = f"{n_slide} of {n_layers} layers see only the last {getattr(c, 'sliding_window', '?')} tokens"
-    # the rows people compare first come first (the comparison table keeps this order)
-    card = OrderedDict()
-    card["architecture"] = f"{type(model).__name__} ({c.model_type})"
-    card["params: total"] = counts["total"]
-    card["dtype"] = str(dtype).replace("torch.", "")
-    card["KV cache / token"] = kv_bytes
-    card["KV cache / token (16-bit)"] = kv_cache_bytes(n_layers, n_kv, head_dim, 1, 2)
-    card["layers"] = n_layers
-    card["d_model"] = d_model
-    card["query heads"] = n_heads
-    card["key/value heads"] = n_kv
-    card["attention"] = attn_kind
-    card["head dim"] = head_dim
-    card["QK-norm"] = "yes (RMSNorm on each head's q and k)" if qk_norm else "no"
-    card["sliding window"] = windows
-    card["attention scale"] = round(float(ad.attention_scale(0)), 6)
-    card["FFN type"] = ffn
-    card["FFN"] = ffn_desc
-    card["FFN width"] = d_mlp
-    card["norm"] = f"{nk['type']}" + (" with gain (1 + w)" if nk["gain_offset"] else "") + f", eps {nk['eps']:g}"
-    card["norm placement"] = placement
-    card["positions"] = pos
-    card["vocabulary"] = vocab
-    card["context length"] = int(_cfg(c, "max_position_embeddings", "n_positions", default=0))
-    card["weight tying"] = "tied (unembedding = embedding)" if tied else "untied (separate unembedding)"
-    for part in ("embedding", "attention", "mlp", "norms", "unembedding"):
-        if part == "unembedding" and tied:
-            continue
-        card[f"params: {part}"] = counts[part]
-    if counts["other"]:
-        card["params: other"] = counts["other"]
-    card["_numbers"] = dict(n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv,
-                            head_dim=head_dim, d_mlp=d_mlp, vocab=vocab, gated=gated, tied=tied,
-                            norm=nk, post_norm=post_norm, qk_norm=qk_norm, uses_rope=ad.uses_rope,
-                            bytes_per_value=bpv, kv_bytes_per_token=kv_bytes)
-    return card
-
-
-def card_frame(card) -> pd.DataFrame:
-    """One model's card as a two-column table (numbers formatted with thousands separators)."""
-    rows = [(k, _fmt(v)) for k, v in card.items() if not k.startswith("_")]
-    return pd.DataFrame(rows, columns=["property", "value"])
-
-
-def _fmt(v) -> str:
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, int):
-        return f"{v:,}"
-    return str(v)
-
-
-def compare_models(cards: dict[str, object]) -> pd.DataFrame:
-    """Side by side: one column per model, one row per property. `cards` maps a column name to
-    a LoadedModel, a transformers model, or an already-built card."""
-    built = OrderedDict()
-    for name, obj in cards.items():
-        built[name] = obj if isinstance(obj, dict) else architecture_card(obj)
-    keys: list[str] = []
-    for card in built.values():  # union of the rows; a row only some cards have goes after its predecessor
-        prev = None
-        for k in card:
-            if k.startswith("_"):
-                continue
-            if k not in keys:
-                keys.insert(keys.index(prev) + 1 if prev in keys else len(keys), k)
-            prev = k
-    data = {name: [_fmt(card[k]) if k in card else "—" for k in keys] for name, card in built.items()}
-    return pd.DataFrame(data, index=pd.Index(keys, name="property")).reset_index()
-
-
-def config_only_model(config) -> nn.Module:
-    """A model built from a config on the meta device: its modules and weight shapes, no memory.
-    Lets the comparison table show architectures that are not loaded (e.g. GPT-2 small)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
-
-
-# ---------------------------------------------------------------------------------------------
-# Module tree with shapes for the current prompt
-
-
-def module_tree(lm, token_ids, collapse_layers: bool = True) -> list[dict]:
-    """One forward pass with a forward hook on every module; rows in execution order:
-    {path, depth, module, shape (output, batch dim dropped), params}. With collapse_layers, only
-    layer 0 is listed in full and the other layers are one summary row."""
-    model, ad = lm.model, lm.adapter
-    names = {id(m): n for n, m in model.named_modules()}
-    layer_paths = [names[id(l)] for l in ad.layers]
-    rows: list[dict] = []
-    handles = []
-
-    entered: dict[str, int] = {}
-
-    def pre(module, inputs):
-        entered.setdefault(names[id(module)], len(entered))
-
-    def hook(module, inputs, output):
-        out = output[0] if isinstance(output, (tuple, list)) else output
-        for attr in ("logits", "last_hidden_state"):
-            if hasattr(out, attr):
-                out = getattr(out, attr)
-                break
-        shape = tuple(out.shape[1:]) if torch.is_tensor(out) and out.dim() >= 1 else None
-        rows.append({"path": names[id(module)], "module": type(module).__name__,
-                     "shape": list(shape) if shape is not None else None,
-                     "params": sum(p.numel() for p in module.parameters(recurse=False)),
-                     "_tensors": [(id(p), p.numel()) for p in module.parameters(recurse=False)]})
-
-    for m in model.modules():
-        handles.append(m.register_forward_pre_hook(pre))
-        handles.append(m.register_forward_hook(hook))
-    try:
-        with torch.inference_mode():
-            model(input_ids=torch.tensor([list(token_ids)], device=lm.device), use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    # forward hooks fire on exit: list modules in the order they were entered (parents first)
-    rows.sort(key=lambda r: entered[r["path"]])
-    dedup, seen = [], set()
-    for r in rows:  # a module called twice (rotary embedding per layer type) keeps its first row
-        if r["path"] in seen:
-            continue
-        seen.add(r["path"])
-        r["depth"] = 0 if r["path"] == "" else r["path"].count(".") + 1
-        r["path"] = r["path"] or type(model).__name__
-        dedup.append(r)
-    # tied weights: a tensor is counted at the first module (in running order) that owns it; a later
-    # owner (a tied lm_head) shows its size with a note, so the "counted" column sums to the total
-    owner: dict[int, str] = {}
-    for r in dedup:
-        r["counted"], tied = 0, []
-        for pid, n in r.pop("_tensors"):
-            if pid in owner:
-                tied.append(owner[pid])
-            else:
-                owner[pid] = r["path"]
-                r["counted"] += n
-        r["tied_to"] = tied[0] if tied else None
-    total = sum(r["counted"] for r in dedup)
-    # the layer list (a ModuleList) is never called, so no hook names it: add its row before layer 0
-    list_path = layer_paths[0].rsplit(".", 1)[0] if "." in layer_paths[0] else None
-    if list_path is not None and list_path not in seen:
-        at = next(i for i, r in enumerate(dedup) if r["path"] == layer_paths[0])
-        dedup.insert(at, {"path": list_path, "module": f"ModuleList ({len(layer_paths)} × {type(ad.layers[0]).__name__})",
-                          "shape": None, "params": 0, "counted": 0, "tied_to": None, "depth": list_path.count(".") + 1})
-    total_row = {"path": "total (each tensor counted once)", "module": "", "shape": None, "params": total,
-                 "counted": total, "tied_to": None, "depth": 0, "total": True}
-    if not collapse_layers or len(layer_paths) < 3:
-        return dedup + [total_row]
-    out, skipped, skipped_params = [], 0, 0
-    keep = (layer_paths[0], layer_paths[-1])
-    for r in dedup:
-        in_layer = next((lp for lp in layer_paths if r["path"] == lp or r["path"].startswith(lp + ".")), None)
-        if in_layer is not None and in_layer not in keep:
-            if r["path"] == in_layer:
-                skipped += 1
-            skipped_params += r["counted"]
-            continue
-        if in_layer == layer_paths[-1] and r["path"] == in_layer and skipped:
-            out.append({"path": f"… {skipped} more layers, same shapes as layer 0", "module": "",
-                        "shape": None, "params": skipped_params, "counted": skipped_params, "tied_to": None,
-                        "depth": r["depth"]})
-        out.append(r)
-    return out + [total_row]
-
-
-def tree_frame(rows: list[dict]) -> pd.DataFrame:
-    """Rows indented by depth; a layer of the layer list is named with its list (layers.0, h.0)."""
-    data = []
-    for r in rows:
-        indent = "\u2003" * max(0, r["depth"])
-        parts = r["path"].split(".")
-        leaf = r["path"] if not r["depth"] else parts[-1]
-        if r["depth"] and len(parts) >= 2 and parts[-1].isdigit():
-            leaf = ".".join(parts[-2:])
-        if r["path"].startswith("…"):
-            leaf = r["path"]
-        if r.get("total"):
-            leaf = r["path"]
-        shape = "[" + ", ".join(str(s) for s in r["shape"]) + "]" if r["shape"] else ""
-        params = f"{r['params']:,}" if r["params"] else ""
-        if r.get("tied_to"):
-            params += f" (tied to {r['tied_to']}: the same tensor, counted there)"
-        data.append({"module": indent + leaf, "type": r["module"], "output shape": shape, "params": params})
-    return pd.DataFrame(data)
+__all__ = [
+    "activation_label", "analogy", "architecture_card", "attention_step", "attn_out_from_heads", "card_frame",
+    "check_attention", "check_mlp", "check_norm", "check_output", "compare_models", "config_activation",
+    "config_only_model", "count_by_part", "gain_stats", "head_outputs", "is_norm", "kv_cache_bytes",
+    "learned_positions", "linear_out_features", "mlp_out_from_hidden", "mlp_step", "module_tree",
+    "nearest_tokens", "norm_kind", "norm_module", "norm_step", "output_step", "param_counts",
+    "resolve_token", "rope_angles", "rope_full_turn_positions", "rope_inv_freq", "rope_pair_example",
+    "rope_rotate", "rope_score_vs_distance", "rope_thetas", "sinusoidal_encoding", "token_id", "tree_frame",
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -570,167 +236,6 @@ def check_norm(tr, layer: int, position: int, which: str, out: torch.Tensor) -> 
 def check_output(tr, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The panel's logits (W_U · the captured final-norm output) vs the logits the model returned."""
     return logits, tr.next_logits
-
-
-# ---------------------------------------------------------------------------------------------
-# Positions: RoPE, sinusoidal, learned
-
-
-def sinusoidal_encoding(n_positions: int, d_model: int, base: float = 10000.0) -> torch.Tensor:
-    """The original Transformer's encoding [n_positions, d_model]:
-    PE[p, 2i] = sin(p / base^(2i/d)), PE[p, 2i+1] = cos(p / base^(2i/d))."""
-    if n_positions < 1 or d_model < 2 or d_model % 2:
-        raise PromptError("Sinusoidal encoding needs at least one position and an even d_model >= 2.")
-    pos = torch.arange(n_positions, dtype=torch.float64)[:, None]
-    i = torch.arange(0, d_model, 2, dtype=torch.float64)
-    angle = pos / base ** (i / d_model)
-    pe = torch.zeros(n_positions, d_model, dtype=torch.float64)
-    pe[:, 0::2] = torch.sin(angle)
-    pe[:, 1::2] = torch.cos(angle)
-    return pe.float()
-
-
-def rope_inv_freq(lm, layer: int = 0) -> torch.Tensor:
-    """[head_dim/2] rotation frequencies the model uses at this layer (from its rotary module's
-    buffers; Gemma 3 keeps one set per layer type). Falls back to theta^(-2i/d) from config."""
-    ad = lm.adapter
-    if not ad.uses_rope:
-        raise PromptError(f"Model '{lm.name}' does not use RoPE.")
-    rot = getattr(getattr(lm.model, "model", None), "rotary_emb", None)
-    types = getattr(lm.model.config, "layer_types", None)
-    if rot is not None:
-        if types and hasattr(rot, f"{types[layer]}_inv_freq"):
-            return getattr(rot, f"{types[layer]}_inv_freq").detach().float().cpu()
-        if hasattr(rot, "inv_freq"):
-            return rot.inv_freq.detach().float().cpu()
-    thetas = rope_thetas(lm.model.config)
-    theta = thetas.get(types[layer] if types else "all layers") or next(iter(thetas.values()))
-    d = lm.shape.d_head
-    return 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-
-
-def rope_angles(lm, layer: int = 0, n_positions: int = 64) -> torch.Tensor:
-    """[n_positions, head_dim/2]: angle (radians) by which dimension pair i is rotated at
-    position p: p * inv_freq[i]. (HF's rotate-half layout pairs dimension i with i + d/2.)"""
-    return torch.arange(n_positions, dtype=torch.float32)[:, None] * rope_inv_freq(lm, layer)[None, :]
-
-
-def rope_rotate(x: torch.Tensor, position: int, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate vector(s) x [..., d] as if at `position` (rotate-half convention)."""
-    ang = position * inv_freq
-    emb = torch.cat([ang, ang])
-    return apply_rope(x, emb.cos(), emb.sin())
-
-
-def rope_pair_example(q_pre: torch.Tensor, inv_freq: torch.Tensor, position: int, pair: int = 0) -> dict:
-    """One dimension pair of one vector rotated by hand, in this model's layout (rotate_half):
-    pair i is (dimension i, dimension i + d/2), turned by the angle position x theta_i:
-      a' = a cos(p theta_i) - b sin(p theta_i),  b' = b cos(p theta_i) + a sin(p theta_i).
-    The papers' adjacent-pair form pairs dimensions (2i, 2i+1) instead: the same rotation of a
-    differently ordered vector (converted checkpoints permute the rows of W_q and W_k)."""
-    d = q_pre.numel()
-    half = d // 2
-    angle = position * float(inv_freq[pair])
-    a, b = float(q_pre[pair]), float(q_pre[pair + half])
-    return {"pair": pair, "dims": (pair, pair + half), "theta": float(inv_freq[pair]), "angle": angle,
-            "position": position, "before": (a, b),
-            "after": (a * math.cos(angle) - b * math.sin(angle), b * math.cos(angle) + a * math.sin(angle))}
-
-
-def rope_full_turn_positions(inv_freq: torch.Tensor) -> float:
-    """Positions the slowest pair needs for one full turn: 2 pi / theta_min."""
-    return 2 * math.pi / float(inv_freq[-1])
-
-
-def rope_score_vs_distance(lm, layer: int = 0, max_distance: int = 256, q: torch.Tensor | None = None,
-                           k: torch.Tensor | None = None, query_position: int | None = None) -> dict:
-    """Score q_m . k_n of two fixed vectors after RoPE, as a function of distance m - n.
-    Default vectors: all ones (every pair contributes 2 cos((m-n) theta_i)). The result depends
-    only on the distance, not on where the pair sits: that is RoPE's relative-position property."""
-    inv = rope_inv_freq(lm, layer)
-    d = inv.numel() * 2
-    q = torch.ones(d) if q is None else q.float().cpu()
-    k = torch.ones(d) if k is None else k.float().cpu()
-    m = max_distance if query_position is None else query_position
-    dist = torch.arange(0, max_distance + 1)
-    scores = torch.stack([rope_rotate(q, m, inv) @ rope_rotate(k, m - int(t), inv) for t in dist])
-    return {"distance": dist, "score": scores, "unrotated": float(q @ k)}
-
-
-def learned_positions(lm, n_positions: int | None = None) -> torch.Tensor | None:
-    """GPT-2's learned position-embedding matrix [n_positions, d] (None for RoPE models)."""
-    wpe = getattr(getattr(lm.model, "transformer", None), "wpe", None)
-    if wpe is None:
-        return None
-    w = wpe.weight.detach().float().cpu()
-    return w if n_positions is None else w[:n_positions]
-
-
-# ---------------------------------------------------------------------------------------------
-# Embedding space
-
-
-def token_id(lm, text: str) -> int:
-    """One token from user text: '#123' means id 123; otherwise the text must be exactly one
-    token (leading spaces matter: ' Paris' and 'Paris' are different tokens)."""
-    if not isinstance(text, str) or not text:
-        raise PromptError("Type a token (or #id).")
-    vocab = lm.shape.vocab_size
-    if text.startswith("#") and text[1:].strip().isdigit():
-        i = int(text[1:])
-        if not 0 <= i < vocab:
-            raise PromptError(f"Token id must be between 0 and {vocab - 1}.")
-        return i
-    ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
-    if len(ids) != 1:
-        pieces = " | ".join(t["display"] for t in describe_tokens(lm.tokenizer, ids))
-        raise PromptError(f"'{text}' is {len(ids)} tokens ({pieces}); pick one token, or type #id.")
-    return int(ids[0])
-
-
-def resolve_token(lm, text: str) -> tuple[int, str | None]:
-    """Like token_id, but text that is several tokens (a word, for a byte-level tokenizer) falls
-    back to its first token that is not only whitespace; returns (id, a note saying so, or None)."""
-    try:
-        return token_id(lm, text), None
-    except PromptError:
-        if not isinstance(text, str) or not text or (text.startswith("#") and text[1:].strip().isdigit()):
-            raise
-        ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
-        if not ids:
-            raise
-        toks = describe_tokens(lm.tokenizer, ids)
-        pick = next((i for i, t in enumerate(toks) if t["display"].strip("␣ ")), 0)
-        return int(ids[pick]), (f"'{text}' is {len(ids)} tokens here ({' '.join(t['display'] for t in toks)}): "
-                                f"using {toks[pick]['display']} (#{ids[pick]}).")
-
-
-def _embedding_matrix(lm) -> torch.Tensor:
-    return lm.adapter.embed_tokens.weight.detach().float()
-
-
-def _neighbours(lm, vec: torch.Tensor, k: int, exclude=()) -> list[dict]:
-    E = _embedding_matrix(lm)
-    sims = F.cosine_similarity(E, vec[None, :].to(E), dim=-1)
-    for i in exclude:
-        sims[i] = float("-inf")
-    top = sims.topk(min(k, sims.numel() - len(exclude)))
-    ids = top.indices.tolist()
-    toks = describe_tokens(lm.tokenizer, ids)
-    return [{"id": i, "token": t["display"], "cosine": float(s)} for i, t, s in zip(ids, toks, top.values.tolist())]
-
-
-def nearest_tokens(lm, token: str | int, k: int = 10) -> list[dict]:
-    """Tokens whose input embeddings have the highest cosine similarity to `token`'s."""
-    i = token if isinstance(token, int) else token_id(lm, token)
-    return _neighbours(lm, _embedding_matrix(lm)[i], k, exclude=(i,))
-
-
-def analogy(lm, a: str | int, b: str | int, c: str | int, k: int = 10) -> list[dict]:
-    """Nearest tokens to E[a] - E[b] + E[c] (a, b, c themselves excluded)."""
-    ia, ib, ic = (t if isinstance(t, int) else token_id(lm, t) for t in (a, b, c))
-    E = _embedding_matrix(lm)
-    return _neighbours(lm, E[ia] - E[ib] + E[ic], k, exclude={ia, ib, ic})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,12 +16,14 @@ same numbers (the graph executor's optimizations are off for it).
 from __future__ import annotations
 
 import functools
-import sys
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from model_core.interp.trace import Trace
+
+log = logging.getLogger(__name__)
 
 ROWS = 512  # residual vectors per pass over the vocabulary
 BLOCK_BYTES = 1 << 20  # ~1 MB of logits per block: stays in a core's L2 (fastest of 0.5-8 MB here)
@@ -111,7 +113,7 @@ def _walk():
     try:
         return torch.jit.script(_vocab_blocks)
     except Exception as e:  # noqa: BLE001 - the same walk, holding the lock per call
-        print(f"lmscope: the logit lens runs in Python ({type(e).__name__}: {str(e)[:200]})", file=sys.stderr)
+        log.warning("the logit lens runs in Python (%s: %s)", type(e).__name__, str(e)[:200])
         return _vocab_blocks
 
 

@@ -209,14 +209,16 @@ def test_loaded_models_agree_with_the_anatomy_card(name):
 
 # --- fast, no memory; the command line --------------------------------------------------------------
 
-def test_the_236b_card_comes_up_fast():
+def test_the_236b_card_is_computed_on_meta_without_weights():
+    """DeepSeek-V2's 236B parameters are counted from modules built on the meta device: the card
+    says so, its parts add up to the bar's total, and it says how long it took (a figure it shows;
+    how fast that is on a given machine is bench/'s business, not a test's)."""
     R._reference_card.cache_clear()
-    t0 = time.perf_counter()
     card = R.reference_card("deepseek-v2")
-    seconds = time.perf_counter() - t0
-    print(f"\nDeepSeek-V2 (236B) card built on meta and computed in {seconds:.2f} s "
-          f"(card['seconds'] = {card['seconds']})")
     assert card["params"] == BAR_PARAMS["deepseek-v2"] and card["seconds"] > 0
+    assert card["weights"] == "none: the published configuration, built on the meta device"
+    assert sum(card["params_by_part"].values()) == card["params"]
+    assert card["params_by_part"]["experts"] > 0.9 * card["params"]  # the routed experts are most of it
 
 
 def test_cli_card_json(capsys, tmp_path):
