@@ -1,0 +1,48 @@
+"""The shape the codebase keeps (docs/ARCHITECTURE.md): small modules, small classes, a logger
+instead of print() in the model core and the jobs. Each rule reads the source as it is, so a
+change that breaks one fails here with the file and line."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MAX_MODULE_LINES = 700
+MAX_CLASS_LINES = 300
+
+
+def _sources(*packages):
+    return sorted(p for pkg in packages for p in (ROOT / pkg).rglob("*.py"))
+
+
+def test_model_core_modules_stay_small():
+    big = {str(p.relative_to(ROOT)): n for p in _sources("model_core")
+           if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not big, f"modules over {MAX_MODULE_LINES} lines: {big}"
+
+
+def test_model_core_classes_stay_small():
+    big = []
+    for p in _sources("model_core"):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                big.append(f"{p.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1})")
+    assert not big, f"classes over {MAX_CLASS_LINES} lines: {big}"
+
+
+def _prints(path: Path, root: Path = ROOT) -> list[str]:
+    return [f"{path.relative_to(root)}:{n.lineno}" for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "print"]
+
+
+def test_no_print_in_model_core_or_tasks():
+    found = [hit for p in _sources("model_core", "tasks") for hit in _prints(p)]
+    assert not found, f"print() where a module logger belongs: {found}"
+
+
+@pytest.mark.parametrize("source, hits", [("print('x')\n", 1), ("log.info('x')\n", 0)])
+def test_the_print_rule_can_fail(tmp_path, source, hits):
+    f = tmp_path / "probe.py"
+    f.write_text(source)
+    assert len(_prints(f, tmp_path)) == hits
