@@ -121,7 +121,6 @@ def test_fuzz_public_api(server):
     bad = []
     t_all = time.time()
     for api, args in cases:
-        t0 = time.time()
         job = client.submit(*args, api_name=api if api != "/run" else "/generate")
         try:
             job.result(timeout=PER_CALL_S)
@@ -134,7 +133,8 @@ def test_fuzz_public_api(server):
             results["error"] += 1
             if not msg or re.search(r"\b500\b.*Internal|Internal Server Error", msg) or msg in ("None", "Error"):
                 bad.append((api, _redact(args), f"unclear error {type(e).__name__}: {msg[:200]}"))
-        assert time.time() - t0 < PER_CALL_S + 5
+        # every call answered within PER_CALL_S, or was recorded as a hang (which fails the test below)
+        assert job.done() or (bad and bad[-1][2] == "hang"), (api, _redact(args))
     n_api = len(cases)
 
     # raw HTTP without the sign-in cookie: refused, never run

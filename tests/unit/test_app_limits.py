@@ -1,32 +1,17 @@
-"""Per-user limits and one-token prompts in the Explore callbacks (real default model)."""
+"""Per-user limits on model endpoints: concurrent requests per user, and the cores and priority a
+request's thread runs torch work at. (Explore's Run on the real default model, one-token prompts and the
+prompt cap: tests/reference/test_explore_limits.py.)"""
 
 
 import gradio as gr
 import pytest
 
 from app.shared.context import user_slot
-from app.tabs.explore import tab as explore_tab
 
 
 class _Req:
     def __init__(self, name):
         self.username, self.session_hash = name, name
-
-
-def test_one_token_prompt_gives_valid_sliders(default_lm):
-    out = explore_tab.run_trace(default_lm.name, "Hi", False, False, 0, 0, -1, "probability", 1.0, 0, 1.0, 0.0, 1.0)
-    query = out[5]
-    assert query["maximum"] >= 1 and query["value"] == 0
-
-
-def test_prompt_cap_comes_from_the_server_setting(default_lm, monkeypatch):
-    monkeypatch.setenv("LMSCOPE_MAX_PROMPT_TOKENS", "8")
-    out = explore_tab.run_trace(default_lm.name, "one two three four five six seven eight nine ten", False, False,
-                                0, 0, -1, "probability", 1.0, 0, 1.0, 0.0, 1.0)
-    # the sentence stands under the prompt and every view keeps what it showed (issue 15 item 4)
-    msg = out[explore_tab.RUN_OUTPUT_NAMES.index("prompt_msg")]
-    assert msg["visible"] and "limit is 8" in msg["value"]
-    assert all(v == gr.skip() for v in out[:6])
 
 
 def test_concurrent_requests_per_user_are_capped(monkeypatch):

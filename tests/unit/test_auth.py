@@ -1,17 +1,13 @@
 """Sign-in hardening (issue 13, "Safe to host"): equal cost for unknown and known user names,
 control characters refused, and failed sign-ins throttled per user name and per client address
-(unit tests with an injected clock, Gradio's real /login route in-process, and one live server)."""
+(unit tests with an injected clock and Gradio's real /login route in-process; the live server's throttle is
+tests/browser/test_hosted_server.py)."""
 
 from __future__ import annotations
 
 import hashlib
-import statistics
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -205,27 +201,28 @@ def test_add_user_refuses_control_characters(tmp_path):
 
 # ----------------------------------------------------------------------------- equal cost
 
-def _medians_ms(fns, n=15):
-    """Median wall time of each fn over n calls, interleaved so that load drift hits all alike."""
-    times = [[] for _ in fns]
-    for _ in range(n):
-        for fn, ts in zip(fns, times):
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1000)
-    return [statistics.median(ts) for ts in times]
-
-
-def test_unknown_and_known_names_cost_the_same(tmp_path):
+def test_unknown_and_known_names_cost_the_same(tmp_path, monkeypatch):
+    """A wrong password for a known name and any password for an unknown one each run one PBKDF2
+    derivation of the same size (the file's iteration count, a salt as long), so neither answers
+    sooner. What that costs in milliseconds is a machine's number, not this test's."""
     p = tmp_path / "users.txt"
     auth.write_user(p, "alice", "alice-password", iterations=20_000)
     auth.write_user(p, "bob", "bob-password", iterations=20_000)
     assert auth.users_iterations(auth.read_users(p)) == 20_000
     check = auth.authenticator(Settings.from_env({"LMSCOPE_AUTH": "users", "LMSCOPE_USERS_FILE": str(p)}))
-    check("alice", "warm-up"), check("nobody", "warm-up")
-    known, unknown = _medians_ms([lambda: check("alice", "wrong-password"), lambda: check("nobody", "wrong-password")])
-    print(f"login check medians: known user {known:.1f} ms, unknown user {unknown:.1f} ms")
-    assert max(known, unknown) / min(known, unknown) < 1.5, (known, unknown)
+    real, calls = hashlib.pbkdf2_hmac, []
+
+    def counted(name, password, salt, iterations, *rest):
+        calls.append((name, len(salt), iterations))
+        return real(name, password, salt, iterations, *rest)
+
+    monkeypatch.setattr(hashlib, "pbkdf2_hmac", counted)  # counts the work; the real derivation still runs
+    work = {}
+    for who in ("alice", "nobody"):
+        calls.clear()
+        assert not check(who, "wrong-password")
+        work[who] = list(calls)
+    assert work["alice"] == work["nobody"] == [("sha256", 16, 20_000)], work
 
 
 # ----------------------------------------------------------------------------- /metrics bearer
@@ -283,49 +280,3 @@ def test_login_route_is_throttled_in_process(users_settings):
         assert r.status_code == 422
         assert t.wait("alice", "testclient") == (0, None)
         assert c.get("/config").status_code in (200, 401)  # other routes untouched
-
-
-# ----------------------------------------------------------------------------- live server
-
-def _post_login(url, user, pw):
-    data = urllib.parse.urlencode({"username": user, "password": pw}).encode()
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url + "login", data=data), timeout=20) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
-@pytest.mark.browser
-def test_live_login_throttle(tmp_path):
-    import json
-
-    from tests.helpers.browser import LiveServer
-
-    users = tmp_path / "users.txt"
-    auth.write_user(users, "alice", "alice-password", iterations=20_000)
-    auth.write_user(users, "bob", "bob-password", iterations=20_000)
-    s = LiveServer(extra_env={"LMSCOPE_AUTH": "users", "LMSCOPE_USERS_FILE": str(users),
-                              "LMSCOPE_DATA_DIR": str(tmp_path / "data"), "REDIS_URL": "redis://127.0.0.1:1/0",
-                              "LMSCOPE_LOGIN_LOCK_S": "2", "LMSCOPE_LOGIN_MAX_FAILURES_PER_ADDRESS": "8"})
-    try:
-        assert _post_login(s.url, "alice", "alice-password")[0] == 200
-        codes = [_post_login(s.url, "alice", "wrong-password") for _ in range(6)]
-        assert [c for c, _ in codes] == [400] * 5 + [429], codes
-        assert json.loads(codes[-1][1])["detail"].startswith("Too many failed sign-ins for this account; try again in")
-        t_locked = time.monotonic()
-        assert _post_login(s.url, "alice", "alice-password")[0] == 429  # even the right password
-        time.sleep(max(0.0, 2.2 - (time.monotonic() - t_locked)))
-        assert _post_login(s.url, "alice", "alice-password")[0] == 200  # lock over; the count is cleared
-        # 5 failures from this address so far; 3 more (bob's, not enough to lock bob) reach 8
-        assert [_post_login(s.url, "bob", "wrong-password")[0] for _ in range(3)] == [400, 400, 400]
-        for user, pw in (("bob", "bob-password"), ("carol", "whatever-pass")):
-            code, body = _post_login(s.url, user, pw)
-            assert code == 429 and "from this address" in json.loads(body)["detail"], (code, body)
-        # /metrics' user:password bearer shares the throttle
-        req = urllib.request.Request(s.url + "metrics", headers={"Authorization": "Bearer bob:bob-password"})
-        with pytest.raises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(req, timeout=20)
-        assert e.value.code == 429 and "try again in" in e.value.read().decode()
-    finally:
-        s.stop()

@@ -292,8 +292,12 @@ def test_the_lens_of_every_position_is_filled_in_while_the_server_is_idle(lm):
     T = tr.n_tokens
     threads = torch.get_num_threads()
     with context.user_slot(None):  # a request is running: the filler waits
+        held_since = time.monotonic()
         views.FILLER.schedule(tr)
-        time.sleep(4 * views.FILLER.IDLE_S + 0.5)
+        deadline = held_since + 60
+        while views.FILLER._last_busy < held_since:  # until the filler has looked and found the slot held
+            assert time.monotonic() < deadline, "the lens filler never looked at the server's slots"
+            time.sleep(0.02)
         assert views.lens_filled(tr) == 0
     assert views.FILLER.wait_idle(300)
     assert views.lens_filled(tr) == T

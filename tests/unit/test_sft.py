@@ -1,11 +1,11 @@
-"""SFT: the loss mask on the real SmolLM2 template, bad data, MFU arithmetic, tiny end-to-end runs
-(full and LoRA) that register loadable models, cancel and NaN that register nothing, and one job
-through a real Celery worker and a real Valkey server."""
+"""SFT on tiny random-weight models: the loss mask on a byte template, bad data, MFU arithmetic, tiny
+end-to-end runs (full and LoRA) that register loadable models, cancel and NaN that register nothing.
+The mask on the real SmolLM2 template: tests/reference/test_sft_loss_mask.py; a job through a real
+worker: tests/integration/test_sft_job.py."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,32 +25,6 @@ def data_dir(tmp_path, monkeypatch):
 
 # ---- the loss mask ---------------------------------------------------------------------------
 
-def test_loss_mask_smollm2_token_by_token(default_lm):
-    """Trained tokens are exactly the assistant content and its <|im_end|>: not the system prompt
-    the template inserts, not the user turns, not '<|im_start|>assistant\\n', not the '\\n' after
-    <|im_end|>."""
-    tok = default_lm.tokenizer
-    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"},
-            {"role": "user", "content": "again"}, {"role": "assistant", "content": "ok."}]
-    ex = sft.encode_conversation(tok, msgs)
-    ids = ex["input_ids"]
-    # the same ids the template gives when it tokenizes itself
-    assert ids == list(tok.apply_chat_template(msgs, tokenize=True, return_dict=False))
-    pieces = tok.convert_ids_to_tokens(ids)
-    trained = [(i, p) for i, (p, l) in enumerate(zip(pieces, ex["labels"])) if l != sft.IGNORE]
-    assert [p for _, p in trained] == ["hello", "Ġthere", "<|im_end|>", "ok", ".", "<|im_end|>"]
-    # positions: each assistant turn starts right after '<|im_start|>', 'ass', 'istant', 'Ċ'
-    for i, p in trained:
-        if p in ("hello", "ok"):
-            assert pieces[i - 4: i] == ["<|im_start|>", "ass", "istant", "Ċ"]
-    assert pieces[trained[2][0] + 1] == "Ċ" and ex["labels"][trained[2][0] + 1] == sft.IGNORE
-    for t, l in zip(ids, ex["labels"]):
-        assert l == sft.IGNORE or l == t
-    assert sum(ex["assistant_mask"]) == 6 and len(ids) == len(ex["labels"])
-    # the default system prompt is in the sequence and masked
-    assert "ĠSm" in pieces[: trained[0][0]]
-
-
 def test_loss_mask_byte_template_and_prompt_completion():
     from model_core.core.tokenization import byte_tokenizer
 
@@ -62,18 +36,6 @@ def test_loss_mask_byte_template_and_prompt_completion():
     assert text == "user: 2+2?<eos>\nassistant: 4<eos>\n"
     kept = [tok.decode([t]) for t, m in zip(ex["input_ids"], ex["assistant_mask"]) if m]
     assert kept == ["4", "<eos>"]
-
-
-def test_truncation_and_dropping_are_counted(default_lm):
-    tok = default_lm.tokenizer
-    short = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
-    long_answer = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "word " * 200}]
-    long_prompt = [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "b"}]
-    d = sft.encode_dataset(tok, [short, long_answer, long_prompt], max_length=64)
-    assert (d.total, d.truncated, d.dropped, len(d.examples)) == (3, 1, 1, 2)
-    assert all(len(e["input_ids"]) <= 64 for e in d.examples)
-    with pytest.raises(sft.DatasetError, match="max_length"):
-        sft.encode_dataset(tok, [long_prompt], max_length=64)
 
 
 # ---- bad data ----------------------------------------------------------------------------------
@@ -233,48 +195,3 @@ def test_nan_loss_stops_with_a_clear_error(data_dir, tmp_path):
     with pytest.raises(sft.SFTError, match="NaN/inf at step 1"):
         sft.run_sft({**TINY_RUN, "model": str(bad), "max_steps": 5, "accuracy_examples": 0, "output_name": "nan"})
     assert not (data_dir / "models" / "nan").exists()
-
-
-# ---- a real worker --------------------------------------------------------------------------------
-
-@pytest.mark.integration
-def test_sft_job_through_a_real_worker(tmp_path):
-    from tests.helpers.services import LiveServices
-
-    svc = LiveServices(tmp_path / "jobs-data", stale_s=6.0).start()
-    try:
-        from tasks import jobs
-
-        assert "sft" in jobs.KINDS
-        bad = tmp_path / "bad.jsonl"
-        bad.write_text('{"prompt": "q", "completion": "a"}\n{"prompt": "q"}\n')
-        with pytest.raises(sft.DatasetError, match="line 2"):
-            jobs.submit("sft", {"model": TINY}, owner="t", files=[bad])
-        assert jobs.list_jobs(owner="t") == []
-        rec = jobs.submit("sft", {**TINY_RUN, "max_steps": 12, "eval_every": 6}, owner="t")
-        done = jobs.wait_job(rec["id"], timeout=120, poll=0.2)
-        assert done["state"] == "succeeded", (done, svc.worker_log())
-        s = done["sft"]
-        name = s["model_name"]
-        assert [h["step"] for h in s["history"] if h.get("loss") is not None] == list(range(1, 13))
-        assert s["accuracy_before"]["n"] == 4 and s["accuracy_after"]["n"] == 4
-        assert (svc.data_dir / "models" / name / "model.safetensors").exists()
-        assert {a["name"] for a in done["artifacts"]} == {"lmscope.json", "model.safetensors", "tensorboard.zip"}
-        from model_core import load_model, trace
-
-        lm = load_model(name)
-        assert lm.meta["parent"] == TINY and trace(lm, "hello").n_tokens == 5
-        # the CLI: lmscope jobs submit sft ... --wait --json
-        import subprocess
-        import sys
-
-        out = subprocess.run([sys.executable, "-m", "app.server.cli", "jobs", "submit", "sft", "--model", TINY,
-                              "--lora-rank", "4", "--max-steps", "3", "--batch-size", "4", "--output-name",
-                              "tiny-cli", "--wait", "--timeout", "120", "--json"],
-                             capture_output=True, text=True, timeout=180, cwd=Path(__file__).resolve().parents[2])
-        rec = json.loads(out.stdout)
-        assert out.returncode == 0 and rec["state"] == "succeeded", (out.stderr[-2000:], svc.worker_log())
-        assert rec["params"]["method"] == "lora" and rec["sft"]["model_name"] == "tiny-cli"
-        assert (svc.data_dir / "models" / "tiny-cli" / "model.safetensors").exists()
-    finally:
-        svc.stop()

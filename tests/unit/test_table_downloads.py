@@ -1,6 +1,6 @@
 """The table downloads wired into Generate (samples) and Fine-tune (runs): what the handlers write is
 the table as the page shows it, and a click before there is anything says so in one sentence.
-(The Jobs list download is checked per viewer in tests/unit/test_hosted.py.)"""
+(The Jobs list download is checked per viewer in tests/integration/test_job_ownership.py.)"""
 
 from __future__ import annotations
 

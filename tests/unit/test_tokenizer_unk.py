@@ -4,8 +4,10 @@ A Unigram tokenizer trained on the built-in English corpus cannot represent Burm
 "မင်္ဂလာပါ ကျွန်တော်" as `▁ <unk> ▁ <unk>` and decodes it to "<unk> <unk>". The chips must show those
 tokens (not the Burmese text they swallowed), mark the unknown ones, and the comparison must
 count them and say the round trip fails; a byte-level BPE tokenizer on the same text has no
-unknowns and round-trips. Real tokenizers trained here with the project's own training function,
-the default model's real tokenizer, and (last test) a real job through Valkey and a worker.
+unknowns and round-trips. Real tokenizers trained here with the project's own training function.
+The default model's tokenizer on the same text: tests/reference/test_reference_tokenizer.py; the
+Jobs tab's comparison with a real job through Valkey and a worker:
+tests/integration/test_tokenizer_compare_job.py.
 """
 
 from __future__ import annotations
@@ -93,16 +95,6 @@ def test_bytelevel_bpe_on_burmese_has_no_unknowns_and_round_trips(bytelevel):
     assert h.count("lmscope-glyph") == sum(1 for p in a["pieces"] if p["parts"] > 1 and p["part"] == 1)
 
 
-def test_default_model_tokenizer_on_burmese():
-    ref, why = tt.reference_tokenizer()
-    assert ref is not None, why
-    a = tt.analyse_text(ref, BURMESE)
-    assert a["unknown"] == 0 and a["roundtrip"] is True
-    assert "".join(p["text"] for p in a["pieces"]) == BURMESE
-    lit = tt.analyse_text(ref, "end <|endoftext|> here")  # its unk token, typed: matched, not unknown
-    assert any(p["special"] for p in lit["pieces"]) and lit["unknown"] == 0
-
-
 def test_html_marks_unknowns_and_states_counts(unigram, bytelevel):
     rows = [("unigram", tt.analyse_text(unigram[0], BURMESE)), ("byte-level", tt.analyse_text(bytelevel[0], BURMESE)),
             ("broken", "could not load")]
@@ -121,7 +113,9 @@ def test_html_marks_unknowns_and_states_counts(unigram, bytelevel):
 def test_report_carries_unknown_rate_on_heldout(unigram, bytelevel):
     held = corpus.builtin_docs("heldout")[:40] + [BURMESE]
     for (tok, p), expect_unk in ((unigram, True), (bytelevel, False)):
-        rep = tt.report(tok, p, held, "test", {})
+        # a reference that is not converted here: the report is built without the default model, and says why
+        rep = tt.report(tok, p, held, "test", {}, reference="not-a-converted-model")
+        assert "not-a-converted-model is not converted" in rep["reference"]["unavailable"]
         c = rep["compression"]
         assert c["unk_rate"] == round(c["unk_tokens"] / c["tokens"], 6)
         if expect_unk:
@@ -129,30 +123,3 @@ def test_report_carries_unknown_rate_on_heldout(unigram, bytelevel):
             assert c["roundtrip_exact_fraction"] < 1
         else:
             assert c["unk_tokens"] == 0 and c["unk_rate"] == 0 and c["roundtrip_exact_fraction"] == 1
-
-
-@pytest.mark.integration
-def test_jobs_tab_compare_with_a_real_unigram_job(tmp_path):
-    """What the Jobs tab's "Tokenize prompt" button returns for a Unigram job and the default model."""
-    from app.tabs.jobs import tab as jobs_tab
-    from tasks import jobs
-    from tests.helpers.services import LiveServices
-
-    svc = LiveServices(tmp_path / "data").start()
-    try:
-        rec = jobs.submit("tokenizer", {"algorithm": "unigram", "vocab_size": 2000, "corpus_max_mb": 0.3},
-                          owner="t-unk")
-        done = jobs.wait_job(rec["id"], timeout=120, poll=0.1)
-        assert done["state"] == "succeeded", (done, svc.worker_log())
-        rep = jobs.read_report(done)
-        assert "unk_rate" in rep["compression"]
-        h, _ = jobs_tab.compare(BURMESE, [], rec["id"])
-        assert h.count("class='lmscope-token-stats'") == 2
-        assert "smollm2-135m-instruct (default model)</b> · 54 tokens" in h
-        assert "data-tokens='54' data-unknown='0' data-roundtrip='true'" in h
-        assert "data-tokens='4' data-unknown='2' data-roundtrip='false'" in h
-        assert h.count("data-unk='1'") == 2
-        h, _ = jobs_tab.compare(ENGLISH, [], rec["id"])
-        assert "data-unk='1'" not in h and h.count("data-roundtrip='true'") == 2
-    finally:
-        svc.stop()
