@@ -1,5 +1,5 @@
 """lmscope's Gradio UI: layout in app/server/page.py, one module per tab (build(shared)), figures as pure
-functions in app/*figures.py."""
+functions in app/tabs/*/*figures.py, laid out alike by app/shared/figure_style.py."""
 
 import plotly.io as _pio
 

@@ -44,8 +44,8 @@ import plotly.graph_objects as go  # noqa: E402
 import torch  # noqa: E402
 from common import device_info, interleaved  # noqa: E402
 
+from app.tabs.explore import lens_filler, views  # noqa: E402
 from app.tabs.explore import tab as explore_tab  # noqa: E402
-from app.tabs.explore import views
 from app.tabs.explore.state import trace_for_state  # noqa: E402
 from model_core import (
     load_model,  # noqa: E402
@@ -84,7 +84,7 @@ def main() -> None:
              "and a small bird sings ").split()
     state_i = explore_tab.RUN_OUTPUT_NAMES.index("state")
     view_i = explore_tab.RUN_OUTPUT_NAMES.index("view")
-    filler = views.FILLER
+    filler = lens_filler.FILLER
     for T in args.lengths:
         filler.enabled = False
         prompt = " ".join(words[i % len(words)] for i in range(T * 2))

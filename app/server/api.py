@@ -12,15 +12,16 @@ its fn_index, so "private" hides an event from the API docs, not from an attacke
 
 from __future__ import annotations
 
+import logging
 import re
-import sys
-import traceback
 
 import gradio as gr
 from gradio.exceptions import ComponentProcessingError, InvalidPathError
 from pydantic import ValidationError
 
 from app.shared.context import echo, one_sentence, quiet_error
+
+log = logging.getLogger(__name__)
 
 # name -> what it does. The README's "Public API" table lists exactly these.
 PUBLIC_API: dict[str, str] = {
@@ -129,8 +130,7 @@ def harden(demo: gr.Blocks) -> None:
         except ValidationError:  # Gradio validates file payloads with pydantic: ours are the only ones
             raise quiet_error("A file input got something that is not a file uploaded through this page.") from None
         except Exception as e:  # noqa: BLE001 - Gradio's own pre/postprocessing; the callbacks map theirs
-            print(f"lmscope: request to {fn.name} failed in processing:", file=sys.stderr)
-            traceback.print_exception(e, file=sys.stderr)
+            log.error("request to %s failed in processing", fn.name, exc_info=e)
             raise quiet_error(f"The request could not be processed: {one_sentence(e)}") from None
 
     demo.process_api = process_api

@@ -28,6 +28,7 @@ import functools
 import hashlib
 import hmac
 import json
+import logging
 import math
 import os
 import re
@@ -37,6 +38,8 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 ALGO = "pbkdf2_sha256"
 ITERATIONS = 200_000
@@ -454,6 +457,11 @@ def bearer_ok(settings, header: str | None, client: str | None = None, throttle:
 
 
 def main(argv=None) -> int:
+    """`python -m app.server.auth add-user NAME`: a process of its own, so it sets up its logging as
+    the `lmscope` command does (the message alone, on stderr); the result line goes to stdout."""
+    from model_core.core.settings import configure_logging
+
+    configure_logging("INFO", "%(message)s")
     ap = argparse.ArgumentParser(prog="python -m app.server.auth", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("add-user", help="add or replace a user; the password is read from stdin")
@@ -467,15 +475,15 @@ def main(argv=None) -> int:
         try:
             args.file = str(Settings.from_env(check_files=False).users_file or "users.txt")
         except SettingsError as e:
-            print(f"error: {e}", file=sys.stderr)
+            log.error("error: %s", e)
             return 2
     password = sys.stdin.readline().rstrip("\r\n")
     try:
         write_user(args.file, args.name, password, args.iterations)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        log.error("error: %s", e)
         return 2
-    print(f"user '{args.name}' written to {args.file}")
+    sys.stdout.write(f"user '{args.name}' written to {args.file}\n")
     return 0
 
 

@@ -14,12 +14,15 @@ once by app/server/cli.py and passed to serve().
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import sys
 import time
 from pathlib import Path
 
 from fastapi import Request  # module level: FastAPI resolves the route's annotation by name
+
+log = logging.getLogger(__name__)
 
 STATIC = Path(__file__).resolve().parents[2] / "static"
 STARTED = time.time()
@@ -266,7 +269,7 @@ def _preload(name: str, device: str | None = None, dtype: str | None = None) -> 
             if engine.can_use_engine(lm):
                 engine.engine_for(lm)  # its slots, and on a CPU its first recorded buckets, before anyone asks
         except LmscopeError as e:  # the page will show the same sentence when it asks
-            print(f"lmscope: default model not preloaded: {e}", file=sys.stderr, flush=True)
+            log.warning("default model not preloaded: %s", e)
 
     threading.Thread(target=load, name="lmscope-preload", daemon=True).start()
 
@@ -279,7 +282,7 @@ def serve(settings=None, host: str = "127.0.0.1", port: int = 7860, embedded_ser
         try:
             settings = Settings.from_env()
         except SettingsError as e:
-            print(f"lmscope: bad configuration: {e}", file=sys.stderr, flush=True)
+            log.error("bad configuration: %s", e)
             raise SystemExit(2) from None
     services = None
     if embedded_services and importlib.util.find_spec("tasks.services") is not None:
@@ -291,7 +294,8 @@ def serve(settings=None, host: str = "127.0.0.1", port: int = 7860, embedded_ser
 
         app, _ = build_app(settings)
         _preload(settings.default_model, settings.device, settings.dtype)
-        print(f"lmscope: serving on http://{host}:{port} (sign-in: {settings.auth})", flush=True)
+        # INFO: the level app/server/cli.py's logging shows by default, so whoever ran `make run` sees it
+        log.info("serving on http://%s:%s (sign-in: %s)", host, port, settings.auth)
         uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
     finally:
         if services is not None:

@@ -7,6 +7,7 @@ current model name and prompt from `shared` components as event inputs, and rais
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -16,6 +17,8 @@ from model_core.core.errors import LmscopeError
 from model_core.core.registry import LoadedModel, list_models, load_model
 from model_core.core.settings import Settings
 from model_core.core.settings import current as current_settings
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -76,10 +79,8 @@ import contextlib  # noqa: E402
 import functools  # noqa: E402
 import inspect  # noqa: E402
 import re  # noqa: E402
-import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
-import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 ANONYMOUS = "anonymous"  # every browser user with sign-in off: there is no identity to tell them apart
@@ -175,6 +176,12 @@ def user_slot(request: gr.Request | None, wait_s: float | None = None):
             _RUNNING_LOCK.notify_all()
 
 
+def requests_running() -> bool:
+    """True while any request holds a model slot (for background work that waits for an idle
+    server: app/tabs/explore/lens_filler.py). Read without the lock: a glance, not a reservation."""
+    return bool(_RUNNING)
+
+
 def check_inputs(values) -> None:
     """Every text from the browser is capped in characters before anything tokenizes it, and every
     list in length: one request must not hold a model (or the server's memory) for minutes."""
@@ -216,8 +223,7 @@ def _fail(fn, e: Exception):
         return quiet_error(one_sentence(e))
     if isinstance(e, (KeyError, IndexError, ValueError, TypeError)):
         return quiet_error(f"Bad input: {one_sentence(e)}")
-    print(f"lmscope: unexpected error in {fn.__qualname__}:", file=sys.stderr)
-    traceback.print_exception(e, file=sys.stderr)
+    log.error("unexpected error in %s", fn.__qualname__, exc_info=e)
     return quiet_error(f"The server could not answer this request ({type(e).__name__}); the error was logged.")
 
 

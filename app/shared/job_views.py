@@ -1,4 +1,7 @@
-"""Pure view functions for the Jobs tab: job records / tokenizer reports -> tables, HTML, plotly."""
+"""Views of background jobs: job records / tokenizer reports -> tables, HTML, plotly (pure functions,
+for the Jobs tab and every panel that shows a job's progress), and the few steps every panel that
+submits and follows jobs repeats (this viewer's jobs of a kind as menu choices, the selected job's
+record, cancel): the only functions here that read the job store."""
 
 from __future__ import annotations
 
@@ -6,13 +9,19 @@ import html
 import time
 from pathlib import Path
 
+import gradio as gr
 import pandas as pd
 import plotly.graph_objects as go
 
+from app.shared.context import job_viewer
 from app.shared.exports import header_only_csv, table_rows, write_csv, write_json
+from app.shared.figure_style import with_message
+from model_core.core.errors import LmscopeError
 
 JOB_COLUMNS = ["id", "kind", "state", "progress", "stage", "eta", "created", "details"]
 PALETTE = ["#fde68a", "#bfdbfe", "#bbf7d0", "#fecaca", "#ddd6fe", "#fed7aa", "#a5f3fc", "#f5d0fe"]
+LIVE_STATES = ("queued", "running")  # a job in these may still change, and can be cancelled
+DONE_STATES = ("succeeded", "failed", "cancelled")
 STATE_COLOUR = {"queued": "#9ca3af", "running": "#3b82f6", "succeeded": "#16a34a", "failed": "#dc2626",
                 "cancelled": "#a16207"}
 
@@ -41,15 +50,6 @@ def job_details(rec: dict) -> str:
     return ""
 
 
-def _empty(fig: go.Figure, message: str) -> go.Figure:
-    """An empty chart says why it is empty instead of showing bare axes."""
-    fig.add_annotation(text=message, x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False,
-                       font=dict(size=13, color="#666"))
-    fig.update_xaxes(visible=False)
-    fig.update_yaxes(visible=False)
-    return fig
-
-
 ETA_MIN_FRACTION = 0.1  # before this much is done, or this soon after the start, a rate says nothing yet
 ETA_MIN_ELAPSED_S = 5.0
 
@@ -76,7 +76,7 @@ def eta_text(rec: dict, now: float | None = None) -> str:
 
 
 def cancellable(rec: dict | None) -> bool:
-    return bool(rec) and rec.get("state") in ("queued", "running")
+    return bool(rec) and rec.get("state") in LIVE_STATES
 
 
 def jobs_table(records: list[dict]) -> pd.DataFrame:
@@ -162,7 +162,7 @@ def histogram_figure(report: dict | None) -> go.Figure:
         labels[-1] = f"{h['lengths'][-1]}+"
         fig.add_bar(x=labels, y=h["counts"], marker_color="#3b82f6", name="tokens")
     else:
-        _empty(fig, "Select a finished tokenizer job to see its vocabulary.")
+        with_message(fig, "Select a finished tokenizer job to see its vocabulary.")
     fig.update_layout(title="Vocabulary: token length (characters)", xaxis_title="characters",
                       yaxis_title="tokens in vocabulary", height=300, margin=dict(l=40, r=10, t=40, b=40))
     return fig
@@ -189,7 +189,7 @@ def compression_figure(reports: dict[str, dict]) -> go.Figure:
         fig.add_bar(x=names, y=[r[2] for r in rows], name="characters per token", marker_color="#16a34a")
         fig.add_bar(x=names, y=[r[3] for r in rows], name="tokens per word", marker_color="#f59e0b")
     else:
-        _empty(fig, "Select a finished tokenizer job to compare its compression with the model's tokenizer.")
+        with_message(fig, "Select a finished tokenizer job to compare its compression with the model's tokenizer.")
     fig.update_layout(title="Compression on held-out text (higher chars/token, lower tokens/word = tighter)",
                       barmode="group", height=320, margin=dict(l=40, r=10, t=40, b=80))
     return fig
@@ -377,3 +377,71 @@ def pretrain_job_details(rec: dict) -> str:
     steps = p.get("max_steps") or "?"
     out = pr.get("model_name") if rec.get("state") == "succeeded" else ""
     return f"from scratch d={p.get('width')} · {p.get('layers')} layers · {steps} steps" + (f" → {out}" if out else "")
+
+
+# ---------------------------------------------------------------------- following a user's jobs
+# What the panels that submit and follow jobs share (Fine-tune's SFT, preference and from-scratch
+# panels, Explore's head search and neuron scan, Interventions' patching sweep, the Jobs tab). Owners
+# come from the request (job_viewer), never from the page.
+
+def job_store():
+    """tasks.jobs, imported when first asked (building the page does not import the job framework)."""
+    from tasks import jobs
+
+    return jobs
+
+
+def user_jobs(request, kinds: tuple[str, ...]) -> list[dict]:
+    """This viewer's jobs of these kinds among their 100 newest, newest first; [] when the job
+    store cannot be read (the menu stays empty; submitting says why)."""
+    try:
+        return [r for r in job_store().list_jobs(owner=job_viewer(request), limit=100) if r["kind"] in kinds]
+    except LmscopeError:
+        return []
+
+
+def job_menu(recs: list[dict], label) -> list[tuple[str, str]]:
+    """Menu choices for these jobs: "id · state · label(rec)" -> id."""
+    return [(f"{r['id']} · {r['state']} · {label(r)}", r["id"]) for r in recs]
+
+
+def menu_unchanged(choices: list[tuple[str, str]], known) -> bool:
+    """Whether a menu last given `known` (a gr.State: it hands tuples back as lists) already shows
+    these choices, so a timer tick need not resend them."""
+    known = known if isinstance(known, list) else []
+    return [list(c) for c in choices] == [list(c) if isinstance(c, (list, tuple)) else c for c in known]
+
+
+def selected_job(selected: str, recs: list[dict], request) -> dict:
+    """The selected job's record: from recs when it is among them, else read from the store
+    (LmscopeError when there is no such job this viewer may see)."""
+    rec = next((r for r in recs if r["id"] == selected), None)
+    return rec if rec is not None else job_store().get_job(selected, job_viewer(request))
+
+
+def job_bar(job_id: str, request) -> tuple[dict, str]:
+    """A followed job's record and its progress bar (progress_html); LmscopeError when there is no
+    such job this viewer may see."""
+    rec = job_store().get_job(job_id, job_viewer(request))
+    return rec, progress_html(rec)
+
+
+def cancel_job(selected, request, ask: str = "Pick a job to cancel.") -> str:
+    """Cancel the selected job (this viewer's own: the store refuses others) and say what it is now;
+    no job selected: gr.Error(ask)."""
+    if not selected or not isinstance(selected, str):
+        raise gr.Error(ask)
+    rec = job_store().cancel_job(selected, owner=job_viewer(request))
+    return f"Job **{rec['id']}** is {rec['state']}."
+
+
+def picked_job(job) -> str | None:
+    """A job menu's value as a job id (None for anything else the browser sends)."""
+    return job if isinstance(job, str) else None
+
+
+def bar_shows(bar_html, states: tuple[str, ...]) -> bool:
+    """Whether a progress bar (progress_html) shows a job in one of these states: read from the panel
+    the page already has, with no request to the job store."""
+    h = bar_html if isinstance(bar_html, str) else ""
+    return any(f"data-state='{s}'" in h for s in states)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from app.tabs.explore import features_panel as P
+from app.tabs.explore import lens_filler
 from app.tabs.explore import tab as explore_tab
-from app.tabs.explore import views
 from model_core.interp import features as F
 
 PROMPT = "The capital of France is Paris, and the capital of Italy is"
@@ -22,7 +22,7 @@ SET = "tests-small-l6"  # tests/conftest.feature_set
 def trained(default_lm, feature_set):
     """The Explore state of PROMPT; the set is tests/conftest.feature_set (shared with the browser test)."""
     mp = pytest.MonkeyPatch()
-    mp.setattr(views.FILLER, "enabled", False)
+    mp.setattr(lens_filler.FILLER, "enabled", False)
     out = explore_tab.run_trace(default_lm.name, PROMPT, False, False, 0, 0, -1, "probability", 1.0, 0, 1.0, 0.0, 1.0)
     yield out[explore_tab.RUN_OUTPUT_NAMES.index("state")]
     mp.undo()

@@ -65,11 +65,11 @@ def test_explore_with_the_vector_shows_the_steered_model(monkeypatch):
     import torch
 
     from app.shared.trace_store import STORE
+    from app.tabs.explore import lens_filler
     from app.tabs.explore import tab as explore_tab
-    from app.tabs.explore import views
     from app.tabs.explore.state import trace_for_state
 
-    monkeypatch.setattr(views.FILLER, "enabled", False)
+    monkeypatch.setattr(lens_filler.FILLER, "enabled", False)
     names = explore_tab.RUN_OUTPUT_NAMES
     sampling = (1.0, 0, 1.0, 0.0, 1.0)
     plain = explore_tab.run_trace(MODEL, PROMPT, False, False, 0, 0, -1, "probability", *sampling)

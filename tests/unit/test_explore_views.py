@@ -14,8 +14,8 @@ import plotly.graph_objects as go
 import pytest
 import torch
 
+from app.tabs.explore import lens_filler, views
 from app.tabs.explore import tab as explore_tab
-from app.tabs.explore import views
 from model_core import load_model, trace
 from model_core.core.cpu_threads import REQUEST_NICE
 
@@ -191,7 +191,7 @@ def test_what_is_sent_is_bounded_whatever_the_length(lm, n):
 
 
 def test_clicks_from_the_page_move_the_settings(lm, monkeypatch):
-    monkeypatch.setattr(views.FILLER, "enabled", False)  # the lens below comes from the clicks alone
+    monkeypatch.setattr(lens_filler.FILLER, "enabled", False)  # the lens below comes from the clicks alone
     out = explore_tab.run_trace(MODEL, _prompt(300), False, False, 0, 0, -1, "probability", 1.0, 0, 1.0, 0.0, 1.0)
     state, view = out[0], out[explore_tab.RUN_OUTPUT_NAMES.index("view")]
     assert out[5]["value"] == 299 and view == {"scale": "linear", "zoom": ""}
@@ -293,19 +293,19 @@ def test_the_lens_of_every_position_is_filled_in_while_the_server_is_idle(lm):
     threads = torch.get_num_threads()
     with context.user_slot(None):  # a request is running: the filler waits
         held_since = time.monotonic()
-        views.FILLER.schedule(tr)
+        lens_filler.FILLER.schedule(tr)
         deadline = held_since + 60
-        while views.FILLER._last_busy < held_since:  # until the filler has looked and found the slot held
+        while lens_filler.FILLER._last_busy < held_since:  # until the filler has looked and found the slot held
             assert time.monotonic() < deadline, "the lens filler never looked at the server's slots"
             time.sleep(0.02)
         assert views.lens_filled(tr) == 0
-    assert views.FILLER.wait_idle(300)
+    assert lens_filler.FILLER.wait_idle(300)
     assert views.lens_filled(tr) == T
     # it ran torch on one core of its own; every other thread keeps its thread count
-    assert views.FILLER.one_thread is True and torch.get_num_threads() == threads
+    assert lens_filler.FILLER.one_thread is True and torch.get_num_threads() == threads
     # and below the engine's priority, whichever thread started it (model_core.core.cpu_threads)
-    assert views.FILLER.yields is True
-    assert os.getpriority(os.PRIO_PROCESS, views.FILLER._thread.native_id) >= REQUEST_NICE
+    assert lens_filler.FILLER.yields is True
+    assert os.getpriority(os.PRIO_PROCESS, lens_filler.FILLER._thread.native_id) >= REQUEST_NICE
     cols = views.lens_columns(tr, list(range(T)), compute=False)
     assert cols["missing"] == 0
     norm, head = lm.model.model.norm, lm.model.lm_head
@@ -337,9 +337,9 @@ def test_the_filler_fills_the_rows_on_screen_first(lm, monkeypatch):
         return real(*a, **k)
     monkeypatch.setattr(views, "logit_lens", watched)
     with context.user_slot(None):
-        views.FILLER.schedule(tr)
-        views.FILLER.focus(tr, 100, 119)
-    assert views.FILLER.wait_idle(300) and views.lens_filled(tr) == tr.n_tokens
+        lens_filler.FILLER.schedule(tr)
+        lens_filler.FILLER.focus(tr, 100, 119)
+    assert lens_filler.FILLER.wait_idle(300) and views.lens_filled(tr) == tr.n_tokens
     done = [p for c in calls for p in c]
     assert sorted(done) == list(range(tr.n_tokens))
     assert sorted(done[:20]) == list(range(100, 120))
@@ -349,7 +349,7 @@ def test_the_filler_fills_the_rows_on_screen_first(lm, monkeypatch):
 def test_a_cold_zoom_is_drawn_in_growing_batches_spread_over_the_region(lm, monkeypatch):
     """missing_batches: only columns not computed yet, coarse to fine over the region (the first
     batch spread across it, not its left edge), each batch 3x everything before it."""
-    monkeypatch.setattr(views.FILLER, "enabled", False)
+    monkeypatch.setattr(lens_filler.FILLER, "enabled", False)
     tr = trace(lm, _prompt(120))
     positions = list(range(40, 104))  # a 64-column zoom
     views.lens_columns(tr, [71, 72])  # two columns someone already computed

@@ -36,8 +36,8 @@ def _prints(path: Path, root: Path = ROOT) -> list[str]:
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "print"]
 
 
-def test_no_print_in_model_core_or_tasks():
-    found = [hit for p in _sources("model_core", "tasks") for hit in _prints(p)]
+def test_no_print_in_model_core_tasks_or_app():
+    found = [hit for p in _sources("model_core", "tasks", "app") for hit in _prints(p)]
     assert not found, f"print() where a module logger belongs: {found}"
 
 

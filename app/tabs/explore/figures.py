@@ -9,6 +9,8 @@ import math
 import numpy as np
 import plotly.graph_objects as go
 
+from app.shared import figure_style as style
+
 ATTN_SCALE = "Blues"
 FONT = dict(family="Inter, system-ui, sans-serif", size=12)
 
@@ -35,16 +37,14 @@ def _fig(data=None, layout=None) -> go.Figure:
 
 def _layout(fig: go.Figure, title: str, height: int = 420, **kw) -> go.Figure:
     margin = kw.pop("margin", dict(l=60, r=20, t=75 if "<br>" in title else 50, b=50))  # a caption line
-    fig.update_layout(title=dict(text=title, x=0.01, font=dict(size=14)), height=height, margin=margin,
-                      font=FONT, **kw)
-    return fig
+    return style.layout(fig, title, height, margin=margin, font=FONT, **kw)
 
 
 def _figure(data, title: str, height: int = 420, **layout) -> go.Figure:
     """A figure built in one go: every layout setting in the constructor, so plotly validates the
     layout once (each later update_* call validates again; a view of six figures paid ~20 ms)."""
     margin = layout.pop("margin", dict(l=60, r=20, t=75 if "<br>" in title else 50, b=50))  # a caption line
-    return go.Figure(data=data, layout=dict(title=dict(text=title, x=0.01, font=dict(size=14)), height=height,
+    return go.Figure(data=data, layout=dict(title=style.title(title), height=height,
                                             margin=margin, font=FONT, template=TEMPLATE, **layout))
 
 
@@ -54,12 +54,7 @@ def _label(labels: list[str], idx: list[int] | range) -> list[str]:
 
 
 def empty_figure(message: str, height: int = 300) -> go.Figure:
-    fig = _fig()
-    fig.add_annotation(text=message, x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False,
-                       font=dict(size=14, color="#666"))
-    fig.update_xaxes(visible=False)
-    fig.update_yaxes(visible=False)
-    return _layout(fig, "", height=height)
+    return _layout(style.with_message(_fig(), message), "", height=height)
 
 
 def token_strip_html(tokens: list[dict], logprobs: list[float | None], perplexity: float | None) -> str:
@@ -236,12 +231,8 @@ def head_search_map(mean, std, metric: str, n_prompts: int, model: str, snippets
     prompts (None where undefined), its spread std [L][H] (None for a single-number test) and, per
     head, the start of the prompt where it scored highest (snippets [L][H] or None)."""
     if mean is None:
-        fig = go.Figure()
-        fig.add_annotation(text="No head search for this model yet: score every head over the corpus above.",
-                           x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False, font=dict(size=14, color="#666"))
-        fig.update_xaxes(visible=False)
-        fig.update_yaxes(visible=False)
-        return fig.update_layout(height=220, margin=dict(l=40, r=20, t=30, b=30))
+        return style.empty_figure("No head search for this model yet: score every head over the corpus above.", 220,
+                                  margin=dict(l=40, r=20, t=30, b=30))
     z = np.array(mean, dtype=np.float32)  # None -> NaN
     L, H = z.shape
     sd = np.array(std, dtype=np.float32) if std is not None else np.full_like(z, np.nan)

@@ -12,6 +12,7 @@ import re
 
 import gradio as gr
 
+from app.shared import job_views as jf
 from app.shared import validation as V
 from app.shared.context import endpoint, job_owner, job_viewer
 from app.tabs.explore import figures
@@ -87,12 +88,9 @@ def top_prompts(result, label, head_text) -> tuple[int, int, list[tuple[str, int
 
 @endpoint
 def start(state, n_prompts, tokens, request: gr.Request = None):
-    from app.shared import job_views as jf
-    from tasks import jobs
-
     try:
-        rec = jobs.submit("heads", {"model": _model_of(state), "prompts": n_prompts, "max_tokens": tokens},
-                          owner=job_owner(request))
+        rec = jf.job_store().submit("heads", {"model": _model_of(state), "prompts": n_prompts, "max_tokens": tokens},
+                                    owner=job_owner(request))
     except gr.Error:
         raise
     except Exception as e:  # noqa: BLE001 - a bad setting or no broker: one sentence beside the buttons
@@ -103,14 +101,10 @@ def start(state, n_prompts, tokens, request: gr.Request = None):
 @endpoint
 def poll(job_id, label, request: gr.Request = None):
     """Timer tick: the job's bar; when it has finished, its map."""
-    from app.shared import job_views as jf
-    from tasks import jobs
-
     if not job_id:
         return gr.skip(), gr.skip(), gr.skip(), gr.Timer(active=False)
-    rec = jobs.get_job(job_id, job_viewer(request))
-    bar = jf.progress_html(rec)
-    if rec["state"] in ("queued", "running"):
+    rec, bar = jf.job_bar(job_id, request)
+    if jf.cancellable(rec):
         return bar, gr.skip(), gr.skip(), gr.skip()
     if rec["state"] != "succeeded":
         return bar, gr.skip(), gr.skip(), gr.Timer(active=False)
@@ -121,10 +115,8 @@ def poll(job_id, label, request: gr.Request = None):
 @endpoint
 def latest(state, label, request: gr.Request = None):
     """The newest finished head search of the current model that this user may see."""
-    from tasks import jobs
-
     model = _model_of(state)
-    for rec in jobs.list_jobs(job_viewer(request), 200):
+    for rec in jf.job_store().list_jobs(job_viewer(request), 200):
         if rec.get("kind") == "heads" and rec.get("state") == "succeeded" and \
                 (rec.get("params") or {}).get("model") == model:
             result = _load(rec)

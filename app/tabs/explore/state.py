@@ -9,7 +9,7 @@ import gradio as gr
 from app.shared import steering_settings
 from app.shared.context import get_model, max_prompt_tokens
 from app.shared.trace_store import STORE
-from app.tabs.explore import views
+from app.tabs.explore.lens_filler import FILLER
 from model_core.interp.trace import trace
 
 
@@ -26,7 +26,7 @@ def trace_for_state(state: dict):
     tr = trace(lm, state["prompt"], chat=state.get("chat", False), truncate=state.get("truncate", False),
                max_tokens=max_prompt_tokens(), edits=edits)
     state["key"] = STORE.put(tr)
-    views.FILLER.schedule(tr)
+    FILLER.schedule(tr)
     return tr
 
 

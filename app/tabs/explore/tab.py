@@ -18,6 +18,7 @@ from app.shared.context import Shared, endpoint, get_model, max_prompt_tokens, s
 from app.shared.page_js import page_js
 from app.shared.trace_store import STORE
 from app.tabs.explore import figures, views
+from app.tabs.explore.lens_filler import FILLER
 from app.tabs.explore.state import clamp, trace_for_state, where
 from model_core.core.errors import LmscopeError
 from model_core.core.sampling import SamplingSettings
@@ -429,7 +430,7 @@ def _run(model, prompt, chat, truncate, layer, head, query, lens_colour, tempera
     except LmscopeError as e:  # an empty or too long prompt: every view keeps the last good one
         return [gr.skip()] * (len(RUN_OUTPUT_NAMES) - 2) + [V.show(str(e)), gr.skip()]
     key = STORE.put(tr)
-    views.FILLER.schedule(tr)  # the lens of every position, while the server is idle (zooms find it ready)
+    FILLER.schedule(tr)  # the lens of every position, while the server is idle (zooms find it ready)
     shape = lm.shape
     L, H, T = shape.n_layers, shape.n_heads, tr.n_tokens
     asked = {"layer": _asked(layer), "head": _asked(head), "query": _asked(query)}
@@ -537,7 +538,7 @@ def _zoomed(tr, layer, head, query, scale, region, notice="", strip: bool = True
     state's "lens_missing" tells it how many). lens=False: the lens is left as it is. The token
     strip is sent again only when the prompt is longer than one strip holds and the zoom moved."""
     zoom = views.region_text(region, tr.n_tokens)
-    views.FILLER.focus(tr, *region[:2])  # the background lens fills the rows on screen first
+    FILLER.focus(tr, *region[:2])  # the background lens fills the rows on screen first
     grid, big, bars = render_attention(tr, layer, head, query, region, scale)
     contrib, resid = render_residual(tr, query, region)
     neurons, nbars = render_neurons(tr, layer, query, region)

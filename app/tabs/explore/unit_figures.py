@@ -7,6 +7,8 @@ import math
 
 import plotly.graph_objects as go
 
+from app.shared import figure_style as style
+
 PROMOTE, SUPPRESS = "#e4572e", "#3b75af"
 
 
@@ -22,9 +24,7 @@ def weights_figure(top: dict, title: str) -> go.Figure:
                            hovertemplate="%{y}<br>logit per unit %{x:.3f}<extra></extra>"))
     fig.update_yaxes(autorange="reversed", automargin=True, type="category")
     fig.update_xaxes(title="logit change per unit (through the final norm's gain)", zeroline=True)
-    fig.update_layout(title=dict(text=title, x=0.01, font=dict(size=14)), height=60 + 22 * len(y),
-                      margin=dict(l=10, r=20, t=60, b=50), showlegend=False, template="plotly_white")
-    return fig
+    return style.layout(fig, title, 60 + 22 * len(y), margin=dict(l=10, r=20, t=60, b=50), showlegend=False)
 
 
 def activation_figure(labels: list[str], values: list[float], title: str, ytitle: str,
@@ -36,18 +36,11 @@ def activation_figure(labels: list[str], values: list[float], title: str, ytitle
     step = max(1, n // 40)
     fig.update_xaxes(tickvals=list(range(0, n, step)), ticktext=labels[::step], tickangle=-60, automargin=True)
     fig.update_yaxes(title=ytitle)
-    fig.update_layout(title=dict(text=title, x=0.01, font=dict(size=14)), height=340,
-                      margin=dict(l=60, r=20, t=60, b=60), template="plotly_white")
-    return fig
+    return style.layout(fig, title, 340, margin=dict(l=60, r=20, t=60, b=60))
 
 
 def empty(message: str, height: int = 240) -> go.Figure:
-    fig = go.Figure()
-    fig.add_annotation(text=message, x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False,
-                       font=dict(size=13, color="#777"))
-    fig.update_layout(height=height, xaxis=dict(visible=False), yaxis=dict(visible=False), template="plotly_white",
-                      margin=dict(l=10, r=10, t=20, b=10))
-    return fig
+    return style.empty_figure(message, height, margin=dict(l=10, r=10, t=20, b=10))
 
 
 def _tok(t: str, cls: str = "") -> str:

@@ -18,6 +18,7 @@ import re
 
 import gradio as gr
 
+from app.shared import job_views as jf
 from app.shared.context import endpoint, job_owner, job_viewer
 from app.shared.page_js import page_js
 from app.tabs.explore import unit_figures as UF
@@ -185,26 +186,20 @@ def _model_of(state) -> str:
 @endpoint
 def start_scan(state, request: gr.Request = None):
     """Follow a scan of this model already queued or running, else queue one."""
-    from app.shared import job_views as jf
-    from tasks import jobs
     from tasks.neuron_job import active_job
 
     model = _model_of(state)
-    rec = active_job(model, job_viewer(request)) or jobs.submit("neurons", {"model": model},
-                                                                 owner=job_owner(request))
+    rec = active_job(model, job_viewer(request)) or jf.job_store().submit("neurons", {"model": model},
+                                                                           owner=job_owner(request))
     return rec["id"], jf.progress_html(rec), gr.Timer(active=True)
 
 
 @endpoint(model=True)
 def poll_scan(job_id, state, text, layer, request: gr.Request = None):
-    from app.shared import job_views as jf
-    from tasks import jobs
-
     if not job_id:
         return gr.skip(), gr.skip(), gr.skip(), gr.Timer(active=False)
-    rec = jobs.get_job(job_id, job_viewer(request))
-    bar = jf.progress_html(rec)
-    if rec["state"] in ("queued", "running"):
+    rec, bar = jf.job_bar(job_id, request)
+    if jf.cancellable(rec):
         return bar, gr.skip(), gr.skip(), gr.skip()
     if rec["state"] != "succeeded":
         return bar, f"<p class='unit-none'>The scan {rec['state']}: {rec.get('error') or ''}</p>", gr.skip(), \

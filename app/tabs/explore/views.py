@@ -1,4 +1,6 @@
-"""From a Trace to the numbers each Explore view shows (pure functions: Trace in, arrays out).
+"""From a Trace to the numbers each Explore view shows (pure functions: Trace in, arrays out; what
+several views reuse is kept per trace in app/tabs/explore/view_cache.py, and the background lens of
+every position is app/tabs/explore/lens_filler.py's).
 
 Every view shows the whole prompt at any length the server allows. A *region* of positions (query
 rows x key columns; by default the whole prompt) is drawn cell by cell with token labels when it is
@@ -12,16 +14,13 @@ from __future__ import annotations
 
 import math
 import re
-import sys
-import threading
-import time
-import weakref
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from model_core.core.cpu_threads import REQUEST_NICE, limit_this_thread, lower_this_thread
+from app.tabs.explore import view_cache
+from app.tabs.explore.view_cache import for_trace as _vcache
 from model_core.core.sampling import SamplingSettings, apply_sampling
 from model_core.interp.lens import logit_lens
 from model_core.interp.trace import Trace
@@ -114,24 +113,6 @@ def axis(lo: int, hi: int, max_bins: int, names: list[str] | None = None) -> dic
     return {"lo": lo, "hi": hi, "bin": b, "starts": starts, "ends": ends,
             "centers": [(s + e) / 2 for s, e in zip(starts, ends)],
             "labels": [f"{i}:{names[i]}" for i in range(lo, hi + 1)] if (b == 1 and names is not None) else None}
-
-
-# ---------------------------------------------------------------------- per-trace view caches
-
-_CACHES: dict[int, dict] = {}
-_CACHES_LOCK = threading.Lock()
-
-
-def _vcache(tr: Trace) -> dict:
-    """Numbers derived from one trace that several views reuse (lens columns, residual norms,
-    head summaries), kept beside it for as long as it lives (the trace's own LRU is for tensors)."""
-    key = id(tr)
-    with _CACHES_LOCK:
-        c = _CACHES.get(key)
-        if c is None:
-            c = _CACHES[key] = {"lock": threading.Lock()}
-            weakref.finalize(tr, _CACHES.pop, key, None)
-        return c
 
 
 # ---------------------------------------------------------------------- attention
@@ -289,10 +270,8 @@ def _lens_state(tr: Trace) -> dict:
     return st
 
 
-def _lens_lock(tr: Trace) -> threading.Lock:
-    c = _vcache(tr)
-    with _CACHES_LOCK:
-        return c.setdefault("lens_lock", threading.Lock())
+def _lens_lock(tr: Trace):
+    return view_cache.lock(tr, "lens_lock")
 
 
 def lens_columns(tr: Trace, positions: list[int], targets: bool = False, compute: bool = True) -> dict:
@@ -300,7 +279,7 @@ def lens_columns(tr: Trace, positions: list[int], targets: bool = False, compute
     targets=True also the next token's probability and rank (that doubles the cost of a column:
     only the query's column needs it, for "the next token across layers"). Columns are computed
     once per trace and kept, so zooming back and forth and moving the query cost nothing new; the
-    background filler (LensFiller) computes every position while the server is idle.
+    background filler (app/tabs/explore/lens_filler.py) computes every position while the server is idle.
     compute=False computes nothing: positions not known yet come back missing (NaN probability,
     top id -1), and "missing" counts them."""
     with _lens_lock(tr):
@@ -331,10 +310,15 @@ def lens_columns(tr: Trace, positions: list[int], targets: bool = False, compute
         return out
 
 
+def lens_done(tr: Trace) -> np.ndarray:
+    """[T] bool: which positions of the trace have their lens column computed (a copy)."""
+    with _lens_lock(tr):
+        return _lens_state(tr)["done"].copy()
+
+
 def lens_filled(tr: Trace) -> int:
     """How many positions of the trace have their lens column computed."""
-    with _lens_lock(tr):
-        return int(_lens_state(tr)["done"].sum())
+    return int(lens_done(tr).sum())
 
 
 def fill_order(T: int) -> list[int]:
@@ -366,135 +350,6 @@ def missing_batches(tr: Trace, positions: list[int], first: int = 4, growth: int
         todo = todo[n:]
         n = max(first, growth * sum(len(b) for b in out))
     return out
-
-
-def _server_busy() -> bool:
-    """True while any request holds a model slot (app.shared.context's per-user counters)."""
-    from app.shared import context
-
-    running = getattr(context, "_RUNNING", None)
-    return bool(running)
-
-
-class LensFiller:
-    """Computes the logit lens of every position of recent traces in the background, a few
-    positions at a time and only while no request is running, so that a zoom finds its columns
-    already computed (a zoom onto 64 new positions is 64 x 30 passes through the unembedding:
-    0.5-1 s on the 2-core CPU). Most recent trace first; traces are held weakly (an evicted trace
-    is dropped). One thread for the whole server, running torch on one core (its OpenMP count is set
-    to 1 for that thread alone), so a request that arrives meanwhile keeps the other core, and two
-    OpenMP teams never fight over two cores (on this machine under load a 2-thread team ran the lens
-    4-16x slower than one thread)."""
-
-    CHUNK = 1  # positions per step (x 30 layers: ~20 ms on one core): what a request may find running
-    IDLE_S = 0.25  # the server must have been idle this long (chained events of one click come faster)
-    KEEP = 4  # traces queued at most
-
-    def __init__(self):
-        self.enabled = True
-        self._queue: list[weakref.ref] = []
-        self._cv = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self.working = False  # a chunk is being computed
-        self._last_busy = 0.0  # time.monotonic() when a request was last seen running
-        self.one_thread = None  # whether the filler's torch work runs on one core (set by its thread)
-        self.yields = None  # whether its thread runs at REQUEST_NICE (set by its thread)
-
-    def schedule(self, tr: Trace) -> None:
-        if not self.enabled:
-            return
-        with self._cv:
-            self._queue = [r for r in self._queue if r() is not None and r() is not tr][: self.KEEP - 1]
-            self._queue.insert(0, weakref.ref(tr))
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="lmscope-lens-filler", daemon=True)
-                self._thread.start()
-            self._cv.notify_all()
-
-    def focus(self, tr: Trace, lo: int, hi: int) -> None:
-        """Positions lo..hi are on screen: fill them first."""
-        _vcache(tr)["fill_focus"] = (int(lo), int(hi))
-
-    def clear(self) -> None:
-        """Forget every queued trace (what is computed stays computed)."""
-        with self._cv:
-            self._queue = []
-            self._cv.notify_all()
-
-    def pending(self) -> int:
-        """Traces still queued (for tests and the benchmark)."""
-        with self._cv:
-            return sum(1 for r in self._queue if r() is not None)
-
-    def wait_idle(self, timeout: float = 600.0) -> bool:
-        """Block until nothing is left to fill, or the filler is switched off and between chunks
-        (tests, the benchmark)."""
-        with self._cv:
-            return self._cv.wait_for(lambda: not self.working and (
-                not self.enabled or not any(r() is not None for r in self._queue)), timeout)
-
-    def _next(self):
-        """(trace, positions of its next chunk), or None when there is nothing to do."""
-        with self._cv:
-            while True:
-                self._queue = [r for r in self._queue if r() is not None]
-                if not self._queue or not self.enabled:
-                    self._cv.notify_all()
-                    return None
-                tr = self._queue[0]()
-                if tr is None:
-                    continue
-                with _lens_lock(tr):
-                    done = _lens_state(tr)["done"].copy()
-                order = _vcache(tr).get("fill_order")
-                if order is None:
-                    order = _vcache(tr)["fill_order"] = fill_order(tr.n_tokens)
-                lo, hi = _vcache(tr).get("fill_focus") or (0, -1)
-                # the rows on screen first (the next zoom is most likely inside them), then the rest
-                todo = [p for p in order if lo <= p <= hi and not done[p]][: self.CHUNK]
-                todo = todo or [p for p in order if not done[p]][: self.CHUNK]
-                if todo:
-                    self.working = True
-                    return tr, todo
-                self._queue.pop(0)
-
-    def _wait_for_idle(self) -> None:
-        """Return once no request has held a model slot for IDLE_S (measured from the last time one
-        was seen, so chunk follows chunk while the server stays idle)."""
-        while True:
-            now = time.monotonic()
-            if _server_busy():
-                self._last_busy = now
-            elif now - self._last_busy >= self.IDLE_S:
-                return
-            time.sleep(0.02)
-
-    def _run(self) -> None:
-        self.one_thread = limit_this_thread(1)  # this thread's torch work on one core
-        # background work no page waits on: never before the engine's thread (model_core.core.cpu_threads)
-        self.yields = lower_this_thread(REQUEST_NICE)
-        while True:
-            with self._cv:
-                self._cv.wait_for(lambda: any(r() is not None for r in self._queue) and self.enabled)
-            self._wait_for_idle()
-            job = self._next()
-            if job is None:
-                continue
-            tr, todo = job
-            try:
-                lens_columns(tr, todo)
-            except Exception as e:  # noqa: BLE001 - a trace that cannot be read is dropped, the server goes on
-                print(f"lmscope: lens filler dropped a trace: {type(e).__name__}: {e}", file=sys.stderr)
-                with self._cv:
-                    self._queue = [r for r in self._queue if r() is not None and r() is not tr]
-            finally:
-                del tr
-                with self._cv:
-                    self.working = False
-                    self._cv.notify_all()
-
-
-FILLER = LensFiller()
 
 
 def lens_positions(lo: int, hi: int) -> tuple[list[int], int]:

@@ -7,23 +7,18 @@ import html
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from app.shared import figure_style as style
+
 TRAINED_BG = "#bbf7d0"
 MASKED_BG = "#e5e7eb"
 
 
 def _layout(fig: go.Figure, title: str, height: int = 340, **kw) -> go.Figure:
-    fig.update_layout(title=dict(text=title, x=0.01, font=dict(size=14)), height=height,
-                      margin=dict(l=50, r=20, t=40, b=40), **kw)
-    return fig
+    return style.layout(fig, title, height, **kw)
 
 
 def empty_figure(message: str, height: int = 300) -> go.Figure:
-    fig = go.Figure()
-    fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper",
-                       font=dict(size=13, color="#6b7280"))
-    fig.update_xaxes(visible=False)
-    fig.update_yaxes(visible=False)
-    return _layout(fig, "", height)
+    return style.empty_figure(message, height)
 
 
 def loss_figure(history: list[dict] | None) -> go.Figure:

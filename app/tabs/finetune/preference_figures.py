@@ -15,7 +15,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from app.tabs.explore.figures import empty_figure
+from app.shared import figure_style as style
+from app.shared.figure_style import empty_figure
 
 KIND_LABELS = {"reward": "reward model", "dpo": "DPO", "grpo": "GRPO"}
 BLUE, RED, GREEN, GREY, ORANGE = "#2563eb", "#dc2626", "#16a34a", "#6b7280", "#ea580c"
@@ -24,10 +25,9 @@ EVAL_COLUMNS = ["held-out", "before", "after", "change"]
 
 
 def _layout(fig: go.Figure, title: str, height: int = 360, **kw) -> go.Figure:
-    fig.update_layout(title=dict(text=title, x=0.01, font=dict(size=14)), height=height,
-                      margin=dict(l=56, r=20, t=56, b=70), template="plotly_white",
-                      legend=dict(orientation="h", y=-0.16, x=0, xanchor="left", font=dict(size=11)), **kw)
-    return fig
+    """The shared layout, with room below for the legend (a row under the x axis)."""
+    return style.layout(fig, title, height, margin=dict(l=56, r=20, t=56, b=70),
+                        legend=dict(orientation="h", y=-0.16, x=0, xanchor="left", font=dict(size=11)), **kw)
 
 
 def _num(v) -> float | None:

@@ -19,6 +19,7 @@ import threading
 
 import gradio as gr
 
+from app.shared import job_views as jf
 from app.shared import validation as V
 from app.shared.context import (
     Shared,
@@ -26,7 +27,6 @@ from app.shared.context import (
     endpoint,
     get_model,
     job_owner,
-    job_viewer,
     uploaded_file,
 )
 from app.tabs.finetune import preference_figures as pf
@@ -55,12 +55,6 @@ VERIFIER_CHOICES = [(f"{k}: {v.description}", k) for k, v in D.VERIFIERS.items()
 CHECK_TOLERANCE = {"float32": 1e-3, "other": 5e-2}  # |sum per-token - sequence log-ratio| (nats)
 
 
-def _jobs():
-    from tasks import jobs
-
-    return jobs
-
-
 def _base_choices() -> list[tuple[str, str]]:
     from app.shared.context import model_choices
 
@@ -84,14 +78,11 @@ def reward_choices() -> list[str]:
 
 
 def _records(request=None) -> list[dict]:
-    try:
-        return [r for r in _jobs().list_jobs(owner=job_viewer(request), limit=100) if r["kind"] in KINDS]
-    except LmscopeError:
-        return []
+    return jf.user_jobs(request, KINDS)
 
 
 def _choices(recs: list[dict]) -> list[tuple[str, str]]:
-    return [(f"{r['id']} · {r['state']} · {pf.job_label(r)}", r["id"]) for r in recs]
+    return jf.job_menu(recs, pf.job_label)
 
 
 def _num(v):
@@ -143,7 +134,7 @@ def submit(kind, model, dataset, upload, verifier, method, beta, loss_type, grou
             files = [path]
         else:
             pj.validate_params(kind, params)
-        rec = _jobs().submit(kind, params, owner=job_owner(request), files=files)
+        rec = jf.job_store().submit(kind, params, owner=job_owner(request), files=files)
     except (LmscopeError, gr.Error) as e:
         return [*skip, V.show(str(getattr(e, "message", None) or e))]
     return [rec["id"], gr.update(choices=_choices(_records(request)), value=rec["id"]),
@@ -178,26 +169,20 @@ def view_signature(rec: dict | None) -> str:
 @endpoint
 def refresh(selected, known, shown=None, request: gr.Request = None):
     """Timer tick: the selected run's views when its record changed; the job menu when its list changed."""
-    from app.shared import job_views as jf
-
     recs = _records(request)
     choices = _choices(recs)
-    known = known if isinstance(known, list) else []
     selected = selected if isinstance(selected, str) else None
-    same = [list(c) for c in choices] == [list(c) if isinstance(c, (list, tuple)) else c for c in known]
-    menu = [gr.skip(), gr.skip()] if same else [choices, gr.update(choices=choices)]
+    menu = [gr.skip(), gr.skip()] if jf.menu_unchanged(choices, known) else [choices, gr.update(choices=choices)]
     if not selected:
         if shown == "":
             return [gr.skip()] * 7 + [*menu, gr.skip(), gr.skip()]
         return [jf.progress_html(None), *_views(None), *menu, gr.update(visible=False), ""]
-    rec = next((r for r in recs if r["id"] == selected), None)
-    if rec is None:
-        try:
-            rec = _jobs().get_job(selected, job_viewer(request))
-        except LmscopeError as e:
-            return [jf.progress_html(None), f"⚠️ {e}", *[gr.skip()] * 5, *menu, gr.update(visible=False), None]
+    try:
+        rec = jf.selected_job(selected, recs, request)
+    except LmscopeError as e:
+        return [jf.progress_html(None), f"⚠️ {e}", *[gr.skip()] * 5, *menu, gr.update(visible=False), None]
     sig = view_signature(rec)
-    live = rec["state"] in ("queued", "running")
+    live = jf.cancellable(rec)
     if sig == shown:  # nothing new: only a running job's progress line (its ETA) moves
         return [jf.progress_html(rec) if live else gr.skip(), *[gr.skip()] * 6, *menu, gr.skip(), gr.skip()]
     return [jf.progress_html(rec), *_views(rec), *menu, gr.update(visible=live), sig]
@@ -205,10 +190,7 @@ def refresh(selected, known, shown=None, request: gr.Request = None):
 
 @endpoint
 def cancel(selected, request: gr.Request = None):
-    if not selected or not isinstance(selected, str):
-        raise gr.Error("Pick a job to cancel.")
-    rec = _jobs().cancel_job(selected, owner=job_viewer(request))
-    return f"Job **{rec['id']}** is {rec['state']}."
+    return jf.cancel_job(selected, request)
 
 
 @endpoint
@@ -218,7 +200,7 @@ def job_choices(request: gr.Request = None):
 
 @endpoint
 def pick_job(job):
-    return job if isinstance(job, str) else None
+    return jf.picked_job(job)
 
 
 @endpoint

@@ -11,6 +11,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from app.shared import figure_style as style
 from model_core.training.pretrain import CHINCHILLA_2022, KAPLAN_2020, chinchilla_loss, kaplan_loss
 
 WIDTH_COLOURS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#a16207", "#db2777"]
@@ -20,19 +21,13 @@ POINT_COLUMNS = ["width", "layers", "N (non-embedding)", "N (all)", "tokens", "h
 
 
 def _layout(fig: go.Figure, title: str, height: int = 380, **kw) -> go.Figure:
-    fig.update_layout(title=dict(text=title, x=0.01, font=dict(size=14)), height=height,
-                      margin=dict(l=60, r=20, t=48, b=90), template="plotly_white",
-                      legend=dict(orientation="h", y=-0.22, x=0, xanchor="left", font=dict(size=11)), **kw)
-    return fig
+    """The shared layout, with room below for the legend (a row under the x axis)."""
+    return style.layout(fig, title, height, margin=dict(l=60, r=20, t=48, b=90),
+                        legend=dict(orientation="h", y=-0.22, x=0, xanchor="left", font=dict(size=11)), **kw)
 
 
 def empty_figure(message: str, height: int = 320) -> go.Figure:
-    fig = go.Figure()
-    fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper",
-                       font=dict(size=13, color="#6b7280"))
-    fig.update_xaxes(visible=False)
-    fig.update_yaxes(visible=False)
-    return _layout(fig, "", height)
+    return _layout(style.with_message(go.Figure(), message), "", height)
 
 
 def _ticks(values, mantissas) -> list[float]:

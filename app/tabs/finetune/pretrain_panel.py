@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import gradio as gr
 
-from app.shared.context import Shared, endpoint, job_owner, job_viewer
+from app.shared import job_views as jf
+from app.shared.context import Shared, endpoint, job_owner
 from app.tabs.finetune import pretrain_figures as pf
 from model_core.core.errors import LmscopeError
 
@@ -19,21 +20,12 @@ REFRESH_S = 2.0
 KINDS = ("pretrain", "scaling")
 
 
-def _jobs():
-    from tasks import jobs
-
-    return jobs
-
-
 def _records(request=None) -> list[dict]:
-    try:
-        return [r for r in _jobs().list_jobs(owner=job_viewer(request), limit=100) if r["kind"] in KINDS]
-    except LmscopeError:
-        return []
+    return jf.user_jobs(request, KINDS)
 
 
 def _choices(recs: list[dict]) -> list[tuple[str, str]]:
-    return [(f"{r['id']} · {r['state']} · {pf.job_details(r)}", r["id"]) for r in recs]
+    return jf.job_menu(recs, pf.job_details)
 
 
 def _num(v):
@@ -51,7 +43,7 @@ def submit_pretrain(width, layers, steps, lr, keep, name, request: gr.Request = 
     params = {"width": _num(width), "layers": _num(layers), "max_steps": _num(steps), "learning_rate": _num(lr),
               "keep_checkpoints": _num(keep), "output_name": _text(name)}
     try:
-        rec = _jobs().submit("pretrain", params, owner=job_owner(request))
+        rec = jf.job_store().submit("pretrain", params, owner=job_owner(request))
     except LmscopeError as e:
         return gr.skip(), gr.skip(), f"⚠️ {e}"
     return (rec["id"], gr.update(choices=_choices(_records(request)), value=rec["id"]),
@@ -63,7 +55,7 @@ def submit_scaling(widths, layers, tokens, lr, request: gr.Request = None):
     params = {"widths": _text(widths), "layers": _num(layers), "tokens": _num(tokens),
               "learning_rate": _num(lr)}
     try:
-        rec = _jobs().submit("scaling", params, owner=job_owner(request))
+        rec = jf.job_store().submit("scaling", params, owner=job_owner(request))
     except LmscopeError as e:
         return gr.skip(), gr.skip(), f"⚠️ {e}"
     names = [n for n in rec["pretrain"]["models"] if "-step" not in n]
@@ -74,38 +66,29 @@ def submit_scaling(widths, layers, tokens, lr, request: gr.Request = None):
 @endpoint
 def refresh(selected, known, request: gr.Request = None):
     """Timer tick: the selected job's progress, curves and L(N) plot; the job menu when its list changed."""
-    from app.shared import job_views as jf
-
     recs = _records(request)
     choices = _choices(recs)
-    known = known if isinstance(known, list) else []
     selected = selected if isinstance(selected, str) else None
-    same = [list(c) for c in choices] == [list(c) if isinstance(c, (list, tuple)) else c for c in known]
-    menu = [gr.skip(), gr.skip()] if same else [choices, gr.update(choices=choices)]
+    menu = [gr.skip(), gr.skip()] if jf.menu_unchanged(choices, known) else [choices, gr.update(choices=choices)]
     if not selected:
         return [pf.status_markdown(None), jf.progress_html(None), gr.skip(), gr.skip(), gr.skip(), *menu,
                 gr.update(visible=False)]
-    rec = next((r for r in recs if r["id"] == selected), None)
-    if rec is None:
-        try:
-            rec = _jobs().get_job(selected, job_viewer(request))
-        except LmscopeError as e:
-            return [f"⚠️ {e}", jf.progress_html(None), gr.skip(), gr.skip(), gr.skip(), *menu, gr.update(visible=False)]
+    try:
+        rec = jf.selected_job(selected, recs, request)
+    except LmscopeError as e:
+        return [f"⚠️ {e}", jf.progress_html(None), gr.skip(), gr.skip(), gr.skip(), *menu, gr.update(visible=False)]
     pr = rec.get("pretrain") or {}
     return [pf.status_markdown(rec), jf.progress_html(rec), pf.curve_figure(pr.get("history")),
             pf.scaling_figure(pr.get("points"), pr.get("fit"),
                               ((pr.get("points") or [{}])[0].get("tokens") or rec.get("params", {}).get("tokens")))
             if rec["kind"] == "scaling" else pf.empty_figure("The L(N) plot belongs to a scaling sweep.", 460),
             pf.points_table(pr.get("points")), *menu,
-            gr.update(visible=rec["state"] in ("queued", "running"))]  # cancel: only while it can stop
+            gr.update(visible=jf.cancellable(rec))]  # cancel: only while it can stop
 
 
 @endpoint
 def cancel(selected, request: gr.Request = None):
-    if not selected or not isinstance(selected, str):
-        raise gr.Error("Pick a job to cancel.")
-    rec = _jobs().cancel_job(selected, owner=job_viewer(request))
-    return f"Job **{rec['id']}** is {rec['state']}."
+    return jf.cancel_job(selected, request)
 
 
 @endpoint
@@ -115,7 +98,7 @@ def job_choices(request: gr.Request = None):
 
 @endpoint
 def pick_job(job):
-    return job if isinstance(job, str) else None
+    return jf.picked_job(job)
 
 
 def build(shared: Shared) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gradio as gr
 
+from app.shared import job_views as jf
 from app.shared.context import (
     Shared,
     default_model,
@@ -26,12 +27,6 @@ from model_core.core.errors import LmscopeError
 from model_core.training import sft
 
 REFRESH_S = 2.0
-
-
-def _jobs():
-    from tasks import jobs
-
-    return jobs
 
 
 def _finetuned_choices() -> list[tuple[str, str]]:
@@ -64,7 +59,7 @@ def submit(model, dataset_kind, upload, skip_bad, method, rank, lr, steps, batch
             return gr.skip(), gr.skip(), "⚠️ Upload a .jsonl dataset, or choose the built-in one."
         files = [uploaded_file(upload)]
     try:
-        rec = _jobs().submit("sft", params, owner=job_owner(request), files=files)
+        rec = jf.job_store().submit("sft", params, owner=job_owner(request), files=files)
     except LmscopeError as e:
         return gr.skip(), gr.skip(), f"⚠️ {e}"
     kept = (rec.get("sft") or {}).get("dataset_lines") or {}
@@ -76,15 +71,11 @@ def submit(model, dataset_kind, upload, skip_bad, method, rank, lr, steps, batch
 
 
 def _sft_records(request=None) -> list[dict]:
-    try:
-        return [r for r in _jobs().list_jobs(owner=job_viewer(request), limit=100) if r["kind"] == "sft"]
-    except LmscopeError:
-        return []
+    return jf.user_jobs(request, ("sft",))
 
 
 def _job_choices(request=None, recs: list[dict] | None = None) -> list[tuple[str, str]]:
-    recs = _sft_records(request) if recs is None else recs
-    return [(f"{r['id']} · {r['state']} · {sf.run_label(r)}", r["id"]) for r in recs]
+    return jf.job_menu(_sft_records(request) if recs is None else recs, sf.run_label)
 
 
 @endpoint
@@ -96,21 +87,16 @@ def job_choices(request: gr.Request = None):
 def refresh(selected, known_choices, request: gr.Request = None):
     """Timer tick: the selected job's progress, curves and accuracy, and the job menus' labels (a
     second browser sees the same runs; a finished run stops saying 'running')."""
-    from app.shared import job_views as jf
-
     recs = _sft_records(request)
     choices = _job_choices(request, recs)
-    same = [list(c) for c in choices] == [list(c) for c in (known_choices or [])]  # State may hand back lists
-    menus = [gr.skip(), gr.skip(), gr.skip()] if same else [
+    menus = [gr.skip(), gr.skip(), gr.skip()] if jf.menu_unchanged(choices, known_choices) else [
         choices, gr.update(choices=choices), gr.update(choices=choices)]
     if not selected:
         return [sf.status_markdown(None), jf.progress_html(None), gr.skip(), gr.skip(), "", "", *menus]
-    rec = next((r for r in recs if r["id"] == selected), None)
-    if rec is None:
-        try:
-            rec = _jobs().get_job(selected, job_viewer(request))
-        except LmscopeError as e:
-            return [f"⚠️ {e}", jf.progress_html(None), gr.skip(), gr.skip(), "", "", *menus]
+    try:
+        rec = jf.selected_job(selected, recs, request)
+    except LmscopeError as e:
+        return [f"⚠️ {e}", jf.progress_html(None), gr.skip(), gr.skip(), "", "", *menus]
     hist = (rec.get("sft") or {}).get("history")
     return [sf.status_markdown(rec), jf.progress_html(rec), sf.loss_figure(hist), sf.throughput_figure(hist),
             sf.accuracy_examples_html(rec), sf.samples_table_html((rec.get("sft") or {}).get("samples")), *menus]
@@ -122,7 +108,7 @@ def _runs_records(ids, request) -> list[dict]:
     viewer, recs = job_viewer(request), []
     for job_id in ids:
         try:
-            recs.append(_jobs().get_job(job_id, viewer))
+            recs.append(jf.job_store().get_job(job_id, viewer))
         except LmscopeError:
             continue
     return recs
@@ -154,7 +140,7 @@ def job_from_url(request: gr.Request = None):
     if not isinstance(job_id, str) or not job_id:
         return gr.skip(), gr.skip()
     try:
-        rec = _jobs().get_job(job_id, job_viewer(request))
+        rec = jf.job_store().get_job(job_id, job_viewer(request))
     except LmscopeError:
         return gr.skip(), gr.skip()
     if rec["kind"] != "sft":
@@ -164,10 +150,7 @@ def job_from_url(request: gr.Request = None):
 
 @endpoint
 def cancel(selected, request: gr.Request = None):
-    if not selected:
-        raise gr.Error("Pick a job to cancel.")
-    rec = _jobs().cancel_job(selected, owner=job_viewer(request))
-    return f"Job **{rec['id']}** is {rec['state']}."
+    return jf.cancel_job(selected, request)
 
 
 @endpoint(model=True)
@@ -372,6 +355,6 @@ def show_if_lora(method):
 
 @endpoint
 def pick_job(job):
-    return job if isinstance(job, str) else None
+    return jf.picked_job(job)
 
 

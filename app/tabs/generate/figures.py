@@ -6,8 +6,10 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from app.shared import figure_style as style
+
 STAGE_COLOURS = {"top_k": "#d62728", "top_p": "#ff7f0e", "min_p": "#9467bd", "greedy": "#7f7f7f", None: "#1f77b4"}
-_MARGIN = dict(l=50, r=20, t=40, b=40)
+_MARGIN = style.MARGIN
 
 
 def step_label(step: dict) -> str:
@@ -22,12 +24,7 @@ _label = step_label
 
 def _hint(fig: go.Figure, message: str, height: int) -> go.Figure:
     """An empty chart says what to do instead of showing bare axes."""
-    fig.add_annotation(text=message, x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False,
-                       font=dict(size=14, color="#666"))
-    fig.update_xaxes(visible=False)
-    fig.update_yaxes(visible=False)
-    fig.update_layout(margin=_MARGIN, height=height)
-    return fig
+    return style.empty_figure(message, height, fig=fig)
 
 
 def prob_bucket(p: float) -> str:

@@ -7,14 +7,15 @@ from collections.abc import Sequence
 
 import plotly.graph_objects as go
 
+from app.shared import figure_style as style
+
 CLEAN, OTHER = "#1f77b4", "#d62728"
 
 
 def _layout(fig: go.Figure, title: str, height: int = 360) -> go.Figure:
-    fig.update_layout(title=dict(text=title, x=0.01, font=dict(size=14)), height=height,
-                      margin=dict(l=50, r=20, t=50, b=40),
-                      legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0))
-    return fig
+    """The shared layout, the legend in a row above the plot on the right."""
+    return style.layout(fig, title, height, margin=dict(l=50, r=20, t=50, b=40),
+                        legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0))
 
 
 def _clean(values) -> list[list[float | None]]:

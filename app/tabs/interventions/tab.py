@@ -14,6 +14,7 @@ import re
 import gradio as gr
 import torch
 
+from app.shared import job_views as jf
 from app.shared.context import Shared, default_model, endpoint, get_model, job_owner, job_viewer
 from app.shared.page_js import page_js
 from app.tabs.interventions import figures as fig
@@ -234,23 +235,15 @@ def run_patching(model, clean, corrupt, target, other, kind, what, align, reques
 JOB_POLL_S = 1.0
 
 
-def _jobs():
-    from tasks import jobs
-
-    return jobs
-
-
 @endpoint(model=True)
 def submit_patch_job(model, clean, corrupt, target, other, kind, what, align, request: gr.Request = None):
     """Queue the sweep on the worker. Returns (job id, progress HTML, timer, summary)."""
-    from app.shared import job_views as jf
-
     lm = get_model(model)  # the server's allow-list, and a bad target fails here, not on the worker
     m = _metric(lm, target, other, kind)
     params = {"model": (model or "").strip() or default_model(), "clean": clean, "corrupted": corrupt,
               "target": target, "other": other if m.kind == "logit_diff" else None,
               "sweep": "heads" if what == "heads" else "residual", "align": "right" if align else "error"}
-    rec = _jobs().submit("patching", params, owner=job_owner(request))
+    rec = jf.job_store().submit("patching", params, owner=job_owner(request))
     return (rec["id"], jf.progress_html(rec), gr.Timer(active=True),
             f"Queued background job **{rec['id']}**; the heatmap appears here when it finishes. "
             f"It is also listed in the Jobs tab.")
@@ -259,17 +252,15 @@ def submit_patch_job(model, clean, corrupt, target, other, kind, what, align, re
 @endpoint
 def poll_patch_job(job_id, request: gr.Request = None):
     """Timer tick: progress; when the job has finished, the heatmap from its patching.json."""
-    from app.shared import job_views as jf
     from tasks.patching_job import read_result
 
     if not job_id:
         return gr.skip(), gr.skip(), gr.skip(), gr.Timer(active=False), gr.skip()
     try:
-        rec = _jobs().get_job(job_id, job_viewer(request))
+        rec, bar = jf.job_bar(job_id, request)
     except LmscopeError as e:
         return f"⚠️ {e}", gr.skip(), gr.skip(), gr.Timer(active=False), gr.skip()
-    bar = jf.progress_html(rec)
-    if rec["state"] in ("queued", "running"):
+    if jf.cancellable(rec):
         return bar, gr.skip(), gr.skip(), gr.skip(), gr.skip()
     if rec["state"] != "succeeded":
         why = rec.get("error") or rec["state"]
@@ -327,17 +318,14 @@ def use_spaced(model, target, other, kind, request: gr.Request = None):
 
 @endpoint
 def _job_cancel_button(bar_html):
-    h = bar_html if isinstance(bar_html, str) else ""
-    return gr.update(visible=any(f"data-state='{s}'" in h for s in ("queued", "running")))
+    return gr.update(visible=jf.bar_shows(bar_html, jf.LIVE_STATES))
 
 
 @endpoint
 def cancel_patch_job(job_id, request: gr.Request = None):
-    from app.shared import job_views as jf
-
     if not job_id:
         return gr.skip()
-    return jf.progress_html(_jobs().cancel_job(job_id, owner=job_viewer(request)))
+    return jf.progress_html(jf.job_store().cancel_job(job_id, owner=job_viewer(request)))
 
 
 @endpoint(model=True)

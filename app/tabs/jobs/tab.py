@@ -21,12 +21,6 @@ REFRESH_S = 1.5
 DEFAULT_REF = "smollm2-135m-instruct"
 
 
-def _jobs():
-    from tasks import jobs
-
-    return jobs
-
-
 @functools.lru_cache(maxsize=16)
 def _load_tokenizer(path: str, mtime: float):
     from tokenizers import Tokenizer
@@ -45,7 +39,7 @@ def _report(rec: dict | None) -> dict | None:
     if not rec or rec.get("state") != "succeeded":
         return None
     try:
-        return _jobs().read_report(rec)
+        return jf.job_store().read_report(rec)
     except (OSError, ValueError):
         return None
 
@@ -53,10 +47,8 @@ def _report(rec: dict | None) -> dict | None:
 @endpoint
 def export_jobs(request: gr.Request = None):
     """jobs.csv and jobs.json of the jobs this viewer sees (app.shared.job_views.write_jobs)."""
-    from app.shared.job_views import write_jobs
-
-    recs = _jobs().list_jobs(owner=job_viewer(request), limit=100)
-    return gr.update(value=[str(p) for p in write_jobs(recs, scratch_dir("jobs"))], visible=True)
+    recs = jf.job_store().list_jobs(owner=job_viewer(request), limit=100)
+    return gr.update(value=[str(p) for p in jf.write_jobs(recs, scratch_dir("jobs"))], visible=True)
 
 
 @endpoint
@@ -64,13 +56,13 @@ def refresh(selected, request: gr.Request = None):
     """Timer tick: job list, and the selected job's progress + log."""
     viewer = job_viewer(request)
     try:
-        recs = _jobs().list_jobs(owner=viewer, limit=100)
+        recs = jf.job_store().list_jobs(owner=viewer, limit=100)
     except LmscopeError as e:
         return gr.skip(), f"⚠️ {e}", gr.skip(), gr.skip()
     sel = next((r for r in recs if r["id"] == selected), None)
     if sel is None and selected:
         try:
-            sel = _jobs().get_job(selected, viewer)
+            sel = jf.job_store().get_job(selected, viewer)
         except LmscopeError:
             sel = None
     log = "\n".join(sel["log"]) if sel else ""
@@ -87,7 +79,7 @@ def submit(algorithm, vocab, min_freq, specials, corpus_kind, files, corpus_mb, 
         paths = [uploaded_file(f) for f in (files or [])]
         if not paths:
             raise gr.Error("Upload at least one .txt or .jsonl file, or choose the built-in corpus.")
-    rec = _jobs().submit("tokenizer", params, owner=job_owner(request), files=paths)
+    rec = jf.job_store().submit("tokenizer", params, owner=job_owner(request), files=paths)
     return rec["id"], f"Queued job **{rec['id']}**."
 
 
@@ -103,7 +95,7 @@ def show_selected(selected, request: gr.Request = None):
     if not selected:
         return (jf.progress_html(None), "", "", jf.histogram_figure(None), jf.merges_table(None),
                 jf.compression_figure({}), jf.downloads_html(None))
-    rec = _jobs().get_job(selected, job_viewer(request))
+    rec = jf.job_store().get_job(selected, job_viewer(request))
     rep = _report(rec)
     reports = {f"job {rec['id']} ({rep['algorithm']})": rep} if rep else {}
     return (jf.progress_html(rec), "\n".join(rec["log"]), jf.summary_markdown(rec, rep), jf.histogram_figure(rep),
@@ -112,16 +104,13 @@ def show_selected(selected, request: gr.Request = None):
 
 @endpoint
 def cancel(selected, request: gr.Request = None):
-    if not selected:
-        raise gr.Error("Select a job to cancel.")
-    rec = _jobs().cancel_job(selected, owner=job_viewer(request))
-    return f"Job **{rec['id']}** is {rec['state']}."
+    return jf.cancel_job(selected, request, ask="Select a job to cancel.")
 
 
 @endpoint
 def tokenizer_choices(request: gr.Request = None):
     try:
-        recs = _jobs().list_jobs(owner=job_viewer(request), limit=100)
+        recs = jf.job_store().list_jobs(owner=job_viewer(request), limit=100)
     except LmscopeError:
         return gr.update()
     ch = [(f"{r['id']} · {jf.job_details(r)}", r["id"]) for r in recs
@@ -147,11 +136,11 @@ def compare(prompt, ids, selected, request: gr.Request = None):
     reports = {}
     for job_id in ids[:8]:
         try:
-            rec = _jobs().get_job(job_id, viewer)
+            rec = jf.job_store().get_job(job_id, viewer)
         except LmscopeError as e:
             rows.append((job_id[:40], str(e)))
             continue
-        path = _jobs().artifact_path(rec, "tokenizer.json")
+        path = jf.job_store().artifact_path(rec, "tokenizer.json")
         if path is None:
             rows.append((f"job {job_id}", f"no tokenizer yet (job is {rec['state']})"))
             continue
@@ -252,7 +241,7 @@ def job_from_url(request: gr.Request = None):
     if not isinstance(job_id, str) or not job_id:
         return gr.skip()
     try:
-        return _jobs().get_job(job_id, job_viewer(request))["id"]
+        return jf.job_store().get_job(job_id, job_viewer(request))["id"]
     except LmscopeError:
         return gr.skip()
 
@@ -272,13 +261,11 @@ def show_if_upload(kind):
 def _cancel_button(progress_html):
     """The cancel button shows only while the selected job is queued or running (read from the
     progress panel the page already has: no extra request to the job store)."""
-    h = progress_html if isinstance(progress_html, str) else ""
-    return gr.update(visible=any(f"data-state='{s}'" in h for s in ("queued", "running")))
+    return gr.update(visible=jf.bar_shows(progress_html, jf.LIVE_STATES))
 
 
 @endpoint
 def _maybe_report(selected, progress_html, request: gr.Request = None):
-    h = progress_html if isinstance(progress_html, str) else ""
-    if selected and any(f"data-state='{s}'" in h for s in ("succeeded", "failed", "cancelled")):
+    if selected and jf.bar_shows(progress_html, jf.DONE_STATES):
         return show_selected(selected, request)
     return [gr.skip()] * 7
