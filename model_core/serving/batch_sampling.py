@@ -176,10 +176,10 @@ def sample_rows(logits: torch.Tensor, st: RowSettings, seen: torch.Tensor, k: in
                 stages: frozenset = ALL_STAGES):
     """logits [B, V] float32 -> (chosen [B] int64, packed [B, packed_width(k)] float32, final [B, V]).
 
-    The packed record per row is the layout `model_core.serving.generate._unpack` reads: chosen id, its
-    rank among the raw logits, its raw and filtered probability, both entropies, the number of
-    candidates left, tokens removed and mass kept per filter (top-k, top-p, min-p, greedy), then
-    the top-k candidates before the filters with the stage that removed each, and after them.
+    The packed record per row is the layout `model_core.serving.generation_records._unpack` reads:
+    chosen id, its rank among the raw logits, its raw and filtered probability, both entropies, the
+    number of candidates left, tokens removed and mass kept per filter (top-k, top-p, min-p, greedy),
+    then the top-k candidates before the filters with the stage that removed each, and after them.
     `stages`: the stages any row uses (`stages_in_use`); the others are skipped as identities."""
     raw = logits
     x = repetition_penalty_rows(raw, seen, st.repetition_penalty) if "repetition_penalty" in stages else raw

@@ -117,7 +117,7 @@ def recorded_stages(settings: SamplingSettings) -> tuple[tuple[int, str], ...]:
 
 
 def _unpack(packed, k: int, settings: SamplingSettings, stages: tuple | None = None) -> dict:
-    """A packed record (tensor or list, `sample_step` / `row_sampling.sample_rows` layout) -> Step fields.
+    """A packed record (tensor or list, `sample_step` / `batch_sampling.sample_rows` layout) -> Step fields.
     Runs when a Step's record field is first read (stages: precomputed, as Steps carry them)."""
     v = packed.tolist() if torch.is_tensor(packed) else packed
     stages = recorded_stages(settings) if stages is None else stages

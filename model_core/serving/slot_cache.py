@@ -10,9 +10,10 @@ transformers' attention layers call `cache.update(key, value, layer_idx)` and us
 as the keys and values to attend over; that is all this class provides (like `StaticCache`, but
 with a position per row instead of one `cache_position` for the whole batch).
 
-Sliding-window layers (Gemma 3's local layers) keep every position too; their mask lets a row see
-only its last `sliding_window` positions (transformers' `sliding_window_overlay`), so the model
-gets one mask per layer type (`window` returns {layer type: mask}).
+Sliding-window layers keep every position too; their mask lets a row see only its last
+`sliding_window` positions (transformers' `sliding_window_overlay`). A model that names its layers'
+kinds (Gemma 3's local and global layers) gets one mask per layer type (`window` returns
+{layer type: mask}); a model whose every layer slides (Mistral) gets the sliding mask itself.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ def _records(request=None) -> list[dict]:
 
 
 def _choices(recs: list[dict]) -> list[tuple[str, str]]:
-    return jf.job_menu(recs, pf.job_details)
+    return jf.job_menu(recs, jf.pretrain_job_details)
 
 
 def _num(v):
