@@ -343,12 +343,24 @@ ADAPTERS: dict[str, type[Adapter]] = {
 }
 
 
+# The adapter of every family without a hand one (model_core.core.generic_adapter registers it when
+# imported, as the registry does: it builds on this module, so this module cannot import it).
+_FALLBACK: list = []
+
+
+def register_fallback(make) -> None:
+    """make(model) -> Adapter for model types without a hand adapter (raises ModelLoadError when it cannot)."""
+    _FALLBACK[:] = [make]
+
+
 def adapter_for(model: nn.Module) -> Adapter:
+    """The hand adapter of the model's family, else the registered generic one that reads the model;
+    ModelLoadError with one sentence where neither fits."""
     model_type = getattr(model.config, "model_type", "?")
     cls = ADAPTERS.get(model_type)
-    if cls is None:
-        raise ModelLoadError(
-            f"Architecture '{model_type}' is not supported yet; lmscope supports "
-            f"{', '.join(sorted(ADAPTERS))}."
-        )
-    return cls(model)
+    if cls is not None:
+        return cls(model)
+    if not _FALLBACK:
+        raise ModelLoadError(f"Architecture '{model_type}' is not supported yet; lmscope supports "
+                             f"{', '.join(sorted(ADAPTERS))}.")
+    return _FALLBACK[0](model)

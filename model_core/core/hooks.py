@@ -29,6 +29,10 @@ class Recorder:
     edits: dict[str, Edit] = field(default_factory=dict)
     store: dict[str, torch.Tensor] = field(default_factory=dict)
     rope: dict[int, tuple] = field(default_factory=dict)
+    # Layers whose attention pattern the "lmscope" attention function keeps (generic adapter only),
+    # and what it kept: {layer: {"q", "k", "v", "raw_scores", "scaled_scores", "mask", "probs"}}.
+    patterns: frozenset[int] = frozenset()
+    patterns_out: dict[int, dict] = field(default_factory=dict)
 
     def wants(self, layer: int) -> bool:
         return self.capture and (self.layers is None or layer in self.layers)
@@ -72,12 +76,13 @@ class Instrumentation:
                 partial(self._out, i, act_name("attn_out", i))))
             self.handles.append(adapter.mlp_out_module(layer).register_forward_hook(
                 partial(self._out, i, act_name("mlp_out", i))))
-            if hasattr(adapter, "attn_z_module"):
-                self.handles.append(adapter.attn_z_module(layer).register_forward_pre_hook(
-                    partial(self._input_edit, act_name("z", i))))
-            if hasattr(adapter, "mlp_post_module"):
-                self.handles.append(adapter.mlp_post_module(layer).register_forward_pre_hook(
-                    partial(self._input_edit, act_name("post", i))))
+            # A generic family may have no single output / down projection (None: no edit point there).
+            z = adapter.attn_z_module(layer) if hasattr(adapter, "attn_z_module") else None
+            if z is not None:
+                self.handles.append(z.register_forward_pre_hook(partial(self._input_edit, act_name("z", i))))
+            post = adapter.mlp_post_module(layer) if hasattr(adapter, "mlp_post_module") else None
+            if post is not None:
+                self.handles.append(post.register_forward_pre_hook(partial(self._input_edit, act_name("post", i))))
         self.handles.append(adapter.final_norm.register_forward_hook(
             partial(self._final, act_name("ln_final"))))
 
@@ -105,11 +110,19 @@ class Instrumentation:
         if rec is None:
             return None
         out = _first(output)
+        flat = out.dim() == 2  # OPT's fc2 works on [B*T, d]: edits and captures see [B, T, d]
+        if flat:
+            pre = rec.store.get(act_name("resid_pre", i))
+            if pre is None:
+                return None
+            out = out.view(pre.shape)  # [B, T, d]
         if name in rec.edits:
             out = rec.edits[name](name, out)
         if rec.wants(i):
             rec.store[name] = out
-        return _replace_first(output, out) if name in rec.edits else None
+        if name not in rec.edits:
+            return None
+        return _replace_first(output, out.reshape(-1, out.shape[-1]) if flat else out)
 
     def _input_edit(self, name, module, args):
         """Edit-only hook on a module's first input: the attention output projection's (hook_z,

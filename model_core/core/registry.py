@@ -27,6 +27,7 @@ import transformers
 from model_core.core import paths
 from model_core.core.adapters import ADAPTERS, Adapter, ModelShape, adapter_for
 from model_core.core.errors import ModelLoadError
+from model_core.core.generic_adapter import generic_adapter  # noqa: F401  (registers the generic fallback)
 from model_core.core.settings import DEFAULT_MODEL  # noqa: F401  (re-exported: registry.DEFAULT_MODEL)
 from model_core.core.settings import current as current_settings
 
@@ -297,15 +298,67 @@ def _check_local_dir(p: Path) -> None:
     if not any(p.glob("*.safetensors")):
         raise ModelLoadError(f"'{p}' has no .safetensors weights; lmscope loads safetensors only.")
     cfg = json.loads((p / "config.json").read_text())
-    mt = cfg.get("model_type")
-    if mt not in ADAPTERS:
+    _check_architecture(cfg.get("model_type"))
+
+
+def _check_architecture(model_type: str | None) -> None:
+    """Refuse, in one sentence, a model type that is no decoder-only causal LM transformers ships:
+    families with a hand adapter load as before, every other one through the generic adapter."""
+    from transformers.models.auto import modeling_auto as auto
+
+    if model_type in ADAPTERS:
+        return
+    if model_type in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES or model_type in auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
+        raise ModelLoadError(f"Architecture '{model_type}' is not supported yet: it is an encoder or encoder-decoder "
+                             f"family, and lmscope traces decoder-only causal language models.")
+    if model_type not in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ModelLoadError(
-            f"Architecture '{mt}' is not supported yet; lmscope supports {', '.join(sorted(ADAPTERS))}."
+            f"Architecture '{model_type}' is not supported yet: lmscope traces the decoder-only causal language "
+            f"models transformers ships (docs/ARCHITECTURES.md lists which pass)."
         )
+
+
+def attn_implementation_for(model_type: str | None, requested: str = "sdpa") -> str:
+    """The attention implementation to load a model with: families without a hand adapter run
+    transformers' SDPA through lmscope's registered attention function, which can also keep the
+    pattern (model_core.core.attention_capture); others get what was asked for."""
+    if requested != "sdpa" or model_type in ADAPTERS:
+        return requested
+    if _uses_attention_interface(model_type):
+        from model_core.core.attention_capture import register
+
+        return register()
+    cls = _causal_lm_class(model_type)
+    return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", True) else "eager"
+
+
+def _causal_lm_class(model_type: str | None):
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, ""), None)
+
+
+def _uses_attention_interface(model_type: str | None) -> bool:
+    """Whether the family's modeling code dispatches attention through transformers'
+    ALL_ATTENTION_FUNCTIONS (older ones, e.g. Falcon, keep their own table of classes and would
+    refuse a registered name)."""
+    import inspect
+    import sys
+
+    cls = _causal_lm_class(model_type)
+    if cls is None:
+        return False
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(sys.modules[cls.__module__])
+    except (OSError, TypeError, KeyError):
+        return False
 
 
 def _load_dir(p: Path, device, dtype, attn_implementation, split: bool = False):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    mt = json.loads((p / "config.json").read_text()).get("model_type")
+    attn_implementation = attn_implementation_for(mt, attn_implementation)
 
     model = AutoModelForCausalLM.from_pretrained(
         str(p), dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=False,
@@ -334,7 +387,7 @@ def _random_model(entry: RegistryEntry, device, dtype, attn_implementation, spli
 
     cfg = dict(entry.random_config)
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    config._attn_implementation = attn_implementation
+    config._attn_implementation = attn_implementation_for(config.model_type, attn_implementation)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -463,10 +516,8 @@ def _load_hub(name, dev, dt, attn_implementation):
         raise ModelLoadError(
             f"Could not fetch '{name}' from the Hugging Face hub (offline, private, or no such model)."
         ) from e
-    if cfg.model_type not in ADAPTERS:
-        raise ModelLoadError(
-            f"Architecture '{cfg.model_type}' is not supported yet; lmscope supports {', '.join(sorted(ADAPTERS))}."
-        )
+    _check_architecture(cfg.model_type)
+    attn_implementation = attn_implementation_for(cfg.model_type, attn_implementation)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(name, dtype=dt, attn_implementation=attn_implementation,
