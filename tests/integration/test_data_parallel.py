@@ -115,7 +115,7 @@ def test_a_killed_caller_takes_its_training_processes_down(data_dir, tmp_path):
     name = _name("orphan")
     started = tmp_path / "started"
     script = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})\n"
-              "from pathlib import Path\nfrom model_core import sft\n"
+              "from pathlib import Path\nfrom model_core.training import sft\n"
               f"sft.run_sft_on_gpus({{**{RUN!r}, 'max_steps': 100000, 'output_name': {name!r}}}, processes=2,\n"
               f"    progress=lambda r: Path({str(started)!r}).touch())\n")
     parent = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "LMSCOPE_DATA_DIR": str(data_dir)})
