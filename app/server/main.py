@@ -186,7 +186,7 @@ def build_app(settings=None):
     app = gr.mount_gradio_app(
         api, demo, path="", auth=auth.async_authenticator(settings),
         auth_message="Sign in to lmscope." if settings.auth_on else None,
-        show_error=True, css_paths=[str(STATIC / "lmscope.css")], footer_links=["api"], head=HEAD_JS,
+        show_error=True, css_paths=[str(p) for p in sorted(STATIC.glob("*.css"))], footer_links=["api"], head=HEAD_JS,
         max_file_size=int(settings.upload_max_mb * 1024 * 1024),
     )
     # a page load costs Gradio a copy of the whole config otherwise
