@@ -182,12 +182,17 @@ def trace(lm, prompt: str | None = None, token_ids=None, *, layers=None, chat: b
         raise PromptError(f"Layers must be between 0 and {n_layers - 1}.")
     instrument(lm.adapter)
     t0 = time.perf_counter()
+    # Made before the forward: a host-to-device copy queued after it would wait for the whole pass
+    # and leave the token strings below to run serially after it (26 ms at 2,048 tokens on a GPU).
+    ids = torch.tensor([token_ids], device=lm.device)  # [1, T]
     if not edits and hooks.active_recorder() is None:  # may share one forward with concurrent traces
         s, rope, logits = batcher_for(lm).trace(token_ids, frozenset(wanted),
                                                 lambda ids, lay: _forward_traced(lm, ids, lay, None))
     else:
         s, rope, logits = _forward_traced(lm, token_ids, frozenset(wanted), edits)
-    ids = torch.tensor([token_ids], device=logits.device)
+    # Read on the host while the device still runs the forward (nothing above waits for it).
+    tokens = describe_tokens(lm.tokenizer, token_ids)
+    ids = ids.to(logits.device)
     logprobs = torch.full((len(token_ids),), float("nan"), device=logits.device)
     if len(token_ids) > 1:
         with torch.inference_mode():
@@ -197,7 +202,7 @@ def trace(lm, prompt: str | None = None, token_ids=None, *, layers=None, chat: b
     # layer's tensors on that layer's device (a no-op on one device).
     where = {l: s[act_name("attn_out", l)].device for l in wanted}
     tr = Trace(
-        model_name=lm.name, token_ids=token_ids, tokens=describe_tokens(lm.tokenizer, token_ids),
+        model_name=lm.name, token_ids=token_ids, tokens=tokens,
         n_layers=n_layers, captured_layers=wanted,
         resid_pre={l: s[act_name("resid_pre", l)][0].to(where[l]) for l in wanted},
         attn_out={l: s[act_name("attn_out", l)][0] for l in wanted},
