@@ -22,6 +22,10 @@ from model_core.core.settings import LOG_FORMAT, Settings, configure_logging
 log = logging.getLogger(__name__)
 
 
+def _err(line: str) -> None:
+    sys.stderr.write(line + "\n")
+
+
 def _out(*lines: str) -> None:
     sys.stdout.write("".join(line + "\n" for line in lines))
 
@@ -33,6 +37,9 @@ def _print_json(obj) -> None:
 def cmd_models(args) -> int:
     from model_core.core.registry import list_models
 
+    if args.action:
+        return cmd_models_change(args)
+
     rows = list_models(include_random=True)
     if args.json:
         _print_json(rows)
@@ -41,6 +48,34 @@ def cmd_models(args) -> int:
             state = "ready" if r["ready"] else ("not installed" if not r["installed"] else "not converted yet")
             params = f"{r['parameters'] / 1e6:.1f}M" if r.get("parameters") else "?"
             _out(f"{r['name']:28s} {r['architecture']:12s} {params:>8s}  {r['source']:13s} {state}")
+    return 0
+
+
+def cmd_models_change(args) -> int:
+    """`models add NAME PATH|HUB_ID` (checked at once) and `models remove NAME`."""
+    from model_core.core import host_models
+    from model_core.core.errors import LmscopeError
+
+    want = 2 if args.action == "add" else 1
+    if len(args.names) != want:
+        _err("usage: lmscope models add NAME PATH|HUB_ID  |  lmscope models remove NAME")
+        return 2
+    if args.action == "remove":
+        if not host_models.remove(args.names[0]):
+            _err(f"error: '{args.names[0]}' is not a model the host added.")
+            return 1
+        _out(f"removed '{args.names[0]}' (its checkpoint stays where it is)")
+        return 0
+    try:
+        entry = host_models.add(*args.names)
+    except LmscopeError as e:
+        _err(f"error: {e}")
+        return 1
+    if args.json:
+        _print_json({"name": args.names[0], **entry})
+    else:
+        _out(f"added '{args.names[0]}': {entry['architecture']}, {entry['parameters'] / 1e6:.1f}M parameters, "
+             f"{entry['dtype']} on {entry['device']}; every model picker lists it")
     return 0
 
 
@@ -212,7 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lmscope", description="See inside decoder-only language models.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    m = sub.add_parser("models", help="list the model registry")
+    m = sub.add_parser("models", help="list the models (registry, the host's, fine-tuned); "
+                                      "`models add NAME PATH|HUB_ID` puts the host's checkpoint in every picker")
+    m.add_argument("action", nargs="?", choices=["add", "remove"])
+    m.add_argument("names", nargs="*", help="add: NAME PATH|HUB_ID; remove: NAME")
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=cmd_models)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from model_core.core import paths
+from model_core.core import host_models, paths
 from model_core.core.adapters import ADAPTERS, Adapter, ModelShape, adapter_for
 from model_core.core.errors import ModelLoadError
 from model_core.core.generic_adapter import generic_adapter  # noqa: F401  (registers the generic fallback)
@@ -474,6 +474,9 @@ def load_uncached(name: str, dev: torch.device, dt: torch.dtype, attn_implementa
             info = ft / "lmscope.json"
             if info.exists():
                 meta = json.loads(info.read_text())
+        elif (host_source := host_models.source_of(name)) is not None:  # the host named it: its path is trusted
+            model, tok, source = _load_host(host_source, dev, dt, attn_implementation, split)
+            meta["host_source"] = host_source
         elif allow_paths and Path(os.path.expanduser(name)).is_dir():
             p = Path(os.path.expanduser(name)).resolve()
             _check_local_dir(p)
@@ -486,7 +489,8 @@ def load_uncached(name: str, dev: torch.device, dt: torch.dtype, attn_implementa
             known = ", ".join(n for n in REGISTRY if not n.startswith("random-"))
             raise ModelLoadError(
                 f"Unknown model '{name}': use a registry name ({known}, or a random-* test config), "
-                f"a fine-tuned model, a local model directory or a hub id like 'org/name'."
+                f"a fine-tuned model, a model the host added (lmscope models add), a local model directory or a "
+                f"hub id like 'org/name'."
             )
     except ModelLoadError:
         raise
@@ -505,6 +509,17 @@ def load_uncached(name: str, dev: torch.device, dt: torch.dtype, attn_implementa
                        source=source, load_seconds=time.perf_counter() - t0, meta=meta)
 
 
+
+
+def _load_host(source: str, dev, dt, attn_implementation, split):
+    """A checkpoint the host added by name (model_core.core.host_models): a folder or a hub id."""
+    p = Path(os.path.expanduser(source))
+    if p.is_dir():
+        _check_local_dir(p.resolve())
+        model, tok = _load_dir(p.resolve(), dev, dt, attn_implementation, split)
+        return model, tok, "host"
+    model, tok = _load_hub(source, dev, dt, attn_implementation)
+    return model, tok, "host"
 
 
 def _load_hub(name, dev, dt, attn_implementation):
@@ -546,6 +561,12 @@ def list_models(include_random: bool = True) -> list[dict]:
             "parameters": entry.approx_params if entry.source != "random" else _random_param_count(entry),
             "ready": is_ready(entry.name), "installed": installed, "description": entry.description,
         })
+    for name, h in host_models.host_models().items():
+        if name in REGISTRY:
+            continue
+        rows.append({"name": name, "source": "host", "architecture": h.get("architecture") or "?",
+                     "parameters": h.get("parameters"), "ready": True, "installed": True,
+                     "description": f"added by the host: {h['source']}"})
     for d in sorted(paths.finetuned_dir().iterdir()) if paths.finetuned_dir().exists() else []:
         if (d / "config.json").exists():
             info = json.loads((d / "lmscope.json").read_text()) if (d / "lmscope.json").exists() else {}

@@ -19,6 +19,7 @@ parameters and fall back to `current()` only for a default.
 | LMSCOPE_MAX_LOADED_MODELS | 3 | Models kept loaded in one process (least recently used dropped first). |
 | LMSCOPE_DEFAULT_MODEL | smollm2-135m-instruct | The model the page opens with. |
 | LMSCOPE_ALLOWED_MODELS | (all registry + fine-tuned) | Comma-separated names the server may load; nothing else. |
+| LMSCOPE_MODELS | (unset) | The host's own checkpoints in every picker, as `lmscope models add` adds them: comma-separated `NAME=PATH` or `NAME=org/model`. |
 | LMSCOPE_AUTH | off | Sign-in: `off`, `token` (one shared token, any user name) or `users` (users file). |
 | LMSCOPE_AUTH_TOKEN | (unset) | The shared token for `LMSCOPE_AUTH=token`; also the Bearer token for /metrics. |
 | LMSCOPE_USERS_FILE | (unset) | For `users`: lines `name:pbkdf2_sha256$iterations$salt$hash` (`python -m app.server.auth add-user NAME`). |
@@ -79,7 +80,7 @@ _DEVICE_RE = re.compile(r"^(auto|cpu|mps|meta|(cuda|xpu|hpu)(:\d+)?)$")
 VARIABLES = (
     "REDIS_URL", "LMSCOPE_REDIS_PORT", "LMSCOPE_START_WORKER", "LMSCOPE_DATA_DIR", "LMSCOPE_CACHE_DIR",
     "LMSCOPE_DEVICE", "LMSCOPE_DTYPE", "LMSCOPE_MAX_LOADED_MODELS", "LMSCOPE_DEFAULT_MODEL",
-    "LMSCOPE_ALLOWED_MODELS", "LMSCOPE_AUTH", "LMSCOPE_AUTH_TOKEN", "LMSCOPE_USERS_FILE",
+    "LMSCOPE_ALLOWED_MODELS", "LMSCOPE_MODELS", "LMSCOPE_AUTH", "LMSCOPE_AUTH_TOKEN", "LMSCOPE_USERS_FILE",
     "LMSCOPE_LOGIN_MAX_FAILURES", "LMSCOPE_LOGIN_MAX_FAILURES_PER_ADDRESS", "LMSCOPE_LOGIN_WINDOW_S",
     "LMSCOPE_LOGIN_LOCK_S", "LMSCOPE_LOGIN_MAX_LOCK_S", "LMSCOPE_LOGIN_MAX_KEYS",
     "LMSCOPE_MAX_PROMPT_TOKENS", "LMSCOPE_MAX_NEW_TOKENS", "LMSCOPE_MAX_CONCURRENT_PER_USER",
@@ -112,6 +113,7 @@ class Settings:
     max_loaded_models: int = 3
     default_model: str = DEFAULT_MODEL
     allowed_models: tuple[str, ...] | None = None
+    host_models: tuple[tuple[str, str], ...] = ()  # (name, path or hub id) from LMSCOPE_MODELS
     # sign-in
     auth: str = "off"
     auth_token: str | None = None
@@ -222,6 +224,15 @@ class Settings:
             dtype = None
         allowed = s("LMSCOPE_ALLOWED_MODELS")
         allowed_t = tuple(m.strip() for m in allowed.split(",") if m.strip()) if allowed else None
+        host_models = []
+        for item in (s("LMSCOPE_MODELS") or "").split(","):
+            if not item.strip():
+                continue
+            name, sep, source = (x.strip() for x in item.partition("="))
+            if not sep or not name or not source:
+                errors.append(f"LMSCOPE_MODELS takes NAME=PATH or NAME=org/model items, not '{item.strip()}'.")
+            else:
+                host_models.append((name, source))
         default_model = s("LMSCOPE_DEFAULT_MODEL")
         if default_model and allowed_t and default_model not in allowed_t:
             errors.append(f"LMSCOPE_DEFAULT_MODEL '{default_model}' is not in LMSCOPE_ALLOWED_MODELS.")
@@ -255,7 +266,7 @@ class Settings:
             dtype=dtype,
             max_loaded_models=integer("LMSCOPE_MAX_LOADED_MODELS", 3, 1, 1000),
             default_model=default_model or DEFAULT_MODEL,
-            allowed_models=allowed_t,
+            allowed_models=allowed_t, host_models=tuple(host_models),
             auth=auth,
             auth_token=token,
             users_file=Path(users).expanduser() if users else None,

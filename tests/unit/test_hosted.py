@@ -124,14 +124,14 @@ def test_compose_file_shape_and_commands():
 
     documented = {ln.split("|")[1].strip() for ln in settings_mod.__doc__.splitlines()
                   if ln.startswith("| ") and "Variable" not in ln}
-    assert len(documented) == 38 and documented == set(settings_mod.VARIABLES)
+    assert len(documented) == 39 and documented == set(settings_mod.VARIABLES)
     readme = (ROOT / "README.md").read_text()
     table = readme[readme.index("| Variable | Default | Meaning |"):].split("\n\n")[0]
     in_readme = {ln.split("|")[1].strip().strip("`") for ln in table.splitlines()[2:]}
     assert in_readme == documented
     # the deployment's settings are passed through to both containers
     deployment = {"REDIS_URL", "LMSCOPE_DATA_DIR", "LMSCOPE_CACHE_DIR", "LMSCOPE_DEFAULT_MODEL",
-                  "LMSCOPE_ALLOWED_MODELS", "LMSCOPE_AUTH", "LMSCOPE_AUTH_TOKEN", "LMSCOPE_USERS_FILE",
+                  "LMSCOPE_ALLOWED_MODELS", "LMSCOPE_MODELS", "LMSCOPE_AUTH", "LMSCOPE_AUTH_TOKEN", "LMSCOPE_USERS_FILE",
                   "LMSCOPE_MAX_PROMPT_TOKENS", "LMSCOPE_MAX_NEW_TOKENS", "LMSCOPE_MAX_CONCURRENT_PER_USER",
                   "LMSCOPE_JOBS_PER_HOUR", "LMSCOPE_UPLOAD_MAX_MB", "LMSCOPE_QUEUE_CONCURRENCY",
                   "LMSCOPE_GENERATE_CONCURRENCY", "LMSCOPE_MAX_BATCH", "LMSCOPE_QUEUE_MAX", "LMSCOPE_KV_CACHE_MB",
