@@ -158,6 +158,9 @@ class ExploreTab:
         )
 
         self.features = FeaturesPanel(self)
+        from app.tabs.explore.experts_panel import ExpertsPanel  # a mixture-of-experts model's routing
+
+        self.experts = ExpertsPanel(self)
 
         gr.Markdown("### Next token")
         _md("The model's distribution for the token after the prompt, and what your sampling settings do to "
