@@ -53,7 +53,7 @@ def cmd_models(args) -> int:
 
 def cmd_models_change(args) -> int:
     """`models add NAME PATH|HUB_ID` (checked at once) and `models remove NAME`."""
-    from model_core.core import host_models
+    from model_core.core import add_model, host_models
     from model_core.core.errors import LmscopeError
 
     want = 2 if args.action == "add" else 1
@@ -67,7 +67,7 @@ def cmd_models_change(args) -> int:
         _out(f"removed '{args.names[0]}' (its checkpoint stays where it is)")
         return 0
     try:
-        entry = host_models.add(*args.names)
+        entry = add_model.add(*args.names)
     except LmscopeError as e:
         _err(f"error: {e}")
         return 1

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from app.shared.trace_store import STORE
 from app.tabs.explore.experts_panel import show_experts
 from model_core import load_model, trace
-from model_core.core import host_models
+from model_core.core import add_model
 from model_core.core.tokenization import byte_tokenizer
 
 _SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "architectures.py"
@@ -29,7 +29,7 @@ def test_mixtral_routing_in_the_panel(tmp_path, monkeypatch):
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(architectures.tiny_config("mixtral")).save_pretrained(folder)
     byte_tokenizer().save_pretrained(folder)
-    host_models.add("tiny-mixtral", str(folder))
+    add_model.add("tiny-mixtral", str(folder))
     lm = load_model("tiny-mixtral", allow_paths=False, allow_hub=False)
     tr = trace(lm, "route me")
     msg, routes, load = show_experts({"key": STORE.put(tr), "model": "tiny-mixtral", "prompt": "route me"}, 1)

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, BertConfig, GPTNeoXConfig, LlamaConfig
 
 from model_core import load_model, trace
-from model_core.core import host_models
+from model_core.core import add_model, host_models
 from model_core.core.errors import ModelLoadError
 from model_core.core.registry import list_models
 from model_core.core.tokenization import byte_tokenizer
@@ -39,7 +39,7 @@ def _pythia(tmp_path):
 
 def test_added_checkpoint_is_listed_and_opens_by_name(data_dir):
     folder = _pythia(data_dir)
-    entry = host_models.add("team-pythia", str(folder))
+    entry = add_model.add("team-pythia", str(folder))
     assert (entry["architecture"], entry["parameters"]) == ("gpt_neox", 105_472)
     row = next(r for r in list_models() if r["name"] == "team-pythia")
     assert (row["source"], row["architecture"], row["parameters"]) == ("host", "gpt_neox", 105_472)
@@ -59,13 +59,13 @@ def test_refused_before_any_weight_is_read(data_dir):
     bert = _save(data_dir / "bert", BertConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1,
                                                 num_attention_heads=2, intermediate_size=64, is_decoder=True))
     with pytest.raises(ModelLoadError, match="encoder or encoder-decoder"):
-        host_models.add("bert", str(bert))
+        add_model.add("bert", str(bert))
     with pytest.raises(ModelLoadError, match="neither a model folder"):
-        host_models.add("x", str(data_dir / "missing"))
+        add_model.add("x", str(data_dir / "missing"))
     with pytest.raises(ModelLoadError, match="cannot name a model"):
-        host_models.add("../escape", str(_pythia(data_dir)))
+        add_model.add("../escape", str(_pythia(data_dir)))
     with pytest.raises(ModelLoadError, match="already names a registry model"):
-        host_models.add("smollm2-135m-instruct", str(_pythia(data_dir)))
+        add_model.add("smollm2-135m-instruct", str(_pythia(data_dir)))
     # ~137B parameters: only the config and an empty weights file exist; the size is read on meta
     huge = data_dir / "huge"
     huge.mkdir()
@@ -73,7 +73,7 @@ def test_refused_before_any_weight_is_read(data_dir):
                 vocab_size=300).save_pretrained(huge)
     (huge / "model.safetensors").write_bytes(b"")
     with pytest.raises(ModelLoadError, match=r"B parameters, .* GiB in float32: more than"):
-        host_models.add("huge", str(huge), device="cpu", dtype="float32")
+        add_model.add("huge", str(huge), device="cpu", dtype="float32")
     assert host_models.host_models() == {}
 
 
