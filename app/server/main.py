@@ -3,6 +3,8 @@ then the Gradio app mounted on a FastAPI app that also answers the operator's en
 
   GET /healthz  -> 200 {"status": "ok"}, or {"status": "degraded", "down": {...}} when the job queue or
                    every job worker is down; public (for load balancers and compose health checks).
+  GET /static/fonts/<file> -> a webfont of static/fonts/ (a name the folder holds, no listing); public, as
+                   the page's CSS asks for it before anyone signs in.
   GET /metrics  -> JSON: job queue length, jobs by state, loaded models and their devices, GPU memory,
                    trace cache size. With sign-in on it needs `Authorization: Bearer <token>`
                    (LMSCOPE_AUTH_TOKEN, or `user:password` of a users-file user).
@@ -25,6 +27,7 @@ from fastapi import Request  # module level: FastAPI resolves the route's annota
 log = logging.getLogger(__name__)
 
 STATIC = Path(__file__).resolve().parents[2] / "static"
+FONT_TYPES = {".woff2": "font/woff2", ".txt": "text/plain; charset=utf-8"}  # the fonts and their licence
 STARTED = time.time()
 
 
@@ -143,6 +146,19 @@ def build_app(settings=None):
             except Exception:  # noqa: BLE001
                 down["broker"] = "The job queue (Redis) stopped answering while the workers were counted."
         return {"status": "degraded", "down": down} if down else {"status": "ok"}
+
+    # The files static/fonts.css names (issue 37 item 11), looked up by name in what the folder held at
+    # start: a name is never joined onto a path, so nothing outside it (nor a listing) can be asked for.
+    # Before the mount: Gradio's own /static/{path} would take the path otherwise.
+    fonts = {p.name: p for p in sorted((STATIC / "fonts").glob("*")) if p.suffix in FONT_TYPES and p.is_file()}
+
+    @api.get("/static/fonts/{name}")
+    def font_file(name: str):
+        path = fonts.get(name)
+        if path is None:
+            return JSONResponse({"error": "No such file."}, status_code=404)
+        return FileResponse(path, media_type=FONT_TYPES[path.suffix],
+                            headers={"Cache-Control": "public, max-age=604800"})
 
     @api.get("/metrics")
     def metrics_route(request: Request):

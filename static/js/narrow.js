@@ -26,6 +26,7 @@
     const fl = gd._fullLayout;
     if (!fl || !window.Plotly || !gd.offsetWidth) return;
     const W = fl.width, upd = {};
+    if (gd.lmscopeLayout && gd.lmscopeLayout !== gd.layout) gd.lmscopeLegend = gd.lmscopeLegendOf = gd.lmscopeCells = undefined;
     const title = gd.layout && gd.layout.title;
     const text = title && (typeof title === 'string' ? title : title.text);
     const t = gd.querySelector('.gtitle');
@@ -68,12 +69,46 @@
       });
       gd.lmscopeNotes = overlap ? (fl.annotations || []).map((a, i) => upd['annotations[' + i + '].text'] || a.text).join('|') : texts;
     }
+    // A legend that crowds the plot (Plotly makes room for one placed beside it by shrinking the plot): a
+    // row above the plot, smaller; still more than a quarter of the figure's height: off (hover says it).
+    const lg = gd.querySelector('.legend');
+    if (fl.showlegend && lg && gd.lmscopeLegend !== 'off' && gd.lmscopeLegendOf !== gd.layout) {
+      const r = lg.getBoundingClientRect(), H = fl.height;
+      if (gd.lmscopeLegend === 'moved') {
+        if (r.height > H / 4 || fl._size.w < 0.6 * W) { upd.showlegend = false; gd.lmscopeLegend = 'off'; }
+        gd.lmscopeLegendOf = gd.layout;
+      } else if (r.height > H / 4 || r.width > fl._size.w + 4 || fl._size.w < 0.6 * W) {
+        Object.assign(upd, {'legend.orientation': 'h', 'legend.x': 0, 'legend.xanchor': 'left', 'legend.y': 1,
+                            'legend.yanchor': 'bottom', 'legend.font.size': 10});
+        gd.lmscopeLegend = 'moved';
+      } else gd.lmscopeLegendOf = gd.layout;
+    }
+    // Text in heatmap cells (the logit lens's top tokens) that would run into the next cell: smaller,
+    // down to 7 px, else none (the cell's hover still names it).
+    (gd._fullData || []).forEach((t, i) => {
+      if (t.type !== 'heatmap' || !t.texttemplate || !Array.isArray(t.text) || !t.xaxis) return;
+      const xa = fl[t.xaxis.replace('x', 'xaxis')], cols = (t.z && t.z[0] && t.z[0].length) || 1;
+      if (!xa || !xa._length) return;
+      const longest = t.text.flat().reduce((m, s) => Math.max(m, String(s == null ? '' : s).length), 1);
+      const size = (t.textfont && t.textfont.size) || 12, fits = Math.floor((xa._length / cols - 2) / (longest * 0.6));
+      if (fits >= size) return;
+      const was = gd.lmscopeCells || (gd.lmscopeCells = {});
+      if (!(i in was)) was[i] = {texttemplate: gd.data[i].texttemplate, 'textfont.size': size};
+      const d = fits >= 7 ? {'textfont.size': fits} : {texttemplate: ''};
+      window.Plotly.restyle(gd, d, [i]);
+      gd.lmscopeLayout = gd.layout;
+    });
     if (Object.keys(upd).length) {
       // what a wide window gets back (see `restore`): the first value of each text, size and margin changed
       const was = {};
       for (const k of Object.keys(upd)) {
         if (k === 'title.text') was[k] = text;
         else if (k === 'margin.t') was[k] = fl.margin.t;
+        else if (k === 'showlegend') was[k] = gd.layout.showlegend === undefined ? null : gd.layout.showlegend;
+        else if (k.startsWith('legend.')) {
+          const v = k.split('.').slice(1).reduce((o, p) => (o == null ? undefined : o[p]), gd.layout.legend);
+          was[k] = v === undefined ? null : v;
+        }
         else { const m = k.match(/^annotations\[(\d+)\]\.(text|font\.size)$/);
                if (m) { const a = (gd.layout.annotations || [])[+m[1]] || {};
                         was[k] = m[2] === 'text' ? a.text : ((a.font && a.font.size) || null); } }
@@ -86,12 +121,26 @@
   // Wide again (a phone turned, a window widened): a figure keeps the titles it was drawn with. Only
   // while it still has the layout this script changed: a figure Gradio drew since is new.
   const restore = (gd) => {
-    if (!gd.lmscopeWas) return;
-    if (gd.lmscopeLayout === gd.layout) window.Plotly.relayout(gd, gd.lmscopeWas);
+    if (!gd.lmscopeWas && !gd.lmscopeCells && !gd.lmscopeLegend) return;
+    if (gd.lmscopeLayout === gd.layout) {
+      for (const [i, d] of Object.entries(gd.lmscopeCells || {})) window.Plotly.restyle(gd, d, [+i]);
+      if (gd.lmscopeWas) window.Plotly.relayout(gd, gd.lmscopeWas);
+    }
     gd.lmscopeWas = gd.lmscopeLayout = gd.lmscopeNotes = gd.lmscopeTitle = undefined;
+    gd.lmscopeCells = gd.lmscopeLegend = gd.lmscopeLegendOf = undefined;
+  };
+  // The selected tab in view in a tab row that scrolls sideways (static/lmscope.css), once per change.
+  let shownTab = null;
+  const showTab = () => {
+    const b = document.querySelector('#tabs [role="tablist"] button[aria-selected="true"]');
+    if (!b || b === shownTab) return;
+    shownTab = b;
+    const row = b.parentElement, r = b.getBoundingClientRect(), w = row.getBoundingClientRect();
+    if (r.left < w.left || r.right > w.right) row.scrollLeft += r.left - w.left - 8;
   };
   setInterval(() => {
     const wide = window.innerWidth >= 900;
+    try { showTab(); } catch (e) {}
     for (const gd of document.querySelectorAll('.js-plotly-plot')) { try { wide ? restore(gd) : fit(gd); } catch (e) {} }
   }, 400);
   return [];
