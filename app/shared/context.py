@@ -189,7 +189,7 @@ def check_inputs(values) -> None:
     for v in values:
         if isinstance(v, str) and len(v) > cap:
             raise gr.Error(f"That text is {len(v):,} characters; this server takes at most {cap:,} "
-                           f"(LMSCOPE_MAX_PROMPT_TOKENS × {CHARS_PER_TOKEN_CAP}).")
+                           f"characters ({max_prompt_tokens():,} tokens).")
         if isinstance(v, (list, tuple)):
             if len(v) > MAX_LIST_ITEMS:
                 raise gr.Error(f"That list has {len(v):,} items; at most {MAX_LIST_ITEMS:,} are accepted.")
@@ -232,14 +232,21 @@ def quiet_error(message: str) -> gr.Error:
     return gr.Error(message, print_exception=False)
 
 
-def endpoint(fn=None, *, model: bool = False):
+def endpoint(fn=None, *, model: bool = False, long_text: tuple[str, ...] = ()):
     """Every callback the browser can reach goes through this door:
-    - text and list inputs are capped before any work (check_inputs);
+    - text and list inputs are capped before any work (check_inputs); the parameters named in
+      `long_text` are left to the callback, which caps them itself and says so where the user
+      looks (Explore's prompt: the sentence under the prompt, or truncation), not in a toast;
     - model=True: the request holds one of the user's model slots while it runs (user_slot);
     - every failure becomes one sentence for the page (never a traceback, a URL or a server path).
     A test walks every event of the page and checks each is wrapped (tests/browser/test_safe_to_host.py)."""
     if fn is None:
-        return functools.partial(endpoint, model=model)
+        return functools.partial(endpoint, model=model, long_text=long_text)
+    exempt = _positions(fn, long_text)
+
+    def checked(args, kwargs):
+        check_inputs([a for i, a in enumerate(args) if i not in exempt]
+                     + [v for k, v in kwargs.items() if k not in long_text])
 
     def slot(args, kwargs):
         if not model:
@@ -251,7 +258,7 @@ def endpoint(fn=None, *, model: bool = False):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             try:
-                check_inputs(list(args) + list(kwargs.values()))
+                checked(args, kwargs)
                 with slot(args, kwargs):
                     yield from fn(*args, **kwargs)
             except Exception as e:  # noqa: BLE001
@@ -260,13 +267,34 @@ def endpoint(fn=None, *, model: bool = False):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             try:
-                check_inputs(list(args) + list(kwargs.values()))
+                checked(args, kwargs)
                 with slot(args, kwargs):
                     return fn(*args, **kwargs)
             except Exception as e:  # noqa: BLE001
                 raise _fail(fn, e) from None
     wrapper.__lmscope_endpoint__ = {"model": model}
     return wrapper
+
+
+def _positions(fn, names: tuple[str, ...]) -> set[int]:
+    """The positional indexes of fn's parameters called `names`."""
+    if not names:
+        return set()
+    params = list(inspect.signature(fn).parameters)
+    missing = [n for n in names if n not in params]
+    if missing:
+        raise TypeError(f"{fn.__qualname__} has no parameter {missing[0]!r}")
+    return {params.index(n) for n in names}
+
+
+def text_too_long(text: str, what: str = "The prompt") -> str | None:
+    """The one sentence for a text over this server's character cap, in the user's terms (None when
+    it fits). The cap is counted in characters because it holds before anything tokenizes."""
+    cap = max_text_chars()
+    if not isinstance(text, str) or len(text) <= cap:
+        return None
+    return (f"{what} is {len(text):,} characters; this server takes at most {cap:,} characters "
+            f"({max_prompt_tokens():,} tokens). Shorten it, or tick Truncate to keep its end.")
 
 
 def _share_the_cores() -> None:

@@ -3,7 +3,16 @@
   if (window.lmscopeBridge) return [];
   window.lmscopeBridge = true;
   const style = document.createElement('style');
-  style.textContent = '#tokens [data-pos] { cursor: pointer; } #tokens .tok-query { outline: 2px solid #e4572e; outline-offset: 1px; }';
+  style.textContent = '#tokens [data-pos] { cursor: pointer; } #tokens .tok-query { outline: 2px solid #e4572e; outline-offset: 1px; }'
+    // the lens's word strip and a cell's top 10 (app/tabs/explore/figures.py lens_strip_html, lens_topk_html)
+    + ' .lens-strip { display: flex; flex-wrap: wrap; gap: 3px; font-size: 12px; }'
+    + ' .lens-chip { display: inline-flex; flex-direction: column; padding: 1px 4px; border-radius: 4px; cursor: pointer; }'
+    + ' .lens-chip.lens-query { outline: 2px solid #e4572e; } .lens-in { font-size: 10px; opacity: .65; }'
+    + ' .lens-out { font-weight: 600; white-space: pre; } .lens-strip-legend, .lens-topk-head { font-size: 12px; opacity: .8; margin: 2px 0; }'
+    + ' #lens-topk table.lens-topk { font-size: 12px; border-collapse: collapse; width: 100%; margin: 0; }'
+    + ' #lens-topk table.lens-topk td, #lens-topk table.lens-topk th { padding: 1px 6px !important; border: none !important; line-height: 1.3; }'
+    + ' #lens-topk table.lens-topk td.w { white-space: pre; font-weight: 600; } #lens-topk table.lens-topk td.bar { width: 40%; }'
+    + ' #lens-topk table.lens-topk td.bar span { display: block; height: 9px; background: #3b75af; border-radius: 2px; }';
   document.head.appendChild(style);
   let seq = 0;
   const send = (msg) => {
@@ -27,7 +36,29 @@
   document.addEventListener('click', (e) => {
     const chip = e.target.closest && e.target.closest('#tokens [data-pos]');
     if (chip) send({kind: 'query', pos: +chip.dataset.pos});
+    const word = e.target.closest && e.target.closest('#lens-strip .lens-chip');
+    if (word) send({kind: 'lens', layer: +word.dataset.layer, pos: +word.dataset.pos});
   });
+  // The lens's cells show their word while one holds a few characters: the figure sends the whole
+  // words in layout.meta.lmscope.words, and this cuts them to the width of a cell as drawn (none
+  // when fewer than min_chars fit), again whenever the figure is new or its width changes.
+  const fitLens = () => {
+    const gd = document.querySelector('#lens .js-plotly-plot');
+    const P = window.Plotly;
+    if (!P || !gd || !gd.data || !gd.data[0] || !gd._fullLayout || !gd._fullLayout.xaxis) return;
+    const m = meta(gd);
+    if (m.kind !== 'lens' || !m.words || !m.words.length || !m.words[0].length) return;
+    const t = gd.data[0];
+    let fit = Math.floor((gd._fullLayout.xaxis._length / m.words[0].length - 2) / (m.char_px || 5.4));
+    if (fit < (m.min_chars || 3)) fit = 0;
+    if (t.lmscopeFit === fit) return;
+    t.lmscopeFit = fit;  // restyle keeps this trace object; a new figure brings a new one
+    // as figures.fit_word: a word that must be cut loses its leading ␣ first
+    const cut = (w) => { let c = [...w]; if (fit <= 0) return '';
+                         if (c.length > fit && c[0] === '␣') c = c.slice(1);
+                         return c.length <= fit ? c.join('') : c.slice(0, fit - 1).join('') + '…'; };
+    P.restyle(gd, {text: [m.words.map((row) => row.map(cut))]}, [0]);
+  };
   const onClick = (gd, ev) => {
     const p = ev && ev.points && ev.points[0];
     if (!p) return;
@@ -80,6 +111,6 @@
       }
     }
   };
-  setInterval(() => { bind(); fixUrls(); }, 300);
+  setInterval(() => { bind(); fixUrls(); fitLens(); }, 300);
   return [];
 }

@@ -62,10 +62,13 @@ def test_whole_prompt_overview_is_block_max_of_the_real_pattern(long_tr):
     gb = av["grid_rows"]["bin"]
     for h in range(pat.shape[0]):
         np.testing.assert_allclose(av["grid"][h], _block_max(pat[h], gb, gb), rtol=0, atol=1e-7)
-    # the query's bars are sums over key blocks: with what lies outside the region, the whole row
-    assert av["bars"]["bin"] > 1 and len(av["row"]) <= views.BAR_BINS
-    assert abs(av["row"].sum() + av["outside_mass"] - 1) < 1e-4
-    np.testing.assert_allclose(av["row"][0], pat[2, 3, :av["bars"]["bin"]].sum(), atol=1e-6)
+    # the query's bars stop at the query itself (keys after it are masked: nothing to show)
+    assert (av["bars"]["lo"], av["bars"]["hi"]) == (0, 3)
+    # a late query's bars are sums over key blocks: with what lies outside the region, the whole row
+    late = views.attention_view(tr, 1, 2, query=T - 1)
+    assert late["bars"]["bin"] > 1 and len(late["row"]) <= views.BAR_BINS
+    assert abs(late["row"].sum() + late["outside_mass"] - 1) < 1e-4
+    np.testing.assert_allclose(late["row"][0], pat[2, T - 1, :late["bars"]["bin"]].sum(), atol=1e-6)
 
 
 def test_zoomed_region_is_exact_with_labels_and_scales(long_tr):
@@ -79,9 +82,9 @@ def test_zoomed_region_is_exact_with_labels_and_scales(long_tr):
     names = views.labels(tr)
     assert av["rows"]["labels"][0] == f"600:{names[600]}" and len(av["cols"]["labels"]) == 61
     assert av["outside_mass"] == pytest.approx(pat[1, 620, :580].sum(), abs=1e-5)
-    # a query outside the zoomed rows: its bars span the whole prompt (not an empty chart)
+    # a query outside the zoomed rows: its bars span the prompt up to the query (not an empty chart)
     away = views.attention_view(tr, 0, 1, 100, region)
-    assert (away["bars"]["lo"], away["bars"]["hi"]) == (0, tr.n_tokens - 1) and away["outside_mass"] < 1e-5
+    assert (away["bars"]["lo"], away["bars"]["hi"]) == (0, 100) and away["outside_mass"] < 1e-5
     assert away["row"].sum() == pytest.approx(1, abs=1e-4)
     # log: log10 of the weight, floored two decades below a uniform row
     lg = views.attention_view(tr, 0, 1, 620, region, "log")

@@ -207,9 +207,18 @@ def attention_bars(weights: np.ndarray, bars: dict, query_label: str, layer: int
         note.append(f"each bar sums {bars['bin']} keys")
     if outside_mass > 0.005:
         note.append(f"+{outside_mass:.0%} on keys not shown")
+    # The axis fits the data: over hundreds of keys the weights are small, and a fixed 0-1 axis
+    # left the bars invisible. The keys end at the query (app.tabs.explore.views.attention_view).
+    w = np.asarray(weights, dtype=np.float64)
+    top = float(np.nanmax(w)) if w.size and np.isfinite(w).any() else 0.0
+    y_range = [0, min(1.0, top * 1.12) if top > 0 else 1.0]
+    n = len(weights)
+    x_range = ([-0.5, n - 0.5] if bars["labels"] is not None
+               else [bars["starts"][0] - 0.5, bars["ends"][-1] + 0.5])  # the first key's bin to the query's
     return _figure([trace], f"Where “{query_label}” looks (layer {layer}, head {head})<br><sub>{' · '.join(note)}</sub>",
-                   height=350, xaxis=dict(tickangle=-60),
-                   yaxis=dict(title="attention mass" if pooled else "attention weight", range=[0, 1]))
+                   height=350, xaxis=dict(tickangle=-60, range=x_range),
+                   yaxis=dict(title="attention mass" if pooled else "attention weight", range=y_range),
+                   meta={"lmscope": {"kind": "bars", "lo": bars["lo"], "hi": bars["hi"]}})
 
 
 def head_overview(values: np.ndarray, metric: str, selected: tuple[int, int] | None = None) -> go.Figure:
@@ -278,27 +287,58 @@ def block_contributions(attn: np.ndarray, mlp: np.ndarray, position_label: str) 
                    height=340, barmode="group", legend=dict(orientation="h", y=1.12, x=0.6))
 
 
+LENS_FONT = 9  # px of a lens cell's word
+LENS_CHAR_PX = 5.4  # px a character of it takes on average (Inter at 9 px; a wide glyph takes ~9)
+LENS_MIN_CHARS = 3  # a cell narrower than this many characters shows colour only (its word on hover)
+LENS_GUESS_PX = 1000  # the plot area's width assumed before the page measures it (static/js/explore_bridge.js)
+
+
+def lens_cell_chars(plot_px: float, n_cols: int) -> int:
+    """How many characters of a word fit in one lens cell of a plot area plot_px wide; 0 when fewer than
+    LENS_MIN_CHARS fit (then the cells show colour only). The page does the same with the width measured."""
+    fit = int((plot_px / max(1, n_cols) - 2) // LENS_CHAR_PX)
+    return fit if fit >= LENS_MIN_CHARS else 0
+
+
+def fit_word(word: str, chars: int) -> str:
+    """The word cut to `chars` characters (the last one an ellipsis when cut); "" for 0. A word that
+    must be cut loses its leading ␣ first (the hover and the strip keep it): "␣and" in 3 is "and"."""
+    if chars <= 0:
+        return ""
+    if len(word) > chars and word.startswith("␣"):
+        word = word[1:]
+    return word if len(word) <= chars else word[: chars - 1] + "…"
+
+
 def logit_lens_grid(top_tokens: list[list[str]], probs: np.ndarray, colour: np.ndarray, colour_name: str,
                     labels: list[str], positions: list[int], layers: list[int], step: int = 1,
                     query_pos: int | None = None, missing: int = 0) -> go.Figure:
-    """probs/colour [L, P]; top_tokens [L][P] strings. step 1: every position of the region, cells
-    labelled with their top token; step s > 1: one sampled position per column (the last of each
-    s), on a position axis, top tokens on hover. A click selects that layer and position.
-    missing: columns not computed yet (NaN, drawn blank); the title says they are being computed."""
+    """probs/colour [L, P]; top_tokens [L][P] strings. step 1: every position of the region; step
+    s > 1: one sampled position per column (the last of each s), on a position axis. A cell shows
+    its top token while it can hold LENS_MIN_CHARS characters (cut to what fits): the figure is cut
+    for an assumed LENS_GUESS_PX wide plot, and the page cuts it again for the width it measures,
+    from the whole words in layout.meta (static/js/explore_bridge.js); hover always has the word.
+    A click selects that layer and position. missing: columns not computed yet (NaN, drawn blank);
+    the title says they are being computed."""
     sampled = step > 1
     x = positions if sampled else _label(labels, positions)
-    text = [[t[:10] for t in row] for row in top_tokens]
+    words = [[t[:24] for t in row] for row in top_tokens]
+    chars = lens_cell_chars(LENS_GUESS_PX, len(positions))
+    text = [[fit_word(t, chars) for t in row] for row in words]
     same = colour_name == "probability"  # then the colour is the probability: no second array to send
     scale = "YlGnBu" if colour_name == "probability" else "YlOrRd"
-    shown = dict(texttemplate="%{text}", textfont=dict(size=9)) if not sampled and len(positions) <= 32 else {}
     where = "position %{x}" if sampled else "%{x}"
+    p = np.asarray(probs, dtype=np.float32)
+    custom = np.empty(p.shape + (2,), dtype=object)  # [word, probability] per cell, for the hover
+    custom[..., 0] = np.array(words, dtype=object).reshape(p.shape) if p.size else ""
+    custom[..., 1] = np.where(np.isnan(p), None, np.round(p.astype(np.float64), 4))
     trace = go.Heatmap(
         z=np.asarray(colour, dtype=np.float32), x=x, y=[f"L{l}" for l in layers], text=text,
-        customdata=None if same else np.asarray(probs, dtype=np.float32), colorscale=scale,
-        colorbar=dict(title=colour_name.split(" ")[0]), **shown,
-        hovertemplate="%{y} at " + where + "<br>top token %{text}<br>p = "
-                      + ("%{z:.3f}" if same else "%{customdata:.3f}<br>" + colour_name + " %{z:.3f}")
-                      + "<extra></extra>")
+        texttemplate="%{text}", textfont=dict(size=LENS_FONT), customdata=custom, colorscale=scale,
+        colorbar=dict(title=colour_name.split(" ")[0], thickness=14),  # thin: the width goes to the cells
+        hovertemplate="%{y} at " + where + "<br>top token %{customdata[0]}<br>p = "
+                      + ("%{z:.3f}" if same else "%{customdata[1]:.3f}<br>" + colour_name + " %{z:.3f}")
+                      + "<br>click for the top 10<extra></extra>")
     shapes = []
     if query_pos is not None and positions and positions[0] <= query_pos <= positions[-1]:  # the query's column
         xq = query_pos if sampled else (positions.index(query_pos) if query_pos in positions else None)
@@ -309,13 +349,56 @@ def logit_lens_grid(top_tokens: list[list[str]], probs: np.ndarray, colour: np.n
     ax = {"lo": first, "hi": positions[-1], "labels": None if sampled else x}
     span = f"positions {first}-{positions[-1]}" if positions[-1] > first else f"position {first}"
     note = (f"{span}, one column per {step} positions (the last of each; zoom in to see every one)"
-            if sampled else f"{span}, every position") + " · click a cell to select its layer and position"
+            if sampled else f"{span}, every position") + " · click a cell for its top 10"
     if missing:
         note = f"computing {missing} of {len(positions)} columns… (blank until ready) · " + note
+    meta = _meta("lens", ax)
+    meta["lmscope"].update(words=words, font=LENS_FONT, char_px=LENS_CHAR_PX, min_chars=LENS_MIN_CHARS)
     return _figure([trace], f"Logit lens: each layer's best guess for the next token (colour = {colour_name})"
                             f"<br><sub>{note}</sub>", height=max(440, 17 * len(layers) + 180), shapes=shapes,
                    yaxis=dict(autorange="reversed"),
-                   xaxis=dict(tickangle=-60, title="position (the lens predicts the NEXT token)"), meta=_meta("lens", ax))
+                   xaxis=dict(tickangle=-60, title="position (the lens predicts the NEXT token)"), meta=meta)
+
+
+def _prob_bg(p) -> str:
+    """A chip's background for a probability (the lens's YlGnBu, light to dark blue); grey if unknown."""
+    if p is None or p != p:
+        return "#eee"
+    return f"rgba(34,94,168,{0.08 + 0.7 * max(0.0, min(1.0, float(p))):.2f})"
+
+
+def lens_strip_html(words: list[str], probs, labels: list[str], positions: list[int], layer: int,
+                    step: int = 1, query_pos: int | None = None) -> str:
+    """The lens's top token at one layer as a row of words that wraps (readable at any length): per
+    column of the lens, the prompt's token (small) over what the layer guesses comes next, shaded
+    by its probability; a chip opens that cell's top 10 like a click on the lens."""
+    chips = []
+    for w, p, pos in zip(words, probs, positions):
+        known = w != "" and p == p
+        tip = (f"position {pos} “{labels[pos]}” → layer {layer} guesses “{w}”, p = {float(p):.3f}" if known
+               else f"position {pos}: not computed yet")
+        cls = "lens-chip lens-query" if pos == query_pos else "lens-chip"
+        chips.append(f'<span class="{cls}" data-pos="{pos}" data-layer="{layer}" title="{html.escape(tip)}" '
+                     f'style="background:{_prob_bg(p if known else None)}">'
+                     f'<span class="lens-in">{html.escape(labels[pos][:16])}</span>'
+                     f'<span class="lens-out">{html.escape(w) if known else "…"}</span></span>')
+    sampled = f" (one position in {step}: zoom in for every one)" if step > 1 else ""
+    return (f'<div class="lens-strip-legend">Layer {layer}\'s top guess after each position{sampled} · '
+            f'small: the prompt\'s token, below it: the guess, shaded by its probability · '
+            f'the Layer slider picks the row · click a word for its top 10</div>'
+            f'<div class="lens-strip">{"".join(chips)}</div>')
+
+
+def lens_topk_html(tokens: list[str], probs, layer: int, pos: int, label: str, entropy: float | None = None) -> str:
+    """One lens cell's k best guesses, as a table with bars (a click on the lens or the strip)."""
+    rows = "".join(
+        f'<tr><td class="k">{i + 1}</td><td class="w">{html.escape(t)}</td>'
+        f'<td class="p">{float(p):.3f}</td><td class="bar"><span style="width:{100 * float(p):.0f}%"></span></td></tr>'
+        for i, (t, p) in enumerate(zip(tokens, probs)))
+    ent = f" · entropy {entropy:.2f} nats" if entropy is not None else ""
+    return (f'<div class="lens-topk-head">Layer {layer}, after position {pos} “{html.escape(label)}”{ent}</div>'
+            f'<table class="lens-topk"><thead><tr><th>#</th><th>token</th><th>p</th><th></th></tr></thead>'
+            f'<tbody>{rows}</tbody></table>')
 
 
 def target_across_layers(probs: np.ndarray, ranks: np.ndarray, target: str, position_label: str) -> go.Figure:

@@ -14,7 +14,15 @@ import gradio as gr
 
 from app.shared import steering_settings
 from app.shared import validation as V
-from app.shared.context import Shared, endpoint, get_model, max_prompt_tokens, scratch_dir
+from app.shared.context import (
+    Shared,
+    endpoint,
+    get_model,
+    max_prompt_tokens,
+    max_text_chars,
+    scratch_dir,
+    text_too_long,
+)
 from app.shared.page_js import page_js
 from app.shared.trace_store import STORE
 from app.tabs.explore import figures, views
@@ -132,6 +140,11 @@ class ExploreTab:
             "token after that position.")
         self.lens_colour = gr.Radio(LENS_COLOURS, value="probability", label="Logit-lens colour")
         self.lens = gr.Plot(label="Logit lens", elem_id="lens")
+        with gr.Row():  # the chosen layer's guesses as words; a click on a cell or a word: its top 10
+            with gr.Column(scale=3, min_width=300):
+                self.lens_strip = gr.HTML(elem_id="lens-strip")
+            with gr.Column(scale=1, min_width=240):
+                self.lens_topk = gr.HTML(elem_id="lens-topk")
         with gr.Row():
             self.target = gr.Plot(label="The next token across layers", elem_id="lens-target")
             self.contrib = gr.Plot(label="What each layer adds", elem_id="contrib")
@@ -272,6 +285,10 @@ class ExploreTab:
         if s.page is not None:
             s.page.load(cutoffs_from_url, None, [self.epsilon, self.eta, self.sampling_msg, self.url_note]).then(
                 None, [self.epsilon, self.eta], None, js=CUTOFF_URL_JS).then(cutoffs_after_run, **after_io)
+        # the lens's word strip and the chosen cell's top 10 follow every redraw of the lens and the layer
+        gr.on([self.lens.change, self.layer.change], lens_side, [self.state, self.layer, self.query, self.view],
+              [self.lens_strip, self.lens_topk], concurrency_id="views", show_progress="hidden",
+              trigger_mode="always_last")
         self.head_search.wire(run_trace, run_inputs, run_outputs)
         self.features.wire()
         steer_inputs = [self.steer_choice, self.steer_pairs, self.steer_layer, self.steer_alpha, self.steer_from]
@@ -394,7 +411,7 @@ def next_outputs(tr, settings: SamplingSettings, epsilon: float = 0.0, eta: floa
     return fig, rows
 
 
-@endpoint(model=True)
+@endpoint(model=True, long_text=("prompt",))  # _run caps the prompt: a sentence under it, or truncation
 def run_trace(model, prompt, chat, truncate, layer, head, query, lens_colour, temperature, top_k, top_p, min_p,
               rep, request: gr.Request = None):
     """query: a position (out of range or -1: the last token), or the page's view settings
@@ -403,7 +420,7 @@ def run_trace(model, prompt, chat, truncate, layer, head, query, lens_colour, te
     return _run(model, prompt, chat, truncate, layer, head, query, lens_colour, temperature, top_k, top_p, min_p, rep)
 
 
-@endpoint(model=True)
+@endpoint(model=True, long_text=("prompt",))
 def run_steered_trace(model, prompt, chat, truncate, layer, head, query, lens_colour, temperature, top_k, top_p,
                       min_p, rep, choice, pairs_text, steer_layer, alpha, from_pos, request: gr.Request = None):
     """run_trace with a steering vector added (app.tabs.generate.steering_panel: alpha * v at steer_layer's input):
@@ -426,6 +443,11 @@ def _run(model, prompt, chat, truncate, layer, head, query, lens_colour, tempera
     # a bad sampling setting loses nothing: the views run, the distribution leaves that setting at
     # its default, and the sentence stands under the settings (issue 15 item 4)
     settings, problems = V.check_settings(temperature, top_k, top_p, min_p, rep)
+    too_long = text_too_long(prompt)
+    if too_long and not truncate:  # the sentence under the prompt; every view keeps the last good one
+        return [gr.skip()] * (len(RUN_OUTPUT_NAMES) - 2) + [V.show(too_long), gr.skip()]
+    if too_long:  # truncation keeps the end: first the characters the server reads, then the tokens
+        prompt = prompt[-max_text_chars():]
     lm = get_model(model)
     try:
         tr = trace(lm, prompt, chat=bool(chat), truncate=bool(truncate), max_tokens=max_prompt_tokens(),
@@ -486,6 +508,20 @@ def _asked(v):
 def _overview_fig(tr, metric, layer: int, head: int):
     metric = metric if metric in OVERVIEW_METRICS else OVERVIEW_METRICS[2]
     return figures.head_overview(views.head_overview(tr, metric), metric, (layer, head))
+
+
+@endpoint(model=True)
+def lens_side(state, layer, query, view=None, request: gr.Request = None):
+    """The lens's word strip at the chosen layer, and the top 10 at the chosen cell (layer, query: a
+    click on a lens cell sets both)."""
+    if not isinstance(state, dict) or not state.get("key"):
+        return gr.skip(), gr.skip()
+    tr, layer, _, query = where(state, layer, 0, query)
+    names = views.labels(tr)
+    st = views.lens_strip(tr, layer, _region(tr, _view(view)[1])[0][:2])
+    tk = views.lens_topk(tr, layer, query)
+    return (figures.lens_strip_html(st["words"], st["probs"], names, st["positions"], st["layer"], st["step"], query),
+            figures.lens_topk_html(tk["tokens"], tk["probs"], tk["layer"], tk["pos"], names[tk["pos"]], tk["entropy"]))
 
 
 @endpoint(model=True)

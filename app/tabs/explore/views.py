@@ -138,8 +138,9 @@ def log_floor(T: int) -> float:
 def attention_view(tr: Trace, layer: int, head: int, query: int,
                    region: tuple[int, int, int, int] | None = None, scale: str = "linear") -> dict:
     """The chosen layer's heads over a region: every head small (grid), the chosen head larger
-    (big), and the query's row over the region's keys (row; sum-pooled beyond BAR_BINS; over the
-    whole prompt when the query is not one of the region's rows)."""
+    (big), and the query's row over the region's keys up to the query itself (row; sum-pooled beyond
+    BAR_BINS; over the whole prompt when the query is not one of the region's rows, and over keys
+    0..query when every key column of the region lies after it)."""
     T = tr.n_tokens
     q0, q1, k0, k1 = region or whole(T)
     scale = scale if isinstance(scale, str) and scale in SCALES else "linear"
@@ -158,6 +159,10 @@ def attention_view(tr: Trace, layer: int, head: int, query: int,
     row = p[head, query].float()
     if not q0 <= query <= q1:  # a query outside the zoomed rows: where it looks over the whole prompt
         k0, k1 = 0, T - 1
+    # a causal query reads no key after itself: the bars stop at the query (keys past it are all 0)
+    k1 = min(k1, query)
+    if k0 > k1:  # every key column of the zoom lies after the query: all the keys it can read
+        k0 = 0
     inside = row[k0: k1 + 1]
     bars = axis(k0, k1, BAR_BINS, names)
     if bars["bin"] > 1:
@@ -381,6 +386,40 @@ def lens_view(tr: Trace, query: int, colour: str = "probability", rows: tuple[in
             "colour": probs if colour == "probability" else cols["ent"], "layers": list(tr.captured_layers),
             "target": _show(tok, _next_ids(tr)[query]), "target_probs": at_q["tp"][:, 0],
             "target_ranks": at_q["rank"][:, 0].astype(np.float64), "missing": cols["missing"]}
+
+
+def lens_strip(tr: Trace, layer: int, rows: tuple[int, int] | None = None) -> dict:
+    """The top token at one layer over the lens's positions for rows lo..hi (the same columns as
+    lens_view: every position up to EXACT, else sampled), as a row of words: {"positions", "step",
+    "words", "probs" (NaN where the column is not computed yet), "layer"}. Computes nothing new:
+    the lens figure beside it has asked for these columns already (or the filler will)."""
+    T = tr.n_tokens
+    lo, hi = rows or (0, T - 1)
+    pos, step = lens_positions(lo, hi)
+    layers = list(tr.captured_layers)
+    i = layers.index(layer) if layer in layers else len(layers) - 1
+    cols = lens_columns(tr, pos, compute=False)
+    show = _vcache(tr).setdefault("shown", {})
+    ids = cols["top"][i].tolist()
+    words = [_cell(show, tr.lm.tokenizer, t, _pending(tr, p)) if t >= 0 else "" for t, p in zip(ids, pos)]
+    return {"positions": pos, "step": step, "words": words, "probs": cols["p"][i], "layer": layers[i],
+            "missing": cols["missing"]}
+
+
+def lens_topk(tr: Trace, layer: int, pos: int, k: int = 10) -> dict:
+    """The lens's k best guesses at one layer and position (one pass of one row through the
+    unembedding, ~1 ms; kept per trace): {"tokens", "probs", "layer", "pos", "entropy"}."""
+    layers = list(tr.captured_layers)
+    layer = layer if layer in layers else layers[-1]
+    pos = max(0, min(tr.n_tokens - 1, int(pos)))
+    c = _vcache(tr)
+    key = ("topk", layer, pos, k)
+    if key not in c:
+        res = logit_lens(tr, positions=[pos], layers=[layer], k=k)
+        c[key] = {"tokens": [_show(tr.lm.tokenizer, i) for i in res.top_ids[0, 0].tolist()],
+                  "probs": res.top_probs[0, 0].float().numpy(), "layer": layer, "pos": pos,
+                  "entropy": float(res.entropy[0, 0])}
+    return c[key]
 
 
 def _show(tok, i: int) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 
 import plotly.graph_objects as go
@@ -58,15 +59,36 @@ def lens_change(layers: Sequence[int], clean: Sequence[float], ablated: Sequence
     return _layout(fig, f"Logit lens at the last position: p({token!r})")
 
 
+def _numbers(labels: Sequence[str]) -> list[int] | None:
+    """The numbers in labels like "L3" / "H7", or None when one has none."""
+    out = []
+    for t in labels:
+        m = re.search(r"\d+", str(t))
+        if m is None:
+            return None
+        out.append(int(m.group()))
+    return out
+
+
+def heads_meta(row_labels: Sequence[str], col_labels: Sequence[str]) -> dict:
+    """layout.meta of a layer × head heatmap: which layer and head each row and column is, for the
+    page's click (static/js/interventions_bridge.js puts the clicked head in the ablation's list)."""
+    return {"lmscope": {"kind": "heads", "layers": _numbers(row_labels), "heads": _numbers(col_labels)}}
+
+
 def heatmap(values, row_labels: Sequence[str], col_labels: Sequence[str], title: str, *,
             colorbar: str = "", zmid: float | None = 0.0, x_title: str = "", y_title: str = "",
-            hover: str = "value") -> go.Figure:
-    """Diverging heatmap (blue < 0 < red), first row at the top; NaN cells blank."""
+            hover: str = "value", heads: bool = False) -> go.Figure:
+    """Diverging heatmap (blue < 0 < red), first row at the top; NaN cells blank. heads: rows are
+    layers and columns heads; a click on a cell puts that head in the ablation (said in the hover)."""
     z = _clean(values)
+    click = "<br>click: put this head in “Heads to switch off”" if heads else ""
     fig = go.Figure(go.Heatmap(
         z=z, x=list(range(len(col_labels))), y=list(range(len(row_labels))), colorscale="RdBu", reversescale=True,
         zmid=zmid, colorbar=dict(title=colorbar), customdata=[[f"{r} · {c}" for c in col_labels] for r in row_labels],
-        hovertemplate="%{customdata}<br>" + hover + " = %{z:.3f}<extra></extra>"))
+        hovertemplate="%{customdata}<br>" + hover + " = %{z:.3f}" + click + "<extra></extra>"))
+    if heads:
+        fig.update_layout(meta=heads_meta(row_labels, col_labels))
     fig.update_xaxes(tickmode="array", tickvals=list(range(len(col_labels))), ticktext=list(col_labels),
                      title=x_title, tickangle=-45 if len(col_labels) > 8 else 0)
     fig.update_yaxes(tickmode="array", tickvals=list(range(len(row_labels))), ticktext=list(row_labels),
@@ -80,13 +102,13 @@ def patching_heatmap(values, layers: Sequence[int], col_labels: Sequence[str], t
                    colorbar="share of the<br>clean answer<br>restored" if normalized else "Δ metric",
                    x_title="corrupted prompt position" if kind == "resid" else "head",
                    y_title="layer (patched at its input)" if kind == "resid" else "layer",
-                   hover="effect (0 = corrupted, 1 = clean)" if normalized else "Δ metric")
+                   hover="effect (0 = corrupted, 1 = clean)" if normalized else "Δ metric", heads=kind == "heads")
 
 
 def head_attribution(values, title: str = "Direct logit attribution per head") -> go.Figure:
     n_heads = len(values[0]) if len(values) else 0
     return heatmap(values, [f"L{l}" for l in range(len(values))], [f"H{h}" for h in range(n_heads)], title,
-                   colorbar="logit", x_title="head", y_title="layer", hover="direct effect")
+                   colorbar="logit", x_title="head", y_title="layer", hover="direct effect", heads=True)
 
 
 def layer_bars(attn: Sequence[float], mlp: Sequence[float], embed: float | None = None,

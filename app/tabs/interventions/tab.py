@@ -372,6 +372,29 @@ def export_results(ablation, patching, attribution):
     return gr.update(value=[str(p) for p in write_interventions(*got, scratch_dir("interventions"))], visible=True)
 
 
+@endpoint
+def pick_head(model, picked, request: gr.Request = None):
+    """A click on a head's cell in the patching or attribution heatmap (static/js/interventions_bridge.js
+    sends {"head": "L3H2"}): that head, alone, in "Heads to switch off", so that one more click on Run
+    ablation ablates it. A head the model does not have, or anything else, changes nothing."""
+    from app.shared.context import model_names
+
+    try:
+        msg = json.loads(picked) if isinstance(picked, str) and len(picked) < 200 else None
+        pairs = parse_pairs([msg["head"]]) if isinstance(msg, dict) and isinstance(msg.get("head"), str) else ()
+    except (ValueError, gr.Error):
+        pairs = ()
+    if len(pairs) != 1:
+        return gr.skip()
+    name = model.strip() if isinstance(model, str) and model.strip() in model_names() else default_model()
+    shape = shape_of(name)
+    if shape is None:
+        lm = get_model(name)
+        shape = (lm.shape.n_layers, lm.shape.n_heads)
+    (layer, head), = pairs
+    return [f"L{layer}H{head}"] if layer < shape[0] and head < shape[1] else gr.skip()
+
+
 # The tab's prompts and choices in the page URL (issue 15 item 5): mirrored as they change, read
 # back when a link opens this tab (as the page read ?tab= before its first tab rewrote the URL).
 IV_URL_KEYS = ["iv_clean", "iv_corrupt", "iv_target", "iv_other", "iv_metric", "iv_heads", "iv_mlps", "iv_neurons",
@@ -423,8 +446,9 @@ def build(shared: Shared) -> None:
 
     with gr.Accordion("Ablate heads, MLPs, neurons (clean prompt)", open=True):
         with gr.Row():
-            heads = gr.Dropdown(head_choices(*s0), value=[], multiselect=True, label="Heads to switch off",
-                                scale=3, elem_id="iv-heads")
+            heads = gr.Dropdown(head_choices(*s0), value=[], multiselect=True, scale=3, elem_id="iv-heads",
+                                label="Heads to switch off (or click a head's cell in the patching or attribution "
+                                      "heatmap below)")
             mlps = gr.Dropdown([str(l) for l in range(s0[0])], value=[], multiselect=True, label="MLP layers",
                                scale=1, elem_id="iv-mlps")
             neurons = gr.Textbox("", label="Neurons (e.g. L3N120, L5N7)", scale=1, elem_id="iv-neurons")
@@ -495,6 +519,11 @@ def build(shared: Shared) -> None:
     cmp_btn.click(run_compare, [m, clean, corrupt], [cmp_a, cmp_b, cmp_diff], concurrency_id="model",
                   api_name="compare_prompts")
     m.change(_choices_update, [m], [heads, mlps])
+    # a head's cell clicked in the patching (heads) or attribution heatmap -> that head in the ablation
+    head_pick = gr.Textbox(visible="hidden", elem_id="iv-head-pick", label="picked head")
+    head_pick.input(pick_head, [m, head_pick], [heads], show_progress="hidden", trigger_mode="always_last")
+    if shared.page is not None:
+        shared.page.load(None, None, None, js=page_js("interventions_bridge"))
 
     # --- the link ------------------------------------------------------------------------------
     url_inputs = [clean, corrupt, target, other, kind, heads, mlps, neurons, mode, what, align]
