@@ -10,6 +10,7 @@ from app.shared import figure_style as style
 
 STAGE_COLOURS = {"top_k": "#d62728", "top_p": "#ff7f0e", "min_p": "#9467bd", "greedy": "#7f7f7f", None: "#1f77b4"}
 _MARGIN = style.MARGIN
+CHOSEN_EXTRA_COLOUR = "#e377c2"  # the chosen token's extra bar when it is past the top 10
 
 
 def step_label(step: dict) -> str:
@@ -97,32 +98,46 @@ def distribution_figure(step: dict | None) -> go.Figure:
         return _hint(go.Figure(), "Generate, then click a token (or move the step slider) to see its candidates", 360)
     before = list(reversed(step["top_before"]))
     after = list(reversed(step["top_after"]))
-    chosen = step["chosen"]["id"]
+    ch = step["chosen"]
+    chosen = ch["id"]
+    # a sampled token past the recorded top 10 would be in neither chart: it gets an extra bar
+    # (drawn at the bottom, below the top 10) that says its rank, in its own colour
+    extra = {"id": chosen, "token": f"{step_label(step)} (rank {ch['rank']})", "extra": True}
+    if all(c["id"] != chosen for c in before):
+        before.insert(0, {**extra, "prob": ch["prob"], "removed_by": None})
+    if all(c["id"] != chosen for c in after) and ch.get("prob_filtered") is not None:
+        after.insert(0, {**extra, "prob": ch["prob_filtered"]})
 
     def name(c):
         star = " ★" if c["id"] == chosen else ""
         return f"{c['token']}{star} ·{c['id']}"
 
+    def colour_before(c):
+        return CHOSEN_EXTRA_COLOUR if c.get("extra") else STAGE_COLOURS.get(c.get("removed_by"), "#1f77b4")
+
     data = [
         go.Bar(orientation="h", x=[c["prob"] for c in before], y=[name(c) for c in before], xaxis="x", yaxis="y",
-               marker_color=[STAGE_COLOURS.get(c.get("removed_by"), "#1f77b4") for c in before],
+               marker_color=[colour_before(c) for c in before],
                hovertext=[f"{c['token']}: p = {c['prob']:.4f}" + (f", removed by {c['removed_by']}"
                                                                   if c.get("removed_by") else ", kept") for c in before],
                hoverinfo="text", showlegend=False),
         go.Bar(orientation="h", x=[c["prob"] for c in after], y=[name(c) for c in after], xaxis="x2", yaxis="y2",
-               marker_color=["#2ca02c" if c["id"] == chosen else "#1f77b4" for c in after],
+               marker_color=[CHOSEN_EXTRA_COLOUR if c.get("extra") else "#2ca02c" if c["id"] == chosen else "#1f77b4"
+                             for c in after],
                hovertext=[f"{c['token']}: p = {c['prob']:.4f}" for c in after], hoverinfo="text", showlegend=False),
         *(go.Scatter(x=[None], y=[None], mode="markers", marker=dict(color=colour, size=10, symbol="square"),
                      name=f"removed by {stage}", xaxis="x", yaxis="y")  # legend for the removal colours
           for stage, colour in STAGE_COLOURS.items() if stage),
     ]
-    layout = _side_by_side(("the model's softmax (temperature 1, no penalty, no filters)",
-                            "after penalty, temperature and filters (drawn from)"), spacing=0.18)
+    # short subplot titles: the long ones ran into each other on a phone-wide page (the Markdown
+    # above the chart says what each side is)
+    layout = _side_by_side(("softmax, temperature 1, no filters", "drawn from: after temperature, filters"),
+                           spacing=0.18)
     for axis in ("xaxis", "xaxis2"):
         layout[axis].update(title=dict(text="probability"), rangemode="tozero")
     layout.update(title=dict(text=f"Step {step['index']}: chose {step_label(step)!s} "
                                   f"(p = {step['chosen']['prob']:.3f}, rank {step['chosen']['rank']})"),
-                  margin=dict(l=10, r=10, t=70, b=40), height=380, legend=dict(orientation="h", y=-0.15))
+                  margin=dict(l=10, r=10, t=70, b=40), height=380, legend=dict(orientation="h", y=-0.22))
     return go.Figure(data=data, layout=layout)
 
 
@@ -206,6 +221,14 @@ def samples_figure(samples: list[dict]) -> go.Figure:
 
 # --- search decoding (model_core.serving.search_decoding): beams as a tree, contrastive candidates ------------
 
+BEAM_RIGHT_MARGIN = 130  # the colour bar sits here, clear of the score notes at the ends of the beams
+BEAM_TOKEN_CHARS = 8  # longer token labels are cut with "…" (the whole token is on hover)
+
+
+def _short(tok: str, n: int = BEAM_TOKEN_CHARS) -> str:
+    return tok if len(tok) <= n else tok[: n - 1] + "…"
+
+
 def beam_tree_figure(beams: list[dict], prompt_tail: str = "prompt") -> go.Figure:
     """Every returned beam as a path from the prompt, one lane per beam (best on top); a prefix that
     several beams share is drawn once, so the tree shows where they split. Node colour: the model's
@@ -227,7 +250,7 @@ def beam_tree_figure(beams: list[dict], prompt_tail: str = "prompt") -> go.Figur
                 nodes[key] = (t + 1, -lane)
                 xs.append(t + 1)
                 ys.append(-lane)
-                texts.append(tok)
+                texts.append(_short(tok))
                 colours.append(lp)
                 hovers.append(f"beam #{b['rank']}, token {t + 1}: {tok!r}<br>log p(token) = {lp:.3f} "
                               f"(p = {2.718281828 ** lp:.3f})<br>log p so far = {run:.3f}")
@@ -235,21 +258,29 @@ def beam_tree_figure(beams: list[dict], prompt_tail: str = "prompt") -> go.Figur
             edge_x += [prev[0], node[0], None]
             edge_y += [prev[1], node[1], None]
             prev = node
-        end_notes.append((prev[0], prev[1], f"#{b['rank']} score {b['score']:.3f} · log p {b['logprob']:.2f}"
-                          + (" · EOS" if b.get("eos") else "") + (f" · group {b['group']}" if "group" in b else "")))
+        # short on the plot (rank and score), the rest on hover: long notes ran into each other
+        full = (f"#{b['rank']} score {b['score']:.3f} · log p {b['logprob']:.2f}" + (" · EOS" if b.get("eos") else "")
+                + (f" · group {b['group']}" if "group" in b else ""))
+        end_notes.append((prev[0], prev[1], f"#{b['rank']} {b['score']:.2f}" + (" g" + str(b["group"]) if "group" in b
+                                                                                else ""), full))
     fig = go.Figure()
     fig.add_scatter(x=edge_x, y=edge_y, mode="lines", line=dict(color="#b0b7c3", width=1.5), hoverinfo="skip",
                     showlegend=False)
-    fig.add_scatter(x=xs, y=ys, mode="markers+text", text=texts, textposition="top center",
+    # neighbouring tokens' labels alternate above and below their nodes, so they do not run together
+    fig.add_scatter(x=xs, y=ys, mode="markers+text", text=texts,
+                    textposition=["top center" if x % 2 == 0 else "bottom center" for x in xs],
                     textfont=dict(size=11), hovertext=hovers, hoverinfo="text", showlegend=False,
                     marker=dict(size=10, color=colours, colorscale="Viridis", cmin=-6, cmax=0,
-                                colorbar=dict(title="log p", thickness=10, len=0.8)))
-    for x, y, note in end_notes:
-        fig.add_annotation(x=x, y=y, text=note, showarrow=False, xanchor="left", xshift=10, font=dict(size=11))
+                                # outside the plot, past the right margin the score notes sit in
+                                colorbar=dict(title="log p", thickness=10, len=0.8, x=1.0, xpad=70,
+                                              xanchor="left")))
+    for x, y, note, full in end_notes:
+        fig.add_annotation(x=x, y=y, text=note, hovertext=full, showarrow=False, xanchor="left", xshift=10,
+                           font=dict(size=11))
     n = max(len(b["tokens"]) for b in beams)
     fig.update_xaxes(title="generated token", range=[-0.5, n + 4.5], dtick=max(1, n // 16))
     fig.update_yaxes(visible=False, range=[-len(beams) + 0.5, 0.7])
-    fig.update_layout(margin=dict(l=20, r=20, t=40, b=40), height=max(280, 120 + 56 * len(beams)),
+    fig.update_layout(margin=dict(l=20, r=BEAM_RIGHT_MARGIN, t=40, b=40), height=max(280, 120 + 56 * len(beams)),
                       title=dict(text=(f"{len(beams)} beams from the prompt (shared prefixes drawn once)" if len(beams) > 1
                                       else "The text from the prompt, token by token"), x=0.01))
     return fig

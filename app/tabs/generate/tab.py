@@ -120,6 +120,7 @@ def _kv_markdown(kv: dict | None) -> str:
 # same seed) and opens the same step.
 GEN_URL_KEYS = ["gen_max", "gen_t", "gen_k", "gen_p", "gen_minp", "gen_rep", "gen_seed", "gen_stop", "gen_step"]
 GEN_URL_JS = page_js("generate_url", KEYS=repr(GEN_URL_KEYS))
+TIMELINE_CLICK_JS = page_js("generate_timeline_click")  # a timeline bar's click -> #gen-step-click
 # (key, default, lowest, highest) of each number the link may carry; None: no bound
 _GEN_NUMBERS = [("gen_t", 0.0, 0.0, 2.0), ("gen_k", 0, None, None), ("gen_p", 1.0, 0.01, 1.0),
                 ("gen_minp", 0.0, 0.0, 1.0), ("gen_rep", 1.0, 0.5, 2.0), ("gen_seed", 0, None, None)]
@@ -228,6 +229,8 @@ class GenerateTab:
             gr.Markdown("The timeline: one bar per step. Low bars (probability) or high bars (entropy) are where "
                         "the model was unsure and the sampling settings matter most.")
             self.timeline = gr.Plot(F.timeline_figure([]), label="timeline", elem_id="gen-timeline")
+            # "step:n" from TIMELINE_CLICK_JS when a bar is clicked (n makes each click a change)
+            self.step_click = gr.Textbox(visible="hidden", elem_id="gen-step-click", label="timeline click")
             with gr.Row():
                 self.steps_btn = gr.Button("Download the steps (CSV + JSON)", size="sm", scale=0,
                                            elem_id="gen-steps-export")
@@ -282,6 +285,7 @@ class GenerateTab:
         self.step_sel.release(self.show_step, [self.step_sel, *step_inputs], self.step_outputs)
         self.show_att.change(self.show_step, [self.step_sel, *step_inputs], self.step_outputs)
         self.tokens.select(self.pick_token, step_inputs, [self.step_sel, *self.step_outputs])
+        self.step_click.input(self.click_step, [self.step_click, *step_inputs], [self.step_sel, *self.step_outputs])
         self.color_by.change(self.recolour, [self.state, self.color_by, self.step_sel], [self.timeline])
         self.steps_btn.click(self.export_steps, [self.state], [self.steps_files])
         samples_event = self.samples_btn.click(self.samples, self.gen_inputs[:-1] + [self.n_samples],
@@ -324,6 +328,7 @@ class GenerateTab:
             comp.change(None, url_inputs, None, js=GEN_URL_JS)
         if shared.page is None:
             return
+        shared.page.load(None, None, None, js=TIMELINE_CLICK_JS)
         self.linked = gr.State(None)
         opened_tab = gr.Textbox(visible=False, elem_id="gen-opened-tab")
         controls = [self.max_new, self.temperature, self.top_k, self.top_p, self.min_p, self.rep, self.seed,
@@ -454,6 +459,15 @@ class GenerateTab:
     @endpoint  # show_step holds the model slot
     def pick_token(self, st, colour, with_att, evt: gr.SelectData, request: gr.Request = None) -> dict:
         idx = evt.index if isinstance(evt.index, int) else (evt.index[0] if evt.index else 0)
+        return {self.step_sel: gr.update(value=idx), **self.show_step(idx, st, colour, with_att, request)}
+
+    @endpoint  # show_step holds the model slot
+    def click_step(self, click, st, colour, with_att, request: gr.Request = None) -> dict:
+        """A timeline bar clicked (TIMELINE_CLICK_JS sends "step:n"): that step, as a token click."""
+        try:
+            idx = int(str(click).split(":")[0])
+        except ValueError:
+            return gr.skip()
         return {self.step_sel: gr.update(value=idx), **self.show_step(idx, st, colour, with_att, request)}
 
     @endpoint
