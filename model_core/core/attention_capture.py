@@ -12,6 +12,7 @@ attn_implementation="lmscope" go through here.
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
 
@@ -78,6 +79,8 @@ def lmscope_attention(module, query, key, value, attention_mask, dropout: float 
         probs = torch.softmax(torch.cat([masked, sink], dim=-1).float(), dim=-1)[..., :-1]
     else:
         probs = torch.softmax(masked.float(), dim=-1)  # [B, H, Q, K]
+    if wants and sinks is not None:
+        probs = _family_weights(module, query, key, value, masked, scaling, kwargs, probs)
     if wants:
         rec.patterns_out[layer] = {"q": query[0], "k": k[0], "v": value[0], "raw_scores": raw[0],
                                    "scaled_scores": scaled[0], "mask": torch.isfinite(masked[0, 0]),
@@ -87,6 +90,24 @@ def lmscope_attention(module, query, key, value, attention_mask, dropout: float 
         return out, probs.to(v.dtype)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                   scaling=scaling, **kwargs)
+
+
+def _family_weights(module, query, key, value, masked, scaling, kwargs, probs):
+    """The weights the family's own eager attention reports, given the mask applied above: families
+    differ in what a pattern with sinks is (GPT-OSS drops the sink's column after the softmax;
+    Granite SWA scales the output by the sink and reports the softmax without it). `probs` where
+    the family's module has no eager function."""
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        return probs
+    additive = torch.zeros(masked.shape[-2:], dtype=query.dtype, device=query.device)
+    additive = additive.masked_fill(~torch.isfinite(masked[0, 0]), float("-inf"))[None, None]
+    kw = {k: v for k, v in kwargs.items() if k not in ("dropout", "scaling")}
+    try:
+        _, weights = eager(module, query, key, value, additive, dropout=0.0, scaling=scaling, **kw)
+    except TypeError:  # an eager function with another signature: the interface's reading
+        return probs
+    return probs if weights is None else weights.float()
 
 
 def register() -> str:

@@ -38,9 +38,11 @@ class Trace:
     ln_final: torch.Tensor  # [T, d]
     next_logits: torch.Tensor  # [V], the model's own output at the last position
     token_logprobs: torch.Tensor  # [T], log p(token_t | tokens_<t); NaN at t = 0
-    rope: dict[int, tuple]
+    rope: dict[int, tuple]  # rotary (cos, sin) [1, T, dh] per layer, where the model passes them
     seconds: float
     lm: object = field(repr=False, default=None)  # the LoadedModel this trace ran (adapter, shape, tokenizer)
+    # Each layer's call as the model made it (hooks.LayerCall; generic adapter): views re-run layers with it.
+    calls: dict[int, object] = field(default_factory=dict)
     _cache: OrderedDict[tuple, torch.Tensor] = field(default_factory=OrderedDict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     cache_size: int = 12
@@ -84,17 +86,21 @@ class Trace:
                 self._cache.popitem(last=False)
         return value
 
+    def layer_call(self, layer: int):
+        """What a view re-runs layer `layer` with: its captured call, else its rotary (cos, sin)."""
+        return self.calls.get(layer) or self.rope.get(layer)
+
     def attention_pattern(self, layer: int) -> torch.Tensor:
         """[heads, T, T]: row i is where query token i attends."""
         self._need(layer)
         ad = self.lm.adapter
         return self._cached(("pattern", layer),
-                            lambda: ad.attention_pattern(layer, self.resid_pre[layer], self.rope.get(layer)))
+                            lambda: ad.attention_pattern(layer, self.resid_pre[layer], self.layer_call(layer)))
 
     def attention_steps(self, layer: int) -> dict[str, torch.Tensor]:
         self._need(layer)
         with torch.inference_mode():
-            return self.lm.adapter.attention_scores(layer, self.resid_pre[layer], self.rope.get(layer))
+            return self.lm.adapter.attention_scores(layer, self.resid_pre[layer], self.layer_call(layer))
 
     def mlp_post(self, layer: int) -> torch.Tensor:
         """[T, d_mlp]: the activation entering the MLP's down projection."""
@@ -146,10 +152,27 @@ class Trace:
         return float(torch.exp(-lp.float().mean()))
 
 
+def _rotary(pe):
+    """The rotary (cos, sin) of a layer's capture (the tuple itself, or a LayerCall's position_embeddings)."""
+    if isinstance(pe, hooks.LayerCall):
+        pe = pe.kwargs.get("position_embeddings")
+        return pe if isinstance(pe, tuple) and len(pe) == 2 and all(torch.is_tensor(t) for t in pe) else None
+    return pe
+
+
+def _on(pe, device):
+    """A layer's rotary (cos, sin) [1, T, dh] or captured call (hooks.LayerCall) on `device`."""
+    if isinstance(pe, hooks.LayerCall):
+        return pe.map(lambda t: t.to(device))
+    return tuple(t[:1].to(device) for t in pe)
+
+
 def _forward_traced(lm, token_ids: list[int], layers: frozenset[int], edits: dict | None):
     """One instrumented forward of one sequence -> (captures [1, T, ...] by hook name, rotary
     cos/sin per layer, logits [T, V])."""
-    if not edits:  # a CPU engine's recording of this forward, where it has one (serving.torchscript_replay)
+    # A CPU engine's recording of this forward, where it has one (serving.torchscript_replay); it
+    # keeps tensors only, not the layer calls the generic adapter re-runs its layers with.
+    if not edits and not getattr(lm.adapter, "captures_layer_calls", False):
         eng = lm.meta.get("engine")  # set by serving.engine.engine_for: interp never imports serving
         replayed = None if eng is None else eng.recorded_trace(token_ids, layers)
         if replayed is not None:
@@ -208,7 +231,8 @@ def trace(lm, prompt: str | None = None, token_ids=None, *, layers=None, chat: b
         attn_out={l: s[act_name("attn_out", l)][0] for l in wanted},
         mlp_out={l: s[act_name("mlp_out", l)][0] for l in wanted},
         ln_final=s[act_name("ln_final")][0], next_logits=logits[-1].clone(), token_logprobs=logprobs,
-        rope={l: tuple(t[:1].to(where[l]) for t in pe) for l, pe in rope.items()},
+        rope={l: _on(pe, where[l]) for l, pe in ((l, _rotary(pe)) for l, pe in rope.items()) if pe is not None},
         seconds=time.perf_counter() - t0, lm=lm,
+        calls={l: _on(pe, where[l]) for l, pe in rope.items() if isinstance(pe, hooks.LayerCall)},
     )
     return tr

@@ -64,6 +64,7 @@ class ForwardBatcher:
         self._cv = threading.Condition()
         self._pending: list[_Request] = []
         self._busy = False
+        self._solo_only = False  # set once a layer call showed no rows to cut (ALiBi): forwards run alone
         self.stats = BatchStats()
 
     # --- the one kind ---------------------------------------------------------------------------
@@ -121,8 +122,9 @@ class ForwardBatcher:
 
     def _execute(self, batch: list[_Request]) -> None:
         try:
-            if len(batch) == 1:
-                self._alone(batch[0])
+            if len(batch) == 1 or self._solo_only:
+                for r in batch:
+                    self._alone(r)
             else:
                 try:
                     for r, res in zip(batch, self._trace_batch(batch)):
@@ -170,7 +172,12 @@ class ForwardBatcher:
             own = r.payload[1]
             store = {name: t[i: i + 1, :n].clone() for name, t in rec.store.items()
                      if layer_of(name) is None or layer_of(name) in own}
-            rope = {l: tuple(x[:1, :n].clone() for x in pe) for l, pe in rec.rope.items() if l in own}
+            try:
+                rope = {l: pe.row(i, n, len(batch), ids.shape[1]).map(torch.clone) if isinstance(pe, hooks.LayerCall)
+                        else tuple(x[:1, :n].clone() for x in pe) for l, pe in rec.rope.items() if l in own}
+            except hooks.NoRows:
+                self._solo_only = True  # the caller runs this batch's requests one by one, and later ones too
+                raise
             results.append((store, rope, out.logits[i, :n]))
         return results
 

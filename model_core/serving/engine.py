@@ -52,6 +52,7 @@ from model_core.core.heap import freeze_heap
 from model_core.serving.batch_sampling import ALL_STAGES
 from model_core.serving.engine_cpu_replay import CpuReplay
 from model_core.serving.engine_cuda_graphs import StepGraphs, capture_prefill_graphs, own_cublas_workspace
+from model_core.serving.engine_fit import engine_fit
 from model_core.serving.engine_launch import Launcher
 from model_core.serving.engine_prefill import Admission
 from model_core.serving.engine_step import (
@@ -268,24 +269,21 @@ class Engine:
 
     def _start(self) -> None:
         """Allocate the live buffers and make the parts that work on them: the graphs captured
-        (CUDA) or the recorder started (a CPU with recordings). On failure every request runs on
-        the plain path instead (generate checks start_error)."""
+        (CUDA) or the recorder started (a CPU with recordings). A step that cannot be captured (a
+        family whose forward reads values back to the host, as some mixtures of experts route) runs
+        eagerly instead; on any other failure every request runs on the plain path (generate checks
+        start_error)."""
+        t0 = time.perf_counter()
         try:
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                self._allocate()
-                lm, prefill_graphs = self._lm(), None
-                if self.use_graphs:
-                    self.step_graphs.capture_all()
-                    prefill_graphs = capture_prefill_graphs(lm, self.layout.rows_buckets, self.max_len)
-                elif self.record_steps:
-                    self._replay = CpuReplay(lm, self.decode, self.layout, self.live)
-                self._admission = Admission(lm, self.live, self.scheduler, self._replay, self.stats,
-                                            self.max_len, self.vocab)
-                self._admission.prefill_graphs = prefill_graphs
-                self._launcher = Launcher(self.decode, self.layout, self.live, self.step_graphs, self._replay,
-                                          self.scheduler, self.stats, self.lookahead, self.use_graphs,
-                                          self.request_turn)
+            try:
+                self._start_parts()
+            except Exception as e:  # noqa: BLE001 - retried without graphs, else the engine is off
+                if not self.use_graphs:
+                    raise
+                log.warning("the decode step of %s cannot be captured as CUDA graphs (%s: %s); its engine runs "
+                            "eager steps", self.name, type(e).__name__, e)
+                self._eager_steps()
+                self._start_parts()
             freeze_heap()
             self.stats.warmup_s = time.perf_counter() - t0
         except BaseException as e:  # noqa: BLE001 - requests run on the plain path instead
@@ -293,6 +291,40 @@ class Engine:
             self.step_graphs.state = "off"
             log.warning("the inference engine for %s could not start (%s: %s); generation runs one request "
                         "at a time", self.name, type(e).__name__, e)
+
+    def _start_parts(self) -> None:
+        with torch.inference_mode():
+            self._allocate()
+            lm, prefill_graphs = self._lm(), None
+            # captured and recorded prefills end in the adapter's unembedding of the last hidden
+            # state; a family whose head does more prefills with its own forward (engine_fit)
+            hidden_prefill = engine_fit(lm).hidden_prefill
+            if self.use_graphs:
+                self.step_graphs.capture_all()
+                if hidden_prefill:
+                    prefill_graphs = capture_prefill_graphs(lm, self.layout.rows_buckets, self.max_len)
+            elif self.record_steps:
+                self._replay = CpuReplay(lm, self.decode, self.layout, self.live)
+            self._admission = Admission(lm, self.live, self.scheduler, self._replay if hidden_prefill else None,
+                                        self.stats, self.max_len, self.vocab)
+            self._admission.prefill_graphs = prefill_graphs
+            self._launcher = Launcher(self.decode, self.layout, self.live, self.step_graphs, self._replay,
+                                      self.scheduler, self.stats, self.lookahead, self.use_graphs,
+                                      self.request_turn)
+
+    def _eager_steps(self) -> None:
+        """Give up the captured step and the compile (which re-captures): one eager step per launch,
+        on fresh buffers (a failed capture may leave the live ones half written)."""
+        lm = self._lm()
+        self.use_graphs = self.compile = self._gate = False
+        self.lookahead, self.steps_per_launch = 0, 1
+        self.decode = DecodeStep(lm, 1, self.max_len)
+        self.step_graphs = StepGraphs(lm, self.decode, self.stats, False, False, self.scheduler.cv)
+        self.layout = self.live = None
+        self.request_turn.set()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     def _allocate(self) -> None:
         """Size the slots within the KV budget (a probe forward gives each layer's cache shape) and
@@ -407,10 +439,9 @@ def can_use_engine(lm, enabled: bool | None = None) -> bool:
         return False
     if getattr(lm.model, "hf_device_map", None) and len(set(lm.model.hf_device_map.values())) > 1:
         return False
-    types = getattr(lm.model.config, "layer_types", None) or []
-    if any(t not in ("full_attention", "sliding_attention") for t in types):
+    if hooks.active_recorder() is not None:
         return False
-    return hooks.active_recorder() is None
+    return engine_fit(lm).fits  # the slot cache fits the model's cache (decided once, from the model)
 
 
 def max_len_from_env(lm) -> int:

@@ -59,7 +59,11 @@ def kv_cache_report(lm, cache) -> dict:
         empty = k is None or not torch.is_tensor(k) or k.numel() == 0
         measured.append(0 if empty else k.numel() * k.element_size() + v.numel() * v.element_size())
         tokens_per_layer.append(0 if empty else int(k.shape[-2]))
-    tokens = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else max(tokens_per_layer or [0])
+    tokens = max(tokens_per_layer or [0])
+    try:
+        tokens = int(cache.get_seq_length())
+    except (AttributeError, ValueError):  # a hybrid's cache of linear-attention layers only has no length
+        pass
     tokens = max([tokens] + [t for t, w in zip(tokens_per_layer, _layer_windows(lm)) if w is None])
     return _report(lm, tokens, measured, tokens_per_layer)
 

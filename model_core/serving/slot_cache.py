@@ -79,6 +79,12 @@ class SlotCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions are always passed explicitly
 
+    @property
+    def is_initialized(self) -> bool:
+        """transformers 5's Cache API (a model's forward may ask): the tensors exist from the start and
+        a row's prefill is loaded before its first step, so a step never sees an empty cache."""
+        return True
+
     def load_rows(self, slots: torch.Tensor, prefill_cache, tokens: int) -> None:
         """Copy every row of a prefill's DynamicCache (row i -> slot slots[i]), its first `tokens`
         positions, with one copy per layer. Every layer of that cache must hold every position
