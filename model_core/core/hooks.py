@@ -144,6 +144,9 @@ class Instrumentation:
         self.layer_calls = bool(getattr(adapter, "captures_layer_calls", False))
         # Granite-style blocks add `sublayer(x) * residual_multiplier` to the residual.
         self.residual_scale = float(getattr(adapter, "residual_scale", 1.0))
+        # A parallel block may add the attention's output into the MLP's output tensor in place
+        # (Falcon: mlp_output += attention_output): keep a copy of what the sublayer returned.
+        self.copy_outputs = getattr(adapter, "family", "") == "generic" and bool(getattr(adapter, "parallel", False))
         self.handles = []
         self.absent: dict[int, list[str]] = {}
         self.remainder_layers: set[int] = set()  # layers whose mlp_out is _mlp_rest's (they keep scratch)
@@ -241,7 +244,7 @@ class Instrumentation:
         if i in self.remainder_layers:
             rec.scratch[name] = out
         if rec.wants(i):
-            rec.store[name] = out
+            rec.store[name] = out.clone() if self.copy_outputs and out is _first(output) else out
         if name not in rec.edits:
             return None
         if extra is not None:

@@ -321,15 +321,18 @@ def _check_architecture(model_type: str | None) -> None:
 def attn_implementation_for(model_type: str | None, requested: str = "sdpa") -> str:
     """The attention implementation to load a model with: families without a hand adapter run
     transformers' SDPA through lmscope's registered attention function, which can also keep the
-    pattern (model_core.core.attention_capture); others get what was asked for."""
+    pattern (model_core.core.attention_capture), or eager where the family keeps its own attention
+    code; hand-adapted families get what was asked for."""
     if requested != "sdpa" or model_type in ADAPTERS:
         return requested
     if _uses_attention_interface(model_type):
         from model_core.core.attention_capture import register
 
         return register()
-    cls = _causal_lm_class(model_type)
-    return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", True) else "eager"
+    # A family that computes attention in its own code gives its pattern through output_attentions,
+    # which runs its eager branch: loaded with SDPA, that branch would get SDPA's boolean mask
+    # (Falcon adds it to the scores), so the pattern and the forward would not be the same maths.
+    return "eager"
 
 
 def _causal_lm_class(model_type: str | None):
