@@ -372,7 +372,7 @@ def export_results(ablation, patching, attribution):
     return gr.update(value=[str(p) for p in write_interventions(*got, scratch_dir("interventions"))], visible=True)
 
 
-@endpoint
+@endpoint(model=True)  # an unloaded model's shape is read by loading it
 def pick_head(model, picked, request: gr.Request = None):
     """A click on a head's cell in the patching or attribution heatmap (static/js/interventions_bridge.js
     sends {"head": "L3H2"}): that head, alone, in "Heads to switch off", so that one more click on Run
