@@ -3,6 +3,8 @@ a live server on the real default model: a first visit computes by itself, a lin
 server lacks says so, an over-long prompt gets a sentence under it and truncation works, and the
 shared Run acts on the open tab."""
 
+import re
+
 import pytest
 from playwright.sync_api import sync_playwright
 
@@ -12,6 +14,7 @@ pytestmark = pytest.mark.browser
 # smollm2-135m-instruct's config.json: 30 layers, 9 query heads; the example prompt is 12 tokens (the
 # same count tests/browser/test_browser_explore.py checks its attention rows against)
 LAYERS, HEADS, EXAMPLE_TOKENS = 30, 9, 12
+_PENDING = re.compile(r"\d+(\.\d+)?s\b")
 
 
 def _slider_max(page, elem_id: str) -> str:
@@ -48,6 +51,8 @@ def test_first_visit_computes_and_a_missing_model_says_so(server):
         assert "no model named 'nope'" in page.inner_text("#model-banner")
         wait_until(lambda: "model=nope" not in page.url, 30, "the URL to drop model=nope")
         wait_until(lambda: "parameters" in page.inner_text("#model-info"), 120, "the model line")
+        # an event still in flight shows Gradio's timer ("0.1s") in the status; what it settles on counts
+        wait_until(lambda: not _PENDING.search(page.inner_text("#explore-status")), 60, "the status to settle")
         assert page.inner_text("#explore-status").strip() == "" and plot_data(page, "head-grid") == []
         assert "nope" not in page.inner_text("#model-info")
         screenshot(page, "model-missing-banner")
