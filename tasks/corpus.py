@@ -19,9 +19,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from model_core.core import paths
+from model_core.core import paths, uploads
 from model_core.core.errors import LmscopeError
-from tasks import config
 
 BUILTIN_VERSION = "stdlib-docstrings-v2"
 BUILTIN_MAX_BYTES = 4 * 1024 * 1024
@@ -110,7 +109,9 @@ def builtin_docs(split: str = "train", max_bytes: int | None = None) -> list[str
 
 
 def check_upload(path: str | os.PathLike) -> str:
-    """Validate an uploaded corpus file; returns its kind ('txt'|'jsonl') or raises CorpusError."""
+    """Validate an uploaded corpus file; returns its kind ('txt'|'jsonl') or raises CorpusError.
+    Size, lines, line length and each text's length are checked before anything is parsed
+    (model_core.core.uploads, the limits every upload reader shares)."""
     p = Path(path)
     name = p.name
     if not p.is_file():
@@ -118,37 +119,25 @@ def check_upload(path: str | os.PathLike) -> str:
     ext = p.suffix.lower()
     if ext not in (".txt", ".jsonl"):
         raise CorpusError(f"Corpus file '{name}' must be a .txt or .jsonl file.")
-    size = p.stat().st_size
-    limit = config.upload_max_bytes()
-    if size > limit:
-        raise CorpusError(f"Corpus file '{name}' is {size / 2**20:.1f} MB, over the "
-                          f"{limit / 2**20:.0f} MB upload limit (LMSCOPE_UPLOAD_MAX_MB).")
-    if size == 0:
+    if p.stat().st_size == 0:
         raise CorpusError(f"Corpus file '{name}' is empty.")
-    raw = p.read_bytes()
-    if b"\x00" in raw:
-        raise CorpusError(f"Corpus file '{name}' looks binary (it contains NUL bytes); upload UTF-8 text.")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise CorpusError(f"Corpus file '{name}' is not valid UTF-8 text (bad byte at offset {e.start}).") from None
-    docs = _parse(text, ext, name)
+    docs = file_docs(p)
     if not any(d.strip() for d in docs):
         raise CorpusError(f"Corpus file '{name}' has no text to train on.")
     return ext[1:]
 
 
 def _parse(text: str, ext: str, name: str) -> list[str]:
+    lim = uploads.limits()
+    lines = uploads.split_lines(text, name, "Corpus file", CorpusError, lim)
     if ext == ".txt":
         return split_docs(text)
     docs = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
+    for n, line in lines:
         try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            raise CorpusError(f"Corpus file '{name}' line {n} is not valid JSON.") from None
+            obj = uploads.json_line(line, lim)
+        except uploads.BadLine as e:
+            raise CorpusError(f"Corpus file '{name}' line {n}: {e}.") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
             raise CorpusError(f"Corpus file '{name}' line {n} has no \"text\" string field.")
         if obj["text"].strip():
@@ -158,7 +147,7 @@ def _parse(text: str, ext: str, name: str) -> list[str]:
 
 def file_docs(path: str | os.PathLike) -> list[str]:
     p = Path(path)
-    return _parse(p.read_text(encoding="utf-8"), p.suffix.lower(), p.name)
+    return _parse(uploads.read_text(p, "Corpus file", CorpusError), p.suffix.lower(), p.name)
 
 
 def split_heldout(docs: list[str]) -> tuple[list[str], list[str]]:

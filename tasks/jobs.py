@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import time
 
-from model_core.core import settings
 from tasks import kinds, store
-from tasks.lifecycle import JobError, artifact_path, queue_client, read_json_artifact
+from tasks.lifecycle import JobError, artifact_path, check_rate, queue_client, read_json_artifact
 
 __all__ = ["JobError", "artifact_path", "cancel_job", "check_rate", "get_job", "list_jobs", "read_report",
            "submit", "wait_job"]
@@ -26,24 +25,13 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def check_rate(owner: str) -> None:
-    """LMSCOPE_JOBS_PER_HOUR (default 20; 0 = no limit) jobs per owner per hour; the CLI is exempt."""
-    limit = settings.current().jobs_per_hour
-    if limit <= 0 or owner == "cli":
-        return
-    hour_ago = time.time() - 3600
-    n = sum(1 for rec in store.list_records(owner, limit + 1, queue_client()) if rec.get("created", 0) >= hour_ago)
-    if n >= limit:
-        raise JobError(f"You have submitted {n} jobs in the last hour; the limit is {limit}. Try again later.")
-
-
 def submit(kind: str, params: dict, owner: str = "cli", files=None) -> dict:
     """Validate, record and queue a job of a registered kind (tasks.kinds); one sentence and nothing
-    queued on bad input."""
+    queued on bad input. The hourly limit is checked when the job is queued, after its input: a bad
+    upload gets its own sentence even while the queue is down or the limit is reached."""
     k = kinds.find(kind)
     if k is None:
         raise JobError(f"Unknown job kind '{kind}'; known: {', '.join(kinds.names())}.")
-    check_rate(owner)
     return k.submit_job(params, owner, files)
 
 

@@ -40,6 +40,7 @@ from pathlib import Path
 import redis
 from celery import Task
 
+from model_core.core import settings
 from model_core.core.errors import LmscopeError
 from tasks import config, store
 
@@ -76,6 +77,17 @@ def queue_client() -> redis.Redis:
     return r
 
 
+def check_rate(owner: str, r: redis.Redis | None = None) -> None:
+    """LMSCOPE_JOBS_PER_HOUR (default 20; 0 = no limit) jobs per owner per hour; the CLI is exempt."""
+    limit = settings.current().jobs_per_hour
+    if limit <= 0 or owner == "cli":
+        return
+    hour_ago = time.time() - 3600
+    n = sum(1 for rec in store.list_records(owner, limit + 1, r or queue_client()) if rec.get("created", 0) >= hour_ago)
+    if n >= limit:
+        raise JobError(f"You have submitted {n} jobs in the last hour; the limit is {limit}. Try again later.")
+
+
 def enqueue(task, rec: dict, r: redis.Redis) -> dict:
     """Store a new job record, then queue its task; if queueing fails the record says so (failed,
     with the reason) and the caller gets one sentence. With no worker alive (no heartbeat), the
@@ -105,6 +117,7 @@ def queue(task, kind: str, params: dict, owner: str, prepare: Callable[[dict], N
     given, fills in what the kind keeps beside the params (extra fields, input files in the job's
     folder) and may still refuse with one sentence: nothing is queued then."""
     r = queue_client()
+    check_rate(owner, r)
     rec = store.new_record(kind, params, owner)
     if prepare is not None:
         prepare(rec)

@@ -223,6 +223,8 @@ def _fail(fn, e: Exception):
         return quiet_error(one_sentence(e))
     if isinstance(e, (KeyError, IndexError, ValueError, TypeError)):
         return quiet_error(f"Bad input: {one_sentence(e)}")
+    if isinstance(e, RecursionError):  # hostile nesting (JSON "[" x 100,000): the input's fault, not a bug
+        return quiet_error("That input is nested too deeply to read; send flat data.")
     log.error("unexpected error in %s", fn.__qualname__, exc_info=e)
     return quiet_error(f"The server could not answer this request ({type(e).__name__}); the error was logged.")
 

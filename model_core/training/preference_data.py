@@ -36,9 +36,9 @@ import random
 import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-from model_core.training.sft_data import held_out_split, read_dataset_text
+from model_core.core import uploads
+from model_core.training.sft_data import held_out_split
 from model_core.training.sft_settings import DatasetError
 
 BUILTIN = "builtin"
@@ -402,9 +402,9 @@ def builtin_tasks(n_train: int = 64, n_test: int = 20, seed: int = 0,
 # Uploads
 
 def _read_lines(path: str | os.PathLike) -> tuple[str, list[tuple[int, str]]]:
-    p = Path(path)
-    text = read_dataset_text(p, PreferenceDataError)
-    return p.name, [(i, line) for i, line in enumerate(text.splitlines(), 1) if line.strip()]
+    """Every upload limit (size, lines, line length) is checked here, before anything is parsed
+    (model_core.core.uploads)."""
+    return uploads.read_lines(path, "Dataset file", PreferenceDataError)
 
 
 def _kind(obj) -> str:
@@ -422,9 +422,9 @@ def _report(name: str, bad: list[tuple[int, str]], n: int) -> PreferenceDataErro
 
 def _json_line(i: int, line: str, bad: list[tuple[int, str]]):
     try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        bad.append((i, f"not valid JSON ({e.msg} at column {e.colno})."))
+        obj = uploads.json_line(line)
+    except uploads.BadLine as e:
+        bad.append((i, f"{e}."))
         return None
     if not isinstance(obj, dict):
         bad.append((i, f"expected a JSON object, got {_kind(obj)}."))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from model_core.core import uploads
 from model_core.training.sft_settings import (
     BUILTIN,
     IGNORE,
@@ -60,34 +61,29 @@ def parse_example(obj, where: str = "example") -> list[dict]:
 
 
 def read_dataset_text(p: Path, error_cls: type = DatasetError) -> str:
-    """A dataset file's text; a missing or non-UTF-8 file is one sentence of `error_cls`."""
-    if not p.is_file():
-        raise error_cls(f"Dataset file '{p.name}' does not exist.")
-    try:
-        return p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise error_cls(f"Dataset file '{p.name}' is not UTF-8 text (byte {e.start}).") from None
+    """A dataset file's text; a missing, oversized, binary or non-UTF-8 file is one sentence of
+    `error_cls` (model_core.core.uploads, the one place upload limits live)."""
+    return uploads.read_text(p, "Dataset file", error_cls)
 
 
 def _scan_jsonl(p: Path) -> tuple[list[list[dict]], list[tuple[int, str]], int]:
     """(good conversations in file order, [(line number, reason)] for every bad line, number of
-    non-blank lines). Raises DatasetError only for a missing or non-UTF-8 file."""
-    text = read_dataset_text(p)
-    convs, bad, n = [], [], 0
-    for i, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        n += 1
+    non-blank lines). Raises DatasetError for a missing, oversized or non-UTF-8 file, too many
+    lines or an over-long line (model_core.core.uploads: checked before anything is parsed)."""
+    lim = uploads.limits()
+    _, lines = uploads.read_lines(p, "Dataset file", DatasetError, lim)
+    convs, bad = [], []
+    for i, line in lines:
         try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            bad.append((i, f"not valid JSON ({e.msg} at column {e.colno})"))
+            obj = uploads.json_line(line, lim)
+        except uploads.BadLine as e:
+            bad.append((i, str(e)))
             continue
         try:
             convs.append(parse_example(obj, f"line {i}"))
         except DatasetError as e:
             bad.append((i, str(e).removeprefix(f"line {i}: ")))
-    return convs, bad, n
+    return convs, bad, len(lines)
 
 
 def _bad_lines_text(bad: list[tuple[int, str]], max_errors: int) -> str:

@@ -156,14 +156,14 @@ def cancel(selected, request: gr.Request = None):
 @endpoint(model=True)
 def show_mask(model, dataset_kind, upload, index, request: gr.Request = None):
     """One training example, each token coloured by whether it counts in the loss."""
-    lm = get_model(model)
     try:
+        # the upload is read (and refused) before a model is loaded for it
         if dataset_kind == "upload" and upload:
             convs = sft.load_jsonl(uploaded_file(upload))
         else:
             convs, _ = sft.builtin_dataset(max(8, min(int(index or 0), MAX_MASK_EXAMPLE) + 1), 0, 0)
         i = max(0, min(int(index or 0), len(convs) - 1))
-        return sf.mask_html(sft.mask_view(lm.tokenizer, convs[i]))
+        return sf.mask_html(sft.mask_view(get_model(model).tokenizer, convs[i]))
     except LmscopeError as e:
         raise gr.Error(str(e)) from None
 
