@@ -1,6 +1,6 @@
 """Generate's step view in headless Chromium on the real default model (issue 37 item 6): a sampled
 token past the recorded top 10 is in its step's charts, marked with its rank (the step opened by a
-click on its token). Seed 2 at temperature 1 on this prompt samples " wizard"-like
+click on its token), and a bar of the step timeline opens its step. Seed 2 at temperature 1 on this prompt samples " wizard"-like
 tokens at rank 16 (p = 0.014) at step 3 when model_core.serving.generate runs it directly; the test
 finds the rank>10 step from the timeline itself, so it checks the page, not that number."""
 
@@ -19,6 +19,20 @@ PROMPT = "Once upon a time, in a small village,"
 def _timeline(page) -> list[str]:
     return page.evaluate("""() => { const gd = document.querySelector('#gen-timeline .js-plotly-plot');
         return gd && gd._fullData && gd._fullData[0] ? Array.from(gd._fullData[0].hovertext || []) : []; }""")
+
+
+def _click_timeline_bar(page, step: int) -> None:
+    """A user's click on the timeline's bar for `step`: the pointer moves onto it first, as a mouse
+    does (Plotly's click reports the point its hover found)."""
+    page.locator("#gen-timeline").scroll_into_view_if_needed()
+    r = page.evaluate("""(k) => { const gd = document.querySelector('#gen-timeline .js-plotly-plot');
+        const b = gd.querySelectorAll('.bars .point path')[k].getBoundingClientRect();
+        return [b.x + b.width / 2, b.y + Math.max(2, b.height / 2)]; }""", step)
+    page.mouse.move(r[0] - 4, r[1])
+    page.mouse.move(r[0], r[1])
+    wait_until(lambda: page.evaluate("""() => { const gd = document.querySelector('#gen-timeline .js-plotly-plot');
+        return (gd._hoverdata || []).map(p => p.x); }""") == [step], 10, f"the hover on bar {step}")
+    page.mouse.click(r[0], r[1])
 
 
 def _dist_labels(page) -> list[list[str]]:
@@ -54,6 +68,13 @@ def test_rank_past_10_is_charted(server, width):
         want = f"(rank {ranks[i]}) ★"
         assert len(before) == 11 and want in before[0], before
         assert want in after[0], after
+        # a bar of the step timeline opens its step too
+        other = 0 if i != 0 else 1
+        _click_timeline_bar(page, other)
+        wait_until(lambda: f"Step {other}:" in plot_title(page, "gen-dist"), 90, f"step {other} from its bar")
+        assert page.locator("#gen-step input[type=number]").input_value() == str(other)
+        page.locator("#gen-tokens .token").nth(i).click()
+        wait_until(lambda: f"Step {i}:" in plot_title(page, "gen-dist"), 90, f"step {i} again")
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         page.locator("#gen-dist").screenshot(path=str(ARTIFACTS / f"generate-step-rank-{width}.png"))
         browser.close()
