@@ -62,11 +62,18 @@
         const a = boxes[i], b = boxes[j];
         if (a.left < b.right && b.left < a.right && a.top < b.bottom && b.top < a.bottom) { overlap = true; break; }
       }
+      // side-by-side subplot titles that run into each other: their first part, smaller, and wrapped to
+      // their own share of the width (the top margin grows by the lines added)
+      let added = 0;
       if (overlap) (fl.annotations || []).forEach((a, i) => {
         if (!a.text) return;
-        upd['annotations[' + i + '].text'] = plain(a.text).split(' · ')[0].replace(/head (\d+)/, 'h$1');
+        const short = plain(a.text).split(' · ')[0].replace(/head (\d+)/, 'h$1');
+        const lines = wrapWords(short, Math.max(10, Math.floor((W / notes.length - 12) / (10 * 0.56))));
+        added = Math.max(added, lines.length - 1);
+        upd['annotations[' + i + '].text'] = lines.join('<br>');
         upd['annotations[' + i + '].font.size'] = 10;
       });
+      if (added > 0) upd['margin.t'] = (upd['margin.t'] || fl.margin.t) + added * 13;
       gd.lmscopeNotes = overlap ? (fl.annotations || []).map((a, i) => upd['annotations[' + i + '].text'] || a.text).join('|') : texts;
     }
     // A legend that crowds the plot (Plotly makes room for one placed beside it by shrinking the plot): a

@@ -68,6 +68,11 @@ def test_rank_past_10_is_charted(server, width):
         want = f"(rank {ranks[i]}) ★"
         assert len(before) == 11 and want in before[0], before
         assert want in after[0], after
+        # the two charts' titles side by side do not run into each other (static/js/narrow.js wraps them)
+        wait_until(lambda: not page.evaluate("""() => {
+            const b = [...document.querySelectorAll('#gen-dist .annotation')].map(n => n.getBoundingClientRect());
+            return b.length < 2 || (b[0].right > b[1].left && b[1].right > b[0].left
+                                    && b[0].bottom > b[1].top && b[1].bottom > b[0].top); }"""), 10, "titles apart")
         # a bar of the step timeline opens its step too
         other = 0 if i != 0 else 1
         _click_timeline_bar(page, other)
