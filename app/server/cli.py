@@ -109,6 +109,29 @@ def cmd_trace(args) -> int:
     return 0
 
 
+def cmd_diff(args) -> int:
+    from model_core.core.registry import load_model
+    from model_core.interp.model_diff import diff_prompt
+
+    device = args.device or args.settings.device
+    base = load_model(args.base, device=device, dtype=args.settings.dtype)
+    tuned = load_model(args.tuned, device=device, dtype=args.settings.dtype)
+    d = diff_prompt(base, tuned, args.prompt, chat=args.chat, max_tokens=args.max_tokens)
+    if args.json:
+        _print_json(d.to_dict())
+        return 0
+    if d.vocabulary != "same":
+        _out(d.vocabulary)
+    _out(f"KL({d.base} || {d.tuned}) of the next token after each prompt token, and where the residual "
+         "streams part (first layer at 5% of the base's norm; 0 = embeddings):")
+    for t, tok in enumerate(d.tokens):
+        gained = ", ".join(f"{g!r} {v:+.3f}" for g, v in d.gained[t][:3])
+        lost = ", ".join(f"{g!r} {v:+.3f}" for g, v in d.lost[t][:3])
+        parted = "-" if d.parted_at[t] is None else str(d.parted_at[t])
+        _out(f"  {t:4d} {tok!r:>16}  KL {d.kl[t]:.4f}  parts at {parted:>3}  gained {gained or '-'}  lost {lost or '-'}")
+    return 0
+
+
 def _search_settings(args):
     """--num-beams / --num-beam-groups / --diversity-penalty / --penalty-alpha ask for a search
     (model_core.serving.search_decoding) instead of sampling; None when none of them is set."""
@@ -268,6 +291,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", default=None)
     t.add_argument("--json", action="store_true")
     t.set_defaults(func=cmd_trace)
+
+    df = sub.add_parser("diff", help="what fine-tuning changed on a prompt: per-token KL(base || tuned), "
+                                     "tokens gained and lost, where the residual streams part")
+    df.add_argument("--base", required=True, help="the model before (a fine-tuned model's parent)")
+    df.add_argument("--tuned", required=True, help="the model after")
+    df.add_argument("--prompt", required=True)
+    df.add_argument("--chat", action="store_true", help="wrap the prompt in the base model's chat template")
+    df.add_argument("--max-tokens", type=int, default=1024)
+    df.add_argument("--device", default=None)
+    df.add_argument("--json", action="store_true")
+    df.set_defaults(func=cmd_diff)
 
     g = sub.add_parser("generate", help="generate token by token, recording every step")
     g.add_argument("prompt")
