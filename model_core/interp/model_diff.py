@@ -60,7 +60,7 @@ class CorpusDiff:
     windows: int
     window: int
     mean_kl: float
-    contexts: list[dict]  # ranked: {text, next, kl, window, position}
+    contexts: list[dict]  # ranked: {text, next, kl, window, position, ids (the window up to position)}
     kl_by_next_token: list[dict]  # {token, kl_sum, count}, largest sum first
     resid_diff: list[float]  # [L + 1] mean over positions
     head_js: list[list[float] | None]  # [L][H] mean over windows
@@ -139,7 +139,10 @@ def _head_js(tb, tt, n_layers: int) -> list[torch.Tensor | None]:
 
 
 def _display(lm, token_id: int) -> str:
-    return lm.tokenizer.decode([int(token_id)])
+    """A token as people should see it (spaces and newlines visible, partial UTF-8 as bytes)."""
+    from model_core.core.tokenization import display_bytes, token_bytes
+
+    return display_bytes(token_bytes(lm.tokenizer, int(token_id)))
 
 
 def diff_prompt(base, tuned, prompt: str | None = None, token_ids=None, chat: bool = False,
@@ -225,8 +228,10 @@ def diff_corpus(base, tuned, windows: torch.Tensor, progress: Callable[[float], 
     contexts = []
     for k, w, pos in sorted(best, reverse=True):
         ids = windows[w].tolist()
+        # ids: the window up to the ranked position, what diff_prompt re-runs to show it token by token
         contexts.append({"text": base.tokenizer.decode(ids[max(0, pos + 1 - CONTEXT_TOKENS): pos + 1]),
-                         "next": _display(base, ids[pos + 1]), "kl": k, "window": w, "position": pos})
+                         "next": _display(base, ids[pos + 1]), "kl": k, "window": w, "position": pos,
+                         "ids": ids[: pos + 1]})
     ranked_next = sorted(by_next.items(), key=lambda kv: -kv[1][0])[:top]
     return CorpusDiff(
         base=base.name, tuned=tuned.name, tokens=int(N * W), windows=int(N), window=int(W),

@@ -331,6 +331,9 @@ def build(shared: Shared) -> None:
     gen_btn.click(generate_both, [base, tuned, shared.prompt, shared.chat], [both], concurrency_id="model",
                   api_name="generate_both")
     delta_btn.click(weight_change, [base, tuned], [delta_plot], concurrency_id="model", api_name="weight_change")
+    from app.tabs.finetune import diff_panel  # "What changed": the run's model against its base over a corpus
+
+    diff_panel.build(shared, selected, tuned)
     if shared.page is not None:
         shared.page.load(job_from_url, None, [selected, job])
     from app.tabs.finetune import (
