@@ -178,12 +178,17 @@ def cmd_generate(args) -> int:
     from model_core.core.sampling import SamplingSettings
     from model_core.serving.generate import generate, generation_to_json
 
+    # checked before anything loads: a bad value is one sentence and nothing runs
+    settings = SamplingSettings.from_values(args.temperature, args.top_k, args.top_p, args.min_p,
+                                            args.repetition_penalty, presence_penalty=args.presence_penalty,
+                                            frequency_penalty=args.frequency_penalty)
     search = _search_settings(args)
     if search is not None:
+        if settings.penalises_generated:
+            raise LmscopeError("--presence-penalty and --frequency-penalty apply to sampling, not to a beam or "
+                               "contrastive search.")
         return cmd_search(args, search)
     lm = load_model(args.model, device=args.device or args.settings.device, dtype=args.settings.dtype)
-    settings = SamplingSettings.from_values(args.temperature, args.top_k, args.top_p, args.min_p,
-                                            args.repetition_penalty)
     options = dict(max_new_tokens=args.max_new_tokens, settings=settings, seed=args.seed, chat=args.chat,
                    stop=args.stop or [])
     if args.steer_pairs:
@@ -312,6 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="subtract this from the logit of every "
+                   "token generated so far (OpenAI's; the prompt does not count), in [-2, 2]")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="subtract this times the number of "
+                   "times a token was generated so far (OpenAI's), in [-2, 2]")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--chat", action="store_true")

@@ -3,7 +3,9 @@ removed and how much probability mass survived, then a seeded draw.
 
 Stage order and arithmetic follow transformers' generate(): repetition penalty, temperature,
 top-k, top-p, min-p, then (explainer only) epsilon and eta (tests check each stage against the
-matching transformers logits processor).
+matching transformers logits processor). Presence and frequency penalties (OpenAI's, as vLLM
+applies them; transformers has no processor for them) come right after the repetition penalty,
+before temperature.
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ class SamplingSettings:
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off
     repetition_penalty: float = 1.0  # 1 = off
+    # OpenAI's presence / frequency penalties over the tokens generated so far (not the prompt,
+    # unlike the repetition penalty): logit -= presence * (count > 0) + frequency * count
+    presence_penalty: float = 0.0  # 0 = off
+    frequency_penalty: float = 0.0  # 0 = off
 
     @property
     def greedy(self) -> bool:
@@ -51,7 +57,7 @@ class SamplingSettings:
 
     def validated(self) -> SamplingSettings:
         """Returns self, or raises SettingsError saying which setting is out of range and why."""
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
                 raise SettingsError(f"{name} must be a finite number, got {v!r}.")
@@ -67,16 +73,27 @@ class SamplingSettings:
             raise SettingsError("min_p must be in [0, 1]; 0 turns it off.")
         if not (0 < self.repetition_penalty <= 10):
             raise SettingsError("repetition_penalty must be in (0, 10]; 1 turns it off.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:  # OpenAI's documented range
+                raise SettingsError(f"{name} must be in [-2, 2]; 0 turns it off.")
         return self
 
+    @property
+    def penalises_generated(self) -> bool:
+        """Whether the presence or frequency penalty is on (they need the generated tokens' counts)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
+
     @classmethod
-    def from_values(cls, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0):
+    def from_values(cls, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, *,
+                    presence_penalty=0.0, frequency_penalty=0.0):
         """Coerce loosely-typed input (UI, JSON, CLI) and validate."""
         def num(name, v, kind=float):
             return parse_number(v, name, getattr(cls, name), kind)
         return cls(temperature=num("temperature", temperature), top_k=num("top_k", top_k, int),
                    top_p=num("top_p", top_p), min_p=num("min_p", min_p),
-                   repetition_penalty=num("repetition_penalty", repetition_penalty)).validated()
+                   repetition_penalty=num("repetition_penalty", repetition_penalty),
+                   presence_penalty=num("presence_penalty", presence_penalty),
+                   frequency_penalty=num("frequency_penalty", frequency_penalty)).validated()
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -123,6 +140,31 @@ def repetition_penalty(logits: torch.Tensor, context_ids: torch.Tensor, penalty:
     score = logits.gather(-1, context_ids)
     score = torch.where(score < 0, score * penalty, score / penalty)
     return logits.scatter(-1, context_ids, score)
+
+
+def generated_counts(generated_ids, vocab: int, device=None) -> torch.Tensor:
+    """How often each token occurs among the generated ids: float32 [vocab] (what the engine keeps
+    per row, updated a token at a time)."""
+    ids = torch.as_tensor(generated_ids, dtype=torch.long, device=device).reshape(-1)
+    counts = torch.zeros(vocab, dtype=torch.float32, device=ids.device)
+    return counts.scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
+
+
+def penalise_counts(logits: torch.Tensor, counts: torch.Tensor, presence, frequency) -> torch.Tensor:
+    """logit -= presence * (count > 0) + frequency * count. presence, frequency: numbers, or
+    tensors that broadcast against logits (the engine's per-row [B, 1]); one expression for the
+    single-request and the batched path so both round alike."""
+    return logits - (presence * (counts > 0) + frequency * counts)
+
+
+def presence_frequency_penalty(logits: torch.Tensor, generated_ids, presence: float,
+                               frequency: float) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties as vLLM applies them, over the tokens generated so
+    far in this request (not the prompt): logits [V]; generated_ids: those tokens' ids."""
+    if (presence == 0 and frequency == 0) or generated_ids is None or len(generated_ids) == 0:
+        return logits
+    return penalise_counts(logits, generated_counts(generated_ids, logits.shape[-1], logits.device),
+                           presence, frequency)
 
 
 def temperature(logits: torch.Tensor, t: float) -> torch.Tensor:
@@ -195,8 +237,10 @@ def check_cutoff(name: str, v) -> float:
 
 
 def apply_sampling(logits: torch.Tensor, settings: SamplingSettings, context_ids=None, *, epsilon: float = 0.0,
-                   eta: float = 0.0) -> SamplingResult:
-    """logits [V] (one position). context_ids: tokens seen so far (for the repetition penalty).
+                   eta: float = 0.0, generated_ids=None) -> SamplingResult:
+    """logits [V] (one position). context_ids: tokens seen so far, prompt and generated (for the
+    repetition penalty). generated_ids: the tokens this request generated so far (for the presence
+    and frequency penalties; their stage, "presence_frequency_penalty", is listed when either is on).
     epsilon / eta: the explainer's truncation cutoffs after min-p, in transformers' order (0 = off);
     they are not generation settings (the generation engine does not apply them)."""
     settings = settings.validated()
@@ -219,6 +263,11 @@ def apply_sampling(logits: torch.Tensor, settings: SamplingSettings, context_ids
         current = new
 
     step("repetition_penalty", repetition_penalty(current, context_ids, settings.repetition_penalty))
+    if settings.penalises_generated:
+        if generated_ids is not None and not torch.is_tensor(generated_ids):
+            generated_ids = list(generated_ids)
+        step("presence_frequency_penalty", presence_frequency_penalty(
+            current, generated_ids, settings.presence_penalty, settings.frequency_penalty))
     if settings.greedy:
         # Greedy: the argmax survives alone (what generate(do_sample=False) picks).
         keep = torch.zeros_like(current, dtype=torch.bool)

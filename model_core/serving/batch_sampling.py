@@ -9,6 +9,8 @@ Each stage does the same elementwise arithmetic as transformers' logits processo
 (tests compare row by row with `model_core.core.sampling` and with transformers itself):
 
   repetition penalty  gather the seen tokens' logits, x*p if x<0 else x/p   (RepetitionPenaltyLogitsProcessor)
+  presence/frequency  x - (presence * (count > 0) + frequency * count), counts over the row's
+                      generated tokens (OpenAI's penalties as vLLM applies them; no transformers processor)
   temperature         x / t                                                  (TemperatureLogitsWarper)
   top-k               x < k-th largest -> -inf                               (TopKLogitsWarper)
   top-p               ascending sort, cumsum of softmax <= 1-p -> -inf, keep the last (TopPLogitsWarper)
@@ -26,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from model_core.core.sampling import penalise_counts
 
 FILTER_VALUE = float("-inf")
 STAGE_CODES = {None: 0, "top_k": 1, "top_p": 2, "min_p": 3, "greedy": 4}
@@ -47,39 +51,52 @@ class RowSettings:
     top_p: torch.Tensor  # float32; 1 = off
     min_p: torch.Tensor  # float32; 0 = off
     repetition_penalty: torch.Tensor  # float32; 1 = off
+    presence_penalty: torch.Tensor  # float32; 0 = off
+    frequency_penalty: torch.Tensor  # float32; 0 = off
     greedy: torch.Tensor  # bool
     seed: torch.Tensor  # int64
     step: torch.Tensor  # int64: the draw counter (how many tokens this row has drawn)
+    # float32 [rows, V]: how often each token occurs among the row's generated tokens (the presence
+    # and frequency penalties); the decode step adds each token going in. Set up with vocab=1 (the
+    # default) it is a column of zeros that broadcasts: rows without those penalties.
+    counts: torch.Tensor
 
     @classmethod
-    def empty(cls, rows: int, device) -> RowSettings:
+    def empty(cls, rows: int, device, vocab: int = 1) -> RowSettings:
         f = dict(device=device, dtype=torch.float32)
         return cls(torch.ones(rows, **f), torch.zeros(rows, device=device, dtype=torch.long),
                    torch.ones(rows, **f), torch.zeros(rows, **f), torch.ones(rows, **f),
+                   torch.zeros(rows, **f), torch.zeros(rows, **f),
                    torch.ones(rows, device=device, dtype=torch.bool),
-                   torch.zeros(rows, device=device, dtype=torch.long), torch.zeros(rows, device=device, dtype=torch.long))
+                   torch.zeros(rows, device=device, dtype=torch.long), torch.zeros(rows, device=device, dtype=torch.long),
+                   torch.zeros(rows, vocab, **f))
 
     def rows(self, sl: slice) -> RowSettings:
         return RowSettings(*(getattr(self, f)[sl] for f in self.__dataclass_fields__))
 
     def set_rows(self, idx: torch.Tensor, settings_list, seeds) -> None:
-        """Write requests' SamplingSettings into rows idx: one host -> device copy per field."""
+        """Write requests' SamplingSettings into rows idx: one host -> device copy per field; the
+        rows' counts start at zero (nothing generated yet)."""
         values = [_row_values(s, seed) for s, seed in zip(settings_list, seeds)]
-        for f, column in zip(self.__dataclass_fields__, zip(*values)):
+        for f, column in zip(self.__dataclass_fields__, zip(*values)):  # every field but counts
             t = getattr(self, f)
             t[idx] = torch.tensor(column, dtype=t.dtype).to(t.device, non_blocking=True)
+        self.counts[idx] = 0
 
     def set_row(self, i: int, settings, seed: int) -> None:
         """Write one request's SamplingSettings into row i (host -> device, a few scalars)."""
-        for f, v in zip(self.__dataclass_fields__, _row_values(settings, seed)):
+        for f, v in zip(self.__dataclass_fields__, _row_values(settings, seed)):  # every field but counts
             getattr(self, f)[i] = v
+        self.counts[i] = 0
 
 def _row_values(settings, seed: int) -> tuple:
-    """One request's row, in RowSettings' field order."""
+    """One request's row, in RowSettings' field order (counts aside). The penalties apply to greedy
+    rows too (they change which token is the argmax)."""
     greedy = bool(settings.greedy)
     return (1.0 if greedy else float(settings.temperature), 0 if greedy else int(settings.top_k),
             1.0 if greedy else float(settings.top_p), 0.0 if greedy else float(settings.min_p),
-            float(settings.repetition_penalty), greedy, int(seed), 0)
+            float(settings.repetition_penalty), float(settings.presence_penalty),
+            float(settings.frequency_penalty), greedy, int(seed), 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,6 +130,14 @@ def repetition_penalty_rows(x: torch.Tensor, seen: torch.Tensor, p: torch.Tensor
     p = p[:, None]
     penalised = torch.where(x < 0, x * p, x / p)
     return torch.where(seen & (p != 1.0), penalised, x)
+
+
+def presence_frequency_rows(x: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor,
+                            frequency: torch.Tensor) -> torch.Tensor:
+    """x [B, V]; counts [B, V] (or [B, 1] zeros) of the generated tokens; presence, frequency [B].
+    sampling.penalise_counts, the single-request path's expression, so both round alike; a row
+    with both at 0 subtracts 0 (the identity)."""
+    return penalise_counts(x, counts, presence[:, None], frequency[:, None])
 
 
 def top_k_rows(x: torch.Tensor, k: torch.Tensor, sorted_asc: torch.Tensor) -> torch.Tensor:
@@ -155,7 +180,7 @@ def greedy_rows(x: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # one step for every row: draw + record
 
-ALL_STAGES = frozenset({"repetition_penalty", "sampled", "top_k", "top_p", "min_p"})
+ALL_STAGES = frozenset({"repetition_penalty", "presence_frequency", "sampled", "top_k", "top_p", "min_p"})
 
 
 def stages_in_use(settings_list) -> frozenset:
@@ -165,6 +190,8 @@ def stages_in_use(settings_list) -> frozenset:
     for s in settings_list:
         if s.repetition_penalty != 1.0:
             out.add("repetition_penalty")
+        if s.presence_penalty != 0 or s.frequency_penalty != 0:
+            out.add("presence_frequency")  # the decode step also keeps the rows' counts only then
         if not s.greedy:
             out.add("sampled")
             out.update(name for name, on in (("top_k", s.top_k > 0), ("top_p", s.top_p < 1.0),
@@ -183,6 +210,8 @@ def sample_rows(logits: torch.Tensor, st: RowSettings, seen: torch.Tensor, k: in
     `stages`: the stages any row uses (`stages_in_use`); the others are skipped as identities."""
     raw = logits
     x = repetition_penalty_rows(raw, seen, st.repetition_penalty) if "repetition_penalty" in stages else raw
+    if "presence_frequency" in stages:
+        x = presence_frequency_rows(x, st.counts, st.presence_penalty, st.frequency_penalty)
     sampled = ~st.greedy
     if "sampled" in stages:
         x = torch.where(sampled[:, None], x / st.temperature[:, None], x)

@@ -69,7 +69,7 @@ class StepBuffers:
 
         return cls(SlotCache(shapes, slots, max_len, dtype, device, sliding_window, per_layer_type), zeros(slots, dtype=torch.long),
                    zeros(slots, dtype=torch.long), zeros(slots, dtype=torch.bool), zeros(slots, dtype=torch.long),
-                   zeros(slots, vocab, dtype=torch.bool), RowSettings.empty(slots, device),
+                   zeros(slots, vocab, dtype=torch.bool), RowSettings.empty(slots, device, vocab),
                    zeros(steps, slots, packed_width(RECORDED)), zeros(steps, slots, vocab), zeros(steps, slots, vocab))
 
 
@@ -135,6 +135,11 @@ class DecodeStep:
         act = b.active[:B] & (b.row_settings.step[:B] < b.limit[:B])  # [B]: rows that take this step
         # the token going in joins the context the repetition penalty sees
         seen.scatter_(1, tok[:, None], seen.gather(1, tok[:, None]) | act[:, None])
+        if "presence_frequency" in stages:
+            # ... and, being a generated token (the prefill drew the first), the counts of the presence
+            # and frequency penalties; a launch where no row has them skips this (set_rows zeroes a
+            # row's counts when it starts, so what is skipped is never read)
+            b.row_settings.counts[:B].scatter_add_(1, tok[:, None], act[:, None].float())
         mask = b.cache.window(B, L, pos)
         input_ids, position_ids = tok[:, None], pos[:, None]  # [B, 1]
         forward, sample, extra = lm.model, sample_rows, {}

@@ -29,6 +29,7 @@ def local_steps(lm, run: GenerationRun) -> Iterator[RawStep]:
     ids = torch.empty(n_prompt + run.n_steps, dtype=torch.long, device=dev)
     ids[:n_prompt] = torch.tensor(gen.prompt_ids, dtype=torch.long)
     use_rp = settings.repetition_penalty != 1.0
+    use_pf = settings.penalises_generated
     overlap = dev.type == "cuda"
     cache = new_cache(lm)
     report = partial(kv_cache_report, lm, cache)
@@ -46,7 +47,8 @@ def local_steps(lm, run: GenerationRun) -> Iterator[RawStep]:
         with torch.inference_mode(), edited():
             if i and not overlap:  # the previous token, fed only once the consumer asked for more
                 logits = forward_last(lm, ids[None, n - 1: n], cache)
-            chosen, packed, final = sample_step(logits, settings, ids[:n] if use_rp else None, (gen.seed, i), run.k)
+            chosen, packed, final = sample_step(logits, settings, ids[:n] if use_rp else None, (gen.seed, i), run.k,
+                                                ids[n_prompt:n] if use_pf else None)  # generated so far
             ids[n: n + 1] = chosen
             kv_point = cache_size(cache)
             step_logits = logits

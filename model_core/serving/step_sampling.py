@@ -16,14 +16,17 @@ from model_core.serving.generation_records import STAGE_CODES, TOP_K_RECORDED
 
 
 def sample_step(logits: torch.Tensor, settings: SamplingSettings, context_ids: torch.Tensor | None,
-                draw: tuple[int, int], k: int = TOP_K_RECORDED):
+                draw: tuple[int, int], k: int = TOP_K_RECORDED, generated_ids: torch.Tensor | None = None):
     """logits [V] float32 on the device -> (chosen id tensor [1], packed record tensor, final logits).
 
     The stages are sampling.py's functions (the arithmetic of transformers' processors), in
     generate()'s order. Everything recorded is packed in one float32 tensor so the caller copies
-    once per step. Ids are exact in float32 up to 2^24 (16.7M-token vocabularies)."""
+    once per step. Ids are exact in float32 up to 2^24 (16.7M-token vocabularies).
+    context_ids: prompt and generated tokens (the repetition penalty); generated_ids: the generated
+    ones alone (the presence and frequency penalties)."""
     raw = logits
     cur = S.repetition_penalty(raw, context_ids, settings.repetition_penalty)
+    cur = S.presence_frequency_penalty(cur, generated_ids, settings.presence_penalty, settings.frequency_penalty)
     # Per filter: (code, logits before, logits after). What it removed is derived cheaply: the
     # kept mass is exp(logsumexp(after) - logsumexp(before)), the count is the drop in finite
     # logits, and "which of the top candidates" is a gather of 2 x k values.
