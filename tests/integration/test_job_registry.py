@@ -28,6 +28,7 @@ INVALID = {
     "grpo": ({"model": "random-llama-tiny", "loss_type": "ppo"}, "GRPO loss type must be one of"),
     "heads": ({"model": "random-llama-tiny", "prompts": 0}, "'prompts' must be between 1"),
     "features": ({"model": "random-llama-tiny", "layer": 1, "k": 0}, "'k' must be a whole number from 1"),
+    "diff": ({"tuned": "random-llama-tiny", "base": "random-llama-tiny", "max_tokens": 10}, "'max_tokens' must be between 256"),
 }
 
 
@@ -57,7 +58,7 @@ def test_cli_service_and_worker_kinds_come_from_the_registry(svc):
 
     names = kinds.names()
     assert set(names) == {"tokenizer", "patching", "sft", "pretrain", "scaling", "neurons", "reward", "dpo", "grpo",
-                          "heads", "features"}
+                          "heads", "features", "diff"}
     assert _cli_kinds() == list(names)
     assert tuple(jobs.KINDS) == names
     for k in kinds.all_kinds():
