@@ -12,11 +12,11 @@ import pytest
 from playwright.sync_api import sync_playwright
 
 from tests.helpers.browser import (
-    LiveServer,
     launch_browser,
     plot_data,
     plot_title,
     screenshot,
+    server_with_jobs,
     set_number,
     wait_title,
     wait_until,
@@ -32,15 +32,8 @@ TINY_RUN = {"max_steps": 2, "batch_size": 2, "max_length": 256, "builtin_train_s
 
 @pytest.fixture(scope="module")
 def loop(tmp_path_factory):
-    from tests.helpers.services import LiveServices
-
-    svc = LiveServices(tmp_path_factory.mktemp("loop") / "data", stale_s=60).start()
-    server = LiveServer(extra_env=svc.env())
-    try:
-        yield svc, server
-    finally:
-        server.stop()
-        svc.stop()
+    with server_with_jobs(tmp_path_factory.mktemp("loop") / "data") as pair:
+        yield pair
 
 
 def _menu_options(page, elem_id: str) -> str:

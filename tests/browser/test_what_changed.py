@@ -10,7 +10,7 @@ import re
 import pytest
 from playwright.sync_api import sync_playwright
 
-from tests.helpers.browser import LiveServer, launch_browser, plot_data, screenshot, wait_until
+from tests.helpers.browser import launch_browser, plot_data, screenshot, server_with_jobs, wait_until
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration, pytest.mark.real_model]
 
@@ -22,15 +22,8 @@ RUN = {"model": MODEL, "method": "lora", "lora_rank": 8, "learning_rate": 2e-3, 
 
 @pytest.fixture(scope="module")
 def loop(tmp_path_factory):
-    from tests.helpers.services import LiveServices
-
-    svc = LiveServices(tmp_path_factory.mktemp("diff") / "data", stale_s=60).start()
-    server = LiveServer(extra_env=svc.env())
-    try:
-        yield svc, server
-    finally:
-        server.stop()
-        svc.stop()
+    with server_with_jobs(tmp_path_factory.mktemp("diff") / "data") as pair:
+        yield pair
 
 
 def _table_rows(page) -> list[list[str]]:

@@ -3,6 +3,7 @@ Chromium driven by Playwright (never a downloaded browser)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -49,6 +50,22 @@ class LiveServer:
             self.proc.wait(20)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+
+@contextlib.contextmanager
+def server_with_jobs(data_dir: Path, stale_s: float = 60):
+    """A real Valkey and Celery worker on `data_dir`, and a live server using them: (services, server)."""
+    from tests.helpers.services import LiveServices
+
+    svc = LiveServices(data_dir, stale_s=stale_s).start()
+    server = None
+    try:
+        server = LiveServer(extra_env=svc.env())
+        yield svc, server
+    finally:
+        if server is not None:
+            server.stop()
+        svc.stop()
 
 
 def launch_browser(playwright):
