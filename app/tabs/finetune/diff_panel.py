@@ -124,6 +124,5 @@ def build(shared: Shared, selected, tuned) -> None:
     prompt_kl = gr.Plot(visible=False, elem_id="diff-prompt-kl")
     prompt_resid = gr.Plot(visible=False, elem_id="diff-prompt-resid")
 
-    btn.click(what_changed, [selected, tuned], [status, contexts, next_tokens, layers, heads, found],
-              )
+    btn.click(what_changed, [selected, tuned], [status, contexts, next_tokens, layers, heads, found])
     contexts.select(open_context, [found], [prompt_kl, prompt_resid, changes], concurrency_id="model")
