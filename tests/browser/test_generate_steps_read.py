@@ -21,9 +21,14 @@ def _timeline(page) -> list[str]:
         return gd && gd._fullData && gd._fullData[0] ? Array.from(gd._fullData[0].hovertext || []) : []; }""")
 
 
-def _click_timeline_bar(page, step: int) -> None:
+def _click_timeline_bar(page, step: int, shown: int) -> None:
     """A user's click on the timeline's bar for `step`: the pointer moves onto it first, as a mouse
-    does (Plotly's click reports the point its hover found)."""
+    does (Plotly's click reports the point its hover found). The timeline is first waited on to mark
+    the step now `shown` and to have its click handler: a redraw arriving between the hover and the
+    click resets Plotly's hover, and the click then reports no point (as a user's would)."""
+    wait_until(lambda: page.evaluate("""(k) => { const gd = document.querySelector('#gen-timeline .js-plotly-plot');
+        const w = gd && gd._fullData && gd._fullData[0] && gd._fullData[0].marker.line.width;
+        return !!(gd.lmscopeStepBound && w && w[k] === 3); }""", shown), 60, f"the timeline to mark step {shown}")
     page.locator("#gen-timeline").scroll_into_view_if_needed()
     r = page.evaluate("""(k) => { const gd = document.querySelector('#gen-timeline .js-plotly-plot');
         const b = gd.querySelectorAll('.bars .point path')[k].getBoundingClientRect();
@@ -75,7 +80,7 @@ def test_rank_past_10_is_charted(server, width):
                                     && b[0].bottom > b[1].top && b[1].bottom > b[0].top); }"""), 10, "titles apart")
         # a bar of the step timeline opens its step too
         other = 0 if i != 0 else 1
-        _click_timeline_bar(page, other)
+        _click_timeline_bar(page, other, shown=i)
         wait_until(lambda: f"Step {other}:" in plot_title(page, "gen-dist"), 90, f"step {other} from its bar")
         assert page.locator("#gen-step input[type=number]").input_value() == str(other)
         page.locator("#gen-tokens .token").nth(i).click()
