@@ -191,3 +191,46 @@ def test_steered_generation_in_the_browser(server):
         wait_until(lambda: "Logit lens" in plot_title(page, "lens"), 60, "the steered lens")
         screenshot(page, "explore-steered")
         browser.close()
+
+
+def test_presence_and_frequency_penalties_in_the_browser(server):
+    """The penalties set on the page change the greedy text exactly as the formula, written out by
+    hand over transformers' own logits, predicts (tests/helpers/penalty_reference.py), and a link
+    carries them: the teammate who opens it gets the same text."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from conftest import DEFAULT
+    from model_core.core.registry import REGISTRY, convert_gguf
+    from tests.helpers.penalty_reference import hand_greedy
+
+    prompt, n, presence, frequency = "I like cats. I like cats. I like cats. I like", 16, 0.5, 1.25
+    path = convert_gguf(REGISTRY[DEFAULT])
+    tok = AutoTokenizer.from_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = tok(prompt)["input_ids"]
+    plain = tok.decode(hand_greedy(hf, ids, n, 0.0, 0.0))
+    want = tok.decode(hand_greedy(hf, ids, n, presence, frequency))
+    assert want != plain  # the penalties change this greedy text, so the page cannot pass by ignoring them
+    with sync_playwright() as pw:
+        browser = launch_browser(pw)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(server.url)
+        wait_until(lambda: "parameters" in page.inner_text("#model-info"), 60, "the page to load")
+        page.locator("#prompt textarea").fill(prompt)
+        page.get_by_role("tab", name="Generate").click()
+        set_number(page, "gen-max-new", n)
+        set_number(page, "gen-presence", presence)
+        set_number(page, "gen-frequency", frequency)
+        out = page.locator("#gen-output textarea")
+        page.click("#gen-generate")
+        wait_until(lambda: "finished because" in page.inner_text("#gen-status"), 120, "the penalised generation")
+        assert out.input_value() == want, (out.input_value(), want, plain)
+        wait_until(lambda: "gen_pres=0.5" in page.url and "gen_freq=1.25" in page.url, 30, "the penalties in the URL")
+        screenshot(page, "generate-penalties")
+        other = browser.new_page(viewport={"width": 1400, "height": 1000})
+        other.goto(page.url)
+        wait_until(lambda: "finished because" in other.inner_text("#gen-status"), 180, "the linked generation")
+        assert other.locator("#gen-output textarea").input_value() == want
+        assert other.locator("#gen-frequency input[type=number]").input_value() == "1.25"
+        browser.close()

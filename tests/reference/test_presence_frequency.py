@@ -29,6 +29,7 @@ from model_core.core.sampling import SamplingSettings, apply_sampling
 from model_core.serving.batch_sampling import ALL_STAGES, RowSettings, sample_rows, stages_in_use
 from model_core.serving.engine import engine_for
 from model_core.serving.generate import generate, sample_step
+from tests.helpers.penalty_reference import by_hand, hand_greedy
 
 # a prompt the default model continues by repeating itself under plain greedy decoding
 REPEATING = "I like cats. I like cats. I like cats. I like"
@@ -38,27 +39,6 @@ REPEATING = "I like cats. I like cats. I like cats. I like"
 def hf_model():
     """The default model as transformers itself loads it (not lmscope's loaded copy)."""
     return AutoModelForCausalLM.from_pretrained(convert_gguf(REGISTRY[DEFAULT]), dtype=torch.float32).eval()
-
-
-def by_hand(logits: torch.Tensor, generated, presence: float, frequency: float) -> torch.Tensor:
-    """The formula, one token at a time, over the generated ids only."""
-    out = logits.clone()
-    for t, c in collections.Counter(int(x) for x in generated).items():
-        out[t] -= presence * (c > 0) + frequency * c
-    return out
-
-
-def hand_greedy(model, prompt_ids: list[int], n: int, presence: float, frequency: float) -> list[int]:
-    """Greedy decoding written out: each step a full forward of transformers' model, the formula over
-    the tokens generated so far, the argmax."""
-    ids, generated = list(prompt_ids), []
-    with torch.inference_mode():
-        for _ in range(n):
-            logits = model(torch.tensor([ids])).logits[0, -1].float()
-            t = int(torch.argmax(by_hand(logits, generated, presence, frequency)))
-            ids.append(t)
-            generated.append(t)
-    return generated
 
 
 def _wait(cond, what, timeout=60):

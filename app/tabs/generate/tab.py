@@ -53,9 +53,14 @@ def _highlight(steps: list[dict]) -> list[tuple[str, str]]:
     return [(F.step_label(s), F.prob_bucket(s["chosen"]["prob"])) for s in steps]
 
 
-def _problems(t, k, p, m, r, sd) -> dict[str, str]:
+def _problems(t, k, p, m, r, sd, pp=0.0, fp=0.0) -> dict[str, str]:
     """{setting: one sentence} for every bad sampling setting or seed; empty when all are fine."""
     _, problems = V.check_settings(t, k, p, m, r)
+    for name, value in (("presence_penalty", pp), ("frequency_penalty", fp)):
+        try:
+            SamplingSettings.from_values(**{name: value})
+        except LmscopeError as e:
+            problems[name] = str(e)
     try:
         check_seed(sd)
     except LmscopeError as e:
@@ -118,12 +123,14 @@ def _kv_markdown(kv: dict | None) -> str:
 # Generate's settings and chosen step in the page URL (issue 15 item 5), beside the shared model /
 # prompt / chat keys: a link with ?tab=generate&gen_max=... generates the same text (greedy, or the
 # same seed) and opens the same step.
-GEN_URL_KEYS = ["gen_max", "gen_t", "gen_k", "gen_p", "gen_minp", "gen_rep", "gen_seed", "gen_stop", "gen_step"]
+GEN_URL_KEYS = ["gen_max", "gen_t", "gen_k", "gen_p", "gen_minp", "gen_rep", "gen_seed", "gen_stop", "gen_step",
+                "gen_pres", "gen_freq"]
 GEN_URL_JS = page_js("generate_url", KEYS=repr(GEN_URL_KEYS))
 TIMELINE_CLICK_JS = page_js("generate_timeline_click")  # a timeline bar's click -> #gen-step-click
 # (key, default, lowest, highest) of each number the link may carry; None: no bound
 _GEN_NUMBERS = [("gen_t", 0.0, 0.0, 2.0), ("gen_k", 0, None, None), ("gen_p", 1.0, 0.01, 1.0),
-                ("gen_minp", 0.0, 0.0, 1.0), ("gen_rep", 1.0, 0.5, 2.0), ("gen_seed", 0, None, None)]
+                ("gen_minp", 0.0, 0.0, 1.0), ("gen_rep", 1.0, 0.5, 2.0), ("gen_seed", 0, None, None),
+                ("gen_pres", 0.0, -2.0, 2.0), ("gen_freq", 0.0, -2.0, 2.0)]
 
 
 def settings_from_url(query: dict, cap: int, opened_tab: str | None = None) -> dict | None:
@@ -193,7 +200,8 @@ class GenerateTab:
                             *self.messages]
         self.step_outputs = [self.dist, self.removed_md, self.att_plot, self.timeline]
         self.gen_inputs = [shared.model, shared.prompt, shared.chat, self.max_new, self.temperature, self.top_k,
-                           self.top_p, self.min_p, self.rep, self.seed, self.stop, self.color_by]
+                           self.top_p, self.min_p, self.rep, self.seed, self.stop, self.color_by,
+                           self.presence, self.frequency]  # the penalties last: older API calls still fit
         self._wire()
 
     # --- layout ------------------------------------------------------------------------------
@@ -208,6 +216,11 @@ class GenerateTab:
             self.top_p = gr.Slider(0.01, 1, value=1.0, step=0.01, label="top-p (1 = off)", elem_id="gen-top-p")
             self.min_p = gr.Slider(0, 1, value=0.0, step=0.01, label="min-p (0 = off)", elem_id="gen-min-p")
             self.rep = gr.Slider(0.5, 2.0, value=1.0, step=0.05, label="repetition penalty (1 = off)", elem_id="gen-rep")
+            # OpenAI's, over the generated tokens only: logit - presence * [count > 0] - frequency * count
+            self.presence = gr.Slider(-2.0, 2.0, value=0.0, step=0.05, label="presence penalty (0 = off)",
+                                      elem_id="gen-presence")
+            self.frequency = gr.Slider(-2.0, 2.0, value=0.0, step=0.05, label="frequency penalty (0 = off)",
+                                       elem_id="gen-frequency")
             self.seed = gr.Number(value=0, precision=0, label="seed", elem_id="gen-seed")
             self.seed_msg = V.field_message("gen-seed-msg")
             self.stop = gr.Textbox(label="stop strings (one per line, \\n for newline)", lines=2, elem_id="gen-stop")
@@ -288,7 +301,8 @@ class GenerateTab:
         self.step_click.input(self.click_step, [self.step_click, *step_inputs], [self.step_sel, *self.step_outputs])
         self.color_by.change(self.recolour, [self.state, self.color_by, self.step_sel], [self.timeline])
         self.steps_btn.click(self.export_steps, [self.state], [self.steps_files])
-        samples_event = self.samples_btn.click(self.samples, self.gen_inputs[:-1] + [self.n_samples],
+        samples_event = self.samples_btn.click(self.samples, [*self.gen_inputs[:11], self.n_samples,
+                                                              self.presence, self.frequency],
                                                [self.samples_df, self.samples_plot, *self.messages],
                                                api_name="sample")
         # Stop: cancelling closes the running generator, which ends generation at once (model_core
@@ -321,7 +335,8 @@ class GenerateTab:
         """The link: settings and chosen step mirrored into the URL, and read back on load."""
         shared = self.shared
         url_inputs = [shared.model, shared.prompt, shared.chat, self.max_new, self.temperature, self.top_k,
-                      self.top_p, self.min_p, self.rep, self.seed, self.stop, self.step_sel]
+                      self.top_p, self.min_p, self.rep, self.seed, self.stop, self.step_sel, self.presence,
+                      self.frequency]
         # written when the status or the chosen step's view changes (a .then after these events may
         # still read the values from before their outputs landed); status: a generation finished
         for comp in (self.status, self.dist):
@@ -332,10 +347,10 @@ class GenerateTab:
         self.linked = gr.State(None)
         opened_tab = gr.Textbox(visible=False, elem_id="gen-opened-tab")
         controls = [self.max_new, self.temperature, self.top_k, self.top_p, self.min_p, self.rep, self.seed,
-                    self.stop]
+                    self.stop, self.presence, self.frequency]
         shared.page.load(self.gen_from_url, [opened_tab], [*controls, self.linked],
                          js=page_js("opened_tab")).then(
-            self.gen_autorun, [self.linked, *controls, self.color_by], self.gen_outputs,
+            self.gen_autorun, [self.linked, *controls[:-2], self.color_by, *controls[-2:]], self.gen_outputs,
             concurrency_id="generate", concurrency_limit=generate_concurrency()).then(
             self.gen_open_linked_step, [self.linked, self.opening, self.state, self.color_by, self.show_att],
             [self.step_sel, *self.step_outputs, self.opening])
@@ -350,20 +365,21 @@ class GenerateTab:
         return {c: V.show(x) if x else V.clear() for c, x in shown.items()}
 
     @endpoint(model=True)
-    def run(self, model_name, prompt, chat, n_new, t, k, p, m, r, sd, stop_text, colour,
+    def run(self, model_name, prompt, chat, n_new, t, k, p, m, r, sd, stop_text, colour, pp=0.0, fp=0.0,
             request: gr.Request = None):
-        yield from self._generation(model_name, prompt, chat, n_new, t, k, p, m, r, sd, stop_text, colour)
+        yield from self._generation(model_name, prompt, chat, n_new, t, k, p, m, r, sd, stop_text, colour, pp, fp)
 
-    def _generation(self, model_name, prompt, chat, n_new, t, k, p, m, r, sd, stop_text, colour) -> Iterator[dict]:
+    def _generation(self, model_name, prompt, chat, n_new, t, k, p, m, r, sd, stop_text, colour,
+                    pp=0.0, fp=0.0) -> Iterator[dict]:
         """Generate, streaming the text and tokens (the timeline every few steps), then every view of
         the finished generation. A refused request (a bad setting, an empty or too long prompt, a bad
         stop string) changes only the messages; one that fails later keeps its tokens and says why."""
-        problems = _problems(t, k, p, m, r, sd)
+        problems = _problems(t, k, p, m, r, sd, pp, fp)
         if problems:
             yield self._messages(problems)
             return
         lm = get_model(model_name)
-        settings = SamplingSettings.from_values(t, k, p, m, r)  # a SettingsError: endpoint shows it
+        settings = SamplingSettings.from_values(t, k, p, m, r, presence_penalty=pp, frequency_penalty=fp)
         steps_json: list[dict] = []
         pending: list = []  # steps not turned into JSON yet
         gen = lab = None
@@ -500,14 +516,15 @@ class GenerateTab:
         return gr.update(value=[str(p) for p in write_samples(table, scratch_dir("samples"), meta)], visible=True)
 
     @endpoint(model=True)
-    def samples(self, model_name, prompt, chat, n_new, t, k, p, m, r, sd, stop_text, n, request: gr.Request = None):
+    def samples(self, model_name, prompt, chat, n_new, t, k, p, m, r, sd, stop_text, n, pp=0.0, fp=0.0,
+                request: gr.Request = None):
         """N samples with consecutive seeds, a row each as it comes; the figure at the end."""
-        problems = _problems(t, k, p, m, r, sd)
+        problems = _problems(t, k, p, m, r, sd, pp, fp)
         if problems:  # the samples already drawn stay
             yield self._messages(problems)
             return
         lm = get_model(model_name)
-        settings = SamplingSettings.from_values(t, k, p, m, r)  # a SettingsError: endpoint shows it
+        settings = SamplingSettings.from_values(t, k, p, m, r, presence_penalty=pp, frequency_penalty=fp)
         n = int(max(2, min(int(n or 2), MAX_SAMPLES)))
         base = int(sd or 0)
         rows, gens = [], []
@@ -539,10 +556,12 @@ class GenerateTab:
             return {self.linked: None}
         return {self.max_new: got["gen_max"], self.temperature: got["gen_t"], self.top_k: got["gen_k"],
                 self.top_p: got["gen_p"], self.min_p: got["gen_minp"], self.rep: got["gen_rep"],
-                self.seed: got["gen_seed"], self.stop: got["gen_stop"], self.linked: got}
+                self.seed: got["gen_seed"], self.stop: got["gen_stop"], self.presence: got["gen_pres"],
+                self.frequency: got["gen_freq"], self.linked: got}
 
     @endpoint(model=True)
-    def gen_autorun(self, link, n_new, t, k, p, m, r, sd, stop_text, colour, request: gr.Request = None):
+    def gen_autorun(self, link, n_new, t, k, p, m, r, sd, stop_text, colour, pp=0.0, fp=0.0,
+                    request: gr.Request = None):
         """A link to a generation runs it on load with the link's own model, prompt and chat (the
         shared bar is filled by another load event at the same moment)."""
         if not isinstance(link, dict):
@@ -553,7 +572,7 @@ class GenerateTab:
         model_name = link.get("model") if link.get("model") in model_names() else self.shared.model.value
         prompt = link.get("prompt") if isinstance(link.get("prompt"), str) else EXAMPLE_PROMPT
         yield from self._generation(model_name, prompt, bool(link.get("chat")), n_new, t, k, p, m, r, sd, stop_text,
-                                    colour)
+                                    colour, pp, fp)
 
     @endpoint  # show_step holds the model slot
     def gen_open_linked_step(self, link, fresh, st, colour, with_att, request: gr.Request = None):
