@@ -61,10 +61,21 @@ FIXES: dict[str, dict] = {
     "bamba": dict(attn_layer_indices=[1]),
     "lfm3": dict(layer_types=["conv", "full_attention"]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
-    "zamba": dict(layers_block_type=["mamba", "hybrid"], attn_layer_period=2, attn_layer_offset=1),
-    "zamba2": dict(layers_block_type=["mamba", "hybrid"]),
+    # Zamba: every hybrid layer holds the one shared transformer block (tied weights; Zamba 2 with its
+    # per-layer adapters), so two hybrid layers, as a real checkpoint's dozen: with one, the tie has no
+    # layer to reach and loading refuses.
+    "zamba": dict(num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "hybrid"]),
+    "zamba2": dict(num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "hybrid"],
+                   use_shared_attention_adapter=True, adapter_rank=8,
+                   num_key_value_heads=4),  # the adapters add full-width keys and values: no GQA
     "zaya": dict(num_experts_per_tok=1),
+    "longcat_flash": dict(head_dim=8),  # its rotary's size, = qk_rope_head_dim (as DeepSeek-V3 sets itself)
     "mamba2": dict(num_heads=8, head_dim=16),  # hidden * expand (2) = heads * head_dim
+    # Gemma 3n: the last layers reuse earlier layers' keys and values (15 by default, more than two
+    # layers have); four layers, the last two reusing the first two's, as the real models do.
+    "gemma3n_text": dict(num_hidden_layers=4, num_kv_shared_layers=2, vocab_size_per_layer_input=300,
+                         hidden_size_per_layer_input=16, laurel_rank=8,
+                         layer_types=["sliding_attention", "full_attention"] * 2),
     "cohere_compass_text": dict(layer_types=["sliding_attention", "full_attention"], rope_parameters={
         t: {"rope_type": "default", "rope_theta": 10000.0} for t in ("sliding_attention", "full_attention")}),
 }
@@ -100,7 +111,8 @@ def tiny_config(model_type: str):
     params = inspect.signature(cls.__init__).parameters
     kwargs = {k: v for k, v in {**TINY, **FIXES.get(model_type, {})}.items() if k in params}
     if "kv_lora_rank" in params:  # multi-head latent attention: head_dim follows qk_rope_head_dim, no GQA
-        kwargs.pop("head_dim", None)
+        if "head_dim" not in FIXES.get(model_type, {}):
+            kwargs.pop("head_dim", None)
         if "num_key_value_heads" in kwargs:
             kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
     return cls(**kwargs)
@@ -166,7 +178,9 @@ def check_one(model_type: str) -> dict:
             problems.append(f"logits differ by {lg:.2g}")
         g = generate(lm, token_ids_prompt(lm, ids), max_new_tokens=NEW_TOKENS, ignore_eos=True)
         with torch.no_grad():
-            want = ref.generate(torch.tensor([g.prompt_ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+            # No end-of-sequence token on either side (lmscope's ignore_eos): min_new_tokens would instead
+            # forbid eos, steering transformers off the argmax wherever the model picks it.
+            want = ref.generate(torch.tensor([g.prompt_ids]), max_new_tokens=NEW_TOKENS, eos_token_id=None,
                                 do_sample=False, pad_token_id=257)[0, len(g.prompt_ids):].tolist()
         if g.token_ids != want:
             problems.append(f"greedy generation differs ({g.token_ids} vs {want})")

@@ -11,7 +11,9 @@ Places are read per layer: hybrids (Jamba, Bamba, Nemotron-H, Qwen3-Next, LFM2, 
 mix softmax-attention layers with Mamba / convolution / linear-attention ones. Every layer has its
 residual stream, attn_out (whatever adds in attention's place) and mlp_out; a layer without softmax
 attention refuses a pattern in one sentence (no_attention). Sublayer outputs scaled by a residual
-multiplier (Granite, MiniCPM3) are recorded scaled (hooks).
+multiplier (Granite, MiniCPM3) are recorded scaled (hooks). A layer with no norm of its own is
+read through the blocks nested in it (Zamba's hybrid layers: a shared transformer whose output feeds
+the Mamba block beside it; the Mamba block's output is attn_out, the shared attention the pattern).
 
 The attention pattern is not recomputed by hand either: the model runs with attn_implementation
 "lmscope" (model_core.core.attention_capture), and a pattern is read by re-running that one decoder
@@ -26,6 +28,7 @@ from __future__ import annotations
 import inspect
 import logging
 from dataclasses import dataclass
+from operator import attrgetter
 
 import torch
 from torch import nn
@@ -41,6 +44,12 @@ _OUT_PROJ = ("o_proj", "out_proj", "dense", "c_proj", "wo", "o")
 _DOWN_PROJ = ("down_proj", "c_proj", "fc2", "fc_out", "w2", "dense_4h_to_h", "wo")
 
 
+def _has_norm(layer: nn.Module) -> bool:
+    """A norm among the layer's children, or among those of a block nested in it (Zamba's hybrid
+    layers keep theirs in the Mamba block and the shared transformer they hold)."""
+    return any(is_norm(c) or any(is_norm(g) for g in c.children()) for c in layer.children())
+
+
 def _find_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """The decoder blocks: the largest nn.ModuleList whose items each have a norm of their own
     (hybrids mix block classes: Jamba's attention and Mamba layers), else of one class."""
@@ -48,7 +57,7 @@ def _find_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     for name, mod in model.named_modules():
         if not isinstance(mod, nn.ModuleList) or not len(mod):
             continue
-        normed = all(any(is_norm(c) for c in m.children()) for m in mod)
+        normed = all(_has_norm(m) for m in mod)
         if not normed and len({type(m) for m in mod}) != 1:
             continue
         key = (normed, len(mod))
@@ -58,6 +67,36 @@ def _find_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
         raise ModelLoadError(f"Architecture '{model.config.model_type}' is not supported yet: lmscope "
                              f"found no list of decoder layers in it.")
     return best
+
+
+def _module(layer: nn.Module, name: str | None) -> nn.Module | None:
+    """The module at a dotted path inside a layer ("self_attn", "mamba_decoder.mamba"); None: none."""
+    return attrgetter(name)(layer) if name else None
+
+
+def _children(layer: nn.Module) -> tuple[list[tuple[str, nn.Module]], bool]:
+    """The layer's children by dotted name, and whether they came from blocks nested in it: a layer
+    with no norm of its own (Zamba's hybrid layer: a shared transformer block, a linear and a Mamba
+    block) is read through those blocks' children ("shared_transf.self_attn", ...)."""
+    children = list(layer.named_children())
+    if any(is_norm(m) for _, m in children):
+        return children, False
+    out, nested = [], False
+    for n, m in children:
+        inner = list(m.named_children())
+        # A nested block: a norm and a sublayer (a module of its own, not a leaf such as the conv1d
+        # inside a linear-attention mixer) named like attention, an MLP or a mixer.
+        if any(is_norm(c) for _, c in inner) and any(_role_name(c) and any(True for _ in cm.children())
+                                                     for c, cm in inner):
+            out += [(f"{n}.{c}", cm) for c, cm in inner]
+            nested = True
+        else:
+            out.append((n, m))
+    return out, nested
+
+
+def _role_name(name: str) -> bool:
+    return any(k in name for k in ("attn", "attention", *_MLP_NAMES, *_MIXER_NAMES))
 
 
 def _child(module: nn.Module, names) -> tuple[str, nn.Module] | None:
@@ -92,7 +131,7 @@ class _Places:
 
 
 def _places(mt: str, layer: nn.Module, layer_type: str | None) -> _Places:
-    children = list(layer.named_children())
+    children, nested = _children(layer)
     names = ", ".join(n for n, _ in children)
     norms = [(n, m) for n, m in children if is_norm(m)]
     # Only children with weights: GPT-NeoX's post_attention_dropout is no attention module.
@@ -100,6 +139,17 @@ def _places(mt: str, layer: nn.Module, layer_type: str | None) -> _Places:
     attn = [n for n, m in blocks if "attn" in n or "attention" in n]
     mixers = [n for n, m in blocks if any(k in n for k in _MIXER_NAMES) and n not in attn]
     mlp = [n for n, m in blocks if any(k in n for k in _MLP_NAMES) and n not in attn]
+    if nested and attn and mixers and attn[0].split(".")[0] != mixers[0].split(".")[0]:
+        # Zamba: the attention sits in one nested block (the shared transformer, its MLP after it),
+        # the Mamba block beside it takes that block's output into its own input and alone adds to
+        # the residual. So attn_out is the Mamba mixer's output; the attention gives the pattern; the
+        # shared MLP reads the attention's output, not the residual, so the layer has no mlp_out.
+        return _Places(attn[0], mixers[0], "attention", None, False, mixers[0], None, None, None)
+    lists = [n for n, m in blocks if n in attn and isinstance(m, nn.ModuleList)]
+    if lists:  # LongCat-Flash: two attention + MLP sublayers and a MoE beside them in every layer
+        raise ModelLoadError(f"Architecture '{mt}' is not supported yet: each decoder layer runs "
+                             f"{len(dict(children)[lists[0]])} attention blocks ({lists[0]}), and lmscope "
+                             f"places one per layer.")
     mlp_inline = False
     linear = bool(layer_type) and any(k in layer_type for k in _LINEAR_TYPES)
     mixer, kind = (attn[0], "attention") if attn else (mixers[0], mixers[0]) if mixers else (None, "")
@@ -211,7 +261,7 @@ class GenericAdapter(Adapter):
         return self._by_id[id(layer)]
 
     def _get(self, layer, name):
-        return getattr(layer, name) if name else None
+        return _module(layer, name)
 
     def attn_out_module(self, layer):
         """What joins the residual in attention's place (None: nothing, the hooks record zeros)."""
@@ -223,7 +273,7 @@ class GenericAdapter(Adapter):
     def beside_attention(self, layer):
         """(block, its output multiplier, the attention's) where a block runs beside the attention."""
         name = self._at(layer).beside
-        return name and (getattr(layer, name), float(getattr(layer, "ssm_out_multiplier", 1.0)),
+        return name and (_module(layer, name), float(getattr(layer, "ssm_out_multiplier", 1.0)),
                          float(getattr(layer, "attn_out_multiplier", 1.0)))
 
     def mlp_remainder(self, layer) -> bool:
@@ -240,14 +290,14 @@ class GenericAdapter(Adapter):
 
     def attn_z_module(self, layer):
         p = self._at(layer)
-        found = _child(getattr(layer, p.attn), _OUT_PROJ) if p.attn else None
+        found = _child(_module(layer, p.attn), _OUT_PROJ) if p.attn else None
         return found[1] if found and hasattr(found[1], "weight") else None
 
     def mlp_post_module(self, layer):
         p = self._at(layer)
         if p.mlp_inline:
             return layer.fc2
-        found = _child(getattr(layer, p.mlp), _DOWN_PROJ) if p.mlp else None
+        found = _child(_module(layer, p.mlp), _DOWN_PROJ) if p.mlp else None
         return found[1] if found and hasattr(found[1], "weight") else None
 
     def no_attention(self, layer_idx: int) -> str | None:
@@ -265,7 +315,9 @@ class GenericAdapter(Adapter):
         out = []
         if self.attn_z_module(layer) is None:
             out.append("no single attention output projection (attn.hook_z)")
-        if self.mlp_post_module(layer) is None:
+        if self.places[self.attention_layers[0]].mlp is None:
+            out.append("no MLP on the residual stream in its attention layers (no mlp.hook_post)")
+        elif self.mlp_post_module(layer) is None:
             out.append("no single MLP down projection (mlp.hook_post; mixture-of-experts MLPs have one per expert)")
         if len(self.attention_layers) < len(self._layers):
             out.append(f"{len(self._layers) - len(self.attention_layers)} of {len(self._layers)} layers have no "
@@ -274,7 +326,7 @@ class GenericAdapter(Adapter):
 
     def shape(self) -> ModelShape:
         c = self.config
-        attn = getattr(self._layers[self.attention_layers[0]], self.attn_name)
+        attn = _module(self._layers[self.attention_layers[0]], self.attn_name)
         d = self.embed_tokens.weight.shape[1]
         n_heads = next((v for v in (getattr(c, k, None) for k in ("num_attention_heads", "n_head", "num_heads",
                                                                    "n_heads")) if v), None)
@@ -294,7 +346,7 @@ class GenericAdapter(Adapter):
         name = self.places[layer_idx].attn
         if name is None:
             return None
-        attn = getattr(self._layers[layer_idx], name)
+        attn = _module(self._layers[layer_idx], name)
         if hasattr(attn, "sliding_window"):
             return attn.sliding_window or None
         return super().sliding_window(layer_idx)
@@ -376,7 +428,7 @@ class GenericAdapter(Adapter):
         why = self.no_attention(layer_idx)
         if why:
             raise PromptError(why)
-        attn = getattr(self._layers[layer_idx], self.places[layer_idx].attn)
+        attn = _module(self._layers[layer_idx], self.places[layer_idx].attn)
         attn._lmscope_layer = layer_idx
         rec = Recorder(capture=False, patterns=frozenset({layer_idx}))
         with torch.inference_mode(), recording(rec):
@@ -403,7 +455,7 @@ class GenericAdapter(Adapter):
         """From the normalised input x [T, d]: the layer's attention module run on it."""
         if self.no_attention(layer_idx):
             raise PromptError(self.no_attention(layer_idx))
-        attn = getattr(self._layers[layer_idx], self.places[layer_idx].attn)
+        attn = _module(self._layers[layer_idx], self.places[layer_idx].attn)
         return self._queries(self._captured(layer_idx, lambda: self._call(layer_idx, attn, x, rope)), queries)
 
     def attention(self, layer_idx, resid_pre, rope, queries=None) -> Attention:
@@ -433,7 +485,7 @@ class GenericAdapter(Adapter):
         seen = {}
         h = post.register_forward_pre_hook(lambda m, args: seen.setdefault("x", args[0]))
         try:
-            getattr(self._layers[layer_idx], p.mlp)(x[None])
+            _module(self._layers[layer_idx], p.mlp)(x[None])
         finally:
             h.remove()
         return seen["x"][0]
@@ -444,7 +496,7 @@ def generic_adapter(model: nn.Module) -> GenericAdapter:
     ad = GenericAdapter(model)
     for i, layer in enumerate(ad.layers):
         if ad.places[i].attn:
-            getattr(layer, ad.places[i].attn)._lmscope_layer = i
+            _module(layer, ad.places[i].attn)._lmscope_layer = i
     for miss in ad.missing():
         log.info("%s: %s", model.config.model_type, miss)
     return ad

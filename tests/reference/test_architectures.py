@@ -28,10 +28,11 @@ _spec.loader.exec_module(architectures)
 # family's eager does (granite_swa), rotary as complex frequencies re-run from the captured layer
 # call (llama4_text), post-norms and a residual multiplier (hyperclovax), ALiBi passed to the
 # layer and sublayers that add the residual themselves (bloom), experts plus a shared MLP beside
-# them (granitemoehybrid), a Mamba block beside the attention with output multipliers (falcon_h1).
+# them (granitemoehybrid), a Mamba block beside the attention with output multipliers (falcon_h1),
+# a shared transformer block nested in hybrid layers, feeding their Mamba block (zamba2).
 FAMILIES = ["gpt_neox", "gemma2", "olmo2", "phi3", "mixtral", "qwen2_moe", "granite", "starcoder2", "gptj", "opt",
             "jamba", "qwen3_next", "nemotron_h", "granite_swa", "llama4_text", "hyperclovax", "bloom",
-            "granitemoehybrid", "falcon_h1"]
+            "granitemoehybrid", "falcon_h1", "zamba2"]
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -112,6 +113,27 @@ def test_hybrid_layer_without_attention_says_so_and_every_layer_has_a_residual(t
     torch.testing.assert_close(tr.resid_post(0), ref.hidden_states[1][0], atol=1e-5, rtol=1e-5)
     assert lm.adapter.logits_from_resid(tr.resid_post(0)).shape == (len(ids), 300)
     assert tr.attention_pattern(1).shape == (4, len(ids), len(ids))
+
+
+def test_shared_transformer_read_through_the_blocks_nested_in_a_hybrid_layer(tmp_path):
+    """Zamba 2's hybrid layers hold a shared transformer block (tied weights) and a Mamba block, no
+    attention or norm of their own: the pattern is the shared block's attention, what joins the
+    residual is the Mamba block's output (hook_attn_out; no MLP on the residual), and the attention
+    reaches the residual only through that block (reference: transformers' output_hidden_states)."""
+    lm = _tiny("zamba2", tmp_path)
+    assert lm.adapter.attention_layers == [1, 2]
+    ids = list(b"hello there, cat")
+    tr = trace(lm, token_ids=ids)
+    with pytest.raises(PromptError, match=r"^Layer 0 of this zamba2 model is a mamba block .*layers with one: 1, 2\)\.$"):
+        tr.attention_pattern(0)
+    with torch.inference_mode():
+        ref = lm.model(torch.tensor([ids]), output_hidden_states=True, use_cache=False)
+    torch.testing.assert_close(tr.resid_post(1), ref.hidden_states[2][0], atol=1e-5, rtol=1e-5)
+    assert float(tr.mlp_out[1].abs().max()) == 0.0
+    assert tr.attention_pattern(2).shape == (4, len(ids), len(ids))
+    zeroed = trace(lm, token_ids=ids, edits={"blocks.1.attn.hook_z": lambda n, t: t * 0})
+    torch.testing.assert_close(zeroed.resid_pre[1], tr.resid_pre[1])
+    assert not torch.allclose(zeroed.attn_out[1], tr.attn_out[1])
 
 
 def test_batched_traces_reuse_each_rows_layer_call(tmp_path):
