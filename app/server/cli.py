@@ -188,6 +188,8 @@ def cmd_generate(args) -> int:
             raise LmscopeError("--presence-penalty and --frequency-penalty apply to sampling, not to a beam or "
                                "contrastive search.")
         return cmd_search(args, search)
+    if args.prompt_lookup is not None or args.assistant_model is not None:
+        return cmd_speculative(args, settings)
     lm = load_model(args.model, device=args.device or args.settings.device, dtype=args.settings.dtype)
     options = dict(max_new_tokens=args.max_new_tokens, settings=settings, seed=args.seed, chat=args.chat,
                    stop=args.stop or [])
@@ -199,6 +201,48 @@ def cmd_generate(args) -> int:
         _print_json(_generate_json([out]))
     else:
         _out(args.prompt + out["text"])
+    return 0
+
+
+def cmd_speculative(args, settings) -> int:
+    """Greedy speculative decoding (prompt lookup or a draft model) beside plain greedy decoding of
+    the same prompt in the same run: whether their tokens are equal, and the speed-up."""
+    from model_core.core.prompts import encode_prompt
+    from model_core.core.registry import load_model
+    from model_core.serving import speculative as Spec
+
+    if args.prompt_lookup is not None and args.assistant_model is not None:
+        raise LmscopeError("Give --prompt-lookup or --assistant-model, not both.")
+    if not settings.greedy or settings.repetition_penalty != 1.0 or settings.penalises_generated:
+        raise LmscopeError("Speculative decoding here is greedy: use --temperature 0 without penalties.")
+    if args.steer_pairs or args.stop or _search_settings(args) is not None:
+        raise LmscopeError("Speculative decoding does not combine with steering, stop strings, beams or "
+                           "contrastive search.")
+    k = Spec.check_k(args.prompt_lookup if args.prompt_lookup is not None else args.draft_tokens)
+    lm = load_model(args.model, device=args.device or args.settings.device, dtype=args.settings.dtype)
+    if args.assistant_model is not None:
+        draft_lm = load_model(args.assistant_model, device=args.device or args.settings.device,
+                              dtype=args.settings.dtype)
+        Spec.check_draft(lm, draft_lm)
+        draft = Spec.DraftModel(draft_lm)
+    else:
+        draft = Spec.PromptLookup()
+    ids = encode_prompt(lm, args.prompt, chat=args.chat)
+    plain = Spec.plain_greedy(lm, ids, args.max_new_tokens)
+    spec = Spec.speculative_greedy(lm, ids, args.max_new_tokens, draft, k=k)
+    out = {"prompt": args.prompt, "prompt_token_ids": ids, **spec.to_json(lm.tokenizer),
+           "equals_plain": spec.token_ids == plain.token_ids, "plain": plain.to_json(lm.tokenizer),
+           "speedup": plain.seconds / spec.seconds if spec.seconds > 0 else None}
+    if args.json:
+        _print_json(_generate_json([out]))
+    else:
+        rate = spec.acceptance_rate
+        _out(args.prompt + out["text"],
+             f"draft: {spec.draft} (k {k}); accepted {spec.accepted} of {spec.proposed} proposed tokens"
+             + (f" ({rate:.0%})" if rate is not None else "")
+             + f"; {len(spec.token_ids)} tokens in {spec.target_forwards} target forwards vs "
+               f"{plain.target_forwards} plain; {out['speedup']:.2f}x plain greedy's speed in this run; "
+               f"tokens {'equal to' if out['equals_plain'] else 'DIFFERENT from'} plain greedy's")
     return 0
 
 
@@ -332,6 +376,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--length-penalty", type=float, default=1.0, help="beam score = sum log p / length ** this")
     g.add_argument("--penalty-alpha", type=float, default=0.0, help="contrastive search with this alpha and "
                    "--top-k candidates (4 if unset)")
+    g.add_argument("--prompt-lookup", type=int, default=None, metavar="K", help="speculative decoding (greedy): "
+                   "propose up to K tokens that followed the text's last 3, 2 or 1 tokens earlier in it; --json "
+                   "lists each step's accepted tokens and compares with plain greedy in the same run")
+    g.add_argument("--assistant-model", default=None, help="speculative decoding (greedy) with this draft model "
+                   "(the same tokenizer as --model), --draft-tokens at a time")
+    g.add_argument("--draft-tokens", type=int, default=4, help="tokens the draft model proposes per step (1-32)")
     g.add_argument("--steer-pairs", default=None, help="steer: a JSONL file of {\"positive\": ..., "
                    "\"negative\": ...} lines (or a built-in set: love-hate, formal-informal); prints the unsteered "
                    "run (alpha 0) and the steered one, same seed")

@@ -43,3 +43,11 @@ def full_prefill_cache(lm):
 def sliding_window_of(lm) -> int | None:
     """The window of the model's sliding-window layers (its adapter's `sliding_window`), or None."""
     return next((w for w in map(lm.adapter.sliding_window, range(lm.shape.n_layers)) if w), None)
+
+
+def crop_to(cache, length: int) -> None:
+    """Drop the cache's positions past `length`. A negative count to remove is what every 5.x takes
+    (5.2x refuses the absolute length earlier versions took)."""
+    remove = cache.get_seq_length() - length
+    if remove > 0:
+        cache.crop(-remove)
