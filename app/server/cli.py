@@ -182,14 +182,14 @@ def cmd_generate(args) -> int:
     settings = SamplingSettings.from_values(args.temperature, args.top_k, args.top_p, args.min_p,
                                             args.repetition_penalty, presence_penalty=args.presence_penalty,
                                             frequency_penalty=args.frequency_penalty)
+    if args.prompt_lookup is not None or args.assistant_model is not None:
+        return cmd_speculative(args, settings)
     search = _search_settings(args)
     if search is not None:
         if settings.penalises_generated:
             raise LmscopeError("--presence-penalty and --frequency-penalty apply to sampling, not to a beam or "
                                "contrastive search.")
         return cmd_search(args, search)
-    if args.prompt_lookup is not None or args.assistant_model is not None:
-        return cmd_speculative(args, settings)
     lm = load_model(args.model, device=args.device or args.settings.device, dtype=args.settings.dtype)
     options = dict(max_new_tokens=args.max_new_tokens, settings=settings, seed=args.seed, chat=args.chat,
                    stop=args.stop or [])
