@@ -14,7 +14,8 @@ CPU:  .venv/bin/python bench/speculative.py                 (the real default mo
 GPU:  PYTHONPATH=. python bench/speculative.py --device cuda --shape llama-8b
       (random weights of that shape: acceptance there says nothing about a real draft; the line
       to read is the self-draft, what verifying k tokens in one forward buys on that device)
-Every run checks that each draft's tokens equal plain greedy's.
+Every run checks that each draft's tokens equal plain greedy's (float32: must; bf16: a near tie can
+flip when the verify forward's k+1 tokens round differently from a one-token step, so it is reported).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
 
 from bench.common import device_info, interleaved  # noqa: E402
 
@@ -79,7 +82,7 @@ def main() -> None:
     drafts = {f"lookup k={k}": (lambda k=k: (S.PromptLookup(), k)) for k in (2, 4, 8)}
     drafts[f"first {args.draft_layers} layers k=4"] = lambda: (S.DraftModel(small), 4)
     drafts["self k=4"] = lambda: (S.DraftModel(lm), 4)
-    summary = {}
+    summary, differs = {}, []
     for pname, text in PROMPTS.items():
         ids = encode_prompt(lm, text)
         plain = S.plain_greedy(lm, ids, args.new_tokens)
@@ -104,8 +107,13 @@ def main() -> None:
             summary[pname][dname] = {"speedup": times["plain"] / times[dname], "acceptance": rate,
                                      "target_forwards": r.target_forwards, "equal": same}
             if not same:
-                raise SystemExit(f"{dname} on the {pname} prompt differs from plain greedy")
+                differs.append(f"{dname} on the {pname} prompt")
     print("\n" + json.dumps(summary))
+    if differs:
+        # in bf16 a verify forward over k+1 tokens rounds differently from a one-token step, and a
+        # near tie between the top two logits can flip (seen at 8B with random weights; float32 equal)
+        print(f"tokens differ from plain greedy in {lm.dtype}: {'; '.join(differs)}")
+        raise SystemExit(1 if lm.dtype == torch.float32 else 0)
 
 
 if __name__ == "__main__":
