@@ -21,11 +21,9 @@ flip when the verify forward's k+1 tokens round differently from a one-token ste
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -38,20 +36,6 @@ PROMPTS = {
             "    return a * b\n\ndef div(a, b):\n",
     "prose": "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is",
 }
-
-
-def cut(lm, layers: int):
-    """The target's first `layers` decoder layers with its own embeddings, final norm and unembedding
-    (shared tensors: no copy of the weights)."""
-    model, inner = copy.copy(lm.model), copy.copy(lm.model.model)
-    # a shallow copy shares the submodule dict: give each copy its own before replacing entries
-    model._modules, inner._modules = dict(model._modules), dict(inner._modules)
-    inner.layers = inner.layers[:layers]
-    model.model = inner
-    model.config = copy.copy(model.config)
-    model.config.num_hidden_layers = layers
-    return SimpleNamespace(model=model, name=f"{lm.name} first {layers} layers", tokenizer=lm.tokenizer,
-                           adapter=lm.adapter, shape=SimpleNamespace(n_layers=layers))
 
 
 def main() -> None:
@@ -76,7 +60,7 @@ def main() -> None:
     lm = load_model(name, device=args.device, dtype=args.dtype)
     print(f"{device_info(lm.device)}; {lm.name}: {lm.shape.n_layers} layers, {lm.n_params / 1e6:.0f}M parameters, "
           f"{lm.dtype}; {args.new_tokens} new tokens, median of {args.repeats}")
-    small = cut(lm, args.draft_layers)
+    small = S.first_layers(lm, args.draft_layers)
     assert len(lm.model.model.layers) == lm.shape.n_layers  # the target keeps all its layers
     # the draft's cache: a plain DynamicCache (the cut model has the target's layer types)
     drafts = {f"lookup k={k}": (lambda k=k: (S.PromptLookup(), k)) for k in (2, 4, 8)}

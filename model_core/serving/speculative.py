@@ -17,9 +17,11 @@ effect and nothing else (same forwards, same cache, same Python).
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
@@ -137,6 +139,27 @@ class DraftModel:
                     logits = _all_logits(self.lm.model, [t], self.cache)[-1]
                     self.cached.append(t)
         return out
+
+
+def first_layers(lm, n_layers: int):
+    """The target cut after its first `n_layers` decoder layers, its embeddings, final norm and
+    unembedding kept (the weights shared, nothing copied): an untrained early-exit draft on the
+    target's own tokenizer. For models whose decoder keeps its layers at `model.model.layers`."""
+    total = lm.shape.n_layers
+    if isinstance(n_layers, bool) or not isinstance(n_layers, int) or not 1 <= n_layers < total:
+        raise SettingsError(f"The draft's layers must be a whole number from 1 to {total - 1}, not {n_layers!r}.")
+    inner = getattr(lm.model, "model", None)
+    if not isinstance(getattr(inner, "layers", None), torch.nn.ModuleList):
+        raise SettingsError(f"Model '{lm.name}' keeps its layers elsewhere; a cut draft needs model.layers.")
+    model, inner = copy.copy(lm.model), copy.copy(inner)
+    # a shallow copy shares the submodule dict: give each copy its own before replacing entries
+    model._modules, inner._modules = dict(model._modules), dict(inner._modules)
+    inner.layers = inner.layers[:n_layers]
+    model.model = inner
+    model.config = copy.copy(model.config)
+    model.config.num_hidden_layers = n_layers
+    return SimpleNamespace(model=model, name=f"{lm.name}, first {n_layers} layers", tokenizer=lm.tokenizer,
+                           adapter=lm.adapter, shape=SimpleNamespace(n_layers=n_layers))
 
 
 def check_draft(target_lm, draft_lm) -> None:

@@ -110,3 +110,23 @@ def test_a_draft_model_after_a_rejection_proposes_its_own_greedy_text(models):
     assert draft.propose(context, 4) == _reference(noisy, context, 4)
     context = context + draft.propose(context, 4)[:2] + [5]  # two kept, then a correction
     assert draft.propose(context, 3) == _reference(noisy, context, 3)
+
+
+def test_the_first_layers_draft_is_transformers_own_cut_and_leaves_the_target_whole(models, tmp_path):
+    """first_layers(lm, n) computes what transformers computes for the same checkpoint loaded with
+    num_hidden_layers=n (the later layers dropped), and the target keeps every layer."""
+    from transformers import AutoModelForCausalLM
+
+    lm = models[0]
+    total = lm.shape.n_layers
+    ids = torch.tensor([lm.tokenizer("the cat sat")["input_ids"]])
+    draft = S.first_layers(lm, total - 1)
+    lm.model.save_pretrained(tmp_path)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, num_hidden_layers=total - 1).eval()
+    with torch.no_grad():
+        assert torch.allclose(draft.model(ids).logits, reference(ids).logits, atol=1e-5)
+        assert len(lm.model.model.layers) == total
+        assert not torch.allclose(lm.model(ids).logits, draft.model(ids).logits)
+    for n in (0, total, 1.5, True):
+        with pytest.raises(SettingsError, match=f"from 1 to {total - 1}"):
+            S.first_layers(lm, n)
