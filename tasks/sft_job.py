@@ -210,7 +210,7 @@ def run_sft_job(self, job: Job) -> Done:
     info = res.info
     job.progress.report(data=info["data"], accuracy_before=info["accuracy_before"],
                         accuracy_after=info["accuracy_after"], metrics=info["metrics"], model_name=res.name,
-                        model_path=str(res.path),
+                        model_path=str(res.path), sampling=info.get("sampling"),
                         checkpoints=[{"name": c["name"], "step": c["step"]} for c in res.checkpoints])
     acc = ""
     if info["accuracy_before"] and info["accuracy_after"]:

@@ -73,6 +73,25 @@ def fresh_choices_finetuned():
     return gr.update(choices=finetuned_choices())
 
 
+def live_model_menu(dropdown: gr.Dropdown, kind: str) -> None:
+    """A model menu takes any name in the registry as it is now, not only the choices it was built
+    with: a model fine-tuned after the server started is a valid value for an API client that no page
+    event has sent new choices (a browser's menus get them from the timer). Anything else still
+    fails the menu's own check, which answers one sentence (app.server.api.harden)."""
+    original = dropdown.preprocess
+
+    def preprocess(payload):
+        try:
+            return original(payload)
+        except Exception:
+            live = finetuned_choices() if kind == "finetuned" else model_choices()
+            if isinstance(payload, str) and payload in {name for _, name in live}:
+                return payload
+            raise
+
+    dropdown.preprocess = preprocess
+
+
 def menus_refresher(kinds: list[str]):
     """A timer callback that sends every model menu its new choices when the registry changed (a
     fine-tuning run registered a model, one was deleted) and nothing otherwise. `known` is the
@@ -186,6 +205,8 @@ def build_demo() -> gr.Blocks:
 
         for dropdown, kind in shared.pickers:  # opened, a menu fetches its list (a hidden tab may miss the timer)
             dropdown.focus(fresh_choices_finetuned if kind == "finetuned" else fresh_choices_all, None, [dropdown])
+        for dropdown, kind in [(model, "all"), *shared.pickers]:
+            live_model_menu(dropdown, kind)
         kinds = ["all"] + [k for _, k in shared.pickers]
         known = gr.State(None)
         gr.Timer(MODEL_MENUS_REFRESH_S).tick(menus_refresher(kinds), [known],

@@ -190,8 +190,9 @@ def compression_figure(reports: dict[str, dict]) -> go.Figure:
         fig.add_bar(x=names, y=[r[3] for r in rows], name="tokens per word", marker_color="#f59e0b")
     else:
         with_message(fig, "Select a finished tokenizer job to compare its compression with the model's tokenizer.")
-    fig.update_layout(title="Compression on held-out text (higher chars/token, lower tokens/word = tighter)",
-                      barmode="group", height=320, margin=dict(l=40, r=10, t=40, b=80))
+    # the explanation on a second, smaller line: the title reads whole on a narrow page too
+    fig.update_layout(title="Compression on held-out text<br><sup>(higher chars/token, lower tokens/word = "
+                            "tighter)</sup>", barmode="group", height=320, margin=dict(l=40, r=10, t=64, b=80))
     return fig
 
 

@@ -63,6 +63,29 @@ def _pick(page, elem_id: str, text: str) -> None:
     _close(page, elem_id)
 
 
+def _same_answers_in_both_tables(page) -> None:
+    """The held-out accuracy's 'before' answers and the samples' step 0 are the same greedy answers at
+    two lengths: each table says how far it generates, and where the accuracy's answer is shorter it
+    is the sample's beginning, marked cut (…)."""
+    wait_until(lambda: page.locator(".lmscope-sft-examples td[data-cut]").count() > 0
+               and page.locator(".lmscope-samples-table td[data-step='0']").count() > 0, 60, "both answer tables")
+    note = page.inner_text(".lmscope-sft-examples-note")
+    assert "length + 4 tokens" in note and "samples below run to" in note, note
+    assert "tokens" in page.inner_text(".lmscope-samples-note")
+    accuracy = page.evaluate("""() => [...document.querySelectorAll('.lmscope-sft-examples tr')].slice(1).map(
+        r => [r.cells[0].innerText, r.cells[2].querySelector('code').innerText, r.cells[2].dataset.cut])""")
+    samples = dict(page.evaluate("""() => [...document.querySelectorAll('.lmscope-samples-table tr')].map(
+        r => [r.cells[0].innerText, (r.querySelector("td[data-step='0'] code") || {}).innerText])
+        .filter(r => r[1] !== undefined)"""))
+    shared = [(prompt, " ".join(got.split()), cut) for prompt, got, cut in accuracy if prompt in samples]
+    assert shared, (accuracy, samples)
+    for prompt, got, cut in shared:
+        longer = " ".join(samples[prompt].split())
+        assert longer.startswith(got), (prompt, got, longer)  # one answer, not two
+        assert cut == ("1" if len(longer) > len(got) else "0"), (prompt, got, longer, cut)
+    screenshot(page, "finetune-before-answers-agree")
+
+
 def test_finetuned_model_opens_without_a_restart(loop):
     from tasks import jobs
 
@@ -96,6 +119,7 @@ def test_finetuned_model_opens_without_a_restart(loop):
         page3 = browser.new_page(viewport={"width": 1400, "height": 1000})
         page3.goto(server.url + f"?tab=fine-tune&job={full['id']}")
         wait_until(lambda: f"Job {full['id']}" in page3.inner_text("#sft-info"), 60, "the linked run")
+        _same_answers_in_both_tables(page3)
         page3.close()
 
         # the Fine-tune tab: runs labelled by method, overlaid in the comparison
@@ -110,16 +134,16 @@ def test_finetuned_model_opens_without_a_restart(loop):
         except AssertionError:
             screenshot(page, "finetune-job-menu")
             raise AssertionError(f"the job menu offers {seen[-1:]!r}") from None
-        for rec in (full, lora):
-            _pick(page, "sft-runs", rec["id"])
-        page.click("#sft-runs-compare")
-        wait_until(lambda: len({t.get("type") for t in plot_data(page, "sft-runs-plot")}) > 0
-                   and len(plot_data(page, "sft-runs-plot")) >= 4, 60, "two runs' train and eval curves")
+        # nothing picked by hand: the comparison opens on the newest finished runs, the two above
+        wait_until(lambda: len(plot_data(page, "sft-runs-plot")) >= 4, 60, "two runs' train and eval curves")
         table = page.inner_text("#sft-runs-table")
         assert "full" in table and "LoRA r4" in table
         screenshot(page, "finetune-runs-compared")
 
-        # the fine-tuned model against its parent: headline numbers first, and both models' answers
+        # the fine-tuned model against its parent: headline numbers first, and both models' answers;
+        # no empty plot boxes before there is anything to show
+        result_plots = ["sft-next", "sft-kl", "sft-lens", "sft-attn", "sft-delta"]
+        assert not [p for p in result_plots if page.locator(f"#{p}").is_visible()]
         page.locator("#prompt textarea").fill("Convert 2024-03-15 to DD/MM/YYYY.")
         _pick(page, "sft-tuned", name)
         page.click("#sft-compare")
@@ -127,8 +151,10 @@ def test_finetuned_model_opens_without_a_restart(loop):
         assert MODEL in page.inner_text("#sft-headline") and name in page.inner_text("#sft-headline")
         page.click("#sft-generate-both")
         wait_until(lambda: page.locator("#sft-both td").count() == 2, 120, "two generations side by side")
+        assert all(page.locator(f"#{p}").is_visible() for p in result_plots[:4])
         page.click("#sft-weight-delta")
         wait_until(lambda: "max" in plot_title(page, "sft-delta"), 120, "the weight-change heatmap")
+        assert page.locator("#sft-delta").is_visible()
         screenshot(page, "finetune-compare-with-base")
 
         # take the model away: the zip is a Hugging Face folder that transformers loads, same logits

@@ -110,19 +110,50 @@ def status_markdown(rec: dict | None) -> str:
     return "\n\n".join(lines)
 
 
+ACCURACY_LIMIT = "the expected answer's length + 4 tokens"  # model_core.training.sft_eval.evaluate_accuracy
+
+
+def samples_limit(max_new_tokens: int | None) -> str:
+    """How far the samples generate: the run's recorded limit, else the least the run uses."""
+    from model_core.training.sft_eval import SAMPLE_MAX_NEW_TOKENS
+
+    return f"{int(max_new_tokens)} tokens" if max_new_tokens else f"{SAMPLE_MAX_NEW_TOKENS} tokens or more"
+
+
 def accuracy_examples_html(rec: dict | None) -> str:
+    """The held-out accuracy's first answers before and after, said with how they were generated: up
+    to the expected answer's length + 4 tokens (enough to judge an exact match), where the samples
+    table below runs to its own, longer limit. An answer that the samples show going on is marked
+    cut (…), so the two tables read as the same answer at two lengths, not two answers."""
     s = (rec or {}).get("sft") or {}
     b, a = s.get("accuracy_before"), s.get("accuracy_after")
     if not b or not a:
         return ""
+    samples = [r for r in s.get("samples") or [] if isinstance(r, dict) and r.get("step") is not None]
+    last = max((int(r["step"]) for r in samples), default=None)
+    longer: dict[tuple[str, str], str] = {}  # (before | after, prompt) -> that sample's completion
+    for r in samples:
+        for when, step in (("before", 0), ("after", last)):
+            if int(r["step"]) == step:
+                longer[(when, r.get("prompt"))] = r.get("completion") or ""
     rows = []
     for eb, ea in zip(b["examples"], a["examples"]):
-        def cell(e):
+        def cell(e, when):
             c = "#16a34a" if e["correct"] else "#dc2626"
-            return f"<td style='color:{c}'><code>{html.escape(e['got'])}</code></td>"
+            got, more = e["got"], longer.get((when, e["prompt"]))
+            cut = more is not None and len(more.rstrip()) > len(got.rstrip()) and more.startswith(got)
+            title = (f" title='cut at {html.escape(ACCURACY_LIMIT)}; the samples below show it going on'"
+                     if cut else "")
+            return (f"<td style='color:{c}' data-cut='{int(cut)}'{title}><code>{html.escape(got)}</code>"
+                    f"{'…' if cut else ''}</td>")
         rows.append(f"<tr><td>{html.escape(eb['prompt'])}</td><td><code>{html.escape(eb['expected'])}</code></td>"
-                    f"{cell(eb)}{cell(ea)}</tr>")
-    return ("<table class='lmscope-sft-examples'><tr><th>held-out prompt</th><th>expected</th><th>before</th>"
+                    f"{cell(eb, 'before')}{cell(ea, 'after')}</tr>")
+    further = (f"; the samples below run to {samples_limit((s.get('sampling') or {}).get('max_new_tokens'))}, so "
+               "the same answer can read longer there (… marks where this one was cut)." if samples else ".")
+    note = (f"Held-out accuracy (greedy, exact match): each answer is generated up to {ACCURACY_LIMIT}, enough "
+            f"to judge it{further}")
+    return (f"<div class='lmscope-sft-examples-note'>{html.escape(note)}</div>"
+            "<table class='lmscope-sft-examples'><tr><th>held-out prompt</th><th>expected</th><th>before</th>"
             "<th>after</th></tr>" + "".join(rows) + "</table>")
 
 
@@ -356,10 +387,12 @@ def _round(v, nd: int = 4):
     return "" if v is None else round(float(v), nd)
 
 
-def samples_table_html(samples: list[dict]) -> str:
+def samples_table_html(samples: list[dict], max_new_tokens: int | None = None) -> str:
     """Held-out generations during training (record['sft']['samples']): one row per prompt, one
     column per step (step 0 = before training, then during, the last = after), the expected answer
-    beside the prompt when known; a cell is green when its completion matches, red when not."""
+    beside the prompt when known; a cell is green when its completion matches, red when not.
+    `max_new_tokens` (record['sft']['sampling']) is said above the table: the held-out accuracy's
+    answers stop earlier (accuracy_examples_html)."""
     rows = [r for r in (samples or []) if isinstance(r, dict) and r.get("step") is not None]
     if not rows:
         return ("<div class='lmscope-samples lmscope-samples-empty'><em>No sample generations yet: the run "
@@ -392,7 +425,8 @@ def samples_table_html(samples: list[dict]) -> str:
                 f"<code style='white-space:pre-wrap'>{shown}</code></td>")
 
     head = "".join(f"<th>step {s}{' (before)' if s == 0 else ''}</th>" for s in steps)
-    out = ["<div class='lmscope-samples' style='overflow-x:auto'><table class='lmscope-samples-table'>",
+    limit = f"<div class='lmscope-samples-note'>Greedy; each sample runs to {samples_limit(max_new_tokens)}.</div>"
+    out = [f"<div class='lmscope-samples' style='overflow-x:auto'>{limit}<table class='lmscope-samples-table'>",
            f"<tr><th>held-out prompt</th>{'<th>expected</th>' if with_expected else ''}{head}</tr>"]
     for k in order:
         g = groups[k]

@@ -83,23 +83,44 @@ def job_choices(request: gr.Request = None):
     return gr.update(choices=_job_choices(request))
 
 
+LATEST_RUNS = 2  # finished runs the comparison starts with when nothing is picked
+
+
+def _latest_finished(recs: list[dict], picked, auto) -> list[str] | None:
+    """The 'Compare runs' menu's new value, or None to leave it: the newest finished runs (recs are
+    newest first), so its chart has something to show, while the menu is empty or still holds what
+    this put there (`auto`); a choice the user made is left alone."""
+    picked = picked if isinstance(picked, list) else []
+    if picked and picked != auto:
+        return None
+    done = [r["id"] for r in recs if r.get("state") == "succeeded" and (r.get("sft") or {}).get("history")]
+    return done[:LATEST_RUNS] if done and done[:LATEST_RUNS] != picked else None
+
+
 @endpoint
-def refresh(selected, known_choices, request: gr.Request = None):
+def refresh(selected, known_choices, picked_runs=None, auto_runs=None, request: gr.Request = None):
     """Timer tick: the selected job's progress, curves and accuracy, and the job menus' labels (a
-    second browser sees the same runs; a finished run stops saying 'running')."""
+    second browser sees the same runs; a finished run stops saying 'running'). When the list changed,
+    the comparison follows the newest finished runs unless the user picked runs there."""
     recs = _sft_records(request)
     choices = _job_choices(request, recs)
-    menus = [gr.skip(), gr.skip(), gr.skip()] if jf.menu_unchanged(choices, known_choices) else [
-        choices, gr.update(choices=choices), gr.update(choices=choices)]
+    if jf.menu_unchanged(choices, known_choices):
+        menus = [gr.skip()] * 4
+    else:
+        latest = _latest_finished(recs, picked_runs, auto_runs)
+        runs = gr.update(choices=choices) if latest is None else gr.update(choices=choices, value=latest)
+        menus = [choices, gr.update(choices=choices), runs, gr.skip() if latest is None else latest]
     if not selected:
         return [sf.status_markdown(None), jf.progress_html(None), gr.skip(), gr.skip(), "", "", *menus]
     try:
         rec = jf.selected_job(selected, recs, request)
     except LmscopeError as e:
         return [f"⚠️ {e}", jf.progress_html(None), gr.skip(), gr.skip(), "", "", *menus]
-    hist = (rec.get("sft") or {}).get("history")
+    run = rec.get("sft") or {}
+    hist = run.get("history")
     return [sf.status_markdown(rec), jf.progress_html(rec), sf.loss_figure(hist), sf.throughput_figure(hist),
-            sf.accuracy_examples_html(rec), sf.samples_table_html((rec.get("sft") or {}).get("samples")), *menus]
+            sf.accuracy_examples_html(rec),
+            sf.samples_table_html(run.get("samples"), (run.get("sampling") or {}).get("max_new_tokens")), *menus]
 
 
 def _runs_records(ids, request) -> list[dict]:
@@ -205,6 +226,17 @@ def generate_both(base, tuned, prompt, chat, request: gr.Request = None):
     return sf.generations_html(rows, prompt or "")
 
 
+@endpoint
+def shown():
+    """Reveals a result's plots once they hold it (hidden until then: no empty axes on the page)."""
+    return gr.update(visible=True)
+
+
+@endpoint
+def shown_compare():
+    return [gr.update(visible=True)] * 4
+
+
 @endpoint(model=True)
 def weight_change(base, tuned, request: gr.Request = None):
     """Per layer and module, how far the fine-tuned weights moved from the base's (‖ΔW‖/‖W‖)."""
@@ -277,8 +309,10 @@ def build(shared: Shared) -> None:
 
     gr.Markdown("### Compare runs")
     with gr.Row():
+        # any job id is taken (an API client names runs this page never listed); compare_runs keeps only
+        # the viewer's own
         runs = gr.Dropdown([], multiselect=True, label="Runs to overlay (loss curves, settings, results)", scale=4,
-                           elem_id="sft-runs")
+                           allow_custom_value=True, elem_id="sft-runs")
         runs_btn = gr.Button("Compare runs", scale=1, elem_id="sft-runs-compare")
     runs_plot = gr.Plot(sf.runs_figure([]), elem_id="sft-runs-plot")
     runs_df = gr.Dataframe(sf.runs_table([]), interactive=False, wrap=True, elem_id="sft-runs-table")
@@ -297,12 +331,13 @@ def build(shared: Shared) -> None:
         delta_btn = gr.Button("Where the weights changed", scale=1, elem_id="sft-weight-delta")
     headline = gr.Markdown(elem_id="sft-headline")
     both = gr.HTML(elem_id="sft-both")
-    delta_plot = gr.Plot(elem_id="sft-delta")
-    next_plot = gr.Plot(elem_id="sft-next")
-    kl_plot = gr.Plot(elem_id="sft-kl")
+    # hidden until a result fills them: no blank axes under the buttons before anything is compared
+    delta_plot = gr.Plot(visible=False, elem_id="sft-delta")
+    next_plot = gr.Plot(visible=False, elem_id="sft-next")
+    kl_plot = gr.Plot(visible=False, elem_id="sft-kl")
     with gr.Row():
-        lens_plot = gr.Plot(elem_id="sft-lens")
-        attn_plot = gr.Plot(elem_id="sft-attn")
+        lens_plot = gr.Plot(visible=False, elem_id="sft-lens")
+        attn_plot = gr.Plot(visible=False, elem_id="sft-attn")
     lens_table = gr.HTML(elem_id="sft-lens-table")
 
     shared.pickers.extend([(model, "all"), (tuned, "finetuned"), (base, "all")])  # kept current by app/server/page.py
@@ -313,12 +348,13 @@ def build(shared: Shared) -> None:
                               name, sample_every, keep_ckpt], [selected, job, status], api_name="jobs_submit_sft")
     job.change(pick_job, [job], [selected]).then(None, [job], None, js=JOB_URL_JS)
     timer = gr.Timer(REFRESH_S)
-    timer.tick(refresh, [selected, known_jobs], [info, progress, loss_plot, tput_plot, examples, samples, known_jobs, job, runs],
-               show_progress="hidden", queue=False)
-    cancel_btn.click(cancel, [selected], [status]).then(refresh, [selected, known_jobs],
-                                                        [info, progress, loss_plot, tput_plot, examples,
-                                                         samples, known_jobs, job, runs])
+    auto_runs = gr.State(None)  # what the tick last put in the runs menu (app.tabs.finetune.tab._latest_finished)
+    tick_in = [selected, known_jobs, runs, auto_runs]
+    tick_out = [info, progress, loss_plot, tput_plot, examples, samples, known_jobs, job, runs, auto_runs]
+    timer.tick(refresh, tick_in, tick_out, show_progress="hidden", queue=False)
+    cancel_btn.click(cancel, [selected], [status]).then(refresh, tick_in, tick_out)
     runs_btn.click(compare_runs, [runs], [runs_plot, runs_df], api_name="compare_runs")
+    runs.change(compare_runs, [runs], [runs_plot, runs_df], show_progress="hidden")  # picked, or preselected
     runs_export_btn.click(export_runs, [runs], [runs_files])
     # a menu opened fetches its list at once (a tab not shown yet may have missed the timer's update)
     job.focus(job_choices, None, [job])
@@ -327,10 +363,12 @@ def build(shared: Shared) -> None:
     tuned.change(parent_of, [tuned], [base])
     cmp_btn.click(compare, [base, tuned, shared.prompt, shared.chat],
                   [headline, next_plot, kl_plot, lens_plot, lens_table, attn_plot], concurrency_id="model",
-                  api_name="compare_models")
+                  api_name="compare_models").success(shown_compare, None, [next_plot, kl_plot, lens_plot, attn_plot],
+                                                     queue=False, show_progress="hidden")
     gen_btn.click(generate_both, [base, tuned, shared.prompt, shared.chat], [both], concurrency_id="model",
                   api_name="generate_both")
-    delta_btn.click(weight_change, [base, tuned], [delta_plot], concurrency_id="model", api_name="weight_change")
+    delta_btn.click(weight_change, [base, tuned], [delta_plot], concurrency_id="model",
+                    api_name="weight_change").success(shown, None, [delta_plot], queue=False, show_progress="hidden")
     from app.tabs.finetune import diff_panel  # "What changed": the run's model against its base over a corpus
 
     diff_panel.build(shared, selected, tuned)

@@ -52,8 +52,9 @@ def export_jobs(request: gr.Request = None):
 
 
 @endpoint
-def refresh(selected, request: gr.Request = None):
-    """Timer tick: job list, and the selected job's progress + log."""
+def refresh(selected=None, request: gr.Request = None):
+    """Timer tick: job list, and the selected job's progress + log. `selected` may be left out
+    (/jobs_list with no arguments: the list alone)."""
     viewer = job_viewer(request)
     try:
         recs = jf.job_store().list_jobs(owner=viewer, limit=100)
@@ -119,10 +120,11 @@ def tokenizer_choices(request: gr.Request = None):
 
 
 @endpoint(model=True)
-def compare(prompt, ids, selected, request: gr.Request = None):
+def compare(prompt, ids, selected=None, request: gr.Request = None):
     """The prompt tokenized by the default model's tokenizer and each chosen job's tokenizer: per
     tokenizer its tokens (unknown ones marked), token count, unknown tokens and rate, and whether
-    decode(encode(prompt)) gives the prompt back."""
+    decode(encode(prompt)) gives the prompt back. `selected` (the job open on the page) may be left
+    out: /tokenize takes the prompt and the jobs."""
     from tasks.tokenizer_train import analyse_text
 
     prompt = prompt or ""
@@ -204,8 +206,10 @@ def build(shared: Shared) -> None:
                           elem_id="job-merges")
     gr.Markdown("### The current prompt, tokenized side by side")
     with gr.Row():
+        # any job id is taken (an API client names jobs this page never listed); compare checks each
+        # against the viewer's own
         others = gr.Dropdown([], multiselect=True, label="Also compare these finished tokenizer jobs", scale=4,
-                             elem_id="job-compare-pick")
+                             allow_custom_value=True, elem_id="job-compare-pick")
         compare_btn = gr.Button("Tokenize prompt", scale=1, elem_id="job-compare")
     compared = gr.HTML(elem_id="job-compare-out")
 
