@@ -29,6 +29,8 @@ PUBLIC_API: dict[str, str] = {
     "model_info": "One line about a model: size, layers, heads, device",
     "generate": "Generate token by token (streams); every step's candidates and filters",
     "sample": "N samples of the same prompt with consecutive seeds",
+    "speculative": "Greedy speculative decoding (prompt lookup or a cut draft) beside plain greedy: kept and "
+                   "rejected proposals per target forward",
     "steer": "A steering vector from contrastive pairs: the steered and the unsteered generation, same seed",
     "ablate": "Ablate heads, MLP layers or neurons on the clean prompt",
     "patch": "Activation patching sweep, clean into corrupted",

@@ -1,10 +1,20 @@
 """The Generate tab in real headless Chromium on the real default model: tokens stream in, a
 clicked token opens its step, a changed setting regenerates differently."""
 
+import re
+
 import pytest
 from playwright.sync_api import sync_playwright
 
-from tests.helpers.browser import launch_browser, plot_data, plot_title, screenshot, set_number, wait_until
+from tests.helpers.browser import (
+    ARTIFACTS,
+    launch_browser,
+    plot_data,
+    plot_title,
+    screenshot,
+    set_number,
+    wait_until,
+)
 
 pytestmark = pytest.mark.browser
 
@@ -233,4 +243,60 @@ def test_presence_and_frequency_penalties_in_the_browser(server):
         wait_until(lambda: "finished because" in other.inner_text("#gen-status"), 180, "the linked generation")
         assert other.locator("#gen-output textarea").input_value() == want
         assert other.locator("#gen-frequency input[type=number]").input_value() == "1.25"
+        browser.close()
+
+
+@pytest.mark.parametrize("width", [1440, 420])
+def test_speculative_decoding_panel_in_the_browser(server, width):
+    """The Speculative decoding accordion on the real default model: prompt lookup's tokens, shown by
+    who wrote them, are transformers' own greedy tokens; the page's check against plain greedy says
+    so; a cut draft with a bad layer count is one sentence beside the last result, which stays."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from conftest import DEFAULT
+    from model_core.core.registry import REGISTRY, convert_gguf
+
+    prompt, n = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n", 24
+    path = convert_gguf(REGISTRY[DEFAULT])
+    tok = AutoTokenizer.from_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = tok(prompt)["input_ids"]
+    with torch.inference_mode():
+        want = tok.decode(hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids):])
+    with sync_playwright() as pw:
+        browser = launch_browser(pw)
+        page = browser.new_page(viewport={"width": width, "height": 900})
+        page.goto(server.url)
+        wait_until(lambda: "parameters" in page.inner_text("#model-info"), 60, "the page to load")
+        page.locator("#prompt textarea").fill(prompt)
+        page.get_by_role("tab", name="Generate").click()
+        page.locator("#gen-spec").get_by_text("Speculative decoding").first.click()
+        set_number(page, "gen-spec-max", n)
+        page.click("#gen-spec-btn")
+        info = page.locator("#gen-spec-info")
+        wait_until(lambda: "target forwards" in info.inner_text(), 120, "the speculative run")
+        text = info.inner_text()
+        assert "✓ the same tokens as plain greedy" in text, text
+        chips = page.locator("#gen-spec-tokens .token")
+        shown = "".join(chips.nth(i).inner_text() for i in range(chips.count()))
+        assert shown.replace("\n", "") == want.replace("\n", ""), (shown, want)
+        kept = page.locator("#gen-spec-tokens").inner_text().count("drafted, kept")
+        assert kept >= 1  # the legend names it
+        m = re.search(r"kept (\d+)", text)
+        assert m and int(m.group(1)) > 0, text  # the model kept 1 of 26 proposals when this was written
+        wait_until(lambda: len(plot_data(page, "gen-spec-steps")) == 3, 30, "the steps chart")
+        traces = plot_data(page, "gen-spec-steps")
+        names = page.evaluate("() => document.querySelector('#gen-spec-steps .js-plotly-plot')._fullData.map(t => t.name)")
+        assert names == ["proposed, kept", "proposed, rejected", "the target's own token"]
+        assert sum(traces[0]["y"]) == int(m.group(1))
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        page.locator("#gen-spec").screenshot(path=str(ARTIFACTS / f"generate-speculative-{width}.png"))
+        # a bad setting: one sentence where the result was; the tokens stay
+        page.locator("#gen-spec-draft").get_by_text("this model's first layers").click()
+        set_number(page, "gen-spec-layers", 0)
+        page.click("#gen-spec-btn")
+        wait_until(lambda: "from 1 to 29" in info.inner_text(), 60, "the sentence about the layers")
+        assert page.locator("#gen-spec-tokens .token").count() == chips.count()
+        assert page.locator(".error").count() == 0
         browser.close()

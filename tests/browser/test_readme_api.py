@@ -183,6 +183,7 @@ CHECKS = {
     "model_info": _has(MODEL, "parameters", "30 layers"),
     "generate": _generated,
     "sample": _samples,
+    "speculative": _has("the same tokens as plain greedy", "target forwards", "drafted, kept"),
     "steer": _has("α = 4", "KL"),
     "ablate": _has("zero-ablated: L5H3", "Paris", "Rome"),
     "patch": _has("patched runs", "Strongest cell"),

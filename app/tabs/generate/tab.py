@@ -331,6 +331,12 @@ class GenerateTab:
 
         feature_clamp_panel.build(self.shared, self)
 
+        from app.tabs.generate import (
+            speculative_panel,  # a draft's proposals checked k at a time, beside plain greedy
+        )
+
+        speculative_panel.build(self.shared)
+
     def _wire_link(self) -> None:
         """The link: settings and chosen step mirrored into the URL, and read back on load."""
         shared = self.shared
