@@ -182,6 +182,8 @@ def cmd_generate(args) -> int:
     settings = SamplingSettings.from_values(args.temperature, args.top_k, args.top_p, args.min_p,
                                             args.repetition_penalty, presence_penalty=args.presence_penalty,
                                             frequency_penalty=args.frequency_penalty)
+    if args.dola_layers is not None:
+        return cmd_dola(args, settings)
     if args.prompt_lookup is not None or args.assistant_model is not None:
         return cmd_speculative(args, settings)
     search = _search_settings(args)
@@ -201,6 +203,38 @@ def cmd_generate(args) -> int:
         _print_json(_generate_json([out]))
     else:
         _out(args.prompt + out["text"])
+    return 0
+
+
+def cmd_dola(args, settings) -> int:
+    """Greedy DoLa decoding (model_core.interp.dola): the final layer contrasted at each step with the
+    candidate layer that differs from it most; --json reports that layer and every candidate's divergence."""
+    from model_core.core.prompts import encode_prompt
+    from model_core.core.registry import load_model
+    from model_core.interp import dola as D
+    from model_core.serving.generation_request import check_max_new_tokens
+
+    if args.dola_layers not in D.LAYER_CHOICES:
+        raise LmscopeError(f"--dola-layers takes low or high, not {args.dola_layers!r}.")
+    check_max_new_tokens(args.max_new_tokens)
+    if not settings.greedy or settings.penalises_generated:
+        raise LmscopeError("DoLa here is greedy: use --temperature 0 without presence or frequency penalties "
+                           "(--repetition-penalty applies).")
+    if (args.steer_pairs or args.stop or _search_settings(args) is not None or args.prompt_lookup is not None
+            or args.assistant_model is not None):
+        raise LmscopeError("DoLa does not combine with steering, stop strings, beams, contrastive search or "
+                           "speculative decoding.")
+    lm = load_model(args.model, device=args.device or args.settings.device, dtype=args.settings.dtype)
+    ids = encode_prompt(lm, args.prompt, chat=args.chat)
+    res = D.dola_greedy(lm, ids, args.max_new_tokens, args.dola_layers,
+                        repetition_penalty=settings.repetition_penalty)
+    out = {"prompt": args.prompt, **res.to_json(lm.tokenizer)}
+    if args.json:
+        _print_json(_generate_json([out]))
+    else:
+        layers = " ".join(str(s.premature_layer) for s in res.steps)
+        _out(args.prompt + out["text"],
+             f"DoLa ({res.layers} layers: candidates {res.candidates}); premature layer per step: {layers}")
     return 0
 
 
@@ -382,6 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--assistant-model", default=None, help="speculative decoding (greedy) with this draft model "
                    "(the same tokenizer as --model), --draft-tokens at a time")
     g.add_argument("--draft-tokens", type=int, default=4, help="tokens the draft model proposes per step (1-32)")
+    g.add_argument("--dola-layers", default=None, metavar="low|high", help="DoLa (greedy): contrast the final "
+                   "layer with the lower or upper half's layer that differs from it most, chosen per step")
     g.add_argument("--steer-pairs", default=None, help="steer: a JSONL file of {\"positive\": ..., "
                    "\"negative\": ...} lines (or a built-in set: love-hate, formal-informal); prints the unsteered "
                    "run (alpha 0) and the steered one, same seed")
