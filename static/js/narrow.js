@@ -68,13 +68,29 @@
       if (overlap) (fl.annotations || []).forEach((a, i) => {
         if (!a.text) return;
         const short = plain(a.text).split(' · ')[0].replace(/head (\d+)/, 'h$1');
-        const lines = wrapWords(short, Math.max(10, Math.floor((W / notes.length - 12) / (10 * 0.56))));
+        // each title's share of the plotting area (the margins, grown for axis labels, are not theirs)
+        const area = (fl._size && fl._size.w) || W;
+        const lines = wrapWords(short, Math.max(10, Math.floor((area / notes.length - 12) / (10 * 0.56))));
         added = Math.max(added, lines.length - 1);
         upd['annotations[' + i + '].text'] = lines.join('<br>');
         upd['annotations[' + i + '].font.size'] = 10;
       });
       if (added > 0) upd['margin.t'] = (upd['margin.t'] || fl.margin.t) + added * 13;
       gd.lmscopeNotes = overlap ? (fl.annotations || []).map((a, i) => upd['annotations[' + i + '].text'] || a.text).join('|') : texts;
+    }
+    // Side-by-side subplots: a right-hand subplot's y tick labels that reach into the subplot left of
+    // it (a narrow page leaves the gap narrower than the labels) are dropped; its hover names each bar.
+    for (const k of Object.keys(fl)) {
+      if (!/^yaxis\d+$/.test(k) || !fl[k] || fl[k].showticklabels === false || !fl[k].anchor) continue;
+      const xa = fl[fl[k].anchor.replace('x', 'xaxis')];
+      if (!xa || xa._offset === undefined) continue;
+      const ends = Object.keys(fl).filter(j => /^xaxis\d*$/.test(j) && fl[j] && fl[j]._offset !== undefined
+                                           && fl[j]._offset + fl[j]._length <= xa._offset + 1)
+                                  .map(j => fl[j]._offset + fl[j]._length);
+      if (!ends.length) continue;
+      const left = gd.getBoundingClientRect().left, end = Math.max(...ends);
+      const labels = [...gd.querySelectorAll('.' + k.replace('axis', '') + 'tick text')].map(n => n.getBoundingClientRect());
+      if (labels.some(b => b.width && b.left - left < end)) upd[k + '.showticklabels'] = false;
     }
     // A legend that crowds the plot (Plotly makes room for one placed beside it by shrinking the plot): a
     // row above the plot, smaller; still more than a quarter of the figure's height: off (hover says it).
@@ -116,6 +132,7 @@
           const v = k.split('.').slice(1).reduce((o, p) => (o == null ? undefined : o[p]), gd.layout.legend);
           was[k] = v === undefined ? null : v;
         }
+        else if (/^yaxis\d+\.showticklabels$/.test(k)) was[k] = true;
         else { const m = k.match(/^annotations\[(\d+)\]\.(text|font\.size)$/);
                if (m) { const a = (gd.layout.annotations || [])[+m[1]] || {};
                         was[k] = m[2] === 'text' ? a.text : ((a.font && a.font.size) || null); } }

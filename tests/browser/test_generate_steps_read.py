@@ -78,6 +78,18 @@ def test_rank_past_10_is_charted(server, width):
             const b = [...document.querySelectorAll('#gen-dist .annotation')].map(n => n.getBoundingClientRect());
             return b.length < 2 || (b[0].right > b[1].left && b[1].right > b[0].left
                                     && b[0].bottom > b[1].top && b[1].bottom > b[0].top); }"""), 10, "titles apart")
+        # the right chart's token labels never cover the left chart: clear of it, or (too narrow a page
+        # for them) left to the hover (static/js/narrow.js)
+        def right_labels_clear():
+            return page.evaluate("""() => { const gd = document.querySelector('#gen-dist .js-plotly-plot');
+                const fl = gd._fullLayout, leftEnd = fl.xaxis._offset + fl.xaxis._length;
+                const left = gd.getBoundingClientRect().left;
+                const labels = [...gd.querySelectorAll('.y2tick text')].map(n => n.getBoundingClientRect())
+                                                                       .filter(b => b.width);
+                return labels.every(b => b.left - left >= leftEnd); }""")
+        wait_until(right_labels_clear, 10, "the right chart's labels clear of the left chart")
+        if width >= 900:  # a wide page shows them
+            assert page.locator("#gen-dist .y2tick text").count() >= 10
         # a bar of the step timeline opens its step too
         other = 0 if i != 0 else 1
         _click_timeline_bar(page, other, shown=i)
