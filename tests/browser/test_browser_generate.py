@@ -300,3 +300,41 @@ def test_speculative_decoding_panel_in_the_browser(server, width):
         assert page.locator("#gen-spec-tokens .token").count() == chips.count()
         assert page.locator(".error").count() == 0
         browser.close()
+
+
+def test_dola_panel_in_the_browser(server):
+    """The DoLa accordion on the real default model: the layer each token was contrasted with, as the
+    page draws it, is transformers 4.55.4's own choice (tests/data/dola_transformers4.json), and the
+    text beside plain greedy's is that run's text."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from conftest import DEFAULT
+    from model_core.core.registry import REGISTRY, convert_gguf
+    from tests.helpers.browser import ROOT
+
+    case = next(c for c in json.loads((ROOT / "tests/data/dola_transformers4.json").read_text())["cases"]
+                if c["prompt"] == "The capital of France is" and c["dola_layers"] == "high" and not c["chat"])
+    tok = AutoTokenizer.from_pretrained(convert_gguf(REGISTRY[DEFAULT]))
+    want_text = tok.decode(case["token_ids"], skip_special_tokens=True)
+    with sync_playwright() as pw:
+        browser = launch_browser(pw)
+        page = browser.new_page(viewport={"width": 1440, "height": 900})
+        page.goto(server.url)
+        wait_until(lambda: "parameters" in page.inner_text("#model-info"), 60, "the page to load")
+        page.locator("#prompt textarea").fill(case["prompt"])
+        page.get_by_role("tab", name="Generate").click()
+        page.locator("#gen-dola").get_by_text("DoLa: decoding by contrasting layers").first.click()
+        page.locator("#gen-dola-layers").get_by_text("high").click()
+        set_number(page, "gen-dola-max", case["max_new_tokens"])
+        page.click("#gen-dola-btn")
+        wait_until(lambda: "DoLa (high layers" in page.inner_text("#gen-dola-info"), 120, "the DoLa run")
+        wait_until(lambda: len(plot_data(page, "gen-dola-plot")) == 2, 30, "the divergence chart")
+        stars = plot_data(page, "gen-dola-plot")[1]["y"]
+        assert stars == [f"L{s['premature_layer']}" for s in case["steps"]][:len(stars)] and len(stars) >= 8
+        cell = page.locator("#gen-dola-info td").first.inner_text()
+        assert cell.replace("↵ ", "\n").strip() == want_text.strip(), (cell, want_text)
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        page.locator("#gen-dola").screenshot(path=str(ARTIFACTS / "generate-dola-1440.png"))
+        browser.close()

@@ -337,6 +337,10 @@ class GenerateTab:
 
         speculative_panel.build(self.shared)
 
+        from app.tabs.generate import dola_panel  # the final layer contrasted with an earlier one
+
+        dola_panel.build(self.shared)
+
     def _wire_link(self) -> None:
         """The link: settings and chosen step mirrored into the URL, and read back on load."""
         shared = self.shared
