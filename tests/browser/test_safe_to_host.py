@@ -290,7 +290,10 @@ def test_one_users_burst_leaves_the_others_answered(hosted):
         t.join(60)
     accepted = [s for code, _, s in joined if code == 200]
     refused = [text for code, text, _ in joined if code != 200]
-    assert len(accepted) == 16 - 2 and len(refused) == 40 - 14, (len(accepted), refused[:1])
+    # 16 - 2 places were free when the burst began. An attribution that finds both her model slots busy
+    # is answered at once and frees its place, so on a busy machine a thread that starts late can find
+    # one free: 14 accepted when all 40 arrive together, a few more otherwise, and most still refused.
+    assert len(accepted) + len(refused) == 40 and 16 - 2 <= len(accepted) <= 20, (len(accepted), refused[:1])
     assert all("requests waiting or running (the limit is 16)" in t for t in refused), refused[:2]
     out = b.call("trace", [MODEL, "Hello there", False, False, 0, 0, None, "probability", 1.0, 0, 1.0, 0.0, 1.0])
     assert MODEL in out["data"][1], out
