@@ -1,5 +1,6 @@
-"""After SFT as background jobs: kinds 'reward' (a Bradley-Terry reward model), 'dpo' and 'grpo', each
-running model_core.training.preference.train_<kind> on the worker.
+"""After SFT as background jobs: kinds 'reward' (a Bradley-Terry reward model), 'dpo', 'grpo' and 'ppo'
+(PPO against a reward model the reward job trained), each running
+model_core.training.preference.train_<kind> on the worker.
 
 Params: model (a registry or fine-tuned name; a local directory from the CLI only), dataset
 ('builtin', 'builtin:<set>[,<set>]', or an uploaded JSONL: then 'upload' and dataset_file) and the
@@ -15,10 +16,18 @@ Progress: 'loading model' (0-3 %), 'evaluating before' (3-10 %), 'training' (10-
 [{step, total, loss, grad_norm, lr, tokens_seen, tokens_per_s, elapsed_s, eta_s, and per kind:
 accuracy, margin, reward_chosen/rejected, logp_chosen/rejected (dpo); accuracy, margin,
 reward_mean/min/max (reward); reward_mean, reward_std, reward_group_std, kl, completion_length,
-truncated_fraction, clip_fraction, zero_std_groups (grpo)}], latest, groups (grpo: the last step's
-completions per prompt with rewards and advantages), model_name, dataset (uploads: {file, lines}),
-and at the end: before, after (held-out evaluation: preference.preference_eval / reward_eval /
-task_eval), metrics (the run's summary), model_path, data (the data's description)}.
+truncated_fraction, clip_fraction, zero_std_groups (grpo); reward_mean, reward_std, kl, kl_k3, beta,
+non_score_reward, policy_loss, value_loss, clip_fraction, value_clip_fraction, approx_kl, entropy,
+value_mean, return_mean, advantage_std, completion_length, step_s (ppo)}], latest, groups (grpo: the
+last step's completions per prompt with rewards and advantages), samples (ppo: the last step's first
+rollouts token by token: tokens, kl, rewards, values, advantages, returns, score), model_name, dataset
+(uploads: {file, lines}), and at the end: before, after (held-out evaluation:
+preference.preference_eval / reward_eval / task_eval / ppo_eval), metrics (the run's summary),
+model_path, data (the data's description), samples_by_step (ppo)}.
+
+PPO params add reward_model: a reward model the reward job registered, on the policy's tokenizer;
+a missing one, a model that is not a reward model or one on another tokenizer is refused at
+submission with one sentence (model_core.training.ppo.check_reward_model), nothing queued.
 
 Cancel: the run polls the job's cancel flag (job.cancelled is its should_stop) between steps and
 evaluation batches (the revoke from jobs.cancel_job also terminates the process); the core writes
@@ -42,7 +51,8 @@ from tasks import config, kinds
 from tasks.celery_app import app
 from tasks.lifecycle import CurvesProgress, Done, Job, JobTask, queue
 
-KINDS = P.KINDS  # ("reward", "dpo", "grpo")
+KINDS = (*P.KINDS, "ppo")  # ("reward", "dpo", "grpo", "ppo")
+TASK_KINDS = ("grpo", "ppo")  # their data: prompts with answers (preference_data.TaskData)
 _PUSH_EVERY_S = 0.5
 PHASES = {"loading model": (0.0, 0.03), "evaluating before": (0.03, 0.10), "training": (0.10, 0.88),
           "evaluating after": (0.88, 0.97), "saving": (0.97, 1.0), "done": (1.0, 1.0)}
@@ -89,6 +99,8 @@ def validate_params(kind: str, params: dict, allow_paths: bool = False) -> dict:
     _known_model(model, "model", allow_paths)
     if kind == "dpo" and s.reference:
         _known_model(s.reference, "reference model", allow_paths)
+    if kind == "ppo":
+        P.check_reward_model(model, s.reward_model, allow_paths)
     if dataset != "upload":
         _check_builtin(kind, dataset)
     out = {"model": model, "dataset": dataset, "dataset_file": dataset_file}
@@ -102,7 +114,7 @@ def _check_builtin(kind: str, spec: str) -> None:
     if spec != D.BUILTIN and not spec.startswith(D.BUILTIN + ":"):
         raise SettingsError(f"Dataset must be 'builtin', 'builtin:<set>' or an uploaded JSONL file, got {spec!r}.")
     try:  # a handful of examples: the check that the named sets exist, cheap
-        if kind == "grpo":
+        if kind in TASK_KINDS:
             D.task_dataset(spec, None, 2, 1, 0)
         else:
             D.preference_dataset(spec, 2, 1, 0)
@@ -112,7 +124,7 @@ def _check_builtin(kind: str, spec: str) -> None:
 
 def check_dataset(kind: str, path, settings: dict | None = None):
     """Parse an uploaded JSONL as the run will (preference_data's parser), without queueing:
-    -> PreferenceData (reward, dpo) or TaskData (grpo). Raises PreferenceDataError naming every
+    -> PreferenceData (reward, dpo) or TaskData (grpo, ppo). Raises PreferenceDataError naming every
     malformed line by number (DatasetError for a missing or too large file)."""
     f = Path(path)
     if not f.is_file():
@@ -121,7 +133,7 @@ def check_dataset(kind: str, path, settings: dict | None = None):
         raise D.PreferenceDataError(f"Dataset file '{f.name}' is larger than {config.upload_max_bytes() // 2**20} MB.")
     s = settings or {}
     frac, seed = s.get("eval_fraction", 0.1), s.get("seed", 0)
-    if kind == "grpo":
+    if kind in TASK_KINDS:
         return D.load_task_jsonl(f, s.get("verifier"), frac, seed)
     return D.load_preference_jsonl(f, frac, seed)
 
@@ -131,7 +143,7 @@ def _file_path(f) -> Path:
 
 
 def submit_preference(kind: str, params: dict, owner: str = "cli", files: list | None = None) -> dict:
-    """Validate, record and queue a reward / DPO / GRPO job (called by tasks.jobs.submit). `files`:
+    """Validate, record and queue a reward / DPO / GRPO / PPO job (called by tasks.jobs.submit). `files`:
     one uploaded JSONL (then dataset = 'upload'); the CLI also passes params['dataset'] as a path."""
     if kind not in KINDS:
         raise SettingsError(f"Unknown kind '{kind}'.")
@@ -177,13 +189,15 @@ def submit_preference(kind: str, params: dict, owner: str = "cli", files: list |
 
 
 class PreferenceProgress(CurvesProgress):
-    """Progress of a reward / DPO / GRPO run: its curves, and GRPO's latest groups, in record['preference']."""
+    """Progress of a reward / DPO / GRPO / PPO run: its curves, GRPO's latest groups and PPO's latest
+    samples, in record['preference']."""
 
     section = "preference"
 
     def __init__(self, job_id: str, attempt: int):
         super().__init__(job_id, attempt)
         self.groups: list[dict] | None = None
+        self.samples: list[dict] | None = None
 
     def on_step(self, step: int, total: int, metrics: dict) -> None:
         """The train_* progress callback: a phase row, or a row per optimizer step."""
@@ -198,25 +212,32 @@ class PreferenceProgress(CurvesProgress):
                 lo, hi = PHASES["training"]
                 self.stage, self.est = "training", None
                 self.fraction = max(self.fraction, lo + (hi - lo) * step / max(1, total))
-                row = {k: v for k, v in metrics.items() if k not in ("groups", "trl")}
+                row = {k: v for k, v in metrics.items() if k not in ("groups", "trl", "samples")}
                 self.history.append(row)
                 self.latest = row
                 self.row_eta = row.get("eta_s")
                 if metrics.get("groups"):
                     self.groups = metrics["groups"]
                     force = True
+                if metrics.get("samples"):
+                    self.samples = metrics["samples"]
         self.push_if_due(_PUSH_EVERY_S, force=force or step >= total)
 
     def snapshot(self) -> dict:
         out = super().snapshot()
         if self.groups is not None:
             out["groups"] = {"step": (self.latest or {}).get("step"), "groups": self.groups}
+        if self.samples is not None:
+            out["samples"] = {"step": (self.latest or {}).get("step"), "samples": self.samples}
         return out
 
 
 def _headline(kind: str, before: dict | None, after: dict | None) -> str:
     if not before or not after:
         return ""
+    if kind == "ppo":
+        return (f", held-out reward-model score {before['mean_score']:.3f} -> {after['mean_score']:.3f} "
+                f"(verifiable reward {before['mean_reward']:.3f} -> {after['mean_reward']:.3f})")
     if kind == "grpo":
         return f", held-out mean reward {before['mean_reward']:.3f} -> {after['mean_reward']:.3f}"
     if kind == "reward":
@@ -235,11 +256,17 @@ def run_preference(job: Job, kind: str) -> Done:
     if dataset == "upload":
         dataset = str(job.dir / "input" / dataset_file)
     settings = P.validate_settings(kind, params)
-    res = P.train_on_gpus(kind, model, dataset, settings, progress=job.progress.on_step, should_stop=job.cancelled,
+    if kind == "ppo":  # one process: the rollouts, the reference and the reward model live beside the policy
+        res = P.train_ppo(model, dataset, settings, progress=job.progress.on_step, should_stop=job.cancelled,
                           log=job.say)
+    else:
+        res = P.train_on_gpus(kind, model, dataset, settings, progress=job.progress.on_step,
+                              should_stop=job.cancelled, log=job.say)
     job.progress.report(before=res.before, after=res.after, metrics=res.metrics, model_name=res.name,
                         model_path=str(res.path), data=res.info.get("dataset"),
-                        **({"groups_by_step": res.info["groups"]} if res.info.get("groups") else {}))
+                        **({"groups_by_step": res.info["groups"]} if res.info.get("groups") else {}),
+                        **({"samples_by_step": res.info["samples"], "reward_model": res.info["reward_model"]}
+                           if kind == "ppo" else {}))
     what = "reward model" if kind == "reward" else "model"
     return job.done(f"done: {what} '{res.name}' registered{_headline(kind, res.before, res.after)}",
                     *[res.path / n for n in ("lmscope.json",) if (res.path / n).exists()])
@@ -263,18 +290,23 @@ def run_grpo_job(self, job: Job) -> Done:
     return run_preference(job, "grpo")
 
 
-TASKS = {"reward": run_reward_job, "dpo": run_dpo_job, "grpo": run_grpo_job}
+@app.task(bind=True, base=JobTask, name="lmscope.ppo", progress_cls=PreferenceProgress, cancelled_by=_CANCELLED)
+def run_ppo_job(self, job: Job) -> Done:
+    return run_preference(job, "ppo")
 
 
-# ---- CLI: `lmscope jobs submit reward|dpo|grpo ...` (wired from tasks/cli.py) -------------------
+TASKS = {"reward": run_reward_job, "dpo": run_dpo_job, "grpo": run_grpo_job, "ppo": run_ppo_job}
+
+
+# ---- CLI: `lmscope jobs submit reward|dpo|grpo|ppo ...` (wired from tasks/cli.py) ---------------
 
 def add_preference_arguments(s) -> None:
-    """Options for kinds 'reward', 'dpo', 'grpo'; flags another kind defined (--model, --lr,
+    """Options for kinds 'reward', 'dpo', 'grpo', 'ppo'; flags another kind defined (--model, --lr,
     --max-steps, --batch-size, --method, --lora-rank, --dataset, ...) are shared."""
-    add = kinds.options(s, "reward / dpo / grpo (after SFT: reward model, DPO, GRPO)")
+    add = kinds.options(s, "reward / dpo / grpo / ppo (after SFT: reward model, DPO, GRPO, PPO)")
     add("--model", default=None, help="model to train (default: the default model)")
     add("--dataset", default="builtin",
-        help="'builtin', 'builtin:date,style' (reward/dpo), 'builtin:arithmetic,date' (grpo), or a .jsonl path")
+        help="'builtin', 'builtin:date,style' (reward/dpo), 'builtin:arithmetic,date' (grpo/ppo), or a .jsonl path")
     add("--method", choices=["full", "lora"], default=None, help="full or lora (default per kind)")
     add("--lora-rank", type=int, default=None)
     add("--lr", type=float, default=None, help="learning rate (default per kind and method)")
@@ -288,19 +320,28 @@ def add_preference_arguments(s) -> None:
     add("--train-size", type=int, default=None, help="reward/dpo/grpo: built-in training examples")
     add("--eval-examples", type=int, default=None, help="reward/dpo/grpo: held-out examples evaluated before/after")
     add("--beta", type=float, default=None,
-        help="dpo: implicit KL strength (default 0.1); grpo: KL penalty (default 0.04, 0 = none)")
+        help="dpo: implicit KL strength (default 0.1); grpo: KL penalty (default 0.04, 0 = none); ppo: KL "
+             "coefficient (default 0.05; the start value with --kl-target)")
     add("--loss-type", default=None,
         help=f"dpo: {', '.join(P.DPO_LOSS_TYPES)}; grpo: {', '.join(P.GRPO_LOSS_TYPES)}")
     add("--reference", default=None, help="dpo: reference model (default: the starting model)")
     add("--center-rewards", type=float, default=None, help="reward: coefficient of mean((r_c + r_r)^2)")
-    add("--group-size", type=int, default=None, help="grpo: completions per prompt (num_generations, default 8)")
-    add("--prompts-per-step", type=int, default=None, help="grpo: prompts per step (default 2)")
-    add("--max-completion-length", type=int, default=None, help="grpo: tokens per completion (default 12)")
-    add("--temperature", type=float, default=None, help="grpo: sampling temperature (default 0.7)")
-    add("--epsilon", type=float, default=None, help="grpo: PPO clip (default 0.2)")
+    add("--group-size", type=int, default=None,
+        help="grpo: completions per prompt (num_generations, default 8); ppo: rollouts per prompt (default 4)")
+    add("--prompts-per-step", type=int, default=None, help="grpo/ppo: prompts per step (default 2)")
+    add("--max-completion-length", type=int, default=None, help="grpo: tokens per completion (default 12; ppo 16)")
+    add("--temperature", type=float, default=None, help="grpo: sampling temperature (default 0.7; ppo 1.0)")
+    add("--epsilon", type=float, default=None, help="grpo/ppo: PPO clip (default 0.2)")
     add("--epsilon-high", type=float, default=None, help="grpo: upper clip (dapo default 0.28)")
     add("--num-iterations", type=int, default=None, help="grpo: optimizer passes per generated batch")
     add("--verifier", default=None, help=f"grpo uploads: {', '.join(D.VERIFIERS)}")
+    add("--reward-model", default=None, help="ppo: a reward model the reward job trained (same tokenizer)")
+    add("--kl-target", type=float, default=None, help="ppo: adaptive KL towards this many nats (default: fixed beta)")
+    add("--value-clip", type=float, default=None, help="ppo: value clip range (default 0.2)")
+    add("--vf-coef", type=float, default=None, help="ppo: value loss coefficient (default 0.1)")
+    add("--gamma", type=float, default=None, help="ppo: discount (default 1.0)")
+    add("--lam", type=float, default=None, help="ppo: GAE lambda (default 0.95)")
+    add("--ppo-epochs", type=int, default=None, help="ppo: optimizer steps per batch of rollouts (default 4)")
 
 
 _COMMON = {"method": "method", "lora_rank": "lora_rank", "learning_rate": "lr", "max_steps": "max_steps",
@@ -314,11 +355,15 @@ _PER_KIND = {
              "prompts_per_step": "prompts_per_step", "max_completion_length": "max_completion_length",
              "temperature": "temperature", "epsilon": "epsilon", "epsilon_high": "epsilon_high",
              "num_iterations": "num_iterations", "verifier": "verifier"},
+    "ppo": {"reward_model": "reward_model", "beta": "beta", "num_generations": "group_size",
+            "prompts_per_step": "prompts_per_step", "max_completion_length": "max_completion_length",
+            "temperature": "temperature", "epsilon": "epsilon", "kl_target": "kl_target", "value_clip": "value_clip",
+            "vf_coef": "vf_coef", "gamma": "gamma", "lam": "lam", "ppo_epochs": "ppo_epochs"},
 }
 
 
 def preference_params_from_args(args) -> tuple[dict, list]:
-    """(params, files) for `lmscope jobs submit <reward|dpo|grpo>`; a flag of another kind is refused."""
+    """(params, files) for `lmscope jobs submit <reward|dpo|grpo|ppo>`; a flag of another kind is refused."""
     from model_core.core.registry import DEFAULT_MODEL
 
     kind = args.kind
@@ -339,7 +384,8 @@ def preference_params_from_args(args) -> tuple[dict, list]:
 
 _HELP = {"reward": "a Bradley-Terry reward model (score head) on preference pairs",
          "dpo": "direct preference optimisation (full or LoRA) on preference pairs",
-         "grpo": "GRPO / Dr. GRPO / DAPO with verifiable rewards on prompts with answers"}
+         "grpo": "GRPO / Dr. GRPO / DAPO with verifiable rewards on prompts with answers",
+         "ppo": "RLHF: PPO against a reward model (KL penalty, GAE, value head) on prompts"}
 
 for _k in KINDS:
     kinds.register(kinds.JobKind(_k, validate=lambda p, _k=_k: validate_params(_k, p), task=TASKS[_k],

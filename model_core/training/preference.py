@@ -1,10 +1,12 @@
-"""After SFT: a Bradley-Terry reward model, DPO and GRPO, on TRL's trainers, and what they changed.
+"""After SFT: a Bradley-Terry reward model, DPO and GRPO, on TRL's trainers, PPO against a reward model
+(model_core.training.ppo, its own loop: TRL ships no PPO trainer), and what they changed.
 
 Plain functions with plain parameters, for the job system, the CLI, the bench and the tests:
 
     train_reward(model, dataset, settings, progress, should_stop, log) -> TrainResult
     train_dpo(model, dataset, settings, progress, should_stop, log)    -> TrainResult
     train_grpo(model, dataset, settings, progress, should_stop, log)   -> TrainResult
+    train_ppo(model, dataset, settings, progress, should_stop, log)    -> TrainResult (settings.reward_model)
 
   model       a registry / fine-tuned / local model name (what sft.load_trainable takes)
   dataset     "builtin", "builtin:<set>[,<set>]", a JSONL path, or PreferenceData / TaskData
@@ -56,6 +58,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from model_core.training import data_parallel, sft
+from model_core.training.ppo import check_reward_model, ppo_eval, train_ppo
 from model_core.training.preference_data import (
     VERIFIERS,
     PreferenceData,
@@ -84,6 +87,7 @@ from model_core.training.preference_settings import (
     SETTINGS_CLASSES,
     DPOSettings,
     GRPOSettings,
+    PPOSettings,
     PreferenceError,
     RewardSettings,
     TrainingCancelled,
@@ -106,11 +110,11 @@ from model_core.training.preference_trl import (
 # Callers (tasks/, app/, bench/, tests/) import all of these from model_core.training.preference.
 __all__ = [
     "DPO_LOSS_TYPES", "GRPO_LOSS_TYPES", "KINDS", "SETTINGS_CLASSES", "DPOSettings", "GRPOSettings",
-    "PreferenceError", "ProgressFn", "RewardSettings", "TrainResult", "TrainSettings", "TrainingCancelled",
+    "PPOSettings", "PreferenceError", "ProgressFn", "RewardSettings", "TrainResult", "TrainSettings", "TrainingCancelled",
     "default_lr", "default_output_name", "encode_completion", "init_reward_model", "load_reward_model",
     "pair_logps", "preference_eval", "reward_eval", "reward_scores", "sequence_logps", "settings_json",
     "task_eval", "token_logps", "token_logratios", "train_dpo", "train_grpo", "train_on_gpus", "train_reward",
-    "validate_settings",
+    "validate_settings", "train_ppo", "ppo_eval", "check_reward_model",
 ]
 
 

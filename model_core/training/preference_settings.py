@@ -1,5 +1,5 @@
-"""The preference trainers' settings, errors and names: RewardSettings, DPOSettings, GRPOSettings
-(validate_settings: one sentence per bad value), the loss variants they offer (DPO_LOSS_TYPES,
+"""The preference trainers' settings, errors and names: RewardSettings, DPOSettings, GRPOSettings,
+PPOSettings (validate_settings: one sentence per bad value), the loss variants they offer (DPO_LOSS_TYPES,
 GRPO_LOSS_TYPES, described), the default learning rates and the default output name.
 Re-exported by model_core.training.preference, the module callers import."""
 
@@ -16,7 +16,7 @@ from model_core.core.errors import SettingsError
 from model_core.training.preference_data import VERIFIERS
 from model_core.training.sft_settings import SFTCancelled, SFTError
 
-KINDS = ("reward", "dpo", "grpo")
+KINDS = ("reward", "dpo", "grpo")  # the TRL kinds; PPO (model_core.training.ppo) is its own loop
 
 
 class PreferenceError(SFTError):
@@ -88,7 +88,33 @@ class GRPOSettings(TrainSettings):
     max_steps: int = 20
 
 
-SETTINGS_CLASSES = {"reward": RewardSettings, "dpo": DPOSettings, "grpo": GRPOSettings}
+@dataclass
+class PPOSettings(TrainSettings):
+    """PPO against a reward model (model_core.training.ppo); batch_size = prompts_per_step x num_generations."""
+    method: str = "lora"
+    reward_model: str | None = None  # a model trained by the reward job, on the policy's tokenizer (required)
+    num_generations: int = 4  # sampled rollouts per prompt
+    prompts_per_step: int = 2
+    max_completion_length: int = 16
+    temperature: float = 1.0  # sampling; log-probs are of the same temperature-scaled policy
+    beta: float = 0.05  # KL penalty coefficient (the start value when kl_target is set)
+    kl_target: float | None = None  # nats per response; set: adaptive beta (Ziegler et al.), None: fixed
+    kl_horizon: int = 10_000
+    epsilon: float = 0.2  # policy ratio clipped to [1 - epsilon, 1 + epsilon]
+    value_clip: float = 0.2  # value moves at most this far from the rollout's value per update
+    vf_coef: float = 0.1
+    gamma: float = 1.0
+    lam: float = 0.95
+    ppo_epochs: int = 4  # optimizer steps on each batch of rollouts
+    whiten_advantages: bool = True
+    value_learning_rate: float | None = None  # default 10 x learning_rate: the value head starts at zero
+    show_samples: int = 3  # rollouts per step kept token by token for the page
+    builtin_train_size: int = 64
+    eval_examples: int = 16
+    max_steps: int = 10
+
+
+SETTINGS_CLASSES = {"reward": RewardSettings, "dpo": DPOSettings, "grpo": GRPOSettings, "ppo": PPOSettings}
 DPO_LOSS_TYPES = {
     "sigmoid": "DPO: -log sigmoid(beta * (chosen log-ratio - rejected log-ratio))",
     "ipo": "IPO: (margin of the length-normalised log-ratios - 1 / (2 beta))^2, a squared loss that does not "
@@ -116,14 +142,14 @@ GRPO_LOSS_TYPES = {
 
 def default_lr(kind: str, method: str) -> float:
     """Learning rates that move SmolLM2-135M visibly in 20-40 steps."""
-    full = {"reward": 2e-5, "dpo": 1e-5, "grpo": 1e-5}[kind]
+    full = {"reward": 2e-5, "dpo": 1e-5, "grpo": 1e-5, "ppo": 1e-5}[kind]
     return full * 20 if method == "lora" else full
 
 
 def validate_settings(kind: str, raw: TrainSettings | dict | None) -> TrainSettings:
     """A checked copy of the settings for `kind` (SettingsError, one sentence, for anything wrong)."""
     if kind not in SETTINGS_CLASSES:
-        raise SettingsError(f"Unknown training kind {kind!r}; use {', '.join(KINDS)}.")
+        raise SettingsError(f"Unknown training kind {kind!r}; use {', '.join(SETTINGS_CLASSES)}.")
     cls = SETTINGS_CLASSES[kind]
     if raw is None:
         d = {}
@@ -139,7 +165,9 @@ def validate_settings(kind: str, raw: TrainSettings | dict | None) -> TrainSetti
         raise SettingsError(f"Unknown {kind} setting(s): {', '.join(unknown)}.")
     s = cls(**{k: v for k, v in d.items() if v is not None or k in ("learning_rate", "lora_alpha", "output_name",
                                                                       "device", "epsilon_high", "verifier",
-                                                                      "reference", "center_rewards")})
+                                                                      "reference", "center_rewards",
+                                                                      "reward_model", "kl_target",
+                                                                      "value_learning_rate")})
 
     def num(name, cast, lo, hi, optional=False):
         v = getattr(s, name)
@@ -192,11 +220,39 @@ def validate_settings(kind: str, raw: TrainSettings | dict | None) -> TrainSetti
         if s.verifier is not None and s.verifier not in VERIFIERS:
             raise SettingsError(f"Unknown verifier {s.verifier!r}; use one of {', '.join(VERIFIERS)}.")
         s.batch_size = s.prompts_per_step * s.num_generations
+    if isinstance(s, PPOSettings):
+        _check_ppo(s, num)
     if s.learning_rate is None:
         s.learning_rate = default_lr(kind, s.method)
+    if isinstance(s, PPOSettings) and s.value_learning_rate is None:
+        s.value_learning_rate = 10 * s.learning_rate
     if s.lora_alpha is None:
         s.lora_alpha = 2.0 * s.lora_rank
     return s
+
+
+def _check_ppo(s: PPOSettings, num) -> None:
+    if s.reward_model is None or not str(s.reward_model).strip():
+        raise SettingsError("PPO needs a reward model (--reward-model), one trained by the reward job.")
+    s.reward_model = str(s.reward_model).strip()
+    num("num_generations", int, 1, 256)
+    num("prompts_per_step", int, 1, 1024)
+    num("max_completion_length", int, 1, 1 << 14)
+    num("temperature", float, 0.05, 10.0)
+    num("beta", float, 0.0, 100.0)
+    num("kl_target", float, 1e-6, 1e4, optional=True)
+    num("kl_horizon", int, 1, 10**9)
+    num("epsilon", float, 1e-4, 10.0)
+    num("value_clip", float, 1e-4, 1e6)
+    num("vf_coef", float, 0.0, 1e3)
+    num("gamma", float, 0.0, 1.0)
+    num("lam", float, 0.0, 1.0)
+    num("ppo_epochs", int, 1, 64)
+    num("value_learning_rate", float, 1e-9, 1.0, optional=True)
+    num("show_samples", int, 0, 64)
+    if not isinstance(s.whiten_advantages, bool):
+        raise SettingsError(f"Setting 'whiten_advantages' must be true or false, got {s.whiten_advantages!r}.")
+    s.batch_size = s.prompts_per_step * s.num_generations
 
 
 def settings_json(s: TrainSettings) -> dict:

@@ -26,6 +26,7 @@ INVALID = {
     "reward": ({"model": "random-llama-tiny", "max_steps": 0}, "'max_steps' must be between 1"),
     "dpo": ({"model": "random-llama-tiny", "beta": 0}, "'beta' must be between"),
     "grpo": ({"model": "random-llama-tiny", "loss_type": "ppo"}, "GRPO loss type must be one of"),
+    "ppo": ({"model": "random-llama-tiny", "reward_model": "no-such-reward-model"}, "No reward model named"),
     "heads": ({"model": "random-llama-tiny", "prompts": 0}, "'prompts' must be between 1"),
     "features": ({"model": "random-llama-tiny", "layer": 1, "k": 0}, "'k' must be a whole number from 1"),
     "diff": ({"tuned": "random-llama-tiny", "base": "random-llama-tiny", "max_tokens": 10}, "'max_tokens' must be between 256"),
@@ -58,7 +59,7 @@ def test_cli_service_and_worker_kinds_come_from_the_registry(svc):
 
     names = kinds.names()
     assert set(names) == {"tokenizer", "patching", "sft", "pretrain", "scaling", "neurons", "reward", "dpo", "grpo",
-                          "heads", "features", "diff"}
+                          "ppo", "heads", "features", "diff"}
     assert _cli_kinds() == list(names)
     assert tuple(jobs.KINDS) == names
     for k in kinds.all_kinds():
@@ -73,8 +74,8 @@ def test_cli_service_and_worker_kinds_come_from_the_registry(svc):
     ours = {n for n in registered if not n.startswith("celery.")}
     assert ours == {k.task.name for k in kinds.all_kinds()}, (ours, svc.worker_log())
     with pytest.raises(LmscopeError) as e:
-        jobs.submit("ppo", {})
-    assert "Unknown job kind 'ppo'" in str(e.value) and "tokenizer" in str(e.value)
+        jobs.submit("a2c", {})
+    assert "Unknown job kind 'a2c'" in str(e.value) and "tokenizer" in str(e.value)
 
 
 def test_every_kind_refuses_a_bad_setting_before_queueing(svc):

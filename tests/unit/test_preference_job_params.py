@@ -52,8 +52,8 @@ def test_bad_settings_are_one_sentence(kind, params, expected):
 
 
 def test_unknown_kind():
-    with pytest.raises(SettingsError, match="Unknown kind 'ppo'; use reward, dpo, grpo."):
-        pj.validate_params("ppo", {})
+    with pytest.raises(SettingsError, match="Unknown kind 'a2c'; use reward, dpo, grpo, ppo."):
+        pj.validate_params("a2c", {})
 
 
 def test_valid_params_are_the_core_settings():
