@@ -1,10 +1,14 @@
-"""Pure views of the reward / DPO / GRPO jobs (tasks/preference_job.py): a job record (or the
+"""Pure views of the reward / DPO / GRPO / PPO jobs (tasks/preference_job.py): a job record (or the
 per-token log-ratios of model_core.training.preference.token_logratios) in, a plotly Figure, a table or a
 few lines of text out. No gradio, no model: app/tabs/finetune/preference_panel.py shows them.
 
 Record schema read here: rec['preference'] = {kind, history: [{step, total, loss, tokens_per_s,
 eta_s, ... per kind}], latest, groups: {step, groups: [{prompt, completions, rewards, advantages,
-mean, std}]}, before, after, model_name, metrics}; rec['params'] holds the run's settings."""
+mean, std}]}, before, after, model_name, metrics}; rec['params'] holds the run's settings.
+PPO adds samples: {step, samples: [{prompt, completion, score, tokens, kl, rewards, values, advantages,
+returns}]} (the latest step's rollouts, token by token), samples_by_step at the end, reward_model, and
+before/after = {n, mean_score, mean_reward, mean_length, examples: [{prompt, answer, completion, score,
+reward}]}."""
 
 from __future__ import annotations
 
@@ -18,10 +22,12 @@ from plotly.subplots import make_subplots
 from app.shared import figure_style as style
 from app.shared.figure_style import empty_figure
 
-KIND_LABELS = {"reward": "reward model", "dpo": "DPO", "grpo": "GRPO"}
+KIND_LABELS = {"reward": "reward model", "dpo": "DPO", "grpo": "GRPO", "ppo": "PPO (against a reward model)"}
 BLUE, RED, GREEN, GREY, ORANGE = "#2563eb", "#dc2626", "#16a34a", "#6b7280", "#ea580c"
 GROUP_COLUMNS = ["group", "prompt", "completion", "reward", "advantage"]
 EVAL_COLUMNS = ["held-out", "before", "after", "change"]
+PPO_EXAMPLE_COLUMNS = ["prompt", "answer", "before", "score before", "task before", "after", "score after",
+                       "task after"]
 
 
 def _layout(fig: go.Figure, title: str, height: int = 360, **kw) -> go.Figure:
@@ -61,6 +67,8 @@ PANEL_TITLES = {
                "mean score (band: min to max)"),
     "grpo": ("loss", "reward: mean (band: ± std over the batch), mean within-group std",
              "completion length (tokens): the length bias Dr. GRPO removes", "KL to the reference"),
+    "ppo": ("reward-model score: mean (band: ± std over the batch)", "KL to the reference per sequence; β (right)",
+            "policy loss and value loss", "clip fraction: policy ratio, value"),
 }
 
 
@@ -70,6 +78,8 @@ def curves_figure(kind: str | None, history: list[dict] | None, beta: float | No
         return empty_figure("Submit a run or pick one to follow its curves.", 460)
     if not history:
         return empty_figure("No training step yet (loading the model and evaluating before training).", 460)
+    if kind == "ppo":
+        return _ppo_curves(history)
     fig = make_subplots(rows=2, cols=2, subplot_titles=PANEL_TITLES[kind], vertical_spacing=0.2,
                         horizontal_spacing=0.1)
     _line(fig, history, "loss", "loss", BLUE, 1, 1)
@@ -95,13 +105,7 @@ def curves_figure(kind: str | None, history: list[dict] | None, beta: float | No
         _line(fig, history, "reward_mean", "mean score", BLUE, 2, 2)
         fig.update_yaxes(range=[-0.05, 1.05], row=2, col=1)
     else:
-        mean_std = [{"step": r.get("step"),
-                     "lo": _num(r.get("reward_mean")) - _num(r.get("reward_std"))
-                     if _num(r.get("reward_mean")) is not None and _num(r.get("reward_std")) is not None else None,
-                     "hi": _num(r.get("reward_mean")) + _num(r.get("reward_std"))
-                     if _num(r.get("reward_mean")) is not None and _num(r.get("reward_std")) is not None else None}
-                    for r in history]
-        _band(fig, mean_std, "lo", "hi", 1, 2, "± std")
+        _band(fig, _mean_std(history), "lo", "hi", 1, 2, "± std")
         _line(fig, history, "reward_mean", "mean reward", GREEN, 1, 2)
         _line(fig, history, "reward_group_std", "mean std within a group", GREY, 1, 2, dash="dot")
         _line(fig, history, "completion_length", "mean completion length", ORANGE, 2, 1)
@@ -114,6 +118,40 @@ def curves_figure(kind: str | None, history: list[dict] | None, beta: float | No
     for ann in fig.layout.annotations:
         ann.font = dict(size=12)
     return _layout(fig, f"{KIND_LABELS[kind]}: training curves", 560)
+
+
+def _mean_std(history: list[dict]) -> list[dict]:
+    """reward_mean ± reward_std per step (None where either is missing)."""
+    out = []
+    for r in history:
+        m, sd = _num(r.get("reward_mean")), _num(r.get("reward_std"))
+        ok = m is not None and sd is not None
+        out.append({"step": r.get("step"), "lo": m - sd if ok else None, "hi": m + sd if ok else None})
+    return out
+
+
+def _ppo_curves(history: list[dict]) -> go.Figure:
+    """Score of the reward model, KL with the β it was paid at, the two losses and the two clip fractions."""
+    fig = make_subplots(rows=2, cols=2, subplot_titles=PANEL_TITLES["ppo"], vertical_spacing=0.2,
+                        horizontal_spacing=0.12, specs=[[{}, {"secondary_y": True}], [{}, {}]])
+    _band(fig, _mean_std(history), "lo", "hi", 1, 1, "± std")
+    _line(fig, history, "reward_mean", "reward-model score", GREEN, 1, 1)
+    _line(fig, history, "kl", "KL (nats / sequence)", RED, 1, 2)
+    x, y = _series(history, "beta")
+    if x:  # β is orders of magnitude below the KL: its own axis
+        fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers", name="β", line=dict(color=GREY, dash="dot"),
+                                 marker=dict(size=4)), row=1, col=2, secondary_y=True)
+        fig.update_yaxes(title_text="β", rangemode="tozero", row=1, col=2, secondary_y=True)
+    _line(fig, history, "policy_loss", "policy loss", BLUE, 2, 1)
+    _line(fig, history, "value_loss", "value loss", ORANGE, 2, 1, dash="dash")
+    _line(fig, history, "clip_fraction", "policy clip fraction", BLUE, 2, 2)
+    _line(fig, history, "value_clip_fraction", "value clip fraction", ORANGE, 2, 2, dash="dash")
+    fig.update_yaxes(range=[-0.05, 1.05], row=2, col=2)
+    fig.update_xaxes(title_text="step", row=2)
+    _integer_steps(fig, history)
+    for ann in fig.layout.annotations:
+        ann.font = dict(size=12)
+    return _layout(fig, f"{KIND_LABELS['ppo']}: training curves", 560)
 
 
 def _band(fig, history, lo_key, hi_key, row, col, name):
@@ -165,6 +203,67 @@ def groups_caption(groups: dict | None, loss_type: str | None = None) -> str:
             "whose rewards are all equal has advantage 0 everywhere and teaches nothing.")
 
 
+# ---- PPO's latest rollouts, token by token ---------------------------------------------------------
+
+PPO_TOKEN_KEYS = ("rewards", "values", "advantages", "returns", "kl")
+
+
+def ppo_samples(pr: dict | None) -> dict | None:
+    """The latest step's rollouts: {step, samples}; a finished run's last entry of samples_by_step."""
+    pr = pr or {}
+    by_step = pr.get("samples_by_step")
+    if isinstance(by_step, list) and by_step and isinstance(by_step[-1], dict):
+        return by_step[-1]
+    return pr.get("samples") if isinstance(pr.get("samples"), dict) else None
+
+
+def _per_token(sample: dict, key: str, n: int) -> list[float | None]:
+    vals = list(sample.get(key) or [])[:n]
+    return [_num(v) for v in vals] + [None] * (n - len(vals))
+
+
+def ppo_tokens_figure(samples: dict | None) -> go.Figure:
+    """One row per rollout, one cell per completion token, coloured by its advantage (green: pushed up,
+    red: pushed down); the token in the cell and, on hover, its reward, value, advantage, return and KL."""
+    rows = [s for s in (samples or {}).get("samples") or [] if s.get("tokens")]
+    if not rows:
+        return empty_figure("PPO runs show their latest rollouts here, each token coloured by its advantage.", 260)
+    width = max(len(s["tokens"]) for s in rows)
+    z, text, custom, labels = [], [], [], []
+    for i, s in enumerate(rows):
+        n = len(s["tokens"])
+        adv = _per_token(s, "advantages", n)
+        z.append(adv + [None] * (width - n))
+        text.append([str(t) for t in s["tokens"]] + [""] * (width - n))
+        cols = [_per_token(s, k, n) for k in PPO_TOKEN_KEYS]
+        cells = [[("–" if c[j] is None else f"{c[j]:+.4f}") for c in cols] + [str(s["tokens"][j])] for j in range(n)]
+        custom.append(cells + [["", "", "", "", "", ""]] * (width - n))
+        score = _num(s.get("score"))
+        labels.append(f"#{i + 1} score {score:+.2f}" if score is not None else f"#{i + 1}")
+    scale = max((abs(v) for r in z for v in r if v is not None), default=0.0) or 1.0
+    fig = go.Figure(go.Heatmap(
+        z=z, x=list(range(width)), y=labels, text=text, texttemplate="%{text}", textfont=dict(size=11),
+        customdata=custom, zmin=-scale, zmax=scale, zmid=0,
+        colorscale=[[0, RED], [0.5, "#f9fafb"], [1, GREEN]], colorbar=dict(title="advantage", thickness=12),
+        hovertemplate=("token %{x} %{customdata[5]}<br>reward %{customdata[0]}<br>value %{customdata[1]}"
+                       "<br>advantage %{customdata[2]}<br>return %{customdata[3]}<br>KL %{customdata[4]}"
+                       "<extra>%{y}</extra>"), xgap=2, ygap=2))
+    fig.update_xaxes(title_text="completion token", tickmode="linear", dtick=1 if width <= 24 else 4)
+    fig.update_yaxes(autorange="reversed")
+    return _layout(fig, f"rollouts of step {(samples or {}).get('step', '?')}: tokens coloured by advantage",
+                   max(220, 80 + 46 * len(rows)), showlegend=False)
+
+
+def ppo_samples_caption(samples: dict | None) -> str:
+    rows = (samples or {}).get("samples") or []
+    if not rows:
+        return "_PPO runs show their latest rollouts here, token by token._"
+    return (f"Rollouts sampled at step **{samples.get('step')}** ({len(rows)} shown). Each token's reward is "
+            "−β·KL to the reference, plus the reward model's score on the last token; the value head predicts the "
+            "return, and the advantage (GAE, whitened) is how much better the token did than predicted: PPO pushes "
+            "green tokens up and red ones down. Hover a token for its reward, value, advantage, return and KL.")
+
+
 # ---- held-out before / after -------------------------------------------------------------------
 
 EVAL_KEYS = {
@@ -174,6 +273,9 @@ EVAL_KEYS = {
     "reward": [("accuracy", "accuracy: score(chosen) > score(rejected)"), ("margin", "score margin (mean)"),
                ("score_chosen", "mean score of chosen"), ("score_rejected", "mean score of rejected")],
     "grpo": [("mean_reward", "mean verifiable reward (greedy)"), ("mean_length", "mean completion length")],
+    "ppo": [("mean_score", "reward-model score (greedy, mean): what PPO maximises"),
+            ("mean_reward", "task score: verifiable reward (greedy, mean)"),
+            ("mean_length", "mean completion length")],
 }
 
 
@@ -186,6 +288,49 @@ def eval_table(kind: str | None, before: dict | None, after: dict | None) -> pd.
         rows.append([label, "–" if b is None else round(b, 4), "–" if a is None else round(a, 4),
                      "–" if a is None or b is None else f"{a - b:+.4f}"])
     return pd.DataFrame(rows, columns=EVAL_COLUMNS)
+
+
+def ppo_examples_table(before: dict | None, after: dict | None) -> pd.DataFrame:
+    """Held-out prompts side by side: the greedy answer before and after, each with the reward model's
+    score and the task score (matched by prompt, in the order evaluated)."""
+    b_ex = list((before or {}).get("examples") or [])
+    a_by = {}
+    for e in (after or {}).get("examples") or []:
+        a_by.setdefault(e.get("prompt"), e)
+    prompts = [e.get("prompt") for e in b_ex] + [p for p in a_by if p not in {e.get("prompt") for e in b_ex}]
+    b_by = {e.get("prompt"): e for e in b_ex}
+
+    def r(v):
+        v = _num(v)
+        return "–" if v is None else round(v, 3)
+
+    rows = []
+    for p in prompts:
+        b, a = b_by.get(p) or {}, a_by.get(p) or {}
+        rows.append([p, b.get("answer", a.get("answer", "")), b.get("completion", "–"), r(b.get("score")),
+                     r(b.get("reward")), a.get("completion", "–"), r(a.get("score")), r(a.get("reward"))])
+    return pd.DataFrame(rows, columns=PPO_EXAMPLE_COLUMNS)
+
+
+def ppo_gaming_note(before: dict | None, after: dict | None) -> str:
+    """One sentence: did the reward-model score and the task score move together?"""
+    sb, sa = _num((before or {}).get("mean_score")), _num((after or {}).get("mean_score"))
+    tb, ta = _num((before or {}).get("mean_reward")), _num((after or {}).get("mean_reward"))
+    if None in (sb, sa, tb, ta):
+        return ("_PPO maximises the reward model's score, not the task: the held-out table puts the two side by side "
+                "once the run has evaluated after training._")
+    ds, dt = sa - sb, ta - tb
+    if ds > 0 and dt < 0:
+        verdict = ("while the task score **fell**: the policy learned to please the reward model rather than to "
+                   "solve the task (reward hacking).")
+    elif ds > 0 and abs(dt) < 1e-9:
+        verdict = "while the task score did not move: the gain is the reward model's, not the task's."
+    elif ds > 0:
+        verdict = "and the task score rose too: here the reward model and the task agree."
+    else:
+        verdict = "and the task score moved by the amount shown: PPO did not raise what it optimises."
+    return (f"**Reward-model score {sb:.3f} → {sa:.3f} ({ds:+.3f}), task score {tb:.3f} → {ta:.3f} ({dt:+.3f})** "
+            + verdict)
 
 
 # ---- status --------------------------------------------------------------------------------------
@@ -203,7 +348,9 @@ def job_label(rec: dict) -> str:
     bits = [KIND_LABELS.get(kind, kind), str(p.get("model", "?")), str(p.get("method", ""))]
     if kind == "grpo":
         bits.append(str(p.get("loss_type", "")))
-    if kind in ("dpo", "grpo") and p.get("beta") is not None:
+    if kind == "ppo" and p.get("reward_model"):
+        bits.append(f"RM {p['reward_model']}")
+    if kind in ("dpo", "grpo", "ppo") and p.get("beta") is not None:
         bits.append(f"β {p['beta']:g}")
     bits.append(f"{p.get('max_steps', '?')} steps")
     return " · ".join(b for b in bits if b)
@@ -222,7 +369,9 @@ def status_markdown(rec: dict | None) -> str:
             v = _num(last.get(k))
             return "–" if v is None else format(v, f)
         eta = f" · ETA {_fmt_s(last.get('eta_s'))}" if rec["state"] == "running" and last.get("eta_s") else ""
-        lines.append(f"step {last.get('step')}/{last.get('total')} · loss {num('loss', '.4f')} · "
+        what = (f"score {num('reward_mean', '+.3f')} · KL {num('kl', '.3f')} · β {num('beta', '.3g')} · policy loss "
+                f"{num('policy_loss', '.4f')}" if rec.get("kind") == "ppo" else f"loss {num('loss', '.4f')}")
+        lines.append(f"step {last.get('step')}/{last.get('total')} · {what} · "
                      f"{num('tokens_per_s', '.0f')} tokens/s · lr {num('lr', '.2e')}{eta}")
     d = pr.get("dataset") or pr.get("data")
     if d:
@@ -236,6 +385,9 @@ def status_markdown(rec: dict | None) -> str:
         where = ("score responses with it below" if pr.get("kind") == "reward"
                  else "see what changed inside it below, or open it in Explore")
         lines.append(f"registered as **{html.escape(pr['model_name'])}**: {where}")
+    rm = pr.get("reward_model") or (rec.get("params") or {}).get("reward_model")
+    if rec.get("kind") == "ppo" and rm:
+        lines.append(f"reward model: **{html.escape(str(rm))}**")
     if rec.get("error"):
         lines.append(f"⚠️ {html.escape(str(rec['error']))}")
     return "\n\n".join(lines)

@@ -1,6 +1,8 @@
-"""After SFT, in the Fine-tune tab: a self-contained accordion that submits reward-model, DPO and GRPO
-jobs (tasks/preference_job.py), follows the selected run live (curves, GRPO's latest group of
-completions with rewards and advantages, tokens/s and ETA, held-out numbers before and after), and
+"""After SFT, in the Fine-tune tab: a self-contained accordion that submits reward-model, DPO, GRPO and
+PPO jobs (tasks/preference_job.py), follows the selected run live (curves, GRPO's latest group of
+completions with rewards and advantages, PPO's latest rollouts token by token coloured by advantage,
+tokens/s and ETA, held-out numbers before and after: for PPO the reward model's score beside the task
+score), and
 shows what a finished run changed inside: the per-token log pi/pi_ref of a completion (checked
 against the sequence log-ratio from a plain transformers forward of each model), or a reward
 model's score of a typed response.
@@ -35,8 +37,11 @@ from model_core.training import preference as P
 from model_core.training import preference_data as D
 
 REFRESH_S = 2.0
-KINDS = P.KINDS  # ("reward", "dpo", "grpo")
-KIND_CHOICES = [("Reward model (Bradley-Terry score head)", "reward"), ("DPO", "dpo"), ("GRPO (verifiable rewards)", "grpo")]
+KINDS = (*P.KINDS, "ppo")  # P.KINDS are the TRL kinds; PPO (its own loop) is a job kind too
+TASK_KINDS = ("grpo", "ppo")  # prompts with answers (a verifier), not preference pairs
+TUNED_KINDS = ("dpo", "grpo", "ppo")  # language models trained against a reference
+KIND_CHOICES = [("Reward model (Bradley-Terry score head)", "reward"), ("DPO", "dpo"), ("GRPO (verifiable rewards)", "grpo"),
+                (pf.KIND_LABELS["ppo"], "ppo")]
 DATASETS = {
     "reward": [("Built-in: dates + style", "builtin"), ("Built-in: dates only", "builtin:date"),
                ("Built-in: style only", "builtin:style"), ("Upload .jsonl (prompt, chosen, rejected)", "upload")],
@@ -45,6 +50,7 @@ DATASETS = {
              ("Upload .jsonl (prompt, answer)", "upload")],
 }
 DATASETS["dpo"] = DATASETS["reward"]
+DATASETS["ppo"] = DATASETS["grpo"]  # the prompts are scored by the reward model; the answers give the task score
 LOSS_TYPE_CHOICES = [
     ("GRPO: A = (r − mean)/std per group; each completion's loss averaged over its own length", "grpo"),
     ("Dr. GRPO: no std scaling of A, no per-sequence length normalisation (a constant instead)", "dr_grpo"),
@@ -68,9 +74,9 @@ def _trained_rows(kinds: tuple[str, ...]) -> list[dict]:
 
 
 def trained_choices() -> list[tuple[str, str]]:
-    """Registered DPO / GRPO models (language models that have a reference to compare with)."""
+    """Registered DPO / GRPO / PPO models (language models that have a reference to compare with)."""
     return [(f"{r['name']}  ({r['kind']}, from {r.get('parent') or '?'})", r["name"])
-            for r in _trained_rows(("dpo", "grpo"))]
+            for r in _trained_rows(TUNED_KINDS)]
 
 
 def reward_choices() -> list[str]:
@@ -96,33 +102,40 @@ def _num(v):
 
 
 def form_params(kind, model, dataset, verifier, method, beta, loss_type, group_size, steps, lr,
-                lora_rank=None) -> dict:
-    """The job's params from the form (only the settings the kind has; the LoRA rank with LoRA only)."""
+                lora_rank=None, reward_model=None) -> dict:
+    """The job's params from the form (only the settings the kind has; the LoRA rank with LoRA only,
+    the reward model with PPO only)."""
     p = {"model": model or default_model(), "dataset": dataset or D.BUILTIN, "method": method or None,
          "max_steps": _num(steps) or None, "learning_rate": _num(lr) or None}
     if method == "lora":
         p["lora_rank"] = _num(lora_rank)
-    if kind in ("dpo", "grpo"):
+    if kind in ("dpo", "grpo", "ppo"):
         p["beta"] = _num(beta)
     if kind == "dpo":
         p["loss_type"] = loss_type or "sigmoid"
     if kind == "grpo":
         p.update(loss_type=loss_type or "grpo", num_generations=_num(group_size),
                  verifier=verifier if dataset == "upload" else None)
+    if kind == "ppo":
+        p.update(num_generations=_num(group_size), verifier=verifier if dataset == "upload" else None,
+                 reward_model=reward_model or None)
     return {k: v for k, v in p.items() if v is not None}
 
 
 @endpoint
 def submit(kind, model, dataset, upload, verifier, method, beta, loss_type, group_size, steps, lr, lora_rank=None,
-           request: gr.Request = None):
+           reward_model=None, request: gr.Request = None):
     """Check everything (settings, model name, every line of an upload) before queueing; a bad value
     answers one sentence beside the form and leaves the rest of the panel as it was."""
     from tasks import preference_job as pj
 
     skip = [gr.skip(), gr.skip(), gr.skip()]
     if kind not in KINDS:
-        return [*skip, V.show("Choose reward model, DPO or GRPO.")]
-    params = form_params(kind, model, dataset, verifier, method, beta, loss_type, group_size, steps, lr, lora_rank)
+        return [*skip, V.show("Choose reward model, DPO, GRPO or PPO.")]
+    if kind == "ppo" and not reward_model:
+        return [*skip, V.show("PPO needs a reward model: train one with the reward-model kind first, then pick it.")]
+    params = form_params(kind, model, dataset, verifier, method, beta, loss_type, group_size, steps, lr, lora_rank,
+                         reward_model)
     files = []
     try:
         if dataset == "upload":
@@ -142,16 +155,27 @@ def submit(kind, model, dataset, upload, verifier, method, beta, loss_type, grou
 
 
 def _views(rec: dict | None) -> list:
-    """status, curves, throughput, groups caption, groups table, held-out table of one record."""
+    """status, curves, throughput, groups caption, groups table, held-out table, and PPO's rollouts
+    caption, rollout tokens, score-versus-task sentence and held-out examples of one record (N_VIEWS)."""
     if rec is None:
         return [pf.status_markdown(None), pf.curves_figure(None, None), pf.throughput_figure(None),
-                pf.groups_caption(None), pf.groups_table(None), pf.eval_table(None, None, None)]
+                pf.groups_caption(None), pf.groups_table(None), pf.eval_table(None, None, None),
+                pf.ppo_samples_caption(None), pf.ppo_tokens_figure(None), pf.ppo_gaming_note(None, None),
+                pf.ppo_examples_table(None, None)]
     pr = rec.get("preference") or {}
     params = rec.get("params") or {}
     hist = pr.get("history")
+    ppo = rec["kind"] == "ppo"
+    samples = pf.ppo_samples(pr) if ppo else None
+    before, after = (pr.get("before"), pr.get("after")) if ppo else (None, None)
     return [pf.status_markdown(rec), pf.curves_figure(rec["kind"], hist, params.get("beta")),
             pf.throughput_figure(hist), pf.groups_caption(pr.get("groups"), params.get("loss_type")),
-            pf.groups_table(pr.get("groups")), pf.eval_table(rec["kind"], pr.get("before"), pr.get("after"))]
+            pf.groups_table(pr.get("groups")), pf.eval_table(rec["kind"], pr.get("before"), pr.get("after")),
+            pf.ppo_samples_caption(samples), pf.ppo_tokens_figure(samples), pf.ppo_gaming_note(before, after),
+            pf.ppo_examples_table(before, after)]
+
+
+N_VIEWS = 10
 
 
 def view_signature(rec: dict | None) -> str:
@@ -161,8 +185,9 @@ def view_signature(rec: dict | None) -> str:
         return ""
     pr = rec.get("preference") or {}
     g = pr.get("groups") if isinstance(pr.get("groups"), dict) else {}
+    smp = pf.ppo_samples(pr) or {}
     return "|".join(str(x) for x in (rec["id"], rec["state"], len(pr.get("history") or []),
-                                      (rec.get("progress") or {}).get("stage"), g.get("step"),
+                                      (rec.get("progress") or {}).get("stage"), g.get("step"), smp.get("step"),
                                       bool(pr.get("after")), rec.get("error")))
 
 
@@ -175,16 +200,17 @@ def refresh(selected, known, shown=None, request: gr.Request = None):
     menu = [gr.skip(), gr.skip()] if jf.menu_unchanged(choices, known) else [choices, gr.update(choices=choices)]
     if not selected:
         if shown == "":
-            return [gr.skip()] * 7 + [*menu, gr.skip(), gr.skip()]
+            return [gr.skip()] * (1 + N_VIEWS) + [*menu, gr.skip(), gr.skip()]
         return [jf.progress_html(None), *_views(None), *menu, gr.update(visible=False), ""]
     try:
         rec = jf.selected_job(selected, recs, request)
     except LmscopeError as e:
-        return [jf.progress_html(None), f"⚠️ {e}", *[gr.skip()] * 5, *menu, gr.update(visible=False), None]
+        return [jf.progress_html(None), f"⚠️ {e}", *[gr.skip()] * (N_VIEWS - 1), *menu, gr.update(visible=False),
+                None]
     sig = view_signature(rec)
     live = jf.cancellable(rec)
     if sig == shown:  # nothing new: only a running job's progress line (its ETA) moves
-        return [jf.progress_html(rec) if live else gr.skip(), *[gr.skip()] * 6, *menu, gr.skip(), gr.skip()]
+        return [jf.progress_html(rec) if live else gr.skip(), *[gr.skip()] * N_VIEWS, *menu, gr.skip(), gr.skip()]
     return [jf.progress_html(rec), *_views(rec), *menu, gr.update(visible=live), sig]
 
 
@@ -205,18 +231,24 @@ def pick_job(job):
 
 @endpoint
 def kind_changed(kind):
-    """The dataset menu, method default and the fields that belong to the kind."""
+    """The dataset menu, method default and the fields that belong to the kind (the reward-model menu
+    with PPO only)."""
     kind = kind if kind in KINDS else "dpo"
-    grpo = kind == "grpo"
+    grpo, ppo = kind == "grpo", kind == "ppo"
     s = P.SETTINGS_CLASSES[kind]()
+    beta_label = {"grpo": "β: KL penalty to the reference (0 = none)",
+                  "ppo": "β: KL penalty coefficient (per-token reward −β·KL to the reference)"}
     return (gr.update(choices=DATASETS[kind], value="builtin"), gr.update(value=s.method),
             gr.update(visible=kind != "reward", value=getattr(s, "beta", None),
-                      label="β: KL penalty to the reference (0 = none)" if grpo
-                      else "β: implicit KL strength (higher: nearer the reference)"),
-            gr.update(visible=kind != "reward", choices=LOSS_TYPE_CHOICES if grpo else DPO_LOSS_CHOICES,
-                      value=s.loss_type if kind != "reward" else None, label="GRPO loss" if grpo else "DPO loss"),
-            gr.update(visible=grpo), gr.update(visible=False), gr.update(visible=False),
-            gr.update(value=s.max_steps), gr.update(visible=s.method == "lora"))
+                      label=beta_label.get(kind, "β: implicit KL strength (higher: nearer the reference)")),
+            gr.update(visible=kind in ("dpo", "grpo"), choices=LOSS_TYPE_CHOICES if grpo else DPO_LOSS_CHOICES,
+                      value=getattr(s, "loss_type", None), label="GRPO loss" if grpo else "DPO loss"),
+            gr.update(visible=kind in TASK_KINDS, label="Rollouts per prompt" if ppo
+                      else "Group size: completions per prompt",
+                      **({"value": s.num_generations} if kind in TASK_KINDS else {})),
+            gr.update(visible=False), gr.update(visible=False),
+            gr.update(value=s.max_steps), gr.update(visible=s.method == "lora"),
+            gr.update(visible=ppo, choices=reward_choices()) if ppo else gr.update(visible=False))
 
 
 @endpoint
@@ -228,14 +260,14 @@ def method_changed(method):
 @endpoint
 def dataset_changed(kind, dataset):
     up = dataset == "upload"
-    return gr.update(visible=up), gr.update(visible=up and kind == "grpo")
+    return gr.update(visible=up), gr.update(visible=up and kind in TASK_KINDS)
 
 
 # ---- what changed inside ------------------------------------------------------------------------
 
 def default_example(kind: str | None) -> tuple[str, str]:
     """A held-out built-in example: (prompt, chosen) of a preference pair, (prompt, answer) of a task."""
-    if kind == "grpo":
+    if kind in TASK_KINDS:
         t = D.builtin_tasks(4, 2, 0).test[0]
         return t.prompt, t.answer
     p = D.builtin_preferences(4, 2, 0).test[0]
@@ -292,7 +324,7 @@ def what_changed(tuned, reference, prompt, completion, request: gr.Request = Non
     """Per completion token, log pi/pi_ref of the trained model against its parent (or the chosen
     reference), and the check that they sum to the sequence log-ratio."""
     if not isinstance(tuned, str) or tuned not in {v for _, v in trained_choices()}:
-        raise gr.Error("Pick a DPO- or GRPO-trained model.")
+        raise gr.Error("Pick a DPO-, GRPO- or PPO-trained model.")
     if not isinstance(completion, str) or not completion.strip():
         raise gr.Error("Type a completion to score.")
     t = get_model(tuned)
@@ -309,7 +341,7 @@ def what_changed(tuned, reference, prompt, completion, request: gr.Request = Non
 @endpoint
 def trained_picked(tuned):
     """A picked model: its parent as the reference, and a held-out built-in example of its kind."""
-    row = next((r for r in _trained_rows(("dpo", "grpo")) if r["name"] == tuned), None)
+    row = next((r for r in _trained_rows(TUNED_KINDS) if r["name"] == tuned), None)
     if row is None:
         return gr.skip(), gr.skip(), gr.skip()
     prompt, completion = default_example(row.get("kind"))
@@ -357,18 +389,24 @@ def build(shared: Shared) -> None:
     selected = gr.State(None)
     known = gr.State(None)
     prompt0, completion0 = default_example("dpo")
-    with gr.Accordion("After SFT: reward models, DPO and GRPO", open=False, elem_id="pref-accordion"):
+    with gr.Accordion("After SFT: reward models, DPO, GRPO and PPO", open=False, elem_id="pref-accordion"):
         gr.Markdown(
             "Train on preferences instead of demonstrations (TRL's trainers, full or LoRA). A **reward model** learns "
             "to score the chosen answer above the rejected one; **DPO** moves the model itself toward chosen answers, "
             "kept near its starting point (the reference) by β; **GRPO** samples a group of answers per prompt, scores "
-            "them with a verifier in plain code and pushes up those better than their group. Built-in data: dates "
+            "them with a verifier in plain code and pushes up those better than their group; **PPO** samples answers, "
+            "scores them with a reward model you trained here, and pays each token −β·KL to the reference, with a "
+            "value head for the advantage. Built-in data: dates "
             "written DD/MM/YYYY and plain versus rambling answers (pairs); arithmetic and dates (verifiable tasks).")
         with gr.Row():
             with gr.Column(scale=1, min_width=300):
                 kind = gr.Radio(KIND_CHOICES, value="dpo", label="Kind", elem_id="pref-kind")
                 model = gr.Dropdown(_base_choices(), value=default_model(), label="Model (language models, incl. "
                                     "fine-tuned)", elem_id="pref-model")
+                ppo_rm = gr.Dropdown(reward_choices(), value=None, label="Reward model (PPO maximises its score)",
+                                     info="Registered by the reward-model kind, on the same tokenizer as the model. "
+                                          "CLI: lmscope jobs submit ppo --model M --reward-model R",
+                                     visible=False, elem_id="pref-ppo-reward-model")
                 dataset = gr.Dropdown(DATASETS["dpo"], value="builtin", label="Dataset", elem_id="pref-dataset")
                 upload = gr.File(file_types=[".jsonl"], label="JSONL: one object per line", visible=False,
                                  elem_id="pref-upload")
@@ -393,7 +431,7 @@ def build(shared: Shared) -> None:
                 status = gr.Markdown(elem_id="pref-status")
             with gr.Column(scale=2):
                 with gr.Row():
-                    job = gr.Dropdown([], label="Reward / DPO / GRPO jobs", scale=4, elem_id="pref-job")
+                    job = gr.Dropdown([], label="Reward / DPO / GRPO / PPO jobs", scale=4, elem_id="pref-job")
                     cancel_btn = gr.Button("Cancel job", variant="stop", scale=1, visible=False,
                                            elem_id="pref-cancel")
                 progress = gr.HTML(elem_id="pref-progress")
@@ -403,12 +441,18 @@ def build(shared: Shared) -> None:
                 gr.Markdown("#### Held-out, before → after training")
                 evals = gr.Dataframe(pf.eval_table(None, None, None), interactive=False, wrap=True,
                                      elem_id="pref-eval")
+                ppo_note = gr.Markdown(pf.ppo_gaming_note(None, None), elem_id="pref-ppo-gaming")
         groups_note = gr.Markdown(pf.groups_caption(None), elem_id="pref-groups-note")
         groups = gr.Dataframe(pf.groups_table(None), interactive=False, wrap=True, elem_id="pref-groups")
+        ppo_caption = gr.Markdown(pf.ppo_samples_caption(None), elem_id="pref-ppo-samples-note")
+        ppo_tokens = gr.Plot(pf.ppo_tokens_figure(None), elem_id="pref-ppo-tokens")
+        gr.Markdown("#### PPO, held-out examples: reward-model score and task score, before → after")
+        ppo_examples = gr.Dataframe(pf.ppo_examples_table(None, None), interactive=False, wrap=True,
+                                    elem_id="pref-ppo-examples")
 
         gr.Markdown("### What changed inside")
         with gr.Row():
-            tuned = gr.Dropdown(trained_choices(), label="DPO / GRPO-trained model", scale=2, elem_id="pref-tuned")
+            tuned = gr.Dropdown(trained_choices(), label="DPO / GRPO / PPO-trained model", scale=2, elem_id="pref-tuned")
             reference = gr.Dropdown(_base_choices(), value=None, label="Reference π_ref (default: its parent)",
                                     scale=2, elem_id="pref-reference")
         with gr.Row():
@@ -429,13 +473,14 @@ def build(shared: Shared) -> None:
 
     shared.pickers.extend([(model, "all"), (reference, "all")])  # kept current by app/server/page.py
     kind.change(kind_changed, [kind], [dataset, method, beta, loss_type, group_size, upload, verifier, steps,
-                                        lora_rank])
+                                        lora_rank, ppo_rm])
     method.change(method_changed, [method], [lora_rank])
     dataset.change(dataset_changed, [kind, dataset], [upload, verifier])
     shown = gr.State(None)
-    outs = [progress, info, curves, tput, groups_note, groups, evals, known, job, cancel_btn, shown]
+    outs = [progress, info, curves, tput, groups_note, groups, evals, ppo_caption, ppo_tokens, ppo_note, ppo_examples,
+            known, job, cancel_btn, shown]
     submit_btn.click(submit, [kind, model, dataset, upload, verifier, method, beta, loss_type, group_size, steps, lr,
-                              lora_rank],
+                              lora_rank, ppo_rm],
                      [selected, job, status, msg])
     job.change(pick_job, [job], [selected])
     job.focus(job_choices, None, [job])
@@ -444,6 +489,7 @@ def build(shared: Shared) -> None:
     tuned.focus(trained_menu, None, [tuned])
     tuned.change(trained_picked, [tuned], [reference, ex_prompt, ex_completion])
     rm.focus(reward_menu, None, [rm])
+    ppo_rm.focus(reward_menu, None, [ppo_rm])
     inside_btn.click(what_changed, [tuned, reference, ex_prompt, ex_completion],
                      [inside_head, inside_tokens, inside_plot], concurrency_id="model")
     rm_btn.click(score_response, [rm, rm_prompt, rm_response], [rm_out], concurrency_id="model")
