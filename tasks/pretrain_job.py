@@ -5,10 +5,12 @@ held-out split of every 10th file).
 
 Params ('pretrain'): model_core.training.pretrain.PretrainSettings fields (width, layers, context, batch_size,
 max_steps or tokens, learning_rate, warmup_steps, eval_every, eval_tokens, seed, output_name,
-keep_checkpoints). 'scaling': the same (width ignored) plus widths ('64,128,256' or a list) and
-tokens (the budget each width trains for); output_name is the prefix of the models it registers,
-'<prefix>-d<width>'. Submission validates everything and checks the names are free; nothing is
-queued on bad input.
+keep_checkpoints). 'scaling': the same plus tokens (the budget each shape trains for) and either
+widths ('64,128,256' or a list; width ignored; models '<prefix>-d<width>', then the fit of L(N)) or
+depths ('1,2,4,8'; each at the width closest to `params` non-embedding parameters, by default those
+of `width` at `layers`; models '<prefix>-L<layers>-d<width>'; no fit at equal N). output_name is the
+prefix of the models it registers. Submission validates everything, picks the depth sweep's shapes
+(stored as `shapes`) and checks the names are free; nothing is queued on bad input.
 
 Progress: 'loading corpus' (0-2 %), 'training' (2-97 %, by step; a sweep weighs each width by its
 cost per token), 'fitting' / 'saving' (97-100 %). The record gets `pretrain`: {history: [{step,
@@ -45,28 +47,55 @@ def validate_params(kind: str, params: dict) -> dict:
     """The params as the worker will use them (JSON-able); SettingsError for bad values."""
     p = {k: v for k, v in dict(params or {}).items() if v is not None and v != ""}
     widths = p.pop("widths", None)
+    depths = p.pop("depths", None)
+    n_target = p.pop("params", None)
+    p.pop("shapes", None)  # derived below from depths and params, never taken as given
     if kind == "scaling":
-        p.pop("width", None)
         p.pop("max_steps", None)
         p.setdefault("tokens", DEFAULT_SCALING_TOKENS)
+        if depths is not None:
+            return _validate_depth_sweep(p, depths, n_target, widths)
+        if n_target is not None:
+            raise SettingsError("'params' belongs to a depth sweep (with 'depths'); a width sweep takes 'widths'.")
+        p.pop("width", None)
         ws = pt.parse_widths(widths if widths is not None else DEFAULT_WIDTHS)
         s = pt.validate_settings({**p, "width": ws[0]})
         out = {k: v for k, v in asdict(s).items() if k not in ("width", "device", "max_steps")}
         out["widths"] = ws
         return out
-    if widths is not None:
-        raise SettingsError("'widths' belongs to a scaling sweep; a pretrain job takes one 'width'.")
+    if widths is not None or depths is not None or n_target is not None:
+        key = "widths" if widths is not None else "depths" if depths is not None else "params"
+        raise SettingsError(f"'{key}' belongs to a scaling sweep; a pretrain job takes one 'width' and 'layers'.")
     s = pt.validate_settings(p)
     return {k: v for k, v in asdict(s).items() if k != "device"}
+
+
+def _validate_depth_sweep(p: dict, depths, n_target, widths) -> dict:
+    """A depth sweep's params: depths, the target N (given, or that of width x layers) and the shapes."""
+    if widths is not None:
+        raise SettingsError("A sweep takes either widths or depths, not both.")
+    ds = pt.parse_depths(depths)
+    if n_target is not None and p.get("width") is not None:
+        raise SettingsError("Give a depth sweep either 'params' or a 'width' to take them from, not both.")
+    s = pt.validate_settings(p)
+    target = pt.parse_params(n_target) if n_target is not None else pt.shape_params(s.width, s.layers)
+    shapes = pt.depth_shapes(ds, target)
+    out = {k: v for k, v in asdict(s).items() if k not in ("width", "device", "max_steps")}
+    out.update(depths=ds, params=target, shapes=shapes)
+    return out
 
 
 def model_names(kind: str, p: dict) -> list[str]:
     """Every model name the job will register (final models and checkpoints)."""
     from model_core.core.checkpoints import checkpoint_name
 
-    if kind == "scaling":
-        base = {k: v for k, v in p.items() if k != "widths"}
-        finals = [(f"{p['output_name']}-d{w}", pt.validate_settings({**base, "width": w})) for w in p["widths"]]
+    base = {k: v for k, v in p.items() if k not in ("widths", "depths", "params", "shapes")}
+    if kind == "scaling" and p.get("shapes"):
+        finals = [(pt.point_name(p["output_name"], sh["width"], sh["layers"]),
+                   pt.validate_settings({**base, "width": sh["width"], "layers": sh["layers"]}, any_width=True))
+                  for sh in p["shapes"]]
+    elif kind == "scaling":
+        finals = [(pt.point_name(p["output_name"], w), pt.validate_settings({**base, "width": w})) for w in p["widths"]]
     else:
         finals = [(p["output_name"], pt.validate_settings(p))]
     out = []
@@ -102,6 +131,7 @@ def submit_pretrain(kind: str, params: dict, owner: str = "cli", files: list | N
         names = model_names(kind, v)
         _check_names(names, bool(v.get("overwrite")))
         rec["pretrain"] = {"history": [], "latest": None, "model_name": v["output_name"], "widths": v.get("widths"),
+                           "depths": v.get("depths"), "params": v.get("params"), "shapes": v.get("shapes"),
                            "points": [], "fit": None, "fit_offset": None, "checkpoints": [], "models": names}
 
     return queue(run_scaling_job if kind == "scaling" else run_pretrain_job, kind, v, owner, prepare)
@@ -109,7 +139,12 @@ def submit_pretrain(kind: str, params: dict, owner: str = "cli", files: list | N
 
 def width_costs(widths: list[int], layers: int, context: int) -> list[float]:
     """Relative training cost per token of each width (matmuls + attention + the byte head)."""
-    return [layers * (12 * w * w + 2 * context * w) + 258 * w for w in widths]
+    return shape_costs([(layers, w) for w in widths], context)
+
+
+def shape_costs(shapes: list[tuple[int, int]], context: int) -> list[float]:
+    """Relative training cost per token of each (layers, width) shape."""
+    return [layers * (12 * w * w + 2 * context * w) + 258 * w for layers, w in shapes]
 
 
 class PretrainProgress(CurvesProgress):
@@ -165,6 +200,22 @@ def _run(job: Job, kind: str) -> Done:
     job.stage("loading corpus", 0.005, "loading the built-in corpus (stdlib docstrings)")
     train, held = _corpus()
     prog = job.progress
+    if kind == "scaling" and p.get("depths"):
+        ds, target, shapes = p.pop("depths"), p.pop("params"), p.pop("shapes")
+        prog.weights = shape_costs([(sh["layers"], sh["width"]) for sh in shapes], p["context"])
+        t0 = time.time()
+        res = pt.run_scaling(None, p["tokens"], p, train, held, p["output_name"], progress=prog.on_row,
+                             should_stop=job.cancelled, log=say, data_note=DATA_NOTE, depths=ds, params=target)
+        job.stage("saving", 0.98)
+        res["wall_seconds"] = round(time.time() - t0, 2)
+        path = job.write_json("scaling.json", res)
+        prog.report(fit=None, fit_offset=None, fit_note=res["fit_note"], wall_seconds=res["wall_seconds"],
+                    tokens=res["tokens"])
+        return job.done("done: held-out loss at ≈{:,} non-embedding parameters, by depth: {}; {} tokens each, "
+                        "{:.0f} s; no L(N) fit at equal N".format(
+                            res["params"], ", ".join(f"{q['layers']} layers (width {q['width']}) "
+                                                     f"{q['final_eval_loss']:.3f}" for q in res["points"]),
+                            f"{res['tokens']:,}", res["wall_seconds"]), path)
     if kind == "scaling":
         ws = p.pop("widths")
         prog.weights = width_costs(ws, p["layers"], p["context"])
@@ -215,8 +266,14 @@ def read_result(rec: dict) -> dict | None:
 def add_pretrain_arguments(s) -> None:
     """Options for kinds 'pretrain' and 'scaling'; flags other kinds already define are shared."""
     add = kinds.options(s, "pretrain / scaling (train a tiny decoder from scratch on the built-in corpus)")
-    add("--width", type=int, default=None, help="pretrain: d_model (multiple of 16; default 128)")
+    add("--width", type=int, default=None,
+        help="pretrain: d_model (multiple of 16; default 128); scaling --depths: take --params from this width")
     add("--widths", default=None, help="scaling: comma-separated widths (default 64,128,256)")
+    add("--depths", default=None,
+        help="scaling: comma-separated depths (layers) at equal non-embedding parameters, e.g. 1,2,4,8 (not with --widths)")
+    add("--params", type=int, default=None,
+        help="scaling --depths: the non-embedding parameter count every shape should have "
+             "(default: that of --width at --layers)")
     add("--layers", type=int, default=None, help="decoder layers (default 2)")
     add("--context", type=int, default=None, help="tokens (bytes) per training window (default 128)")
     add("--tokens", type=int, default=None,
@@ -234,7 +291,8 @@ def add_pretrain_arguments(s) -> None:
 def pretrain_params_from_args(args) -> dict:
     """The settings given on the command line (a dict; see params_from_args for the registry)."""
     g = lambda k: getattr(args, k, None)  # noqa: E731
-    params = {"width": g("width"), "widths": g("widths"), "layers": g("layers"), "context": g("context"),
+    params = {"width": g("width"), "widths": g("widths"), "depths": g("depths"), "params": g("params"),
+              "layers": g("layers"), "context": g("context"),
               "tokens": g("tokens"), "eval_every": g("eval_every"), "eval_tokens": g("eval_tokens"),
               "max_steps": g("max_steps"), "learning_rate": g("lr"), "seed": g("seed"),
               "batch_size": g("batch_size"), "output_name": g("output_name"), "keep_checkpoints": g("keep_checkpoints")}
@@ -246,7 +304,8 @@ def params_from_args(args) -> tuple[dict, list]:
 
 
 for _kind, _task, _help in (("pretrain", run_pretrain_job, "train a tiny decoder from scratch"),
-                            ("scaling", run_scaling_job, "a scaling sweep: several widths and their power-law fit")):
+                            ("scaling", run_scaling_job,
+                             "a scaling sweep: several widths and their power-law fit, or depths at equal parameters")):
     kinds.register(kinds.JobKind(_kind, validate=functools.partial(validate_params, _kind), task=_task,
                                  submit=functools.partial(submit_pretrain, _kind), add_arguments=add_pretrain_arguments,
                                  params_from_args=params_from_args, help=_help))

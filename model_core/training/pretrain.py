@@ -39,10 +39,14 @@ Scaling sweep (`run_scaling`): the same settings and the same token budget for s
 after another; each width's final held-out loss against its non-embedding N, fitted by least
 squares as log L = log a - α log N (`fit_power_law`: α, its standard error, R²), and with four or
 more widths also L = E + A / N^α (`fit_power_law_offset`, a grid over E; scipy is not needed).
+
+Depth sweep (`run_scaling(depths=..., params=N)`): each depth at the width whose counted N is closest
+(`depth_shapes`: any width make_config splits into heads, within ≈ 6 % of N); nothing to fit at equal N.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -65,6 +69,10 @@ MAX_CONTEXT = 1024
 MAX_STEPS = 100_000
 MAX_WIDTHS = 8
 MAX_KEEP_CHECKPOINTS = 20
+MAX_PARAMS = 200_000_000  # non-embedding target of a depth sweep (12 layers at width 1024 is ≈ 150M)
+# A depth's closest width must come this close to the target N, else the target is out of that
+# depth's range (the width step alone leaves at most ≈ 6 %).
+SHAPE_TOLERANCE = 0.10
 
 # The published fits the sweep is drawn against (their data, their tokenizers, their N: not ours).
 KAPLAN_2020 = {"name": "Kaplan et al. 2020", "alpha_N": 0.076, "N_c": 8.8e13,
@@ -139,8 +147,30 @@ class PretrainSettings:
         return self.eval_every or max(1, self.steps() // 10)
 
 
-def validate_settings(raw: dict | PretrainSettings) -> PretrainSettings:
-    """Settings with every value checked; SettingsError (one sentence) otherwise."""
+def head_split(width: int) -> tuple[int, int]:
+    """(heads, head size) make_config uses for a width: heads of about HEAD_DIM."""
+    heads = max(1, width // HEAD_DIM)
+    return heads, width // heads
+
+
+def width_ok(width: int) -> bool:
+    """Whether make_config can build this width: whole heads of an even size (RoPE rotates pairs)."""
+    heads, hd = head_split(width)
+    return 16 <= width <= MAX_WIDTH and heads * hd == width and hd % 2 == 0
+
+
+def _width_problem(w: int) -> str | None:
+    """The one sentence for a user-given width (a multiple of 16 that splits into heads), or None."""
+    if w % 16:
+        return f"Setting 'width' must be a multiple of 16, got {w}."
+    near = [v for v in range(16, MAX_WIDTH + 1, 16) if width_ok(v)]
+    return None if width_ok(w) else (f"Width {w} does not split into {head_split(w)[0]} heads of an even size; "
+                                     f"use {max(v for v in near if v < w)} or {min(v for v in near if v > w)}.")
+
+
+def validate_settings(raw: dict | PretrainSettings, any_width: bool = False) -> PretrainSettings:
+    """Settings with every value checked; SettingsError (one sentence) otherwise. any_width: the
+    width need not be a multiple of 16, only splittable into heads (a depth sweep's shapes)."""
     if isinstance(raw, PretrainSettings):
         raw = asdict(raw)
     d = {k: v for k, v in dict(raw or {}).items() if v is not None and v != ""}
@@ -150,8 +180,10 @@ def validate_settings(raw: dict | PretrainSettings) -> PretrainSettings:
         raise SettingsError(f"Unknown pretraining setting '{bad[0]}'.")
     s = PretrainSettings()
     s.width = setting_number({**asdict(s), **d}, "width", int, 16, MAX_WIDTH)
-    if s.width % 16:
-        raise SettingsError(f"Setting 'width' must be a multiple of 16, got {s.width}.")
+    if any_width and not width_ok(s.width):
+        raise SettingsError(f"Width {s.width} does not split into heads of an even size.")
+    if not any_width and _width_problem(s.width):
+        raise SettingsError(_width_problem(s.width))
     s.layers = setting_number({**asdict(s), **d}, "layers", int, 1, MAX_LAYERS)
     s.context = setting_number({**asdict(s), **d}, "context", int, 8, MAX_CONTEXT)
     s.batch_size = setting_number({**asdict(s), **d}, "batch_size", int, 1, 512)
@@ -185,25 +217,41 @@ def validate_settings(raw: dict | PretrainSettings) -> PretrainSettings:
     return s
 
 
-def parse_widths(value) -> list[int]:
-    """'64,128,256' or [64, 128, 256] -> sorted distinct widths; SettingsError otherwise."""
+def _parse_list(value, what: str, sweep: str, lo: int, hi: int, example: str) -> list[int]:
+    """'a,b,c' or [a, b, c] -> sorted distinct whole numbers in [lo, hi], two to MAX_WIDTHS of them."""
     if isinstance(value, str):
         parts = [p.strip() for p in value.replace(" ", ",").split(",") if p.strip()]
     elif isinstance(value, (list, tuple)):
         parts = list(value)
     else:
-        raise SettingsError("Give the widths as a list like 64,128,256.")
+        raise SettingsError(f"Give the {what} as a list like {example}.")
     try:
-        ws = sorted({setting_number({"widths": p}, "widths", int, 16, MAX_WIDTH) for p in parts})
+        xs = sorted({setting_number({what: p}, what, int, lo, hi) for p in parts})
     except SettingsError:
-        raise SettingsError(f"Widths must be whole numbers from 16 to {MAX_WIDTH}, like 64,128,256.") from None
-    if len(ws) < 2:
-        raise SettingsError("A scaling sweep needs at least two different widths.")
-    if len(ws) > MAX_WIDTHS:
-        raise SettingsError(f"A scaling sweep takes at most {MAX_WIDTHS} widths.")
-    if any(w % 16 for w in ws):
-        raise SettingsError("Every width must be a multiple of 16.")
+        raise SettingsError(f"{what.capitalize()} must be whole numbers from {lo} to {hi}, like {example}.") from None
+    if len(xs) < 2:
+        raise SettingsError(f"A {sweep} sweep needs at least two different {what}.")
+    if len(xs) > MAX_WIDTHS:
+        raise SettingsError(f"A {sweep} sweep takes at most {MAX_WIDTHS} {what}.")
+    return xs
+
+
+def parse_widths(value) -> list[int]:
+    """'64,128,256' or [64, 128, 256] -> sorted distinct widths; SettingsError otherwise."""
+    ws = _parse_list(value, "widths", "scaling", 16, MAX_WIDTH, "64,128,256")
+    for w in filter(_width_problem, ws):
+        raise SettingsError(_width_problem(w).replace("Setting 'width'", "Every width"))
     return ws
+
+
+def parse_depths(value) -> list[int]:
+    """'1,2,4,8' or [1, 2, 4, 8] -> sorted distinct depths (layers); SettingsError otherwise."""
+    return _parse_list(value, "depths", "depth", 1, MAX_LAYERS, "1,2,4,8")
+
+
+def parse_params(value) -> int:
+    """A depth sweep's target non-embedding parameter count; SettingsError otherwise."""
+    return setting_number({"params": value}, "params", int, 1, MAX_PARAMS)
 
 
 def default_output_name(s: PretrainSettings, suffix: str | None = None) -> str:
@@ -220,10 +268,10 @@ def mlp_width(width: int) -> int:
 def make_config(width: int, layers: int, context: int, vocab_size: int = 258, bos: int = 256, eos: int = 257):
     from transformers import LlamaConfig
 
-    heads = max(1, width // HEAD_DIM)
+    heads, hd = head_split(width)
     return LlamaConfig(
         hidden_size=width, intermediate_size=mlp_width(width), num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=heads, head_dim=width // heads,
+        num_attention_heads=heads, num_key_value_heads=heads, head_dim=hd,
         vocab_size=vocab_size, max_position_embeddings=context, rms_norm_eps=1e-5,
         tie_word_embeddings=True, bos_token_id=bos, eos_token_id=eos, pad_token_id=eos,
         initializer_range=0.02, attention_bias=False, mlp_bias=False,
@@ -248,18 +296,64 @@ def build_model(s: PretrainSettings, tokenizer=None):
 def param_counts(model) -> dict:
     """{'total', 'embedding', 'non_embedding'}: each tensor counted once (the tied output matrix is
     the token embedding). Non-embedding = everything but the token embedding (Kaplan's N)."""
-    seen: set[int] = set()
-    total = 0
+    def key(p):  # a meta tensor (shape_params) has no storage to compare: its identity instead
+        return ("id", id(p)) if p.is_meta else ("ptr", p.data_ptr())
+
+    seen, total = set(), 0
     for p in model.parameters():  # parameters() already yields a shared tensor once; be explicit anyway
-        if p.data_ptr() in seen:
+        if key(p) in seen:
             continue
-        seen.add(p.data_ptr())
+        seen.add(key(p))
         total += p.numel()
-    emb = model.get_input_embeddings().weight.numel()
+    emb = (emb_w := model.get_input_embeddings().weight).numel()
     out = model.get_output_embeddings()
-    untied = out is not None and out.weight.data_ptr() != model.get_input_embeddings().weight.data_ptr()
+    untied = out is not None and key(out.weight) != key(emb_w)
     emb_all = emb + (out.weight.numel() if untied else 0)
     return {"total": total, "embedding": emb_all, "non_embedding": total - emb_all}
+
+
+@functools.lru_cache(maxsize=4096)
+def shape_params(width: int, layers: int) -> int:
+    """Non-embedding parameters of the (width, layers) model, counted by param_counts on a model
+    built on the meta device (the real model's structure, no weights allocated)."""
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(make_config(width, layers, 8))
+    return param_counts(model)["non_embedding"]
+
+
+def shape_widths() -> list[int]:
+    """Every width make_config can build, ascending (the depth sweep's choices)."""
+    return [w for w in range(16, MAX_WIDTH + 1, 2) if width_ok(w)]
+
+
+def depth_shapes(depths, n_target: int) -> list[dict]:
+    """Per depth, the buildable width whose counted non-embedding N is closest to n_target:
+    [{layers, width, n_non_embedding}]. SettingsError (one sentence) when a depth cannot come within
+    SHAPE_TOLERANCE of it (too few parameters for the deepest, too many for the shallowest)."""
+    ws, out = shape_widths(), []
+    for layers in depths:
+        lo, hi = 0, len(ws) - 1
+        while lo < hi:  # N grows with the width: the first width at or above the target
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if shape_params(ws[mid], layers) >= n_target else (mid + 1, hi)
+        w = min(ws[max(lo - 1, 0):lo + 1], key=lambda c: (abs(shape_params(c, layers) - n_target), c))
+        out.append({"layers": int(layers), "width": w, "n_non_embedding": shape_params(w, layers)})
+    far = [s for s in out if abs(s["n_non_embedding"] - n_target) > SHAPE_TOLERANCE * n_target]
+    few = [s for s in far if s["n_non_embedding"] > n_target]
+    if far:  # name the deepest shape the target is too small for, else the shallowest it is too large for
+        s = max(few, key=lambda s: s["layers"]) if few else min(far, key=lambda s: s["layers"])
+        raise SettingsError(f"{n_target:,} non-embedding parameters is too {'few' if few else 'many'} for "
+                            f"{s['layers']} layer{'s' if s['layers'] > 1 else ''} (the "
+                            f"{'narrowest' if few else 'widest'}, width {s['width']}, has {s['n_non_embedding']:,}); "
+                            f"give {'more' if few else 'fewer'} parameters or {'fewer' if few else 'more'} layers.")
+    return out
+
+
+def point_name(prefix: str, width: int, layers: int | None = None) -> str:
+    """A sweep point's model name: '<prefix>-d<width>', or '<prefix>-L<layers>-d<width>' in a depth sweep."""
+    return f"{prefix}-d{width}" if layers is None else f"{prefix}-L{layers}-d{width}"
 
 
 def encode_docs(tokenizer, docs: list[str]) -> torch.Tensor:
@@ -332,7 +426,8 @@ class PretrainResult:
 
 def run_pretrain(settings: PretrainSettings | dict, train_docs: list[str], heldout_docs: list[str],
                  progress: ProgressFn | None = None, should_stop: Callable[[], bool] | None = None,
-                 log: Callable[[str], None] | None = None, data_note: str = "") -> PretrainResult:
+                 log: Callable[[str], None] | None = None, data_note: str = "",
+                 any_width: bool = False) -> PretrainResult:
     """Train a tiny decoder from scratch and register it (see the module docstring; the name checks,
     staging folder, cancel, lmscope.json and registration are run.TrainingRun's).
 
@@ -340,10 +435,10 @@ def run_pretrain(settings: PretrainSettings | dict, train_docs: list[str], heldo
     tokens_seen, tokens_per_s, elapsed_s, eta_s}: a row per step with the training loss, and a row
     with eval_loss/eval_ppl (loss None) at step 0, every eval_every steps and at the end. Also
     {phase: 'saving'} and {phase: 'done'}. should_stop() is polled between steps (-> PretrainCancelled,
-    nothing registered); a non-finite loss -> PretrainError."""
+    nothing registered); a non-finite loss -> PretrainError. any_width: as validate_settings'."""
     from model_core.core.registry import resolve_device
 
-    s = validate_settings(settings)
+    s = validate_settings(settings, any_width=any_width)
     max_steps = s.steps()
     run = TrainingRun(s.output_name or default_output_name(s), error_cls=PretrainError,
                       cancelled_cls=PretrainCancelled, overwrite=s.overwrite, progress=progress,
@@ -536,27 +631,42 @@ def fit_power_law_offset(n, loss, grid: int = 400) -> dict | None:
 def run_scaling(widths, tokens: int, base: PretrainSettings | dict | None, train_docs: list[str],
                 heldout_docs: list[str], name_prefix: str, progress: ProgressFn | None = None,
                 should_stop: Callable[[], bool] | None = None, log: Callable[[str], None] | None = None,
-                data_note: str = "") -> dict:
-    """Train each width for the same `tokens` (same settings and seed otherwise), one after another,
-    register each as '<name_prefix>-d<width>', and fit L(N) on the final held-out losses.
-    progress rows are run_pretrain's plus {width, width_index, n_widths}, and {phase: 'width done',
-    point} after each width. Returns {widths, tokens, points: [...], fit, fit_offset, published}."""
-    ws = parse_widths(widths)
+                data_note: str = "", depths=None, params: int | None = None) -> dict:
+    """Train each shape for the same `tokens` (same settings and seed otherwise), one after another.
+
+    Width sweep (`widths`): each width at base.layers, registered as '<name_prefix>-d<width>', and L(N)
+    fitted on the final held-out losses. Depth sweep (`depths`, widths None): each depth at the width
+    closest to `params` non-embedding parameters (default: those of base.width at base.layers),
+    registered as '<name_prefix>-L<layers>-d<width>'; no fit (fit None, fit_note says why).
+    progress rows are run_pretrain's plus {width, layers, width_index, n_widths}, and {phase: 'width
+    done', point} after each shape. Returns {sweep, widths, depths, tokens, points: [...], fit,
+    fit_offset, published, ...}."""
     b = validate_settings({**(asdict(base) if isinstance(base, PretrainSettings) else dict(base or {})),
                            "tokens": tokens, "max_steps": None})
-    say = log or (lambda m: None)
-    emit = progress or (lambda d: None)
-    points = []
-    t0 = time.time()
-    for i, w in enumerate(ws):
-        s = validate_settings({**asdict(b), "width": w, "output_name": f"{name_prefix}-d{w}"})
+    depth_sweep = depths is not None
+    if depth_sweep and widths is not None:
+        raise SettingsError("A sweep takes either widths or depths, not both.")
+    if depth_sweep:
+        ds = parse_depths(depths)
+        target = parse_params(params) if params is not None else shape_params(b.width, b.layers)
+        shapes = [(sh["layers"], sh["width"]) for sh in depth_shapes(ds, target)]
+    else:
+        ws = parse_widths(widths)
+        shapes = [(b.layers, w) for w in ws]
+    say, emit = log or (lambda m: None), progress or (lambda d: None)
+    points, t0 = [], time.time()
+    for i, (layers, w) in enumerate(shapes):
+        name = point_name(name_prefix, w, layers if depth_sweep else None)
+        s = validate_settings({**asdict(b), "width": w, "layers": layers, "output_name": name},
+                              any_width=depth_sweep)
 
-        def on_row(r, i=i, w=w):
-            emit({**r, "width": w, "width_index": i, "n_widths": len(ws)})
+        def on_row(r, i=i, w=w, layers=layers):
+            emit({**r, "width": w, "layers": layers, "width_index": i, "n_widths": len(shapes)})
 
-        say(f"width {w} ({i + 1} of {len(ws)})")
+        say(f"{layers} layers at width {w} ({i + 1} of {len(shapes)})" if depth_sweep
+            else f"width {w} ({i + 1} of {len(shapes)})")
         res = run_pretrain(s, train_docs, heldout_docs, progress=on_row, should_stop=should_stop, log=say,
-                           data_note=data_note)
+                           data_note=data_note, any_width=depth_sweep)
         m = res.info["metrics"]
         pt = {"width": w, "layers": s.layers, "n_non_embedding": res.info["non_embedding_parameters"],
               "n_total": res.info["parameters"], "final_eval_loss": m["final_eval_loss"],
@@ -566,16 +676,25 @@ def run_scaling(widths, tokens: int, base: PretrainSettings | dict | None, train
               "history": [{k: h.get(k) for k in ("step", "tokens_seen", "loss", "eval_loss")} for h in res.history
                           if h.get("eval_loss") is not None]}
         points.append(pt)
-        emit({"phase": "width done", "width": w, "width_index": i, "n_widths": len(ws), "point": pt})
+        emit({"phase": "width done", "width": w, "layers": s.layers, "width_index": i, "n_widths": len(shapes),
+              "point": pt})
+    d = points[0]["tokens"]
+    common = {"tokens": d, "settings": b.to_json(), "points": points, "seconds": round(time.time() - t0, 2),
+              "N": "non-embedding parameters (each tensor once)", "loss": "held-out nats per byte (byte tokenizer)"}
+    if depth_sweep:
+        ns = [p["n_non_embedding"] for p in points]
+        note = (f"A depth sweep at equal N has nothing to fit: every shape has {min(ns):,} to {max(ns):,} "
+                f"non-embedding parameters (target {target:,}), so the points are loss against depth.")
+        say(note + " Loss by depth: " + ", ".join(f"{p['layers']} layers (width {p['width']}, N "
+                                                  f"{p['n_non_embedding']:,}) {p['final_eval_loss']:.3f}" for p in points))
+        return {"sweep": "depth", "depths": ds, "params": target, "widths": [p["width"] for p in points],
+                "fit": None, "fit_offset": None, "fit_note": note, **common}
     fit = fit_power_law([p["n_non_embedding"] for p in points], [p["final_eval_loss"] for p in points])
     off = fit_power_law_offset([p["n_non_embedding"] for p in points], [p["final_eval_loss"] for p in points])
-    d = points[0]["tokens"]
     say(f"fit: L = {fit['a']:.3g} · N^-{fit['alpha']:.4f} (R² {fit['r2']:.3f}"
         + (f", α ± {fit['alpha_stderr']:.4f}" if fit["alpha_stderr"] is not None else "") + f") over {len(points)} "
         f"widths at {d:,} tokens each; Kaplan et al. 2020 report α_N = 0.076, Hoffmann et al. 2022 α = 0.34")
-    return {"widths": ws, "tokens": d, "settings": b.to_json(), "points": points, "fit": fit, "fit_offset": off,
-            "seconds": round(time.time() - t0, 2), "N": "non-embedding parameters (each tensor once)",
-            "loss": "held-out nats per byte (byte tokenizer)",
+    return {"sweep": "width", "widths": ws, "fit": fit, "fit_offset": off, **common,
             "published": {"kaplan_2020": KAPLAN_2020, "chinchilla_2022": CHINCHILLA_2022,
                           "kaplan_loss_at_points": [kaplan_loss(p["n_non_embedding"]) for p in points],
                           "chinchilla_loss_at_points": [chinchilla_loss(p["n_total"], d) for p in points]}}

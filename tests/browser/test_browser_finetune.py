@@ -220,3 +220,34 @@ def test_pretrain_form_and_curves(loop):
         name = next(line for line in table.split() if line.startswith("scaling-") and line.endswith("-d48"))
         wait_until(lambda: name in _menu_options(page, "model"), 30, f"{name} in the header's model menu")
         browser.close()
+
+
+def test_depth_sweep_from_the_form(loop):
+    """The sweep form over depths: two depths at the parameters of width 32 x 1 layer draw loss
+    against depth, each point labelled with its width and counted N, and say there is no fit."""
+    svc, server = loop
+    with sync_playwright() as pw:
+        browser = launch_browser(pw)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(server.url + "?tab=fine-tune")
+        page.locator("#pt-accordion").get_by_text("Train from scratch").first.click()
+        page.wait_for_selector("#sc-submit")
+        page.locator("#pretrain-sweep-axis").get_by_text("depths", exact=True).click()
+        page.wait_for_selector("#pretrain-depths")
+        wait_until(lambda: not page.locator("#sc-widths").is_visible(), 10, "the widths box hidden")
+        page.locator("#pretrain-depths textarea, #pretrain-depths input").first.fill("1,2")
+        set_number(page, "pretrain-params", 13408)  # width 32 x 1 layer
+        set_number(page, "sc-layers", 1)
+        set_number(page, "sc-tokens", 10240)
+        page.click("#sc-submit")
+        wait_until(lambda: "Queued sweep" in page.inner_text("#pt-status"), 30, "the depth sweep queued")
+        status = page.inner_text("#pt-status")
+        assert "-L1-d32" in status and "-L2-d24" in status, status
+        wait_until(lambda: "2 finished" in page.inner_text("#pt-info"), 240, "both depths trained")
+        assert "nothing to fit" in page.inner_text("#pt-info")
+        wait_title(page, "pt-scaling", "Loss against depth")
+        [pts] = plot_data(page, "pt-scaling")
+        assert list(pts["x"]) == [1, 2] and pts["text"][0].startswith("d=32, N=")
+        table = page.inner_text("#pt-points")
+        assert "-L1-d32" in table and "-L2-d24" in table
+        browser.close()

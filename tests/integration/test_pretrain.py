@@ -3,8 +3,9 @@
 In process: the loop lowers held-out loss on a tiny config, its loss equals transformers' own, the
 parameter counts are the hand formula, checkpoints register and load, a cancel registers nothing;
 the power-law fit recovers a known exponent (and agrees with numpy's polyfit). Then one real
-scaling sweep and one pretrain run through the CLI against a real Valkey and Celery worker
-(tests/helpers/services.py), the sweep's models opened with model_core.core.registry.load_model.
+scaling sweep, one depth sweep at equal parameters and one pretrain run through the CLI against a
+real Valkey and Celery worker (tests/helpers/services.py), the sweeps' models opened with
+model_core.core.registry.load_model.
 """
 
 from __future__ import annotations
@@ -185,6 +186,43 @@ def test_scaling_sweep_through_cli(svc):
         assert lm.model.config.hidden_size == w and lm.meta["from_scratch"]
         assert load_model(f"sweep-d{w}-step20", device="cpu").meta["step"] == 20
     assert "α =" in rec["log"][-1]
+
+
+@pytest.mark.integration
+def test_depth_sweep_through_cli(svc):
+    """Two depths at the non-embedding N of width 32 x 1 layer: each at its own width, the same
+    tokens, counted parameters within a few % of each other, no fit; bad depths queue nothing."""
+    from model_core.core.registry import load_model
+    from tasks import jobs, store
+    from tasks.pretrain_job import read_result
+
+    rec = _cli(svc, "scaling", "--depths", "1,2", "--width", "32", "--layers", "1", "--context", "64",
+               "--batch-size", "8", "--tokens", "10240", "--eval-tokens", "1024", "--lr", "3e-3",
+               "--output-name", "deep")
+    assert rec["state"] == "succeeded" and rec["kind"] == "scaling", rec
+    res = read_result(rec)
+    assert res["sweep"] == "depth" and res["fit"] is None and "nothing to fit" in res["fit_note"]
+    assert res["params"] == pt.shape_params(32, 1)
+    pts = res["points"]
+    assert [p["layers"] for p in pts] == [1, 2] and pts[0]["width"] == 32 and pts[1]["width"] < 32
+    assert rec["pretrain"]["points"] == pts and rec["pretrain"]["fit"] is None
+    os.environ["LMSCOPE_DATA_DIR"] = str(svc.data_dir)
+    for p in pts:
+        assert p["tokens"] == 10240 and p["model_name"] == f"deep-L{p['layers']}-d{p['width']}"
+        assert math.isfinite(p["final_eval_loss"]) and p["final_eval_loss"] < p["first_eval_loss"] - 0.5
+        lm = load_model(p["model_name"], device="cpu")
+        cfg = lm.model.config
+        assert (cfg.num_hidden_layers, cfg.hidden_size) == (p["layers"], p["width"])
+        # the recorded N is the registered model's own count
+        assert pt.param_counts(lm.model)["non_embedding"] == p["n_non_embedding"]
+    ns = [p["n_non_embedding"] for p in pts]
+    assert (max(ns) - min(ns)) / res["params"] < 0.07, ns
+    assert "no L(N) fit" in rec["log"][-1]
+    # a depth sweep the deepest shape cannot match: one sentence, nothing queued
+    before = set(store.list_ids(None, 10_000, store.client()))
+    with pytest.raises(LmscopeError, match="too few for 8 layers"):
+        jobs.submit("scaling", {"depths": "1,8", "params": 5000, "output_name": "never"}, owner="t")
+    assert set(store.list_ids(None, 10_000, store.client())) == before
 
 
 @pytest.mark.integration

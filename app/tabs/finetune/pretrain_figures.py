@@ -42,16 +42,22 @@ def _ticks(values, mantissas) -> list[float]:
 
 def curve_figure(history: list[dict] | None) -> go.Figure:
     """Training loss per step and held-out loss at its steps (top), held-out perplexity (bottom), against
-    tokens seen; one colour per width (a sweep's widths share the token axis)."""
+    tokens seen; one colour per shape (a sweep's widths, or a depth sweep's (layers, width), share the
+    token axis)."""
     hist = history or []
     if not any(h.get("loss") is not None or h.get("eval_loss") is not None for h in hist):
         return empty_figure("Loss and perplexity curves appear here while a job trains.", 460)
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08, row_heights=[0.62, 0.38])
-    widths = sorted({h.get("width") for h in hist if h.get("width") is not None}) or [None]
-    for i, w in enumerate(widths):
+    shapes = sorted({(h.get("layers") or 0, h["width"]) for h in hist if h.get("width") is not None},
+                    key=lambda s: (s[1], s[0]))
+    by_depth = len({layers for layers, _ in shapes}) > 1  # a depth sweep: name each curve by its layers too
+    widths = shapes or [None]
+    for i, sh in enumerate(widths):
         c = WIDTH_COLOURS[i % len(WIDTH_COLOURS)]
-        rows = [h for h in hist if h.get("width") == w] if w is not None else hist
-        tag = f"d={w} " if w is not None else ""
+        w = sh[1] if sh is not None else None
+        rows = ([h for h in hist if h.get("width") == w and (not by_depth or (h.get("layers") or 0) == sh[0])]
+                if sh is not None else hist)
+        tag = (f"L={sh[0]} d={w} " if by_depth else f"d={w} ") if sh is not None else ""
         tr = [(h["tokens_seen"], h["loss"]) for h in rows if h.get("loss") is not None]
         ev = [(h["tokens_seen"], h["eval_loss"]) for h in rows if h.get("eval_loss") is not None]
         if tr:
@@ -118,6 +124,49 @@ def scaling_figure(points: list[dict] | None, fit: dict | None = None, tokens: i
     return _layout(fig, title, 480)
 
 
+def _n(v: float) -> str:
+    return f"{v / 1e6:.3g}M" if v >= 1e6 else f"{v / 1e3:.3g}k" if v >= 1e3 else f"{v:g}"
+
+
+def depth_figure(points: list[dict] | None, params: int | None = None) -> go.Figure:
+    """A depth sweep: final held-out loss against the number of layers at (about) equal non-embedding
+    N; each point labelled with its width and its exact counted N (hover: the totals too). No fit:
+    N is (nearly) the same for every point."""
+    pts = sorted((p for p in (points or []) if p.get("final_eval_loss") is not None), key=lambda p: p["layers"])
+    if not pts:
+        return empty_figure("The loss-against-depth plot appears here as a depth sweep finishes each shape.", 460)
+    fig = go.Figure()
+    fig.add_scatter(
+        x=[p["layers"] for p in pts], y=[p["final_eval_loss"] for p in pts], mode="lines+markers+text",
+        name="ours: final held-out loss (nats/byte)", line=dict(color="#111827", width=1, dash="dot"),
+        marker=dict(size=11, color="#111827"), textposition="top center",
+        text=[f"d={p['width']}, N={_n(p['n_non_embedding'])}" for p in pts],
+        customdata=[[p["width"], p["n_non_embedding"], p["n_total"], p.get("model_name", "")] for p in pts],
+        hovertemplate=("%{x} layers, width %{customdata[0]}<br>N %{customdata[1]:,} non-embedding "
+                       "(%{customdata[2]:,} in all)<br>held-out loss %{y:.4f} nats/byte<br>%{customdata[3]}"
+                       "<extra></extra>"))
+    ns = [p["n_non_embedding"] for p in pts]
+    target = f"target {params:,}, " if params else ""
+    spread = (max(ns) - min(ns)) / (sum(ns) / len(ns))
+    fig.update_xaxes(title="layers (width chosen for equal non-embedding parameters)", type="log",
+                     tickvals=[p["layers"] for p in pts], ticktext=[str(p["layers"]) for p in pts])
+    ls = [p["final_eval_loss"] for p in pts]
+    pad = max(0.05, (max(ls) - min(ls)) * 0.25)
+    fig.update_yaxes(title="final held-out loss (nats per byte)", range=[min(ls) - pad, max(ls) + pad])
+    return _layout(fig, f"Loss against depth at equal N ({target}{min(ns):,} to {max(ns):,}, "
+                        f"spread {spread:.1%}): no L(N) fit", 480)
+
+
+def sweep_figure(rec: dict) -> go.Figure:
+    """The sweep plot a scaling record calls for: loss against depth for a depth sweep, L(N) for widths."""
+    pr = rec.get("pretrain") or {}
+    params = rec.get("params") or {}
+    if params.get("depths"):
+        return depth_figure(pr.get("points"), params.get("params"))
+    return scaling_figure(pr.get("points"), pr.get("fit"),
+                          (pr.get("points") or [{}])[0].get("tokens") or params.get("tokens"))
+
+
 def points_table(points: list[dict] | None) -> pd.DataFrame:
     rows = [[p["width"], p["layers"], p["n_non_embedding"], p["n_total"], p["tokens"], round(p["final_eval_loss"], 4),
              round(p["final_eval_loss"] / math.log(2), 4), round(math.exp(min(p["final_eval_loss"], 50.0)), 3),
@@ -157,7 +206,19 @@ def status_markdown(rec: dict | None) -> str:
         lines.append(f"held-out loss {first['eval_loss']:.3f} → {ev[-1]['eval_loss']:.3f} nats/byte "
                      f"({ev[-1]['eval_loss'] / math.log(2):.3f} bits/byte, perplexity "
                      f"{math.exp(min(ev[-1]['eval_loss'], 50.0)):.2f}); at initialisation ln 258 = 5.553")
-    if rec.get("kind") == "scaling":
+    if rec.get("kind") == "scaling" and p.get("depths"):
+        pts = pr.get("points") or []
+        shapes = p.get("shapes") or []
+        lines.append("depths " + ", ".join(f"{s['layers']} (width {s['width']})" for s in shapes)
+                     + f" at ≈{int(p.get('params') or 0):,} non-embedding parameters, "
+                     f"{int(p.get('tokens') or 0):,} tokens each; {len(pts)} finished")
+        if pts:
+            lines.append("held-out loss by depth: " + ", ".join(
+                f"{x['layers']} layers {x['final_eval_loss']:.3f} (N {x['n_non_embedding']:,})" for x in pts))
+        lines.append(pr.get("fit_note") or "A depth sweep at equal N has nothing to fit: loss is drawn against depth.")
+        if pts:
+            lines.append("registered: " + ", ".join(f"`{x['model_name']}`" for x in pts))
+    elif rec.get("kind") == "scaling":
         pts = pr.get("points") or []
         lines.append(f"widths {', '.join(map(str, p.get('widths') or []))} × {p.get('layers')} layers, "
                      f"{int(p.get('tokens') or 0):,} tokens each; {len(pts)} finished")

@@ -1,6 +1,7 @@
 """Training from scratch: a self-contained accordion (in the Fine-tune tab) with a form for a 'pretrain'
 job (one tiny decoder on the built-in corpus) and one for a 'scaling' sweep (several widths, same
-tokens, the fitted L(N)), the selected job's live loss / perplexity curves and the L(N) plot.
+tokens, the fitted L(N); or several depths at equal non-embedding parameters), the selected job's live
+loss / perplexity curves and the sweep's plot (L(N), or loss against depth).
 
 Jobs go through tasks.jobs like every other kind; owners come from the request (job_owner /
 job_viewer), never from the page. Figures: app/tabs/finetune/pretrain_figures.py. Registered models appear in
@@ -51,9 +52,13 @@ def submit_pretrain(width, layers, steps, lr, keep, name, request: gr.Request = 
 
 
 @endpoint
-def submit_scaling(widths, layers, tokens, lr, request: gr.Request = None):
+def submit_scaling(widths, layers, tokens, lr, axis="widths", depths=None, n_params=None,
+                   request: gr.Request = None):
     params = {"widths": _text(widths), "layers": _num(layers), "tokens": _num(tokens),
               "learning_rate": _num(lr)}
+    if axis == "depths":
+        # N defaults to that of width 128 at the layers given (tasks.pretrain_job's rule)
+        params = {**params, "widths": None, "depths": _text(depths), "params": _num(n_params)}
     try:
         rec = jf.job_store().submit("scaling", params, owner=job_owner(request))
     except LmscopeError as e:
@@ -79,9 +84,8 @@ def refresh(selected, known, request: gr.Request = None):
         return [f"⚠️ {e}", jf.progress_html(None), gr.skip(), gr.skip(), gr.skip(), *menu, gr.update(visible=False)]
     pr = rec.get("pretrain") or {}
     return [pf.status_markdown(rec), jf.progress_html(rec), pf.curve_figure(pr.get("history")),
-            pf.scaling_figure(pr.get("points"), pr.get("fit"),
-                              ((pr.get("points") or [{}])[0].get("tokens") or rec.get("params", {}).get("tokens")))
-            if rec["kind"] == "scaling" else pf.empty_figure("The L(N) plot belongs to a scaling sweep.", 460),
+            pf.sweep_figure(rec) if rec["kind"] == "scaling"
+            else pf.empty_figure("The L(N) plot belongs to a scaling sweep.", 460),
             pf.points_table(pr.get("points")), *menu,
             gr.update(visible=jf.cancellable(rec))]  # cancel: only while it can stop
 
@@ -101,6 +105,13 @@ def pick_job(job):
     return jf.picked_job(job)
 
 
+@endpoint
+def pick_axis(axis):
+    """Show the widths box or the depth sweep's boxes."""
+    depth = axis == "depths"
+    return gr.update(visible=not depth), gr.update(visible=depth), gr.update(visible=depth)
+
+
 def build(shared: Shared) -> None:
     selected = gr.State(None)
     known = gr.State(None)
@@ -112,7 +123,9 @@ def build(shared: Shared) -> None:
             "vocabulary: the body, not the embedding, holds the parameters and the compute). The held-out loss is "
             "measured on held-out files; the model registers like a fine-tuned one (checkpoints too, step 0 = the "
             "random initialisation), so you can open it in Explore and watch heads form. A **scaling sweep** trains "
-            "several widths for the same tokens and fits L = a·N^-α over the non-embedding parameter count N.")
+            "several widths for the same tokens and fits L = a·N^-α over the non-embedding parameter count N; "
+            "over **depths** it trains several layer counts, each at the width with (about) the same N, and draws "
+            "loss against depth.")
         with gr.Row():
             with gr.Column(scale=1, min_width=280):
                 gr.Markdown("#### One model")
@@ -127,7 +140,13 @@ def build(shared: Shared) -> None:
                     name = gr.Textbox("", label="Model name (empty: scratch-d<W>-l<L>-<job>)", elem_id="pt-name")
                 pt_btn = gr.Button("Train from scratch", variant="primary", elem_id="pt-submit")
                 gr.Markdown("#### Scaling sweep")
+                axis = gr.Radio(["widths", "depths"], value="widths", label="Sweep over",
+                                elem_id="pretrain-sweep-axis")
                 widths = gr.Textbox("64,128,256", label="Widths", elem_id="sc-widths")
+                with gr.Row():
+                    depths = gr.Textbox("1,2,4,8", label="Depths (layers)", visible=False, elem_id="pretrain-depths")
+                    n_params = gr.Number(0, label="Non-embedding parameters per shape (0: width 128 at the layers "
+                                         "below)", precision=0, visible=False, elem_id="pretrain-params")
                 with gr.Row():
                     sc_layers = gr.Number(2, label="Layers", precision=0, elem_id="sc-layers")
                     tokens = gr.Number(400_000, label="Tokens per width", precision=0, elem_id="sc-tokens")
@@ -146,7 +165,8 @@ def build(shared: Shared) -> None:
 
     outs = [info, progress, curve, scaling, table, known, job, cancel_btn]
     pt_btn.click(submit_pretrain, [width, layers, steps, lr, keep, name], [selected, job, status])
-    sc_btn.click(submit_scaling, [widths, sc_layers, tokens, sc_lr], [selected, job, status])
+    sc_btn.click(submit_scaling, [widths, sc_layers, tokens, sc_lr, axis, depths, n_params], [selected, job, status])
+    axis.change(pick_axis, [axis], [widths, depths, n_params])
     job.change(pick_job, [job], [selected])
     job.focus(job_choices, None, [job])
     gr.Timer(REFRESH_S).tick(refresh, [selected, known], outs, show_progress="hidden", queue=False)
