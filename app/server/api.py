@@ -63,6 +63,15 @@ _EXPECTED = {"Number": "a number", "Slider": "a number", "Checkbox": "true or fa
              "CheckboxGroup": "a list of its choices"}
 
 
+def _with_defaults(values: list, blocks: list) -> list | None:
+    """`values` with the missing trailing inputs set to their controls' defaults, where each of those
+    is a number or checkbox control with a plain default (settings appended to an endpoint); else None."""
+    tail = blocks[len(values):]
+    if not all(isinstance(b, (gr.Slider, gr.Number, gr.Checkbox)) and _scalar(b.value) for b in tail):
+        return None
+    return [*values, *(b.value for b in tail)]
+
+
 def _label(block) -> str:
     return str(getattr(block, "label", None) or getattr(block, "elem_id", None) or type(block).__name__)
 
@@ -111,6 +120,16 @@ def harden(demo: gr.Blocks) -> None:
         inputs = kwargs.get("inputs", args[1] if len(args) > 1 else None)
         fn = demo.fns[block_fn] if isinstance(block_fn, int) else block_fn
         first_call = kwargs.get("iterator") is None  # a streaming event calls again for each chunk
+        if first_call and isinstance(inputs, list) and len(inputs) < len(fn.inputs):
+            # a setting appended to an endpoint later (Generate's penalties) takes its control's default
+            # when an older client leaves it out; nothing else is filled in
+            filled = _with_defaults(inputs, fn.inputs)
+            if filled is not None:
+                inputs = filled
+                if "inputs" in kwargs:
+                    kwargs["inputs"] = filled
+                else:
+                    args = (args[0], filled, *args[2:])
         if first_call and (not isinstance(inputs, list) or len(inputs) < len(fn.inputs)):
             got = len(inputs) if isinstance(inputs, list) else type(inputs).__name__
             raise quiet_error(f"This endpoint takes {len(fn.inputs)} values; the request sent {got}.")
