@@ -288,7 +288,7 @@ def test_speculative_decoding_panel_in_the_browser(server, width):
         wait_until(lambda: len(plot_data(page, "gen-spec-steps")) == 3, 30, "the steps chart")
         traces = plot_data(page, "gen-spec-steps")
         names = page.evaluate("() => document.querySelector('#gen-spec-steps .js-plotly-plot')._fullData.map(t => t.name)")
-        assert names == ["proposed, kept", "proposed, rejected", "the target's own token"]
+        assert names == ["draft, kept", "draft, rejected", "target's own"]
         assert sum(traces[0]["y"]) == int(m.group(1))
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         page.locator("#gen-spec").screenshot(path=str(ARTIFACTS / f"generate-speculative-{width}.png"))

@@ -37,13 +37,13 @@ def steps_figure(run: dict | None, labels: list[str] | None = None) -> go.Figure
         hover.append(f"forward at token {at}: {len(s['proposed'])} proposed, kept {m} ({got})"
                      f"<br>then the target's own {text(at + m)}")
     fig = go.Figure()
-    fig.add_bar(x=xs, y=kept, name="proposed, kept", marker_color=KEPT, hovertext=hover, hoverinfo="text")
-    fig.add_bar(x=xs, y=rejected, name="proposed, rejected", marker_color=REJECTED, hovertext=hover, hoverinfo="text")
-    fig.add_bar(x=xs, y=[1] * len(steps), name="the target's own token", marker_color=OWN, hovertext=hover,
+    fig.add_bar(x=xs, y=kept, name="draft, kept", marker_color=KEPT, hovertext=hover, hoverinfo="text")
+    fig.add_bar(x=xs, y=rejected, name="draft, rejected", marker_color=REJECTED, hovertext=hover, hoverinfo="text")
+    fig.add_bar(x=xs, y=[1] * len(steps), name="target's own", marker_color=OWN, hovertext=hover,
                 hoverinfo="text")
-    fig.update_layout(barmode="stack", height=300, title="Each target forward: the draft's proposals and its own token",
+    fig.update_layout(barmode="stack", height=300, title="Per target forward",
                       xaxis_title="target forward (after the prompt's)", yaxis_title="tokens",
-                      legend=dict(orientation="h", y=-0.3), margin=dict(l=50, r=10, t=50, b=90))
+                      legend=dict(orientation="h", y=1.0, yanchor="bottom", x=0), margin=dict(l=50, r=10, t=90, b=60))
     return fig
 
 
