@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -33,6 +35,12 @@ class LiveServices:
         return {"REDIS_URL": self.url, "LMSCOPE_DATA_DIR": str(self.data_dir),
                 "LMSCOPE_JOB_STALE_SECONDS": str(self.stale_s), "RAYON_NUM_THREADS": "1",
                 "TOKENIZERS_PARALLELISM": "false", "LMSCOPE_DEVICE": "cpu"}
+
+    def submit(self, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+        """`lmscope jobs submit ARGS` as a user runs it: a CLI process against these services."""
+        root = Path(__file__).resolve().parents[2]
+        return subprocess.run([sys.executable, "-m", "app.server.cli", "jobs", "submit", *args], capture_output=True,
+                              text=True, env={**os.environ, **self.env()}, cwd=root, timeout=timeout)
 
     def start(self) -> LiveServices:
         for k, v in self.env().items():

@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -45,15 +42,11 @@ def svc(tmp_path_factory):
         print("\nPPO test wall times (s): " + ", ".join(f"{k} {v:.1f}" for k, v in TIMES.items()))
 
 
-def _cli(svc, *args, timeout=900):
-    env = {**os.environ, **svc.env()}
-    return subprocess.run([sys.executable, "-m", "app.server.cli", "jobs", "submit", *args], capture_output=True,
-                          text=True, env=env, cwd=ROOT, timeout=timeout)
 
 
 def _submit_wait(svc, name, *args):
     t0 = time.time()
-    out = _cli(svc, *args, "--wait", "--json")
+    out = svc.submit(*args, "--wait", "--json", timeout=900)
     TIMES[name] = time.time() - t0
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:] + svc.worker_log()
     return json.loads(out.stdout)
@@ -69,7 +62,7 @@ def _refused(svc, words: str, *args) -> None:
 
     before = [r["id"] for r in jobs.list_jobs(limit=1000)]
     dirs = sorted(p.name for p in (svc.data_dir / "jobs").iterdir()) if (svc.data_dir / "jobs").exists() else []
-    out = _cli(svc, "ppo", *args, "--json", timeout=120)
+    out = svc.submit("ppo", *args, "--json", timeout=120)
     err = out.stderr.strip()
     assert out.returncode == 2 and out.stdout == "", (args, out.stdout, err)
     assert err.startswith("error: ") and words in err and "\n" not in err and err.endswith("."), (args, err)

@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -42,15 +39,11 @@ def svc(tmp_path_factory):
         print("\npreference job wall times (s): " + ", ".join(f"{k} {v:.1f}" for k, v in TIMES.items()))
 
 
-def _cli(svc, *args, timeout=400):
-    env = {**os.environ, **svc.env()}
-    return subprocess.run([sys.executable, "-m", "app.server.cli", "jobs", "submit", *args], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=timeout)
 
 
 def _submit_wait(svc, name, *args):
     t0 = time.time()
-    out = _cli(svc, *args, "--wait", "--json")
+    out = svc.submit(*args, "--wait", "--json")
     TIMES[name] = time.time() - t0
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:] + svc.worker_log()
     return json.loads(out.stdout)
@@ -125,7 +118,7 @@ def test_malformed_upload_is_refused_by_line_and_nothing_is_queued(svc, tmp_path
     before = [r["id"] for r in jobs.list_jobs(limit=1000)]
     job_dirs = sorted(p.name for p in (svc.data_dir / "jobs").iterdir()) if (svc.data_dir / "jobs").exists() else []
 
-    out = _cli(svc, "dpo", "--model", MODEL, "--dataset", str(bad), "--max-steps", "1", "--json")
+    out = svc.submit("dpo", "--model", MODEL, "--dataset", str(bad), "--max-steps", "1", "--json")
     assert out.returncode == 2, out.stdout + out.stderr
     err = out.stderr.strip()
     assert err.startswith("error: 3 of 5 lines in 'pairs.jsonl' are malformed; nothing was run."), err
