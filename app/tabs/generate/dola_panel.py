@@ -14,6 +14,7 @@ from app.shared.context import Shared, endpoint, get_model, max_prompt_tokens
 from app.tabs.generate import dola_figures as F
 from model_core.core.errors import LmscopeError
 from model_core.core.prompts import encode_prompt
+from model_core.core.tokenization import describe_tokens
 from model_core.interp import dola as D
 from model_core.serving.speculative import plain_greedy
 
@@ -43,7 +44,7 @@ def run_dola(model_name, prompt, chat, layers, max_new, request: gr.Request = No
     run = D.dola_greedy(lm, ids, n, which).to_json(lm.tokenizer)
     plain = plain_greedy(lm, ids, n)
     plain_text = lm.tokenizer.decode(plain.token_ids, skip_special_tokens=True)
-    labels = [lm.tokenizer.decode([s["token_id"]]) for s in run["dola"]["steps"]]
+    labels = [r["display"] for r in describe_tokens(lm.tokenizer, [s["token_id"] for s in run["dola"]["steps"]])]
     same = next((i for i, (a, b) in enumerate(zip(run["token_ids"], plain.token_ids)) if a != b), None)
     parted = ("the same tokens as plain greedy decoding" if same is None and run["token_ids"] == plain.token_ids
               else f"parts from plain greedy decoding at token {same if same is not None else min(len(run['token_ids']), len(plain.token_ids))}")

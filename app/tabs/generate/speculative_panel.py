@@ -14,6 +14,7 @@ from app.shared.context import Shared, endpoint, get_model, max_prompt_tokens
 from app.tabs.generate import speculative_figures as F
 from model_core.core.errors import LmscopeError
 from model_core.core.prompts import encode_prompt
+from model_core.core.tokenization import describe_tokens
 from model_core.serving import speculative as S
 
 DRAFTS = {"prompt lookup": "lookup", "this model's first layers": "layers"}
@@ -60,7 +61,7 @@ def run_speculative(model_name, prompt, chat, draft_kind, k, layers, max_new, re
         return str(e), gr.skip(), gr.skip()
     plain = S.plain_greedy(lm, ids, max_new)
     spec = S.speculative_greedy(lm, ids, max_new, draft, k=k)
-    labels = [lm.tokenizer.decode([t]) for t in spec.token_ids]
+    labels = [r["display"] for r in describe_tokens(lm.tokenizer, spec.token_ids)]  # "glyph·k/n" for byte pieces
     run = spec.to_json()
     return (_summary(run, plain.to_json(), spec.token_ids == plain.token_ids, k), F.token_marks(run, labels),
             F.steps_figure(run, labels))
