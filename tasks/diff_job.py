@@ -4,9 +4,15 @@ held-out split or an uploaded .txt/.jsonl file, saved as diff.json in the job's 
 
 Params: tuned (a fine-tuned or registry model), base (default: the tuned model's parent, from its
 lmscope.json), dataset ('builtin' or 'upload' with one file), max_tokens (corpus tokens compared,
-256-65,536, default 4,096), window (tokens per context, 16-512, default 64).
-Progress: 'loading models' (0-5 %), 'comparing' (5-97 %, per window), 'saving'. Cancel: between
-windows. Claim, heartbeat, cancel and the job's ending are tasks.lifecycle's.
+256-65,536, default 4,096), window (tokens per context, 16-512, default 64), follow (up to 16
+prompts followed across the run; default: the corpus's top-ranked contexts).
+Progress: 'loading models' (0-5 %), 'comparing' (5-90 %, per window), 'across the run' (90-97 %,
+per checkpoint, when the tuned model's run kept checkpoints), 'saving'. Cancel: between windows and
+checkpoints. Claim, heartbeat, cancel and the job's ending are tasks.lifecycle's.
+
+`precompute` is the short pass a training job runs on its own model when it finishes (SFT, DPO,
+GRPO, PPO): PRECOMPUTE_TOKENS of the built-in held-out split, written as diff.json beside the run's
+other results, so "What changed" opens at once.
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ from tasks.lifecycle import Done, Job, JobTask, queue
 
 ARTIFACT = "diff.json"
 DEFAULT_TOKENS, DEFAULT_WINDOW = 4096, 64
+PRECOMPUTE_TOKENS, PRECOMPUTE_WINDOW = 2048, 64  # a training job's own pass: 32 contexts of 64 tokens
+FOLLOWED = 8  # top-ranked contexts followed across a run when no prompts are given
+MAX_FOLLOW_CHARS = 2000
 
 
 def parent_of(name: str) -> str | None:
@@ -60,6 +69,14 @@ def validate_params(params: dict, allow_paths: bool = False) -> dict:
     if p.get("dataset") not in (None, "builtin", "upload"):
         raise SettingsError("The dataset is 'builtin' or an uploaded file.")
     p["dataset"] = p.get("dataset") or "builtin"
+    follow = p.get("follow") or []
+    if isinstance(follow, str):
+        follow = [follow]
+    if not isinstance(follow, list) or len(follow) > 16 or not all(
+            isinstance(t, str) and t.strip() and len(t) <= MAX_FOLLOW_CHARS for t in follow):
+        raise SettingsError(f"Follow at most 16 prompts across the run, each non-empty text of at most "
+                            f"{MAX_FOLLOW_CHARS:,} characters.")
+    p["follow"] = follow
     return p
 
 
@@ -99,13 +116,63 @@ def run_diff(self, job: Job) -> Done:
     windows = corpus_windows(base.tokenizer, texts, p["max_tokens"], p["window"])
     job.stage("comparing", 0.05, f"{windows.shape[0]} windows of {p['window']} tokens from {source}")
     job.cancel_note = "cancelled between windows"
-    d = diff_corpus(base, tuned, windows, progress=job.ticker("comparing", 0.05, 0.97, 0.25))
+    d = diff_corpus(base, tuned, windows, progress=job.ticker("comparing", 0.05, 0.90, 0.25))
     job.check_cancel()
     d.meta.update(corpus=source)
+    report = d.to_dict()
+    report["across_run"] = across_run(job, base, p["tuned"], report, p["follow"])
     job.stage("saving", 0.97)
-    path = job.dir / ARTIFACT
-    path.write_text(json.dumps(d.to_dict(), ensure_ascii=False), encoding="utf-8")
+    path = job.write_json(ARTIFACT, report)
     return job.done(f"done: {d.tokens} tokens in {d.seconds:.1f} s, mean KL {d.mean_kl:.4f} nats", path)
+
+
+def across_run(job: Job, base, tuned: str, report: dict, follow: list[str]) -> dict | None:
+    """KL at every checkpoint the tuned model's run kept, for the followed prompts (default: the
+    corpus's top-ranked contexts, cut to their last MAX_PROMPT_TOKENS tokens); None without checkpoints."""
+    from model_core import load_model
+    from model_core.interp.model_diff_run import MAX_PROMPT_TOKENS, kl_across_run, run_checkpoints
+
+    steps = run_checkpoints(tuned)
+    if not steps:
+        return None
+    job.stage("across the run", 0.90, f"KL at {len(steps)} points of the run ({', '.join(n for _, n in steps)})")
+    models = [(st, (lambda n=name: load_model(n, allow_hub=False))) for st, name in steps]
+    if follow:
+        r = kl_across_run(base, models, prompts=follow, progress=job.ticker("across the run", 0.90, 0.97, 0.25))
+    else:
+        ids = [c["ids"][-MAX_PROMPT_TOKENS:] for c in report["contexts"][:FOLLOWED]]
+        r = kl_across_run(base, models, token_ids=ids, progress=job.ticker("across the run", 0.90, 0.97, 0.25))
+    return r.to_dict()
+
+
+def precompute(job: Job, tuned: str, base: str | None = None) -> Path | None:
+    """A training job's own short diff of the model it registered against its base (diff.json in the
+    job's folder). Never changes how the training job ends: a failure is a log line."""
+    from model_core import load_model
+    from model_core.core.errors import LmscopeError
+    from model_core.interp.model_diff import diff_corpus
+    from model_core.interp.neurons import corpus_windows
+
+    base = base or parent_of(tuned)
+    if not base:
+        return None
+    job.stage("what changed", 0.99, f"comparing '{tuned}' with {base} over {PRECOMPUTE_TOKENS:,} tokens of the "
+                                    f"built-in held-out split")
+    try:
+        b, t = load_model(base, allow_hub=False), load_model(tuned, allow_hub=False)
+        windows = corpus_windows(b.tokenizer, corpus.builtin_docs("heldout"), PRECOMPUTE_TOKENS, PRECOMPUTE_WINDOW)
+        d = diff_corpus(b, t, windows)
+        d.meta.update(corpus=f"{corpus.BUILTIN_VERSION} held-out split", precomputed=True,
+                      max_tokens=PRECOMPUTE_TOKENS, window=PRECOMPUTE_WINDOW)
+        report = d.to_dict()
+        report["across_run"] = across_run(job, b, tuned, report, [])
+        path = job.write_json(ARTIFACT, report)
+    except (LmscopeError, OSError, RuntimeError, ValueError) as e:
+        job.say(f"what changed: not precomputed ({e})")
+        return None
+    job.say(f"what changed: mean KL({base} ‖ {tuned}) {d.mean_kl:.4f} nats over {d.tokens:,} tokens "
+            f"({d.seconds:.1f} s)")
+    return path
 
 
 # ---- CLI: `lmscope jobs submit diff ...` ---------------------------------------------------
@@ -117,16 +184,18 @@ def add_arguments(s) -> None:
     add("--dataset", default="builtin", help="diff: 'builtin' (held-out docstrings) or a .txt/.jsonl file")
     add("--max-tokens", type=int, default=None, help="diff: corpus tokens compared")
     add("--window", type=int, default=None, help="diff: tokens per context")
+    add("--follow", action="append", default=None,
+        help="diff: a prompt followed across the run's checkpoints (repeat; default: the top-ranked contexts)")
 
 
 def params_from_args(args) -> tuple[dict, list]:
     dataset = getattr(args, "dataset", "builtin") or "builtin"
     files = [] if dataset == "builtin" else [dataset]
     return {"tuned": args.tuned, "base": args.base, "max_tokens": getattr(args, "max_tokens", None),
-            "window": getattr(args, "window", None)}, files
+            "window": getattr(args, "window", None), "follow": getattr(args, "follow", None) or []}, files
 
 
 kinds.register(kinds.JobKind("diff", validate=validate_params, task=run_diff, submit=submit_diff,
                              add_arguments=add_arguments, params_from_args=params_from_args,
-                             flags=("--tuned", "--base", "--dataset", "--max-tokens", "--window"),
+                             flags=("--tuned", "--base", "--dataset", "--max-tokens", "--window", "--follow"),
                              help="what fine-tuning changed over a corpus: contexts ranked by KL"))

@@ -268,8 +268,13 @@ def run_preference(job: Job, kind: str) -> Done:
                         **({"samples_by_step": res.info["samples"], "reward_model": res.info["reward_model"]}
                            if kind == "ppo" else {}))
     what = "reward model" if kind == "reward" else "model"
+    diff = None
+    if kind != "reward":  # a reward model scores; its next-token distributions are not what it learned
+        from tasks.diff_job import precompute  # "What changed", ready when the run's page opens
+
+        diff = precompute(job, res.name, model)
     return job.done(f"done: {what} '{res.name}' registered{_headline(kind, res.before, res.after)}",
-                    *[res.path / n for n in ("lmscope.json",) if (res.path / n).exists()])
+                    *[res.path / n for n in ("lmscope.json",) if (res.path / n).exists()], *([diff] if diff else []))
 
 
 _CANCELLED = (P.TrainingCancelled, sft.SFTCancelled)

@@ -218,8 +218,12 @@ def run_sft_job(self, job: Job) -> Done:
                f"{info['accuracy_after']['accuracy']:.0%}")
     ck = f" (and {len(res.checkpoints)} checkpoint(s): {', '.join(c['name'] for c in res.checkpoints)})" \
         if res.checkpoints else ""
+    from tasks.diff_job import precompute  # "What changed", ready when the run's page opens
+
+    diff = precompute(job, res.name, settings.model)
     return job.done(f"done: model '{res.name}' registered{ck}{acc}",
-                    *[res.path / n for n in ("lmscope.json", "model.safetensors") if (res.path / n).exists()])
+                    *[res.path / n for n in ("lmscope.json", "model.safetensors") if (res.path / n).exists()],
+                    *([diff] if diff else []))
 
 
 # ---- CLI: `lmscope jobs submit sft ...` (wired from tasks/cli.py) ----------------------------

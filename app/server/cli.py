@@ -109,6 +109,28 @@ def cmd_trace(args) -> int:
     return 0
 
 
+def _diff_across_run(args, base, device) -> int:
+    """`lmscope diff --across-run`: KL(base || model) on the prompt at every checkpoint of the tuned
+    model's run, the final model last."""
+    from model_core.core.errors import SettingsError
+    from model_core.core.registry import load_model
+    from model_core.interp.model_diff_run import kl_across_run, run_checkpoints
+
+    steps = run_checkpoints(args.tuned)
+    if not steps:
+        raise SettingsError(f"'{args.tuned}' has no kept checkpoints; train it with --keep-checkpoints N to see "
+                            "when it changed.")
+    models = [(st, (lambda n=n: load_model(n, device=device, dtype=args.settings.dtype))) for st, n in steps]
+    r = kl_across_run(base, models, prompts=[args.prompt])
+    if args.json:
+        _print_json(r.to_dict())
+        return 0
+    _out(f"KL({r.base} || model at the step), mean over the prompt's {len(r.tokens[0])} tokens:")
+    for step, name, row in zip(r.steps, r.models, r.mean_kl):
+        _out(f"  step {step:6d}  {row[0]:9.5f}  {name}")
+    return 0
+
+
 def cmd_diff(args) -> int:
     from model_core.core.registry import load_model
     from model_core.interp.model_diff import diff_prompt
@@ -116,6 +138,8 @@ def cmd_diff(args) -> int:
     device = args.device or args.settings.device
     base = load_model(args.base, device=device, dtype=args.settings.dtype)
     tuned = load_model(args.tuned, device=device, dtype=args.settings.dtype)
+    if args.across_run:
+        return _diff_across_run(args, base, device)
     d = diff_prompt(base, tuned, args.prompt, chat=args.chat, max_tokens=args.max_tokens)
     if args.json:
         _print_json(d.to_dict())
@@ -382,6 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
     df.add_argument("--prompt", required=True)
     df.add_argument("--chat", action="store_true", help="wrap the prompt in the base model's chat template")
     df.add_argument("--max-tokens", type=int, default=1024)
+    df.add_argument("--across-run", action="store_true",
+                    help="the KL at every checkpoint the tuned model's run kept (when did it change)")
     df.add_argument("--device", default=None)
     df.add_argument("--json", action="store_true")
     df.set_defaults(func=cmd_diff)

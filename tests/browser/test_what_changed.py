@@ -1,7 +1,10 @@
 """"What changed" from a finished fine-tuning run (issue 43), in real headless Chromium with a real
 Valkey and Celery worker on the real default model: the run's page opens from its link, the button
-queues a diff job over the built-in corpus and shows its contexts ranked by KL(base ‖ tuned), and a
-context clicked opens the per-prompt view of exactly that context, whose last KL is the table's."""
+shows the diff the SFT job computed when it finished (no diff job queued): contexts ranked by
+KL(base ‖ tuned), and the KL at each checkpoint the run kept, 0 at the base; a context clicked opens
+the per-prompt view of exactly that context, whose last KL is the table's; a feature set trained on
+the base by a features job gives the features that changed, and a row clicked opens that feature's
+page."""
 
 from __future__ import annotations
 
@@ -17,7 +20,10 @@ pytestmark = [pytest.mark.browser, pytest.mark.integration, pytest.mark.real_mod
 MODEL = "smollm2-135m-instruct"
 # a short LoRA run that moves the model enough to rank contexts (tests/integration/test_model_diff.py)
 RUN = {"model": MODEL, "method": "lora", "lora_rank": 8, "learning_rate": 2e-3, "max_steps": 6, "batch_size": 4,
-       "builtin_train_size": 24, "accuracy_examples": 2, "eval_fraction": 0.25}
+       "builtin_train_size": 24, "accuracy_examples": 2, "eval_fraction": 0.25, "keep_checkpoints": 2}
+# a small feature set on the base (tests/conftest.py's feature_set settings), trained by the app's own job
+FEATURES = {"model": MODEL, "layer": 6, "hook": "resid_post", "max_tokens": 512, "num_latents": 1152, "k": 16,
+            "batch_size": 4, "context": 32, "eval_tokens": 256, "context_tokens": 512, "seed": 4, "name": "base-l6"}
 
 
 @pytest.fixture(scope="module")
@@ -26,11 +32,11 @@ def loop(tmp_path_factory):
         yield pair
 
 
-def _table_rows(page) -> list[list[str]]:
-    """The rows of the contexts table in view (a gr.Dataframe's rows are virtual), in order."""
-    return page.evaluate("""() => [...document.querySelectorAll('#diff-contexts [role=grid] .virtual-row[role=row]')]
+def _table_rows(page, elem_id: str = "diff-contexts") -> list[list[str]]:
+    """The rows of a table in view (a gr.Dataframe's rows are virtual), in order."""
+    return page.evaluate("""(id) => [...document.querySelectorAll('#' + id + ' [role=grid] .virtual-row[role=row]')]
         .sort((a, b) => +a.dataset.index - +b.dataset.index)
-        .map(r => [...r.querySelectorAll('[role=gridcell]')].map(c => c.innerText.trim()))""")
+        .map(r => [...r.querySelectorAll('[role=gridcell]')].map(c => c.innerText.trim()))""", elem_id)
 
 
 def test_what_changed_from_a_finished_run(loop):
@@ -38,8 +44,10 @@ def test_what_changed_from_a_finished_run(loop):
 
     svc, server = loop
     rec = jobs.submit("sft", RUN, owner="local")
+    feats = jobs.submit("features", FEATURES, owner="local")
     done = jobs.wait_job(rec["id"], timeout=600)
     assert done["state"] == "succeeded", (done.get("error"), svc.worker_log()[-2000:])
+    assert any(a["name"] == "diff.json" for a in done["artifacts"]), done["log"][-3:]  # computed as it finished
     with sync_playwright() as pw:
         browser = launch_browser(pw)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
@@ -53,6 +61,11 @@ def test_what_changed_from_a_finished_run(loop):
             raise AssertionError(f"status: {page.inner_text('#diff-status')!r}; worker: {svc.worker_log()[-1500:]}") from None
         status = page.inner_text("#diff-status")
         assert done["sft"]["model_name"] in status and MODEL in status and "mean KL" in status, status
+        assert f"job {rec['id']}" in status, status  # the run's own diff
+        # when did it change: 0 at the base, then the two kept checkpoints and the final model
+        run = plot_data(page, "diff-run")
+        assert len(run) == 8 and all(t["x"] == [0, 2, 4, 6] for t in run), run
+        assert all(t["y"][0] == 0 and t["y"][-1] > 0 for t in run), run
         rows = _table_rows(page)
         kls = [float(r[0]) for r in rows]
         assert kls == sorted(kls, reverse=True) and kls[0] > 0, kls
@@ -70,9 +83,24 @@ def test_what_changed_from_a_finished_run(loop):
         page.locator("#diff-prompt-kl").scroll_into_view_if_needed()
         screenshot(page, "what-changed-context")
 
-        # a second press shows the finished diff at once, not a new job
-        n_jobs = len([r for r in jobs.list_jobs() if r["kind"] == "diff"])
-        page.click("#sft-what-changed")
-        wait_until(lambda: "mean KL" in page.inner_text("#diff-status"), 60, "the same diff again")
-        assert len([r for r in jobs.list_jobs() if r["kind"] == "diff"]) == n_jobs == 1
+        # the run's own diff was shown: no diff job was queued for it
+        assert not [r for r in jobs.list_jobs() if r["kind"] == "diff"]
+
+        # features of a set trained on the base: what appeared, vanished or shifted; a row opens its page
+        fdone = jobs.wait_job(feats["id"], timeout=600)
+        assert fdone["state"] == "succeeded", (fdone.get("error"), svc.worker_log()[-2000:])
+        page.locator("#diff-feature-set").scroll_into_view_if_needed()
+        page.locator("#diff-feature-set input").click()
+        page.get_by_role("option", name="base-l6").click()
+        page.click("#diff-features-go")
+        wait_until(lambda: len(_table_rows(page, "diff-features")) >= 3, 300, "the features that changed")
+        assert "features fire under the base" in page.inner_text("#diff-features-summary")
+        first = _table_rows(page, "diff-features")[0]
+        assert first[0] in ("appeared", "vanished", "shifted"), first
+        page.locator("#diff-features [role=grid] .virtual-row[role=row]").first.locator("[role=gridcell]").nth(1).click()
+        wait_until(lambda: f"Feature #{first[1]} of base-l6" in page.inner_text("#diff-feature-title"), 120,
+                   "the feature's page")
+        wait_until(lambda: plot_data(page, "diff-feature-weights"), 30, "the tokens the feature promotes")
+        page.locator("#diff-feature-title").scroll_into_view_if_needed()
+        screenshot(page, "what-changed-feature")
         browser.close()

@@ -2,7 +2,9 @@
 app's own job through a real worker: `lmscope diff` on a prompt gives per-token KL(base || tuned)
 equal to one computed from transformers' own logits of the two checkpoints (AutoModelForCausalLM,
 float64 softmax) within 1e-4, a model against itself gives exactly 0, and the corpus job ranks
-contexts whose KL is transformers' at that context."""
+contexts whose KL is transformers' at that context. The SFT job kept two checkpoints and computed its
+own short diff when it finished; `lmscope diff --across-run` gives the KL at each checkpoint, each
+transformers' for that checkpoint's weights, 0 at the base and the plain diff's at the end."""
 
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ def test_diff_on_a_prompt_and_over_the_corpus(tmp_path):
     try:
         # an SFT model trained by the app's own job (LoRA, merged into a plain checkpoint)
         rec = _cli("jobs", "submit", "sft", "--model", DEFAULT, "--lora-rank", "8", "--max-steps", "6",
-                   "--batch-size", "4", "--lr", "2e-3", "--output-name", "diff-tuned",
+                   "--batch-size", "4", "--lr", "2e-3", "--output-name", "diff-tuned", "--keep-checkpoints", "2",
                    "--wait", "--timeout", "600", "--json", timeout=660)
         assert rec["state"] == "succeeded", svc.worker_log()
         base_lm = load_model(DEFAULT)
@@ -72,6 +74,17 @@ def test_diff_on_a_prompt_and_over_the_corpus(tmp_path):
         # LoRA leaves the embeddings: the streams are equal there and part at a layer
         assert len(d["resid_diff"]) == base_lm.shape.n_layers + 1 and set(d["resid_diff"][0]) == {0.0}
         assert any(p is not None and p > 0 for p in d["parted_at"])
+        # the job's own diff, computed as it finished, follows the run through its checkpoints
+        own = json.loads((svc.data_dir / "jobs" / rec["id"] / "diff.json").read_text())
+        assert own["meta"]["precomputed"] and own["tokens"] == 2048 and own["contexts"][0]["kl"] > 0
+        assert own["across_run"]["steps"] == [0, 2, 4, 6] and own["across_run"]["models"][-1] == "diff-tuned"
+        # when did it change, through the CLI: each point is transformers' KL for that checkpoint
+        run = _cli("diff", "--base", DEFAULT, "--tuned", "diff-tuned", "--prompt", PROMPT, "--across-run", "--json")
+        assert run["steps"] == [0, 2, 4, 6] and set(run["kl"][0][0]) == {0.0}
+        assert run["kl"][-1][0] == d["kl"]  # the final model's point is the plain diff's KL
+        mid = _kl_from_transformers(base_hf, _hf(finetuned_path(run["models"][1])), ids)
+        assert torch.allclose(torch.tensor(run["kl"][1][0], dtype=torch.float64), mid, atol=1e-4, rtol=0)
+        assert 0 < run["mean_kl"][1][0] != run["mean_kl"][3][0]
         same = _cli("diff", "--base", DEFAULT, "--tuned", DEFAULT, "--prompt", PROMPT, "--json")
         assert set(same["kl"]) == {0.0} and all(p is None for p in same["parted_at"])
         assert all(v == 0.0 for row in same["head_js"] for v in row)

@@ -100,3 +100,38 @@ def changes_html(d: dict, position: int) -> str:
     return (f"<div id='diff-changes'><p>After <b>{tok}</b> (position {position}): KL {d['kl'][position]:.4f} nats; "
             f"{where}.</p><table><tr><th>gained</th><th>Δp</th></tr>{rows(d['gained'][position])}</table>"
             f"<table><tr><th>lost</th><th>Δp</th></tr>{rows(d['lost'][position])}</table></div>")
+
+
+def run_figure(run: dict | None) -> go.Figure:
+    """Mean KL(base ‖ model at the step) per followed prompt, at each checkpoint the run kept (step 0
+    is the base: 0)."""
+    if not run or len(run.get("steps") or []) < 2:
+        return style.empty_figure("This run kept no checkpoints: train with 'keep checkpoints' to see when it changed.")
+    fig = go.Figure()
+    steps, models = run["steps"], run["models"]
+    for p, text in enumerate(run["prompts"]):
+        fig.add_trace(go.Scatter(
+            x=steps, y=[row[p] for row in run["mean_kl"]], mode="lines+markers", name=_shown(text)[-40:],
+            customdata=models, hovertemplate="step %{x} (%{customdata})<br>mean KL %{y:.4f} nats<extra></extra>"))
+    fig.update_xaxes(title="training step (0: the base)")
+    fig.update_yaxes(title="mean " + KL, rangemode="tozero")
+    fig.update_layout(showlegend=len(run["prompts"]) <= 8)
+    return style.layout(fig, "When did it change: KL from the base at each kept checkpoint, per context", 360)
+
+
+def feature_shift_table(shift: dict | None) -> pd.DataFrame:
+    """The features that appeared, vanished or shifted most (model_core.interp.model_diff_features)."""
+    rows = []
+    for kind, what in (("appeared", "appeared"), ("vanished", "vanished"), ("shifted", "shifted")):
+        for r in (shift or {}).get(kind) or []:
+            rows.append([what, r["feature"], round(r["freq_base"], 4), round(r["freq_tuned"], 4),
+                         round(r["mean_base"], 4), round(r["mean_tuned"], 4), (r.get("label") or "")[:60]])
+    return pd.DataFrame(rows, columns=["change", "feature", "fires (base)", "fires (tuned)", "mean act. (base)",
+                                       "mean act. (tuned)", "label"])
+
+
+def feature_shift_summary(shift: dict) -> str:
+    return (f"**{shift.get('features', 'the set')}** (`{shift.get('hook', '')}`) on {shift.get('positions', 0):,} "
+            f"positions of the built-in held-out text: {shift.get('firing_base', 0):,} features fire under the base, "
+            f"{shift.get('firing_tuned', 0):,} under the tuned model; {len(shift.get('appeared') or [])} appeared, "
+            f"{len(shift.get('vanished') or [])} vanished. Click a feature for its page.")

@@ -470,6 +470,10 @@ def build(shared: Shared) -> None:
             rm_response = gr.Textbox(completion0, label="Response", scale=2, elem_id="pref-rm-response")
         rm_btn = gr.Button("Score", elem_id="pref-rm-score")
         rm_out = gr.Markdown(elem_id="pref-rm-out")
+        # the picked DPO / GRPO / PPO run against its base over a corpus
+        from app.tabs.finetune import diff_panel
+
+        diff_panel.build(shared, selected, tuned, prefix="pref-diff", button_id="pref-what-changed")
 
     shared.pickers.extend([(model, "all"), (reference, "all")])  # kept current by app/server/page.py
     kind.change(kind_changed, [kind], [dataset, method, beta, loss_type, group_size, upload, verifier, steps,
