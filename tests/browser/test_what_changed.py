@@ -4,7 +4,8 @@ shows the diff the SFT job computed when it finished (no diff job queued): conte
 KL(base ‖ tuned), and the KL at each checkpoint the run kept, 0 at the base; a context clicked opens
 the per-prompt view of exactly that context, whose last KL is the table's; a feature set trained on
 the base by a features job gives the features that changed, and a row clicked opens that feature's
-page."""
+page; the crosscoder button trains one over both models at a layer (a real crosscoder job) and shows
+its latents by class."""
 
 from __future__ import annotations
 
@@ -103,4 +104,18 @@ def test_what_changed_from_a_finished_run(loop):
         wait_until(lambda: plot_data(page, "diff-feature-weights"), 30, "the tokens the feature promotes")
         page.locator("#diff-feature-title").scroll_into_view_if_needed()
         screenshot(page, "what-changed-feature")
+
+        # a crosscoder of the pair at layer 6, trained by a job the button queues
+        page.locator("#diff-cc-go").scroll_into_view_if_needed()
+        page.click("#diff-cc-go")
+        wait_until(lambda: len(_table_rows(page, "diff-cc-latents")) >= 1, 600, "the crosscoder's latents")
+        cc_status = page.inner_text("#diff-cc-status")
+        assert "Variance explained" in cc_status and "blocks.6" in cc_status, cc_status
+        hist = plot_data(page, "diff-cc-hist")
+        assert hist and sum(hist[0]["y"]) > 0
+        assert {r[0] for r in _table_rows(page, "diff-cc-latents")} <= {"shared", "base-only", "tuned-only"}
+        cc = [r for r in jobs.list_jobs() if r["kind"] == "crosscoder"]
+        assert len(cc) == 1 and cc[0]["state"] == "succeeded" and cc[0]["params"]["layer"] == 6
+        page.locator("#diff-cc-hist").scroll_into_view_if_needed()
+        screenshot(page, "what-changed-crosscoder")
         browser.close()

@@ -30,6 +30,8 @@ INVALID = {
     "heads": ({"model": "random-llama-tiny", "prompts": 0}, "'prompts' must be between 1"),
     "features": ({"model": "random-llama-tiny", "layer": 1, "k": 0}, "'k' must be a whole number from 1"),
     "diff": ({"tuned": "random-llama-tiny", "base": "random-llama-tiny", "max_tokens": 10}, "'max_tokens' must be between 256"),
+    "crosscoder": ({"tuned": "random-llama-tiny", "base": "random-llama-tiny", "layer": 0, "l1_coeff": -1},
+                   "'l1_coeff' must be between"),
 }
 
 
@@ -59,7 +61,7 @@ def test_cli_service_and_worker_kinds_come_from_the_registry(svc):
 
     names = kinds.names()
     assert set(names) == {"tokenizer", "patching", "sft", "pretrain", "scaling", "neurons", "reward", "dpo", "grpo",
-                          "ppo", "heads", "features", "diff"}
+                          "ppo", "heads", "features", "diff", "crosscoder"}
     assert _cli_kinds() == list(names)
     assert tuple(jobs.KINDS) == names
     for k in kinds.all_kinds():

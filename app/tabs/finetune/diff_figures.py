@@ -135,3 +135,45 @@ def feature_shift_summary(shift: dict) -> str:
             f"positions of the built-in held-out text: {shift.get('firing_base', 0):,} features fire under the base, "
             f"{shift.get('firing_tuned', 0):,} under the tuned model; {len(shift.get('appeared') or [])} appeared, "
             f"{len(shift.get('vanished') or [])} vanished. Click a feature for its page.")
+
+
+CLASS_COLOURS = {"base_only": "#2563eb", "shared": "#9ca3af", "tuned_only": "#ea580c"}
+CLASS_NAMES = {"base_only": "base-only", "shared": "shared", "tuned_only": "tuned-only"}
+
+
+def crosscoder_figure(report: dict | None) -> go.Figure:
+    """The live latents' relative decoder norm r = ‖d_tuned‖ / (‖d_base‖ + ‖d_tuned‖), binned; bins
+    coloured by class (base-only under 0.1, tuned-only over 0.9)."""
+    h = (report or {}).get("histogram") or {}
+    edges, counts = h.get("edges") or [], h.get("counts") or []
+    if not counts or not sum(counts):
+        return style.empty_figure("No crosscoder latent fired on the held-out text.")
+    mids = [(a + b) / 2 for a, b in zip(edges, edges[1:])]
+    colours = [CLASS_COLOURS["base_only"] if m < 0.1 else CLASS_COLOURS["tuned_only"] if m > 0.9
+               else CLASS_COLOURS["shared"] for m in mids]
+    fig = go.Figure(go.Bar(x=mids, y=counts, width=[b - a for a, b in zip(edges, edges[1:])], marker_color=colours,
+                           hovertemplate="r %{x:.2f}: %{y} latents<extra></extra>"))
+    fig.update_xaxes(title="r = ‖d tuned‖ / (‖d base‖ + ‖d tuned‖)   (0: base only, 1: tuned only)", range=[0, 1])
+    fig.update_yaxes(title="live latents")
+    c = report["counts"]
+    return style.layout(fig, f"Crosscoder latents: {c['base_only']} base-only, {c['shared']} shared, "
+                             f"{c['tuned_only']} tuned-only", 320)
+
+
+def crosscoder_table(report: dict | None) -> pd.DataFrame:
+    rows = []
+    for cls in ("tuned_only", "base_only", "shared"):
+        for lat in ((report or {}).get("top") or {}).get(cls) or []:
+            ctx = (lat.get("contexts") or [{}])[0]
+            rows.append([CLASS_NAMES[cls], lat["latent"], round(lat["r"], 3), round(lat.get("frequency", 0.0), 4),
+                         _shown(ctx.get("text", "")), ctx.get("token", "")])
+    return pd.DataFrame(rows, columns=["class", "latent", "r", "fires", "top context (its end)", "token"])
+
+
+def crosscoder_summary(report: dict, job_id: str) -> str:
+    f = report.get("fve") or {}
+    return (f"**Crosscoder** of {report['tuned']} and {report['base']} at `{report['hook_name']}` (job {job_id}): "
+            f"{report['num_latents']:,} latents trained on {report['tokens']:,} tokens; {report['dead']:,} never fired "
+            f"on the held-out text. Variance explained: {f.get('base', 0):.1%} (base), {f.get('tuned', 0):.1%} "
+            f"(tuned). A latent whose tuned decoder carries over 90% of its norm is tuned-only: a direction the "
+            f"fine-tuned model writes and its base does not.")

@@ -168,6 +168,53 @@ def open_changed_feature(shown, evt: gr.SelectData, request: gr.Request = None):
         visible=True))
 
 
+CROSSCODER_TOKENS, CROSSCODER_EVAL = 32_768, 2048  # the button's job: about 30 s for the default model on 2 cores
+
+
+def _latest_crosscoder(tuned: str, base: str, layer: int, request) -> dict | None:
+    for rec in jf.user_jobs(request, ("crosscoder",)):
+        p = rec.get("params") or {}
+        if (p.get("tuned"), p.get("base"), p.get("layer")) == (tuned, base, layer) and \
+                rec.get("state") in ("queued", "running", "succeeded"):
+            return rec
+    return None
+
+
+@endpoint
+def crosscoder(found, layer, request: gr.Request = None):
+    """[summary, histogram, top latents]: a crosscoder of the compared pair at a layer: this viewer's
+    finished one shown, else queued (or joined) and followed until it ends."""
+    if not isinstance(found, dict) or not found.get("base"):
+        raise gr.Error("Open a finished comparison first (What changed), then train a crosscoder on it.")
+    if isinstance(layer, bool) or not isinstance(layer, (int, float)) or layer != int(layer) or layer < 0:
+        raise gr.Error("The layer is a whole number from 0.")
+    tuned, base, layer = found["tuned"], found["base"], int(layer)
+    rec = _latest_crosscoder(tuned, base, layer, request)
+    if rec is None:
+        rec = jf.job_store().submit("crosscoder", {"tuned": tuned, "base": base, "layer": layer,
+                                                   "max_tokens": CROSSCODER_TOKENS, "eval_tokens": CROSSCODER_EVAL},
+                                    owner=job_owner(request))
+    skip = [gr.skip()] * 2
+    deadline = time.monotonic() + FOLLOW_S
+    while rec.get("state") in ("queued", "running"):
+        stage = (rec.get("progress") or {}).get("stage") or rec["state"]
+        yield [f"Training a crosscoder of **{tuned}** and **{base}** at layer {layer} ({CROSSCODER_TOKENS:,} tokens; "
+               f"job {rec['id']}): {stage}…", *skip]
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.5)
+        rec = jf.job_store().get_job(rec["id"], job_viewer(request))
+    if rec.get("state") != "succeeded":
+        yield [f"⚠️ The crosscoder job {rec['id']} {rec.get('state')}: {rec.get('error') or 'see the Jobs tab'}.", *skip]
+        return
+    report = jf.job_store().read_json_artifact(rec, "crosscoder.json")
+    if not report:
+        yield [f"⚠️ Job {rec['id']} finished without its report.", *skip]
+        return
+    yield [D.crosscoder_summary(report, rec["id"]), gr.update(value=D.crosscoder_figure(report), visible=True),
+           gr.update(value=D.crosscoder_table(report), visible=True)]
+
+
 def refresh_sets(found):
     from app.tabs.explore.features_panel import sets_for
 
@@ -206,11 +253,22 @@ def build(shared: Shared, selected, tuned, prefix: str = "diff", button_id: str 
     feat_title = gr.Markdown(elem_id=f"{prefix}-feature-title")
     feat_contexts = gr.HTML(elem_id=f"{prefix}-feature-contexts")
     feat_weights = gr.Plot(visible=False, elem_id=f"{prefix}-feature-weights")
+    gr.Markdown("#### A crosscoder: one dictionary over both models' activations at a layer (shared, base-only "
+                "and tuned-only latents by decoder norm)")
+    with gr.Row():
+        cc_layer = gr.Number(6, precision=0, minimum=0, label="layer", scale=1, elem_id=f"{prefix}-cc-layer")
+        cc_btn = gr.Button("Crosscoder", scale=1, elem_id=f"{prefix}-cc-go")
+    cc_status = gr.Markdown(elem_id=f"{prefix}-cc-status")
+    with gr.Row():
+        cc_plot = gr.Plot(visible=False, elem_id=f"{prefix}-cc-hist")
+        cc_table = gr.Dataframe(interactive=False, wrap=True, visible=False, elem_id=f"{prefix}-cc-latents",
+                                label="Most used latents of each class, with their top context")
 
     btn.click(what_changed, [selected, tuned], [status, contexts, next_tokens, layers, heads, run_plot, found]
               ).then(refresh_sets, [found], [set_menu], queue=False)
     contexts.select(open_context, [found], [prompt_kl, prompt_resid, changes], concurrency_id="model")
     set_menu.focus(refresh_sets, [found], [set_menu], queue=False)
     feat_btn.click(features_changed, [found, set_menu], [feat_summary, feat_table, feat_shown], concurrency_id="model")
+    cc_btn.click(crosscoder, [found, cc_layer], [cc_status, cc_plot, cc_table])
     feat_table.select(open_changed_feature, [feat_shown], [feat_title, feat_contexts, feat_weights],
                       concurrency_id="model")
