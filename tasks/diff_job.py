@@ -18,13 +18,16 @@ other results, so "What changed" opens at once.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
-from model_core.core.errors import SettingsError
+from model_core.core.errors import LmscopeError, SettingsError
 from tasks import config, corpus, kinds
 from tasks.celery_app import app
 from tasks.lifecycle import Done, Job, JobTask, queue
+
+log = logging.getLogger(__name__)
 
 ARTIFACT = "diff.json"
 DEFAULT_TOKENS, DEFAULT_WINDOW = 4096, 64
@@ -120,55 +123,73 @@ def run_diff(self, job: Job) -> Done:
     job.check_cancel()
     d.meta.update(corpus=source)
     report = d.to_dict()
-    report["across_run"] = across_run(job, base, p["tuned"], report, p["follow"])
+    try:
+        report["across_run"] = across_run(job, base, p["tuned"], report, p["follow"])
+    except LmscopeError as e:  # the corpus diff stands; the curve says why it is missing
+        report["across_run"] = None
+        job.say(f"across the run: {e}")
     job.stage("saving", 0.97)
     path = job.write_json(ARTIFACT, report)
     return job.done(f"done: {d.tokens} tokens in {d.seconds:.1f} s, mean KL {d.mean_kl:.4f} nats", path)
 
 
-def across_run(job: Job, base, tuned: str, report: dict, follow: list[str]) -> dict | None:
+def _transient(name: str):
+    """A model loaded for one pass and freed after it (not kept in load_model's cache, so a worker
+    holds no run's checkpoints or tuned model once the pass is over)."""
+    from model_core.core.registry import load_uncached, resolve_device
+
+    lm = load_uncached(name, *resolve_device(None, None), allow_hub=False)
+    lm.model.eval()
+    lm.model.requires_grad_(False)
+    return lm
+
+
+def across_run(job: Job, base, tuned: str, report: dict, follow: list[str], lo: float = 0.90,
+               hi: float = 0.97) -> dict | None:
     """KL at every checkpoint the tuned model's run kept, for the followed prompts (default: the
     corpus's top-ranked contexts, cut to their last MAX_PROMPT_TOKENS tokens); None without checkpoints."""
-    from model_core import load_model
     from model_core.interp.model_diff_run import MAX_PROMPT_TOKENS, kl_across_run, run_checkpoints
 
     steps = run_checkpoints(tuned)
     if not steps:
         return None
-    job.stage("across the run", 0.90, f"KL at {len(steps)} points of the run ({', '.join(n for _, n in steps)})")
-    models = [(st, (lambda n=name: load_model(n, allow_hub=False))) for st, name in steps]
+    job.stage("across the run", lo, f"KL at {len(steps)} points of the run ({', '.join(n for _, n in steps)})")
+    models = [(st, (lambda n=name: _transient(n))) for st, name in steps]
+    tick = job.ticker("across the run", lo, hi, 0.25)
     if follow:
-        r = kl_across_run(base, models, prompts=follow, progress=job.ticker("across the run", 0.90, 0.97, 0.25))
+        r = kl_across_run(base, models, prompts=follow, progress=tick)
     else:
         ids = [c["ids"][-MAX_PROMPT_TOKENS:] for c in report["contexts"][:FOLLOWED]]
-        r = kl_across_run(base, models, token_ids=ids, progress=job.ticker("across the run", 0.90, 0.97, 0.25))
+        r = kl_across_run(base, models, token_ids=ids, progress=tick)
     return r.to_dict()
 
 
 def precompute(job: Job, tuned: str, base: str | None = None) -> Path | None:
     """A training job's own short diff of the model it registered against its base (diff.json in the
-    job's folder). Never changes how the training job ends: a failure is a log line."""
+    job's folder). Never changes how the training job ends: whatever goes wrong here, a cancel
+    included (the model is registered by now), is a log line."""
     from model_core import load_model
-    from model_core.core.errors import LmscopeError
     from model_core.interp.model_diff import diff_corpus
     from model_core.interp.neurons import corpus_windows
 
     base = base or parent_of(tuned)
     if not base:
         return None
-    job.stage("what changed", 0.99, f"comparing '{tuned}' with {base} over {PRECOMPUTE_TOKENS:,} tokens of the "
+    job.stage("what changed", 0.98, f"comparing '{tuned}' with {base} over {PRECOMPUTE_TOKENS:,} tokens of the "
                                     f"built-in held-out split")
     try:
-        b, t = load_model(base, allow_hub=False), load_model(tuned, allow_hub=False)
+        b, t = load_model(base, allow_hub=False), _transient(tuned)
         windows = corpus_windows(b.tokenizer, corpus.builtin_docs("heldout"), PRECOMPUTE_TOKENS, PRECOMPUTE_WINDOW)
         d = diff_corpus(b, t, windows)
+        del t
         d.meta.update(corpus=f"{corpus.BUILTIN_VERSION} held-out split", precomputed=True,
                       max_tokens=PRECOMPUTE_TOKENS, window=PRECOMPUTE_WINDOW)
         report = d.to_dict()
-        report["across_run"] = across_run(job, b, tuned, report, [])
+        report["across_run"] = across_run(job, b, tuned, report, [], 0.98, 0.995)
         path = job.write_json(ARTIFACT, report)
-    except (LmscopeError, OSError, RuntimeError, ValueError) as e:
-        job.say(f"what changed: not precomputed ({e})")
+    except Exception as e:  # noqa: BLE001 - the run succeeded; its diff is a bonus (a cancel is skipped too)
+        log.warning("what changed of %s not precomputed: %r", tuned, e)
+        job.say(f"what changed: not precomputed ({str(e) or type(e).__name__})")
         return None
     job.say(f"what changed: mean KL({base} ‖ {tuned}) {d.mean_kl:.4f} nats over {d.tokens:,} tokens "
             f"({d.seconds:.1f} s)")

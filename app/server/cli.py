@@ -116,12 +116,14 @@ def _diff_across_run(args, base, device) -> int:
     from model_core.core.registry import load_model
     from model_core.interp.model_diff_run import kl_across_run, run_checkpoints
 
+    if args.chat:
+        raise SettingsError("--across-run follows the prompt as written; leave out --chat.")
     steps = run_checkpoints(args.tuned)
     if not steps:
         raise SettingsError(f"'{args.tuned}' has no kept checkpoints; train it with --keep-checkpoints N to see "
                             "when it changed.")
     models = [(st, (lambda n=n: load_model(n, device=device, dtype=args.settings.dtype))) for st, n in steps]
-    r = kl_across_run(base, models, prompts=[args.prompt])
+    r = kl_across_run(base, models, prompts=[args.prompt])  # its last 128 tokens
     if args.json:
         _print_json(r.to_dict())
         return 0
@@ -137,9 +139,9 @@ def cmd_diff(args) -> int:
 
     device = args.device or args.settings.device
     base = load_model(args.base, device=device, dtype=args.settings.dtype)
-    tuned = load_model(args.tuned, device=device, dtype=args.settings.dtype)
     if args.across_run:
         return _diff_across_run(args, base, device)
+    tuned = load_model(args.tuned, device=device, dtype=args.settings.dtype)
     d = diff_prompt(base, tuned, args.prompt, chat=args.chat, max_tokens=args.max_tokens)
     if args.json:
         _print_json(d.to_dict())

@@ -55,26 +55,30 @@ def run_checkpoints(name: str) -> list[tuple[int, str]]:
         info = json.loads((folder / "lmscope.json").read_text())
     except (OSError, ValueError):
         return []
+    if not isinstance(info, dict):
+        return []
     kept = [(int(c["step"]), str(c["name"])) for c in info.get("checkpoints") or []
-            if isinstance(c, dict) and "step" in c and "name" in c and finetuned_path(str(c["name"])) is not None]
+            if isinstance(c, dict) and isinstance(c.get("step"), int) and isinstance(c.get("name"), str)
+            and finetuned_path(c["name"]) is not None]
     if not kept:
         return []
     history = [r.get("step") for r in info.get("history") or [] if isinstance(r, dict)]
-    last = max([s for s in history if isinstance(s, int)] + [kept[-1][0] + 1])
-    return sorted(kept) + [(last, name)]
+    last = max([s for s in history if isinstance(s, int)] + [max(s for s, _ in kept) + 1])
+    return sorted(st for st in kept if st[0] < last) + [(last, name)]
 
 
 def kl_across_run(base, models: list[tuple[int, object]] | list[tuple[int, Callable[[], object]]],
                   prompts: list[str] | None = None, token_ids: list[list[int]] | None = None,
                   progress: Callable[[float], None] | None = None) -> RunDiff:
     """base: the run's base (a LoadedModel); models: [(step, LoadedModel or a loader of one)] in step
-    order (loaders let a caller hold one checkpoint at a time); prompts (or their token ids) as the
+    order (a loader that does not cache, tasks.diff_job._transient, holds one checkpoint at a time); prompts (or their token ids) as the
     base tokenizes them, at most MAX_PROMPTS of at most MAX_PROMPT_TOKENS tokens each."""
     from model_core.interp.trace import encode_prompt, trace
 
     if token_ids is None:
         texts = [p for p in (prompts or []) if isinstance(p, str) and p.strip()]
-        token_ids = [encode_prompt(base, p, max_tokens=MAX_PROMPT_TOKENS) for p in texts]
+        # a longer prompt keeps its last MAX_PROMPT_TOKENS tokens (where the curve is read)
+        token_ids = [encode_prompt(base, p, max_tokens=MAX_PROMPT_TOKENS, truncate=True) for p in texts]
     if not token_ids:
         raise SettingsError("Give at least one prompt to follow across the run.")
     if len(token_ids) > MAX_PROMPTS:
@@ -83,11 +87,11 @@ def kl_across_run(base, models: list[tuple[int, object]] | list[tuple[int, Calla
         raise SettingsError("This run kept no checkpoints; train with keep_checkpoints to see when it changed.")
     if len(models) > MAX_CHECKPOINTS:
         raise SettingsError(f"At most {MAX_CHECKPOINTS} checkpoints are compared, not {len(models)}.")
-    token_ids = [list(ids)[:MAX_PROMPT_TOKENS] for ids in token_ids]
+    token_ids = [list(ids)[-MAX_PROMPT_TOKENS:] for ids in token_ids]
     with torch.inference_mode():
         base_logits = [trace(base, token_ids=ids).logits() for ids in token_ids]  # [P] of [T_p, V]
-        zero = [[0.0] * len(ids) for ids in token_ids]
-        steps, names, kl = [0], [base.name], [zero]
+        itself = [kl_per_position(lb, lb).cpu().tolist() for lb in base_logits]  # [P][T_p]: 0 (the run's start)
+        steps, names, kl = [0], [base.name], [itself]
         for i, (step, lm) in enumerate(models):
             lm = lm() if callable(lm) else lm
             n_vocab, _ = _check_pair(base, lm)

@@ -36,11 +36,11 @@ def _model_of_run(selected, tuned, request) -> tuple[str, dict | None]:
         except LmscopeError:
             rec = None
         name = (((rec or {}).get("sft") or (rec or {}).get("preference") or {}).get("model_name"))
-        if rec is not None and rec.get("kind") == "reward":
+        if rec is not None and rec.get("kind") != "reward" and rec.get("state") == "succeeded" and name:
+            return name, rec
+        if rec is not None and rec.get("kind") == "reward" and not (isinstance(tuned, str) and tuned):
             raise gr.Error("A reward model scores answers and has no next-token distribution to compare; pick a "
                            "DPO, GRPO or PPO run.")
-        if rec is not None and rec.get("state") == "succeeded" and name:
-            return name, rec
     if isinstance(tuned, str) and tuned:
         return tuned, None
     raise gr.Error("Pick a finished fine-tuning run above, or a fine-tuned model below, to see what changed.")
@@ -120,7 +120,7 @@ def open_context(found, evt: gr.SelectData, request: gr.Request = None):
 
 @endpoint(model=True)
 def features_changed(found, set_name, request: gr.Request = None):
-    """[summary, table, rows state, message]: a feature set trained on the base read on the same
+    """[summary, table, rows state]: a feature set trained on the base read on the same
     built-in windows under both models (model_core.interp.model_diff_features)."""
     from app.tabs.explore.features_panel import open_set
     from model_core.interp.features_sae import FeatureError
@@ -128,7 +128,7 @@ def features_changed(found, set_name, request: gr.Request = None):
     from model_core.interp.neurons import corpus_windows
     from tasks import corpus
 
-    if not isinstance(found, dict) or not found.get("base"):
+    if not isinstance(found, dict) or not all(isinstance(found.get(k), str) and found[k] for k in ("base", "tuned")):
         raise gr.Error("Open a finished comparison first (What changed), then pick a feature set of its base.")
     feats, _, _ = open_set(set_name)  # one sentence for a name that is not a saved set
     base, tuned = get_model(found.get("base")), get_model(found.get("tuned"))
@@ -156,6 +156,9 @@ def open_changed_feature(shown, evt: gr.SelectData, request: gr.Request = None):
         raise gr.Error("Click a feature in the table of changed features.")
     feats, index, labels = open_set(shown.get("set"))
     f = rows[row]
+    if isinstance(f, bool) or not isinstance(f, int) or not 0 <= f < feats.num_latents \
+            or not isinstance(shown.get("base"), str):
+        raise gr.Error("Click a feature in the table of changed features.")
     lm = get_model(shown.get("base"))
     ctx = FT.top_contexts(index, lm.tokenizer, f) if index is not None else []
     label = labels[f]["label"] if 0 <= f < len(labels) else ""
@@ -184,7 +187,7 @@ def _latest_crosscoder(tuned: str, base: str, layer: int, request) -> dict | Non
 def crosscoder(found, layer, request: gr.Request = None):
     """[summary, histogram, top latents]: a crosscoder of the compared pair at a layer: this viewer's
     finished one shown, else queued (or joined) and followed until it ends."""
-    if not isinstance(found, dict) or not found.get("base"):
+    if not isinstance(found, dict) or not all(isinstance(found.get(k), str) and found[k] for k in ("base", "tuned")):
         raise gr.Error("Open a finished comparison first (What changed), then train a crosscoder on it.")
     if isinstance(layer, bool) or not isinstance(layer, (int, float)) or layer != int(layer) or layer < 0:
         raise gr.Error("The layer is a whole number from 0.")
@@ -215,7 +218,8 @@ def crosscoder(found, layer, request: gr.Request = None):
            gr.update(value=D.crosscoder_table(report), visible=True)]
 
 
-def refresh_sets(found):
+@endpoint
+def refresh_sets(found, request: gr.Request = None):
     from app.tabs.explore.features_panel import sets_for
 
     base = found.get("base") if isinstance(found, dict) else None
