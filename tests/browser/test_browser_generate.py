@@ -274,7 +274,7 @@ def test_speculative_decoding_panel_in_the_browser(server, width):
         page.locator("#prompt textarea").fill(prompt)
         page.get_by_role("tab", name="Generate").click()
         page.locator("#gen-spec").get_by_text("Speculative decoding").first.click()
-        set_number(page, "gen-spec-max", n)
+        set_number(page, "gen-spec-max", n, held=True)
         page.click("#gen-spec-btn")
         info = page.locator("#gen-spec-info")
         wait_until(lambda: "target forwards" in info.inner_text(), 120, "the speculative run")

@@ -64,13 +64,14 @@ def test_what_changed_from_a_finished_run(loop):
         assert done["sft"]["model_name"] in status and MODEL in status and "mean KL" in status, status
         assert f"job {rec['id']}" in status, status  # the run's own diff
         # when did it change: 0 at the base, then the two kept checkpoints and the final model
+        wait_until(lambda: len(plot_data(page, "diff-run")) == 8, 60, "the curve of each followed context")
         run = plot_data(page, "diff-run")
         assert len(run) == 8 and all(t["x"] == [0, 2, 4, 6] for t in run), run
         assert all(t["y"][0] == 0 and t["y"][-1] > 0 for t in run), run
         rows = _table_rows(page)
         kls = [float(r[0]) for r in rows]
         assert kls == sorted(kls, reverse=True) and kls[0] > 0, kls
-        assert plot_data(page, "diff-heads") and plot_data(page, "diff-layers")
+        wait_until(lambda: plot_data(page, "diff-heads") and plot_data(page, "diff-layers"), 60, "the two charts")
         page.locator("#diff-contexts").scroll_into_view_if_needed()
         screenshot(page, "what-changed-contexts")
 
@@ -111,8 +112,9 @@ def test_what_changed_from_a_finished_run(loop):
         wait_until(lambda: len(_table_rows(page, "diff-cc-latents")) >= 1, 600, "the crosscoder's latents")
         cc_status = page.inner_text("#diff-cc-status")
         assert "Variance explained" in cc_status and "blocks.6" in cc_status, cc_status
+        wait_until(lambda: plot_data(page, "diff-cc-hist"), 60, "the crosscoder's histogram")
         hist = plot_data(page, "diff-cc-hist")
-        assert hist and sum(hist[0]["y"]) > 0
+        assert sum(hist[0]["y"]) > 0
         assert {r[0] for r in _table_rows(page, "diff-cc-latents")} <= {"shared", "base-only", "tuned-only"}
         cc = [r for r in jobs.list_jobs() if r["kind"] == "crosscoder"]
         assert len(cc) == 1 and cc[0]["state"] == "succeeded" and cc[0]["params"]["layer"] == 6

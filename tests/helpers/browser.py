@@ -116,11 +116,17 @@ def wait_title(page, elem_id: str, needle: str, timeout: float = 60) -> None:
         raise AssertionError(f"{e}; it is {plot_title(page, elem_id)!r}") from None
 
 
-def set_number(page, elem_id: str, value) -> None:
-    """Type into a slider's/number's number box and commit it like a user (Enter)."""
+def set_number(page, elem_id: str, value, held: bool = False) -> None:
+    """Type into a slider's/number's number box and commit it like a user (Enter). held: then leave
+    the box and wait until the slider's track shows the value (a click right after the typing could
+    otherwise send the old value on a loaded machine); only for a value inside the slider's range."""
     box = page.locator(f"#{elem_id} input[type=number]").first
     box.fill(str(value))
     box.press("Enter")
+    if held:
+        box.blur()
+        track = page.locator(f"#{elem_id} input[type=range]").first
+        wait_until(lambda: float(track.input_value()) == float(value), 10, f"{elem_id} to hold {value}")
 
 
 def screenshot(page, name: str) -> Path:
