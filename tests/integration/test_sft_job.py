@@ -37,7 +37,10 @@ def test_sft_job_through_a_real_worker(tmp_path):
         assert [h["step"] for h in s["history"] if h.get("loss") is not None] == list(range(1, 13))
         assert s["accuracy_before"]["n"] == 4 and s["accuracy_after"]["n"] == 4
         assert (svc.data_dir / "models" / name / "model.safetensors").exists()
-        assert {a["name"] for a in done["artifacts"]} == {"lmscope.json", "model.safetensors", "tensorboard.zip"}
+        # diff.json: the run against its base, computed as it finished ("What changed" on its page)
+        assert {a["name"] for a in done["artifacts"]} == {"lmscope.json", "model.safetensors", "tensorboard.zip",
+                                                          "diff.json"}
+        assert jobs.read_json_artifact(done, "diff.json")["tuned"] == done["sft"]["model_name"]
         from model_core import load_model, trace
 
         lm = load_model(name)
