@@ -46,12 +46,35 @@ def _model_of_run(selected, tuned, request) -> tuple[str, dict | None]:
     raise gr.Error("Pick a finished fine-tuning run above, or a fine-tuned model below, to see what changed.")
 
 
-def _latest_diff(model: str, request) -> dict | None:
-    """This viewer's newest diff job of `model` that is running or has succeeded."""
-    for rec in jf.user_jobs(request, ("diff",)):
-        if (rec.get("params") or {}).get("tuned") == model and rec.get("state") in ("queued", "running", "succeeded"):
+def _latest(kind: str, params: dict, request) -> dict | None:
+    """This viewer's newest job of `kind` with these params that is running or has succeeded."""
+    for rec in jf.user_jobs(request, (kind,)):
+        p = rec.get("params") or {}
+        if all(p.get(k) == v for k, v in params.items()) and rec.get("state") in ("queued", "running", "succeeded"):
             return rec
     return None
+
+
+def _followed(rec: dict, request, waiting: str, artifact: str, outputs: int):
+    """Follow a queued or running job: yield [status line, skips...] while it runs (for at most
+    FOLLOW_S), then its JSON report, or None after yielding the sentence that says why there is none.
+    waiting: the status line's text before '(job ID): stage…'. Use as `report = yield from ...`."""
+    skip = [gr.skip()] * (outputs - 1)
+    deadline = time.monotonic() + FOLLOW_S
+    while rec.get("state") in ("queued", "running"):
+        stage = (rec.get("progress") or {}).get("stage") or rec["state"]
+        yield [f"{waiting} (job {rec['id']}): {stage}…", *skip]
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.5)
+        rec = jf.job_store().get_job(rec["id"], job_viewer(request))
+    if rec.get("state") != "succeeded":
+        yield [f"⚠️ Job {rec['id']} {rec.get('state')}: {rec.get('error') or 'see the Jobs tab'}.", *skip]
+        return None
+    report = jf.job_store().read_json_artifact(rec, artifact)
+    if not report:
+        yield [f"⚠️ Job {rec['id']} finished without its report.", *skip]
+    return report
 
 
 def _shown(rec: dict, report: dict):
@@ -72,28 +95,14 @@ def what_changed(selected, tuned, request: gr.Request = None):
     if report:
         yield list(_shown(run, report))
         return
-    rec = _latest_diff(model, request)
+    rec = _latest("diff", {"tuned": model}, request)
     if rec is None:
         rec = jf.job_store().submit("diff", {"tuned": model, "max_tokens": DIFF_TOKENS, "window": DIFF_WINDOW},
                                     owner=job_owner(request))
-    skip = [gr.skip()] * 6
-    deadline = time.monotonic() + FOLLOW_S
-    while rec.get("state") in ("queued", "running"):
-        stage = (rec.get("progress") or {}).get("stage") or rec["state"]
-        yield [f"Comparing **{model}** with its base over the built-in corpus ({DIFF_TOKENS:,} tokens; job "
-               f"{rec['id']}): {stage}…", *skip]
-        if time.monotonic() > deadline:
-            return
-        time.sleep(0.5)
-        rec = jf.job_store().get_job(rec["id"], job_viewer(request))
-    if rec.get("state") != "succeeded":
-        yield [f"⚠️ The comparison job {rec['id']} {rec.get('state')}: {rec.get('error') or 'see the Jobs tab'}.", *skip]
-        return
-    report = jf.job_store().read_json_artifact(rec, ARTIFACT)
-    if not report:
-        yield [f"⚠️ Job {rec['id']} finished without its report.", *skip]
-        return
-    yield list(_shown(rec, report))
+    report = yield from _followed(rec, request, f"Comparing **{model}** with its base over the built-in corpus "
+                                                f"({DIFF_TOKENS:,} tokens)", ARTIFACT, 7)
+    if report:
+        yield list(_shown(rec, report))
 
 
 @endpoint(model=True)
@@ -174,15 +183,6 @@ def open_changed_feature(shown, evt: gr.SelectData, request: gr.Request = None):
 CROSSCODER_TOKENS, CROSSCODER_EVAL = 32_768, 2048  # the button's job (4,096 tokens of the default model: 4 s on 2 cores)
 
 
-def _latest_crosscoder(tuned: str, base: str, layer: int, request) -> dict | None:
-    for rec in jf.user_jobs(request, ("crosscoder",)):
-        p = rec.get("params") or {}
-        if (p.get("tuned"), p.get("base"), p.get("layer")) == (tuned, base, layer) and \
-                rec.get("state") in ("queued", "running", "succeeded"):
-            return rec
-    return None
-
-
 @endpoint
 def crosscoder(found, layer, request: gr.Request = None):
     """[summary, histogram, top latents]: a crosscoder of the compared pair at a layer: this viewer's
@@ -192,30 +192,16 @@ def crosscoder(found, layer, request: gr.Request = None):
     if isinstance(layer, bool) or not isinstance(layer, (int, float)) or layer != int(layer) or layer < 0:
         raise gr.Error("The layer is a whole number from 0.")
     tuned, base, layer = found["tuned"], found["base"], int(layer)
-    rec = _latest_crosscoder(tuned, base, layer, request)
+    rec = _latest("crosscoder", {"tuned": tuned, "base": base, "layer": layer}, request)
     if rec is None:
         rec = jf.job_store().submit("crosscoder", {"tuned": tuned, "base": base, "layer": layer,
                                                    "max_tokens": CROSSCODER_TOKENS, "eval_tokens": CROSSCODER_EVAL},
                                     owner=job_owner(request))
-    skip = [gr.skip()] * 2
-    deadline = time.monotonic() + FOLLOW_S
-    while rec.get("state") in ("queued", "running"):
-        stage = (rec.get("progress") or {}).get("stage") or rec["state"]
-        yield [f"Training a crosscoder of **{tuned}** and **{base}** at layer {layer} ({CROSSCODER_TOKENS:,} tokens; "
-               f"job {rec['id']}): {stage}…", *skip]
-        if time.monotonic() > deadline:
-            return
-        time.sleep(0.5)
-        rec = jf.job_store().get_job(rec["id"], job_viewer(request))
-    if rec.get("state") != "succeeded":
-        yield [f"⚠️ The crosscoder job {rec['id']} {rec.get('state')}: {rec.get('error') or 'see the Jobs tab'}.", *skip]
-        return
-    report = jf.job_store().read_json_artifact(rec, "crosscoder.json")
-    if not report:
-        yield [f"⚠️ Job {rec['id']} finished without its report.", *skip]
-        return
-    yield [D.crosscoder_summary(report, rec["id"]), gr.update(value=D.crosscoder_figure(report), visible=True),
-           gr.update(value=D.crosscoder_table(report), visible=True)]
+    report = yield from _followed(rec, request, f"Training a crosscoder of **{tuned}** and **{base}** at layer "
+                                                f"{layer} ({CROSSCODER_TOKENS:,} tokens)", "crosscoder.json", 3)
+    if report:
+        yield [D.crosscoder_summary(report, rec["id"]), gr.update(value=D.crosscoder_figure(report), visible=True),
+               gr.update(value=D.crosscoder_table(report), visible=True)]
 
 
 @endpoint
