@@ -124,7 +124,7 @@ def run_diff(self, job: Job) -> Done:
     d.meta.update(corpus=source)
     report = d.to_dict()
     try:
-        report["across_run"] = across_run(job, base, p["tuned"], report, p["follow"])
+        report["across_run"] = across_run(job, base, tuned, report, p["follow"])
     except LmscopeError as e:  # the corpus diff stands; the curve says why it is missing
         report["across_run"] = None
         job.say(f"across the run: {e}")
@@ -144,17 +144,17 @@ def _transient(name: str):
     return lm
 
 
-def across_run(job: Job, base, tuned: str, report: dict, follow: list[str], lo: float = 0.90,
+def across_run(job: Job, base, tuned, report: dict, follow: list[str], lo: float = 0.90,
                hi: float = 0.97) -> dict | None:
     """KL at every checkpoint the tuned model's run kept, for the followed prompts (default: the
     corpus's top-ranked contexts, cut to their last MAX_PROMPT_TOKENS tokens); None without checkpoints."""
     from model_core.interp.model_diff_run import MAX_PROMPT_TOKENS, kl_across_run, run_checkpoints
 
-    steps = run_checkpoints(tuned)
+    steps = run_checkpoints(tuned.name)  # tuned: the loaded run's model, its last point (not loaded again)
     if not steps:
         return None
     job.stage("across the run", lo, f"KL at {len(steps)} points of the run ({', '.join(n for _, n in steps)})")
-    models = [(st, (lambda n=name: _transient(n))) for st, name in steps]
+    models = [(st, tuned if name == tuned.name else (lambda n=name: _transient(n))) for st, name in steps]
     tick = job.ticker("across the run", lo, hi, 0.25)
     if follow:
         r = kl_across_run(base, models, prompts=follow, progress=tick)
@@ -181,11 +181,10 @@ def precompute(job: Job, tuned: str, base: str | None = None) -> Path | None:
         b, t = load_model(base, allow_hub=False), _transient(tuned)
         windows = corpus_windows(b.tokenizer, corpus.builtin_docs("heldout"), PRECOMPUTE_TOKENS, PRECOMPUTE_WINDOW)
         d = diff_corpus(b, t, windows)
-        del t
         d.meta.update(corpus=f"{corpus.BUILTIN_VERSION} held-out split", precomputed=True,
                       max_tokens=PRECOMPUTE_TOKENS, window=PRECOMPUTE_WINDOW)
         report = d.to_dict()
-        report["across_run"] = across_run(job, b, tuned, report, [], 0.98, 0.995)
+        report["across_run"] = across_run(job, b, t, report, [], 0.98, 0.995)
         path = job.write_json(ARTIFACT, report)
     except Exception as e:  # noqa: BLE001 - the run succeeded; its diff is a bonus (a cancel is skipped too)
         log.warning("what changed of %s not precomputed: %r", tuned, e)
