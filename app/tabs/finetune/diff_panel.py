@@ -243,7 +243,7 @@ def build(shared: Shared, selected, tuned, prefix: str = "diff", button_id: str 
     feat_title = gr.Markdown(elem_id=f"{prefix}-feature-title")
     feat_contexts = gr.HTML(elem_id=f"{prefix}-feature-contexts")
     feat_weights = gr.Plot(visible=False, elem_id=f"{prefix}-feature-weights")
-    gr.Markdown("#### A crosscoder: one dictionary over both models' activations at a layer (shared, base-only "
+    gr.Markdown("#### Crosscoder: one dictionary over both models' activations at a layer (shared, base-only "
                 "and tuned-only latents by decoder norm)")
     with gr.Row():
         cc_layer = gr.Number(6, precision=0, minimum=0, label="layer", scale=1, elem_id=f"{prefix}-cc-layer")
