@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from model_core.core.row_edits import RowEdit, RowSlot
 from model_core.interp.features import FeatureError, Features, _encode, check_width
 
 MAX_VALUE = 1000.0
@@ -52,19 +53,71 @@ def feature_edits(lm, feats: Features, feature, value, *, from_position: int = 1
     M = feats.num_latents
     if isinstance(feature, bool) or not isinstance(feature, int) or not 0 <= feature < M:
         raise FeatureError(f"Feature {feature} is outside this set (0-{M - 1}).")
-    value = check_value(value)
-    start = max(0, int(from_position))
-    d_f = feats.sae.W_dec.detach()[feature].float()  # [d_model]
+    return {hp.edit_name: ClampFeature(feats, feature, check_value(value), from_position)}
 
-    def clamp(name, x):  # x [B, T, d_model]
-        lo = 0 if x.shape[1] == 1 else start
+
+class ClampFeature(RowEdit):
+    """x -> x + (value - a_f(x)) d_f at positions >= start (a decode step's single position always
+    counts as later); the engine runs it per row (ClampSlot)."""
+
+    def __init__(self, feats: Features, feature: int, value: float, start: int = 1):
+        self.feats, self.feature, self.value, self.start = feats, int(feature), float(value), max(0, int(start))
+        self.d_f = feats.sae.W_dec.detach()[self.feature].float()  # [d_model]
+
+    def __call__(self, name, x):  # x [B, T, d_model]
+        lo = 0 if x.shape[1] == 1 else self.start
         part = x[:, lo:]
-        delta = (value - feature_activation(feats, part.float(), feature))[..., None] * d_f.to(x.device)  # [B, T', d]
+        delta = (self.value - feature_activation(self.feats, part.float(), self.feature))[..., None] \
+            * self.d_f.to(x.device)  # [B, T', d]
         out = x.clone()
         out[:, lo:] = (part.float() + delta).to(x.dtype)
         return out
 
-    return {hp.edit_name: clamp}
+    def slot_key(self, name):
+        return (name, "clamp", id(self.feats.sae))  # one slot per autoencoder: its weights are the step's
+
+    def new_slot(self, name, slots, dtype, device):
+        return ClampSlot(name, slots, self.feats, device)
+
+    def runs_on(self, device):
+        return torch.device(self.feats.sae.device) == torch.device(device)
+
+
+class ClampSlot(RowSlot):
+    """Per row: the clamped feature, its value, and whether the row clamps at all (rows that do not
+    keep x exactly: torch.where, not an added zero)."""
+
+    def __init__(self, name: str, slots: int, feats: Features, device):
+        super().__init__(name, slots)
+        self.feats = feats
+        self.feature = torch.zeros(slots, dtype=torch.long, device=device)  # [S]
+        self.value = torch.zeros(slots, dtype=torch.float32, device=device)  # [S]
+        self.on = torch.zeros(slots, dtype=torch.bool, device=device)  # [S]
+
+    def tensors(self):
+        return [self.feature, self.value, self.on]
+
+    def reset(self, row):
+        self.on[row] = False
+
+    def write(self, row, edit):
+        self.feature[row], self.value[row], self.on[row] = edit.feature, edit.value, True
+
+    def apply(self, x):  # x [B, 1, d] or [B, d]
+        B = x.shape[0]
+        flat = x.reshape(B, x.shape[-1])  # [B, d]: one position per row
+        acts, idx = _encode(self.feats.sae, flat.float())  # [B, k] each
+        f = self.feature[:B]
+        a = (acts * (idx == f[:, None])).sum(-1)  # [B]
+        d = self.feats.sae.W_dec.detach()[f].float()  # [B, d]
+        new = (flat.float() + (self.value[:B] - a)[:, None] * d).to(x.dtype)  # [B, d]
+        return torch.where(self.on[:B, None], new, flat).view_as(x)
+
+    def scratch(self):
+        s = ClampSlot(self.name, self.slots, self.feats, self.feature.device)
+        for a, b in zip(s.tensors(), self.tensors()):
+            a.copy_(b)
+        return s
 
 
 def check_set_fits(lm, feats: Features) -> None:

@@ -43,6 +43,7 @@ from model_core.core.errors import PromptError, SettingsError
 from model_core.core.hook_names import act_name
 from model_core.core.hooks import Recorder, instrument, recording
 from model_core.core.prompts import prompt_ids
+from model_core.core.row_edits import ZeroColumns
 from model_core.interp.trace import Trace, trace
 
 Progress = Callable[[float], None]
@@ -227,19 +228,24 @@ def ablation_edits(lm, ablation: Ablation) -> dict:
     by_layer: dict[int, list[int]] = {}
     for l, h in ablation.heads:
         by_layer.setdefault(int(l), []).append(int(h))
+    s = lm.shape
+    # zero ablations are RowEdits: the engine runs them per row (model_core.core.row_edits); a mean
+    # is over one forward's positions, which a decode step's single position has not
     for l, heads in by_layer.items():
         cols = torch.cat([torch.arange(h * dh, (h + 1) * dh) for h in sorted(set(heads))])
-        edits[act_name("z", l)] = (lambda c: (lambda n, x: _replace(x, c.to(x.device), mode)))(cols)
+        edits[act_name("z", l)] = (ZeroColumns(s.n_heads * dh, cols) if mode == "zero"
+                                   else (lambda c: (lambda n, x: _replace(x, c.to(x.device), mode)))(cols))
     for l in set(ablation.mlps):
         edits[act_name("mlp_out", int(l))] = (
-            (lambda n, x: torch.zeros_like(x)) if mode == "zero"
+            ZeroColumns(s.d_model) if mode == "zero"
             else (lambda n, x: x.mean(dim=1, keepdim=True).expand_as(x).clone()))
     neurons: dict[int, list[int]] = {}
     for l, n in ablation.neurons:
         neurons.setdefault(int(l), []).append(int(n))
     for l, ns in neurons.items():
         idx = torch.tensor(sorted(set(ns)))
-        edits[act_name("post", l)] = (lambda i: (lambda n, x: _replace(x, i.to(x.device), mode)))(idx)
+        edits[act_name("post", l)] = (ZeroColumns(s.d_mlp, idx) if mode == "zero"
+                                      else (lambda i: (lambda n, x: _replace(x, i.to(x.device), mode)))(idx))
     return edits
 
 

@@ -20,6 +20,7 @@ import torch
 from model_core.core.errors import PromptError
 from model_core.core.hook_names import act_name
 from model_core.core.prompts import encode_prompt
+from model_core.core.row_edits import AddVector
 from model_core.interp.interventions import last_logits
 from model_core.interp.trace import trace
 
@@ -158,20 +159,8 @@ def steering_edits(lm, vec: SteeringVector, alpha, *, from_position: int = 0) ->
                             f"{lm.name} has a residual stream of width {lm.shape.d_model}.")
     if alpha == 0.0:
         return {}  # the unsteered model, bit for bit
-    start = max(0, int(from_position))
-    cache: dict = {}
-
-    def add(name, x):  # x [B, T, d_model]
-        key = (x.device, x.dtype)
-        if key not in cache:
-            cache[key] = (alpha * vec.vector).to(device=x.device, dtype=x.dtype)
-        if start == 0 or x.shape[1] == 1:
-            return x + cache[key]
-        out = x.clone()
-        out[:, start:] += cache[key]
-        return out
-
-    return {act_name("resid_pre", vec.layer): add}
+    # a RowEdit: the engine adds it per row of a batched decode step (model_core.core.row_edits)
+    return {act_name("resid_pre", vec.layer): AddVector(alpha * vec.vector.float(), start=from_position)}
 
 
 @dataclass(frozen=True)

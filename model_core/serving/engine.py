@@ -16,6 +16,7 @@ per model):
   scheduler            the waiting queue, the slots and the rows in them, each row's records
   engine_prefill       admission: the prefill and the first token of each admitted request
   engine_step          the decode step on preallocated buffers
+  engine_edits         per-row edits (steering, clamps, ablations) in slots the step reads
   engine_launch        launches of the step for the running rows, and the hand-out of their records
   engine_cuda_graphs   the step as CUDA graphs per bucket; compiling it and re-capturing (CUDA)
   engine_cpu_replay    the step, prefills and Explore's traces as TorchScript recordings (CPU)
@@ -27,9 +28,10 @@ while the GPU runs the next steps; with LMSCOPE_COMPILE (on by default on CUDA) 
 replaces the graphs as it becomes ready. On a CPU (LMSCOPE_RECORD_STEPS, on) the decode step,
 one-row prefills and Explore's traces are replayed from recordings per bucket instead.
 
-Run alone instead (`model_core.serving.generate` keeps its own path for these): edits or a recorder active
-in the caller's context, models split over several GPUs, a non-default
-number of recorded candidates.
+Rows may carry edits (steering, feature clamps, zero ablations: `engine_edits`), run per row in
+the same batched step. Run alone instead (`model_core.serving.generate` keeps its own path for
+these): hook edits without a per-row form, a recorder active in the caller's context, models split
+over several GPUs, a non-default number of recorded candidates.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from model_core.core.heap import freeze_heap
 from model_core.serving.batch_sampling import ALL_STAGES
 from model_core.serving.engine_cpu_replay import CpuReplay
 from model_core.serving.engine_cuda_graphs import StepGraphs, capture_prefill_graphs, own_cublas_workspace
+from model_core.serving.engine_edits import EditSlots
 from model_core.serving.engine_fit import engine_fit
 from model_core.serving.engine_launch import Launcher
 from model_core.serving.engine_prefill import Admission
@@ -306,11 +309,11 @@ class Engine:
             elif self.record_steps:
                 self._replay = CpuReplay(lm, self.decode, self.layout, self.live)
             self._admission = Admission(lm, self.live, self.scheduler, self._replay if hidden_prefill else None,
-                                        self.stats, self.max_len, self.vocab)
+                                        self.stats, self.max_len, self.vocab, self.edit_slots)
             self._admission.prefill_graphs = prefill_graphs
             self._launcher = Launcher(self.decode, self.layout, self.live, self.step_graphs, self._replay,
                                       self.scheduler, self.stats, self.lookahead, self.use_graphs,
-                                      self.request_turn)
+                                      self.request_turn, self.edit_slots)
 
     def _eager_steps(self) -> None:
         """Give up the captured step and the compile (which re-captures): one eager step per launch,
@@ -340,6 +343,8 @@ class Engine:
                                  self.steps_per_launch, sliding_window_of(lm),
                                  getattr(lm.model.config, "layer_types", None) is not None)
         self.live = self.layout.buffers()
+        self.edit_slots = EditSlots(slots, self.dtype, self.device, running=lambda: list(self.scheduler.rows))
+        self.edit_slots.on_drop.append(lambda keys: self.step_graphs.drop_edited(keys))
         self.layer_bytes_per_token = self.live.cache.layer_bytes_per_token()
         self.scheduler.attach(self.live)
         self.step_graphs.attach(self.layout, self.live)

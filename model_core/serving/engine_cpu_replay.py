@@ -22,6 +22,7 @@ import torch
 from model_core.core import hooks
 from model_core.serving.batch_sampling import ALL_STAGES
 from model_core.serving.cuda_prefill_graphs import CPU_LENGTHS, FlatCache, flat_prefill
+from model_core.serving.engine_edits import hook_edits, slot_tensors
 from model_core.serving.engine_step import GREEDY_ONLY, DecodeStep, StepBuffers, StepLayout
 from model_core.serving.slot_cache import SlotCache
 from model_core.serving.torchscript_replay import TracedSteps, buffer_tensors
@@ -36,15 +37,21 @@ class CpuReplay:
         self.device = layout.device
         self._live_inputs = tuple(buffer_tensors(live))  # a recorded step's inputs
         self._trace_layouts: dict[tuple, tuple] = {}  # recorded trace key -> (capture names, rotary layers)
+        self._edit_slots: dict[tuple, list] = {}  # edit signature -> the live slots it was last run with
         self.traced = TracedSteps(lm.model, self.recipe, lm.name)
 
     def close(self) -> None:
         self.traced.close()
 
-    def run_step(self, B: int, L: int, stages: frozenset) -> bool:
-        """Replay a launch's decode steps on the live buffers; False where that bucket is not
-        recorded yet (the caller runs it eagerly; it is recorded meanwhile)."""
-        return self.traced.run(("step", B, L, stages), self._live_inputs) is not None
+    def run_step(self, B: int, L: int, stages: frozenset, signature: tuple = (), slots=()) -> bool:
+        """Replay a launch's decode steps on the live buffers (and, for edited rows, the live edit
+        slots of `signature`); False where that bucket is not recorded yet (the caller runs it
+        eagerly; it is recorded meanwhile)."""
+        if not signature:
+            return self.traced.run(("step", B, L, stages), self._live_inputs) is not None
+        self._edit_slots[signature] = list(slots)  # what the recipe records on (scratch copies of)
+        inputs = self._live_inputs + tuple(slot_tensors(slots))
+        return self.traced.run(("step", B, L, stages, signature), inputs) is not None
 
     def prefill_rows(self, ids: torch.Tensor, lens: list[int], idx: torch.Tensor, cache: SlotCache) -> torch.Tensor:
         """A CPU's prefill with recordings: each row alone, padded to its length bucket (on one
@@ -74,14 +81,16 @@ class CpuReplay:
         step on scratch buffers of that length, and those buffers; ("prefill", rows, length) ->
         flat_prefill, and ids of that shape; ("trace", ...) -> see _trace_recipe."""
         if key[0] == "step":
-            _, B, L, stages = key
+            B, L, stages = key[1:4]
             b = self.layout.buffers(L)  # shaped as the live ones, for positions [0, L)
+            slots = [s.scratch() for s in self._edit_slots.get(key[4], [])] if len(key) > 4 else []
+            edits = hook_edits(slots) if slots else None
 
-            def step(*_buffers) -> torch.Tensor:  # the buffers come in as the trace's inputs
-                self.decode.steps(B, L, b, stages)
+            def step(*_buffers) -> torch.Tensor:  # the buffers (and edit slots) come in as the trace's inputs
+                self.decode.steps(B, L, b, stages, edits=edits)
                 return b.out_packed
 
-            return step, tuple(buffer_tensors(b))
+            return step, tuple(buffer_tensors(b)) + tuple(slot_tensors(slots))
         if key[0] == "trace":
             return self._trace_recipe(key)
         _, rows, T = key

@@ -84,6 +84,7 @@ class StepGraphs:
         self.graphs: dict[tuple[int, int, frozenset], torch.cuda.CUDAGraph] = {}
         self.compiled_keys: set[tuple] = set()  # buckets whose graph is the compiled step's
         self._to_capture: list[tuple] = []  # buckets left to re-capture from the compiled step
+        self._edited_failed: set[tuple] = set()  # edited buckets that could not be captured
         self._scratch: StepBuffers | None = None
         self.layout: StepLayout | None = None
         self.live: StepBuffers | None = None
@@ -186,6 +187,33 @@ class StepGraphs:
             self._scratch = None
             log.warning("compiling the decode step of %s failed (%s: %s); the uncompiled step goes on serving",
                         self.name, type(e).__name__, e, exc_info=True)
+
+    def edited(self, key: tuple, run) -> torch.cuda.CUDAGraph | None:
+        """The captured step of an edited launch (rows, length, stages, edit signature), captured
+        from `run` (the uncompiled step with the slots' hook edits) on first use; None where that
+        capture failed (the step then runs eagerly). Capturing runs nothing: the caller replays."""
+        graph = self.graphs.get(key)
+        if graph is not None or key in self._edited_failed:
+            return graph
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with own_cublas_workspace(), \
+                    torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                run()
+        except Exception as e:  # noqa: BLE001 - this bucket's edited steps run eagerly
+            self._edited_failed.add(key)
+            log.warning("capturing an edited decode step of %s failed (%s: %s); it runs eagerly", self.name,
+                        type(e).__name__, e)
+            return None
+        self.graphs[key] = graph
+        self.stats.edited_graphs += 1
+        return graph
+
+    def drop_edited(self, keys: set) -> None:
+        """Forget the captured steps that read dropped edit slots (their buffers are gone)."""
+        for key in [k for k in self.graphs if len(k) == 4 and keys & set(k[3])]:
+            del self.graphs[key]
+        self._edited_failed = {k for k in self._edited_failed if not keys & set(k[3])}
 
     def capture_due(self) -> bool:
         return self.state == "capturing" and bool(self._to_capture)

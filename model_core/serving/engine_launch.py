@@ -16,6 +16,7 @@ import torch
 from model_core.serving.batch_sampling import ALL_STAGES, packed_width, stages_in_use
 from model_core.serving.engine_cpu_replay import CpuReplay
 from model_core.serving.engine_cuda_graphs import StepGraphs
+from model_core.serving.engine_edits import EditSlots, hook_edits
 from model_core.serving.engine_step import GREEDY_ONLY, RECORDED, DecodeStep, StepBuffers, StepLayout
 from model_core.serving.engine_types import EngineStats, LaunchResult, Row
 from model_core.serving.scheduler import Scheduler
@@ -32,8 +33,9 @@ class Launcher:
 
     def __init__(self, decode: DecodeStep, layout: StepLayout, live: StepBuffers, graphs: StepGraphs,
                  replay: CpuReplay | None, scheduler: Scheduler, stats: EngineStats, lookahead: int,
-                 use_graphs: bool, request_turn):
+                 use_graphs: bool, request_turn, edit_slots: EditSlots):
         self.decode, self.layout, self.live = decode, layout, live
+        self.edit_slots = edit_slots
         self.graphs, self.replay, self.scheduler, self.stats = graphs, replay, scheduler, stats
         self.request_turn = request_turn
         self._exact = not use_graphs and replay is None  # eager: no bucket is captured or recorded
@@ -63,11 +65,16 @@ class Launcher:
         t0 = time.perf_counter()
         B, L = self.bucket(rows)
         stages = self.stages(rows)
-        graph, fast = self.graphs.lookup((B, L, stages))
-        if graph is not None:
-            graph.replay()
-        elif fast or self.replay is None or not self.replay.run_step(B, L, stages):
-            self.decode.steps(B, L, self.live, stages, fast=fast)
+        signature = self.edit_slots.signature([r.slot for r in rows])
+        fast = False
+        if signature:
+            self._launch_edited(B, L, stages, signature)
+        else:
+            graph, fast = self.graphs.lookup((B, L, stages))
+            if graph is not None:
+                graph.replay()
+            elif fast or self.replay is None or not self.replay.run_step(B, L, stages):
+                self.decode.steps(B, L, self.live, stages, fast=fast)
         K = self.layout.steps_per_launch
         self.stats.compiled_steps += K * fast
         ring = self._launches % len(self._pinned)
@@ -91,6 +98,25 @@ class Launcher:
         self.stats.batch_sizes[len(rows)] = self.stats.batch_sizes.get(len(rows), 0) + K
         self.stats.launch_s += time.perf_counter() - t0
         return LaunchResult(rows=rows, useful=useful, starts=starts, rows_bucket=B, ring=ring, event=event, extra=extra)
+
+    def _launch_edited(self, B: int, L: int, stages: frozenset, signature: tuple) -> None:
+        """A launch with edited rows: the step with the signature's slots as hook edits, captured
+        (CUDA, on first use) or recorded (CPU) per bucket and signature, eager until then."""
+        slots = self.edit_slots.slots_of(signature)
+        edits = hook_edits(slots)
+
+        def run():
+            self.decode.steps(B, L, self.live, stages, edits=edits)
+
+        if self.graphs.use_graphs:
+            graph = self.graphs.edited((B, L, stages, signature), run)
+            if graph is not None:
+                graph.replay()
+                return
+        elif self.replay is not None and self.replay.run_step(B, L, stages, signature, slots):
+            return
+        run()
+        self.stats.edited_eager_steps += self.layout.steps_per_launch
 
     def hand_out(self, launched: LaunchResult, gate: bool) -> None:
         """Wait for a launch's records (gate: the request threads' turn meanwhile) and give each of

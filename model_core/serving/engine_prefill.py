@@ -6,18 +6,24 @@ logits are its solo ones up to float rounding): a captured prefill where one fit
 (`model_core.serving.cuda_prefill_graphs`), one recorded row at a time on a CPU with recordings
 (`model_core.serving.engine_cpu_replay`), else eagerly. The first token is drawn from the
 prefill's logits with the same sampling as a decode step, and the row starts in its slot.
+
+A request with edits (model_core.serving.engine_edits) is prefilled alone and eagerly, with its
+edits as hook edits, and its row's edit slots are written before it first steps.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 
 import torch
 
+from model_core.core.hooks import Recorder, instrument, recording
 from model_core.serving.batch_sampling import RowSettings, sample_rows, stages_in_use
 from model_core.serving.cuda_prefill_graphs import CPU_LENGTHS, PrefillGraphs, eager_prefill
 from model_core.serving.engine_cpu_replay import CpuReplay
+from model_core.serving.engine_edits import EditSlots
 from model_core.serving.engine_step import RECORDED, StepBuffers
 from model_core.serving.engine_types import EngineRequest, EngineStats, Row
 from model_core.serving.scheduler import Scheduler
@@ -27,9 +33,10 @@ class Admission:
     """Prefills admitted requests into free slots of the live buffers and starts their rows."""
 
     def __init__(self, lm, live: StepBuffers, scheduler: Scheduler, replay: CpuReplay | None,
-                 stats: EngineStats, max_len: int, vocab: int):
+                 stats: EngineStats, max_len: int, vocab: int, edit_slots: EditSlots):
         self._lm = weakref.ref(lm)  # as the engine holds it: an unloaded model is freed
         self.live, self.scheduler, self.replay, self.stats = live, scheduler, replay, stats
+        self.edit_slots = edit_slots
         self.max_len, self.vocab, self.device = max_len, vocab, lm.device
         self.prefill_graphs: PrefillGraphs | None = None  # short prompts' prefills (CUDA)
 
@@ -46,15 +53,17 @@ class Admission:
                 self.scheduler.fail(r, ValueError(f"The prompt plus new tokens exceed this server's {self.max_len}-token slots."))
             else:
                 live.append(r)
-        if len(live) > 1:
+        alone = [r for r in live if r.edits]  # an edited prefill runs its own hooks
+        together = [r for r in live if not r.edits]
+        if len(together) > 1:
             try:
-                self.prefill(live)
-                return
+                self.prefill(together)
+                together = []
             except Exception:  # noqa: BLE001 - retried one by one below
                 rows = self.scheduler.rows
-                for slot in [s for s, row in rows.items() if row.req in live]:
+                for slot in [s for s, row in rows.items() if row.req in together]:
                     self.scheduler.free(rows[slot])
-        for r in live:
+        for r in together + alone:
             try:
                 self.prefill([r])
             except BaseException as e:  # noqa: BLE001 - this request fails alone
@@ -64,18 +73,24 @@ class Admission:
         lm, b, dev = self._lm(), self.live, self.device
         t0 = time.perf_counter()
         slots = self.scheduler.free_slots(len(reqs))
+        edits = reqs[0].edits if len(reqs) == 1 else None  # (admit_all prefills an edited request alone)
+        for slot, r in zip(slots, reqs):  # first: a request the slots cannot take fails before it starts
+            self.edit_slots.admit(slot, r.edits)
         lens = [len(r.ids) for r in reqs]
         ids = torch.tensor([r.ids + [0] * (max(lens) - n) for r, n in zip(reqs, lens)]).to(dev)  # [N, T]
         idx = torch.tensor(slots, device=dev)
-        if self.replay is not None and max(lens) <= CPU_LENGTHS[-1]:
+        if edits:
+            instrument(lm.adapter)
+        if self.replay is not None and max(lens) <= CPU_LENGTHS[-1] and not edits:
             logits = self.replay.prefill_rows(ids, lens, idx, b.cache)  # [N, V]
         else:
-            captured = None if self.prefill_graphs is None else self.prefill_graphs.run(ids, lens)
+            captured = None if self.prefill_graphs is None or edits else self.prefill_graphs.run(ids, lens)
             if captured is not None:
                 pre, logits = captured  # [N, V]
                 self.stats.captured_prefills += 1
             else:
-                pre, logits = eager_prefill(lm, ids, lens)  # [N, V]
+                with recording(Recorder(capture=False, edits=dict(edits))) if edits else contextlib.nullcontext():
+                    pre, logits = eager_prefill(lm, ids, lens)  # [N, V]
             # every row at once (one copy per layer and per settings field: 32 users arriving together
             # would otherwise be ~2,000 small copies before anyone's first token)
             b.cache.load_rows(idx, pre, max(lens))

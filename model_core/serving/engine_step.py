@@ -8,12 +8,14 @@ the step and their hand-out are `model_core.serving.engine_launch`.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass
 
 import torch
 
 from model_core.core.cache_api import cache_kwarg
+from model_core.core.hooks import Recorder, recording
 from model_core.serving import decode_attention
 from model_core.serving.batch_sampling import (
     ALL_STAGES,
@@ -120,16 +122,19 @@ class DecodeStep:
         self.fast_forward = None
         self.fast_sample: dict[frozenset, object] = {}  # stage set -> compiled sample_rows
 
-    def steps(self, B: int, L: int, b: StepBuffers, stages: frozenset, fast: bool = False) -> None:
+    def steps(self, B: int, L: int, b: StepBuffers, stages: frozenset, fast: bool = False,
+              edits: dict | None = None) -> None:
         """One launch: `steps_per_launch` decode steps back to back (a CUDA graph captures them all)."""
         for k in range(self.steps_per_launch):
-            self.step(B, L, b, stages, fast, k)
+            self.step(B, L, b, stages, fast, k, edits)
 
-    def step(self, B: int, L: int, b: StepBuffers, stages: frozenset, fast: bool = False, k: int = 0) -> None:
+    def step(self, B: int, L: int, b: StepBuffers, stages: frozenset, fast: bool = False, k: int = 0,
+             edits: dict | None = None) -> None:
         """Everything one decode step does, on the first B slots of `b`, attending over L positions,
         running the sampling stages `stages` (the records are complete either way), its records
         written to the launch's k-th place. Only tensor operations on preallocated buffers (a CUDA
-        graph replays exactly this). fast: the compiled forward and sampling."""
+        graph replays exactly this). fast: the compiled forward and sampling. edits: hook edits
+        active in the forward (model_core.serving.engine_edits: per-row slots), run uncompiled."""
         lm = self._lm()
         tok, pos, seen = b.tok_in[:B], b.pos[:B], b.seen[:B]
         act = b.active[:B] & (b.row_settings.step[:B] < b.limit[:B])  # [B]: rows that take this step
@@ -149,8 +154,11 @@ class DecodeStep:
             masks = mask.values() if isinstance(mask, dict) else [mask]  # one per layer type with sliding windows
             _mark_dynamic((input_ids, 0), (position_ids, 0), *((m, d) for m in masks for d in (0, 3)),
                           (b.cache.write_pos, 0), (b.cache.span, 0))
-        logits = forward(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
-                         logits_to_keep=1, **{cache_kwarg(lm.model): b.cache}, **extra).logits[:, -1].float()  # [B, V]
+        if edits:  # the hooks run Python at each layer: the plain forward (a graph or recording captures it)
+            forward, extra = lm.model, {}
+        with recording(Recorder(capture=False, edits=edits)) if edits else contextlib.nullcontext():
+            logits = forward(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
+                             logits_to_keep=1, **{cache_kwarg(lm.model): b.cache}, **extra).logits[:, -1].float()  # [B, V]
         st = b.row_settings.rows(slice(0, B))
         if fast:
             _mark_dynamic((logits, 0), (seen, 0), *((getattr(st, f), 0) for f in RowSettings.__dataclass_fields__))

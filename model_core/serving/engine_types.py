@@ -27,6 +27,7 @@ class EngineRequest:
     eos: set[int]
     keep_logits: bool = False
     keep_probs: bool = False
+    edits: dict | None = None  # {hook name: RowEdit} (model_core.core.row_edits), this request's rows only
     # records, then None. A C-level queue: a put and a get cost 0.15 us against queue.Queue's 3.3 us
     # on 2 cores, and one of each happens per token. Unbounded, yet never longer than n_steps
     # records, so a slow reader never blocks the engine.
@@ -95,6 +96,8 @@ class EngineStats:
     recent_prefills: collections.deque = field(default_factory=lambda: collections.deque(maxlen=8))  # (rows, tokens, ms)
     graphs: int = 0
     compiled_graphs: int = 0
+    edited_graphs: int = 0  # steps with edited rows captured (per bucket and edit signature)
+    edited_eager_steps: int = 0  # decode steps with edited rows run eagerly (not captured / recorded yet)
     compiled_steps: int = 0  # steps run by the compiled step (a re-captured graph, or compiled eagerly)
     warmup_s: float = 0.0
     compile_s: float = 0.0
@@ -120,7 +123,8 @@ class EngineStats:
                 "waiting": len(engine.scheduler.pending),
                 "cuda_graphs": self.graphs, "compiled": engine.compile_state,
                 "recorded_steps": recorded.stats() if recorded is not None else None,
-                "compiled_graphs": self.compiled_graphs, "compiled_steps": self.compiled_steps, "warmup_s": round(self.warmup_s, 1),
+                "compiled_graphs": self.compiled_graphs, "edited_graphs": self.edited_graphs,
+                "edited_eager_steps": self.edited_eager_steps, "compiled_steps": self.compiled_steps, "warmup_s": round(self.warmup_s, 1),
                 "compile_s": round(self.compile_s, 1),
                 "host_ms_per_step": {k: round(1000 * getattr(self, k + "_s") / self.steps, 3) if self.steps else 0.0
                                      for k in ("launch", "wait", "hand_out")},

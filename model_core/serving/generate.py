@@ -23,7 +23,7 @@ This module is the loop both backends share and the engine's path; the parts liv
   generation_records   Step, Generation, RawStep, the packed record's layout, their JSON
   generation_request   GenerateRequest, the settings' checks, the checked run (start_run)
   step_sampling        sample_step: one step's sampling and record on the device
-  request_forwards     the request's own forwards (hook edits, or no engine)
+  request_forwards     the request's own forwards (hook edits without a per-row form, or no engine)
   text_so_far          the continuation's text as it grows, cut at a stop string
   step_attention       each step's attention over its context
   kv_cache_accounting  formula vs measured KV-cache bytes, decode time with and without the cache
@@ -42,6 +42,7 @@ from functools import partial
 import torch
 
 from model_core.core.errors import SettingsError
+from model_core.core.row_edits import engine_runnable
 from model_core.serving.generation_records import (
     FILTER_STAGES,
     TOP_K_RECORDED,
@@ -139,7 +140,8 @@ def _steps(lm, run: GenerationRun) -> Iterator[tuple[Step, Generation]]:
     try:
         if run.stopped():
             return
-        eng = None if run.req.edits else _engine_for_request(lm, len(gen.prompt_ids), run.n_steps, run.k)
+        eng = None if run.req.edits and not engine_runnable(run.req.edits, lm.device) \
+            else _engine_for_request(lm, len(gen.prompt_ids), run.n_steps, run.k)
         backend = local_steps(lm, run) if eng is None else _engine_steps(eng, lm, run)
         for raw in backend:
             step, hit = raw.converted or _convert(run, raw)
@@ -226,7 +228,8 @@ def _engine_steps(eng, lm, run: GenerationRun) -> Iterator[RawStep]:
     per_token = eng.layer_bytes_per_token
     bytes_per_token = sum(per_token)
     er = EngineRequest(ids=list(gen.prompt_ids), n_steps=run.n_steps, settings=gen.settings, seed=gen.seed,
-                       eos=run.eos, keep_logits=run.req.keep_logits, keep_probs=run.req.keep_probs)
+                       eos=run.eos, keep_logits=run.req.keep_logits, keep_probs=run.req.keep_probs,
+                       edits=dict(run.req.edits) if run.req.edits else None)
 
     def convert(rec) -> RawStep:  # on the engine thread
         n = rec.tokens_cached  # the prompt and every token fed back so far

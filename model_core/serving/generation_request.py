@@ -110,7 +110,8 @@ class GenerateRequest:
     keep_probs: bool = False  # and the distribution it was drawn from [V]
     top_k_recorded: int = TOP_K_RECORDED
     # {hook name: fn(name, tensor) -> tensor} active in every forward of this generation (steering,
-    # ablations); such a request runs on its own forwards, never on the shared engine.
+    # clamps, ablations). Typed ones (model_core.core.row_edits) run per row on the shared engine;
+    # any other function runs the request on its own forwards.
     edits: dict | None = None
 
 

@@ -1,0 +1,99 @@
+"""The engine's per-row edits: which rows steer, clamp or ablate, in buffers a captured step reads.
+
+A request's edits (model_core.core.row_edits: steering vectors, feature clamps, zero ablations)
+are written into `RowSlot`s, one per (hook, kind) of edit in use, one row per engine slot. A launch
+whose rows use some slots runs the decode step with those slots' `apply` as hook edits (its
+"signature": the slots' keys); rows without an edit hold the identity there. So a steered row
+batches with plain ones, and each signature is one more captured step per bucket, not one per
+request. A launch with no edited row runs the plain step, untouched.
+
+The prefill of an edited request runs its edits as plain hook edits (model_core.core.hooks), the
+same functions the request path calls.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model_core.core.row_edits import RowSlot, engine_runnable
+
+MAX_SLOTS = 32  # (hook, kind) slots held at once; idle ones go first when a new one is needed
+
+
+class EditSlotsFull(RuntimeError):
+    pass
+
+
+class EditSlots:
+    """The engine's RowSlots by key, and which rows use which."""
+
+    def __init__(self, slots: int, dtype: torch.dtype, device: torch.device, running=lambda: ()):
+        self.slots, self.dtype, self.device = slots, dtype, device
+        self.running = running  # () -> the engine slots whose rows are running
+        self.by_key: dict[tuple, RowSlot] = {}
+        self.row_keys: dict[int, tuple] = {}  # engine slot -> the keys its request uses (a launch's signature)
+        self.on_drop = []  # callbacks(keys) when slots are dropped (their captured steps go with them)
+
+    def runnable(self, edits: dict | None) -> bool:
+        return engine_runnable(edits, self.device)
+
+    def admit(self, row: int, edits: dict | None) -> None:
+        """Row `row` starts a request: the identity in every slot, then its own edits written in."""
+        for slot in self.by_key.values():
+            slot.reset(row)
+        keys = []
+        for name, edit in (edits or {}).items():
+            key = edit.slot_key(name)
+            slot = self.by_key.get(key)
+            if slot is None:
+                slot = self._new(key, name, edit)
+            slot.write(row, edit)
+            keys.append(key)
+        self.row_keys[row] = tuple(keys)
+
+    def release(self, row: int) -> None:
+        self.row_keys.pop(row, None)
+
+    def _new(self, key: tuple, name: str, edit) -> RowSlot:
+        if len(self.by_key) >= MAX_SLOTS:
+            in_use = {k for row in self.running() for k in self.row_keys.get(row, ())}
+            idle = [k for k in self.by_key if k not in in_use]
+            for k in idle:
+                del self.by_key[k]
+            if idle:
+                for fn in self.on_drop:
+                    fn(set(idle))
+            if len(self.by_key) >= MAX_SLOTS:
+                raise EditSlotsFull(f"This server runs at most {MAX_SLOTS} different edits at once; "
+                                    "run it again when a running edited generation has finished.")
+        slot = edit.new_slot(name, self.slots, self.dtype, self.device)
+        self.by_key[key] = slot
+        return slot
+
+    def signature(self, slots: list[int]) -> tuple:
+        """The keys the rows in these engine slots use, in the registry's order (() : none)."""
+        used = {k for s in slots for k in self.row_keys.get(s, ())}
+        return tuple(k for k in self.by_key if k in used) if used else ()
+
+    def slots_of(self, signature: tuple) -> list[RowSlot]:
+        return [self.by_key[k] for k in signature]
+
+
+def hook_edits(slots: list[RowSlot]) -> dict:
+    """{hook name: edit} applying each slot's rows at its hook (several slots at one hook in order)."""
+    by_name: dict[str, list[RowSlot]] = {}
+    for s in slots:
+        by_name.setdefault(s.name, []).append(s)
+
+    def chain(ss):
+        def edit(name, x):
+            for s in ss:
+                x = s.apply(x)
+            return x
+        return edit
+
+    return {name: chain(ss) for name, ss in by_name.items()}
+
+
+def slot_tensors(slots: list[RowSlot]) -> list[torch.Tensor]:
+    return [t for s in slots for t in s.tensors()]
