@@ -93,6 +93,11 @@ class ClampSlot(RowSlot):
         self.feature = torch.zeros(slots, dtype=torch.long, device=device)  # [S]
         self.value = torch.zeros(slots, dtype=torch.float32, device=device)  # [S]
         self.on = torch.zeros(slots, dtype=torch.bool, device=device)  # [S]
+        # detached here, not in the step: a recording holds them as constants, and one made from a
+        # parameter inside the recorded call would carry its grad
+        sae = feats.sae
+        self.W_enc, self.b_enc = sae.encoder.weight.detach(), sae.encoder.bias.detach()  # [M, d], [M]
+        self.b_dec, self.W_dec = sae.b_dec.detach(), sae.W_dec.detach()  # [d], [M, d]
 
     def tensors(self):
         return [self.feature, self.value, self.on]
@@ -103,13 +108,24 @@ class ClampSlot(RowSlot):
     def write(self, row, edit):
         self.feature[row], self.value[row], self.on[row] = edit.feature, edit.value, True
 
+    def _encode(self, x: torch.Tensor):
+        """x [B, d] float32 -> (top acts, top indices) [B, k] each: the autoencoder's own encode
+        (sparsify's SparseCoder.encode) on the detached weights."""
+        from sparsify.fused_encoder import fused_encoder
+
+        cfg = self.feats.sae.cfg
+        if not cfg.transcode:
+            x = x - self.b_dec
+        out = fused_encoder(x, self.W_enc, self.b_enc, cfg.k, cfg.activation)
+        return out.top_acts.float(), out.top_indices
+
     def apply(self, x):  # x [B, 1, d] or [B, d]
         B = x.shape[0]
         flat = x.reshape(B, x.shape[-1])  # [B, d]: one position per row
-        acts, idx = _encode(self.feats.sae, flat.float())  # [B, k] each
+        acts, idx = self._encode(flat.float())  # [B, k] each
         f = self.feature[:B]
         a = (acts * (idx == f[:, None])).sum(-1)  # [B]
-        d = self.feats.sae.W_dec.detach()[f].float()  # [B, d]
+        d = self.W_dec[f].float()  # [B, d]
         new = (flat.float() + (self.value[:B] - a)[:, None] * d).to(x.dtype)  # [B, d]
         return torch.where(self.on[:B, None], new, flat).view_as(x)
 
