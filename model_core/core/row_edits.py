@@ -165,6 +165,13 @@ class ZeroColumns(RowEdit):
         return KeepSlot(name, slots, self.width, dtype, device)
 
 
+def same_device(a, b) -> bool:
+    """cuda and cuda:0 are one device (a model reports the one, a tensor the other)."""
+    a, b = torch.device(a), torch.device(b)
+    cuda_index = lambda d: (d.index or 0) if d.type == "cuda" else d.index  # noqa: E731
+    return a.type == b.type and cuda_index(a) == cuda_index(b)
+
+
 def engine_runnable(edits: dict | None, device: torch.device) -> bool:
     """Whether every edit of a request has a per-row form the engine on `device` runs."""
     return all(isinstance(e, RowEdit) and e.runs_on(device) for e in (edits or {}).values())

@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from model_core.core.row_edits import RowEdit, RowSlot
+from model_core.core.row_edits import RowEdit, RowSlot, same_device
 from model_core.interp.features import FeatureError, Features, _encode, check_width
 
 MAX_VALUE = 1000.0
@@ -80,7 +80,7 @@ class ClampFeature(RowEdit):
         return ClampSlot(name, slots, self.feats, device)
 
     def runs_on(self, device):
-        return torch.device(self.feats.sae.device) == torch.device(device)
+        return same_device(self.feats.sae.device, device)
 
 
 class ClampSlot(RowSlot):
