@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+WHERE = ("prefill_s", "launch_s", "wait_s", "hand_out_s", "busy_s", "steps")  # engine time by part, per run
 PROMPTS = ["The history of the city begins with a small settlement by the river, where",
            "In a quiet laboratory, the researchers finally noticed that the signal",
            "def merge_sorted(a, b):\n    out = []\n    i = j = 0\n    while",
@@ -77,6 +78,8 @@ def main(argv=None) -> int:
     edits["steered, own forwards"] = {sname: lambda n, x: sfn(n, x)}
 
     eng = engine_for(lm)
+    if args.compile:
+        eng.wait_compiled(900)  # measured once the compiled step serves plain rows
     print(f"# bench/edited_generation.py  {lm.name} on {device_info(lm.device)}, {lm.dtype}; {tokens} greedy tokens "
           f"per user; engine compile {eng.compile_state}, {eng.slots} slots", flush=True)
 
@@ -115,7 +118,11 @@ def main(argv=None) -> int:
     for name, kinds in scenarios.items():  # warm-up: every edited bucket captured (CUDA) or recorded (CPU)
         t0 = time.perf_counter()
         run(kinds)
-        print(f"# warm-up {name}: {time.perf_counter() - t0:.1f} s, {run(kinds):.0f} tok/s", flush=True)
+        first = time.perf_counter() - t0
+        before = {k: getattr(eng.stats, k) for k in WHERE}
+        rate = run(kinds)
+        spent = "  ".join(f"{k} {getattr(eng.stats, k) - before[k]:.3f}" for k in WHERE)
+        print(f"# warm-up {name}: {first:.1f} s, then {rate:.0f} tok/s; engine: {spent}", flush=True)
     if eng._recorded is not None:
         eng._recorded.wait_recorded(900)
         for kinds in scenarios.values():

@@ -7,8 +7,8 @@ whose rows use some slots runs the decode step with those slots' `apply` as hook
 batches with plain ones, and each signature is one more captured step per bucket, not one per
 request. A launch with no edited row runs the plain step, untouched.
 
-The prefill of an edited request runs its edits as plain hook edits (model_core.core.hooks), the
-same functions the request path calls.
+The prefill of a batch with edited requests runs eagerly, each row's edits applied to its own row
+as plain hook edits (`prefill_edits`: the same functions the request path calls, on [1, T, w]).
 """
 
 from __future__ import annotations
@@ -93,6 +93,25 @@ def hook_edits(slots: list[RowSlot]) -> dict:
         return edit
 
     return {name: chain(ss) for name, ss in by_name.items()}
+
+
+def prefill_edits(per_row: list[dict | None]) -> dict:
+    """{hook name: edit} for one padded prefill of several requests: row i's own edit (the function
+    its request path would call) applied to row i alone, [1, T, w]; rows without one stay as they are.
+    (A row's padding comes after its last token: what an edit does there no position reads.)"""
+    names = dict.fromkeys(n for e in per_row if e for n in e)
+
+    def for_name(name):
+        rows = [(i, e[name]) for i, e in enumerate(per_row) if e and name in e]
+
+        def edit(n, x):  # x [N, T, w]
+            out = x.clone()
+            for i, fn in rows:
+                out[i:i + 1] = fn(n, x[i:i + 1])
+            return out
+        return edit
+
+    return {name: for_name(name) for name in names}
 
 
 def slot_tensors(slots: list[RowSlot]) -> list[torch.Tensor]:

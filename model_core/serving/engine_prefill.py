@@ -7,8 +7,8 @@ logits are its solo ones up to float rounding): a captured prefill where one fit
 (`model_core.serving.engine_cpu_replay`), else eagerly. The first token is drawn from the
 prefill's logits with the same sampling as a decode step, and the row starts in its slot.
 
-A request with edits (model_core.serving.engine_edits) is prefilled alone and eagerly, with its
-edits as hook edits, and its row's edit slots are written before it first steps.
+A batch with edited requests (model_core.serving.engine_edits) is prefilled eagerly, each row's
+edits on its own row, and every row's edit slots are written before it first steps.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from model_core.core.hooks import Recorder, instrument, recording
 from model_core.serving.batch_sampling import RowSettings, sample_rows, stages_in_use
 from model_core.serving.cuda_prefill_graphs import CPU_LENGTHS, PrefillGraphs, eager_prefill
 from model_core.serving.engine_cpu_replay import CpuReplay
-from model_core.serving.engine_edits import EditSlots
+from model_core.serving.engine_edits import EditSlots, prefill_edits
 from model_core.serving.engine_step import RECORDED, StepBuffers
 from model_core.serving.engine_types import EngineRequest, EngineStats, Row
 from model_core.serving.scheduler import Scheduler
@@ -53,17 +53,15 @@ class Admission:
                 self.scheduler.fail(r, ValueError(f"The prompt plus new tokens exceed this server's {self.max_len}-token slots."))
             else:
                 live.append(r)
-        alone = [r for r in live if r.edits]  # an edited prefill runs its own hooks
-        together = [r for r in live if not r.edits]
-        if len(together) > 1:
+        if len(live) > 1:
             try:
-                self.prefill(together)
-                together = []
+                self.prefill(live)
+                return
             except Exception:  # noqa: BLE001 - retried one by one below
                 rows = self.scheduler.rows
-                for slot in [s for s, row in rows.items() if row.req in together]:
+                for slot in [s for s, row in rows.items() if row.req in live]:
                     self.scheduler.free(rows[slot])
-        for r in together + alone:
+        for r in live:
             try:
                 self.prefill([r])
             except BaseException as e:  # noqa: BLE001 - this request fails alone
@@ -73,7 +71,7 @@ class Admission:
         lm, b, dev = self._lm(), self.live, self.device
         t0 = time.perf_counter()
         slots = self.scheduler.free_slots(len(reqs))
-        edits = reqs[0].edits if len(reqs) == 1 else None  # (admit_all prefills an edited request alone)
+        edits = prefill_edits([r.edits for r in reqs]) if any(r.edits for r in reqs) else None
         for slot, r in zip(slots, reqs):  # first: a request the slots cannot take fails before it starts
             self.edit_slots.admit(slot, r.edits)
         lens = [len(r.ids) for r in reqs]
@@ -89,7 +87,7 @@ class Admission:
                 pre, logits = captured  # [N, V]
                 self.stats.captured_prefills += 1
             else:
-                with recording(Recorder(capture=False, edits=dict(edits))) if edits else contextlib.nullcontext():
+                with recording(Recorder(capture=False, edits=edits)) if edits else contextlib.nullcontext():
                     pre, logits = eager_prefill(lm, ids, lens)  # [N, V]
             # every row at once (one copy per layer and per settings field: 32 users arriving together
             # would otherwise be ~2,000 small copies before anyone's first token)

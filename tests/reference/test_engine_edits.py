@@ -180,19 +180,16 @@ def test_plain_steered_clamped_and_ablated_rows_in_one_batch_equal_transformers_
 
 
 def test_a_steered_row_changes_no_bit_of_its_batch_mates(default_lm):
-    """Rows batched with a steered row get exactly the logits they get batched with unsteered ones:
-    the slot's identity (zeros added) changes no bit, and a row's edit stays in its row. (Every row
-    carries an edit here, zeros for the unsteered, so that every prefill runs alone in both batches:
-    a batched prefill pads, and padding moves the last bit.) The steered row's tokens are its own
-    generation's, wherever it sits in the batch."""
+    """Rows batched with a steered row (in the prefill and in every decode step) get exactly the
+    logits they get batched with plain rows: the slot's identity (zeros added) changes no bit, and a
+    row's edit stays in its row. The steered row's tokens are its own generation's."""
     lm = default_lm
     eng = Engine(lm, slots=4, max_len=256, use_graphs=False, compile=False)
     assert eng.ready.wait(300)
     try:
-        zero = {"blocks.4.hook_resid_pre": AddVector(torch.zeros(lm.shape.d_model))}
-        steer = {"blocks.4.hook_resid_pre": AddVector(torch.full((lm.shape.d_model,), 0.5))}
-        base = _run_together(eng, lm, [zero] * 4)
-        mixed = _run_together(eng, lm, [zero, steer, zero, zero])
+        steer = {"blocks.4.hook_resid_pre": AddVector(torch.full((lm.shape.d_model,), 0.5), start=2)}
+        base = _run_together(eng, lm, [None] * 4)
+        mixed = _run_together(eng, lm, [None, steer, None, None])
         for i in (0, 2, 3):
             assert torch.equal(torch.stack([r.logits for r in mixed[i]]), torch.stack([r.logits for r in base[i]]))
         assert [int(r.packed[0]) for r in mixed[1]] != [int(r.packed[0]) for r in base[1]]
