@@ -5,6 +5,7 @@ the steered runs and the alpha sweep that also generates live here."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from model_core.interp import steering as St
@@ -27,6 +28,24 @@ def steered_generation(lm, prompt: str, vec: SteeringVector, alpha, *, from_posi
     gen = generate(lm, prompt, edits=steering_edits(lm, vec, alpha, from_position=from_position), **options)
     return SteeredRun(alpha=check_alpha(alpha), generation=gen,
                       base_perplexity=base_perplexity(lm, gen.prompt_ids, gen.token_ids))
+
+
+def generations_at_once(lm, prompt: str, edit_sets: list, **options) -> list[Generation]:
+    """One generate() per edit set (None: unedited), all submitted at once: on the model's engine
+    they run in the same decode steps (model_core.serving.engine_edits). Options as generate's."""
+    with ThreadPoolExecutor(len(edit_sets), thread_name_prefix="lmscope-side-by-side") as pool:
+        futures = [pool.submit(generate, lm, prompt, edits=e, **options) for e in edit_sets]
+        return [f.result() for f in futures]
+
+
+def steered_pair(lm, prompt: str, vec: SteeringVector, alpha, *, from_position: int = 0,
+                 **options) -> tuple[SteeredRun, SteeredRun]:
+    """The unsteered and the steered generation (same seed), run side by side."""
+    alpha = check_alpha(alpha)
+    edits = steering_edits(lm, vec, alpha, from_position=from_position)
+    base, steered = generations_at_once(lm, prompt, [None, edits], **options)
+    return tuple(SteeredRun(alpha=a, generation=g, base_perplexity=base_perplexity(lm, g.prompt_ids, g.token_ids))
+                 for a, g in ((0.0, base), (alpha, steered)))
 
 
 def alpha_sweep(lm, prompt: str, vec: SteeringVector, alphas, *, chat: bool = False, from_position: int = 0,

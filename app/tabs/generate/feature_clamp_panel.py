@@ -19,7 +19,8 @@ from app.tabs.generate.steering_panel import perplexity_text, whole
 from model_core.core.errors import LmscopeError
 from model_core.interp import feature_steering as FS
 from model_core.interp.steering import base_perplexity
-from model_core.serving.generate import check_seed, generate, generation_to_json
+from model_core.serving.generate import check_seed, generation_to_json
+from model_core.serving.steered import generations_at_once
 
 MAX_NEW = 48
 INTRO = """Clamp one **feature** of a sparse autoencoder trained in this app (Explore → *Sparse-autoencoder
@@ -57,8 +58,7 @@ def run_clamped(model_name, prompt, chat, set_name, feature, value, from_pos, ma
         options = dict(max_new_tokens=whole(max_new, "number of new tokens", 1, MAX_NEW), settings=settings,
                        seed=check_seed(sd), chat=bool(chat))
         edits = FS.feature_edits(lm, feats, f, v, from_position=from_pos)
-        plain = generate(lm, prompt, **options)
-        clamped = generate(lm, prompt, edits=edits, **options)
+        plain, clamped = generations_at_once(lm, prompt, [None, edits], **options)  # side by side on the engine
         shift = FS.next_token_shift(lm, torch.tensor([plain.prompt_ids], device=lm.device), edits)
     except (LmscopeError, gr.Error) as e:
         return gr.skip(), gr.skip(), gr.skip(), V.show(str(e))

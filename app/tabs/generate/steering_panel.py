@@ -64,8 +64,7 @@ def run_pair(model_name, prompt, chat, choice, pairs_text, layer, alpha, from_po
         lm, vec, options, targets, from_pos, note = _setup(model_name, prompt, chat, choice, pairs_text, layer,
                                                            from_pos, targets_text, max_new, t, k, p, m, r, sd)
         alpha = St.check_alpha(alpha)
-        base = Steered.steered_generation(lm, prompt, vec, 0.0, **options)
-        steered = Steered.steered_generation(lm, prompt, vec, alpha, from_position=from_pos, **options)
+        base, steered = Steered.steered_pair(lm, prompt, vec, alpha, from_position=from_pos, **options)
         sweep = Steered.alpha_sweep(lm, prompt, vec, [0.0, alpha], targets=[i for _, i in targets] or None,
                                chat=options["chat"], from_position=from_pos)
     except LmscopeError as e:
