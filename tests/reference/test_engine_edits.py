@@ -237,3 +237,20 @@ def test_edited_generations_through_generate_batch_on_the_shared_engine(default_
     assert eng.stats.batch_sizes.get(3, 0) - before.get(3, 0) >= N_NEW - 1
     assert out[0].token_ids == _hf_greedy(lm, PROMPTS[0], _ref_steer(lm.model, ALPHA * vector.vector))[0]
     assert out[1].token_ids == _hf_greedy(lm, PROMPTS[1])[0]
+
+
+def test_the_steered_and_unsteered_runs_of_the_panel_share_the_engines_steps(default_lm, vector):
+    """steered_pair (the Generate tab's side by side): both runs batched on the engine, each equal to
+    transformers' greedy generate with (and without) the vector as a plain hook."""
+    from model_core.serving.engine import engine_for
+    from model_core.serving.steered import steered_pair
+
+    lm = default_lm
+    eng = engine_for(lm)
+    before = dict(eng.stats.batch_sizes)
+    base, steered = steered_pair(lm, PROMPTS[1], vector, ALPHA, from_position=FROM, max_new_tokens=N_NEW,
+                                 ignore_eos=True)
+    assert eng.stats.batch_sizes.get(2, 0) - before.get(2, 0) >= N_NEW // 2, eng.stats.batch_sizes
+    assert base.generation.token_ids == _hf_greedy(lm, PROMPTS[1])[0]
+    assert steered.generation.token_ids == _hf_greedy(lm, PROMPTS[1], _ref_steer(lm.model, ALPHA * vector.vector))[0]
+    assert base.alpha == 0.0 and steered.alpha == ALPHA
