@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from model_core.core.row_edits import AddVector, engine_runnable
+from model_core.core.row_edits import AddVector, RowEdit, RowSlot, engine_runnable
 from model_core.core.sampling import SamplingSettings
 from model_core.interp import features as F
 from model_core.interp.feature_steering import feature_edits
@@ -254,3 +254,71 @@ def test_the_steered_and_unsteered_runs_of_the_panel_share_the_engines_steps(def
     assert base.generation.token_ids == _hf_greedy(lm, PROMPTS[1])[0]
     assert steered.generation.token_ids == _hf_greedy(lm, PROMPTS[1], _ref_steer(lm.model, ALPHA * vector.vector))[0]
     assert base.alpha == 0.0 and steered.alpha == ALPHA
+
+
+class _Probe(RowSlot):
+    """A test's window into the engine's decode steps: keeps what reaches its hook, changes nothing."""
+
+    def __init__(self, name, slots, seen):
+        super().__init__(name, slots)
+        self.seen = seen
+
+    def tensors(self):
+        return []
+
+    def reset(self, row):
+        pass
+
+    def write(self, row, edit):
+        pass
+
+    def apply(self, x):
+        self.seen.append(x.detach().clone())  # [B, 1, d]
+        return x
+
+
+class _ProbeEdit(RowEdit):
+    def __init__(self, seen):
+        self.seen = seen
+
+    def __call__(self, name, x):
+        return x
+
+    def slot_key(self, name):
+        return (name, "probe")
+
+    def new_slot(self, name, slots, dtype, device):
+        return _Probe(name, slots, self.seen)
+
+
+def test_an_edit_at_layer_l_leaves_every_layer_before_it_bit_identical(default_lm):
+    """In the engine's decode steps, with row 1 steered at layer 5 from its first generated token on:
+    the residual stream entering layer 3 is bit for bit the plain run's in row 1 as long as its
+    tokens are the same (they are at the first step: the prefill is not steered), and in every other
+    row at every step; entering layer 8 it moved in row 1 at every step and nowhere else."""
+    lm = default_lm
+    eng = Engine(lm, slots=4, max_len=256, use_graphs=False, compile=False)
+    assert eng.ready.wait(300)
+    try:
+        seen = {3: [], 8: []}
+        probes = {f"blocks.{l}.hook_resid_pre": _ProbeEdit(seen[l]) for l in seen}
+        n_prompt = len(lm.tokenizer(PROMPTS[1])["input_ids"])
+        steer = {"blocks.5.hook_resid_pre": AddVector(torch.full((lm.shape.d_model,), 0.5), start=n_prompt)}
+
+        def run(row1):
+            for v in seen.values():
+                v.clear()
+            recs = _run_together(eng, lm, [probes, {**probes, **row1}, probes, probes])
+            return [int(r.packed[0]) for r in recs[1]], {l: torch.stack(v) for l, v in seen.items()}  # [steps, B, 1, d]
+
+        (plain_tokens, plain), (steered_tokens, steered) = run({}), run(steer)
+        assert plain[3].shape == steered[3].shape and plain[3].shape[:2] == (N_NEW - 1, 4)
+        same = next((i for i, (a, b) in enumerate(zip(plain_tokens, steered_tokens)) if a != b), N_NEW)
+        assert same >= 1  # the first generated token comes from the unsteered prefill
+        others = [0, 2, 3]
+        assert torch.equal(plain[3][:, others], steered[3][:, others])
+        assert torch.equal(plain[3][:same, 1], steered[3][:same, 1])
+        moved = (plain[8] != steered[8]).flatten(2).any(-1)  # [steps, B]
+        assert moved[:, 1].all() and not moved[:, others].any()
+    finally:
+        eng.close()
