@@ -19,7 +19,7 @@ Usage:
     .venv/bin/pip install --no-deps --target /tmp/tf455 transformers==4.55.4 tokenizers==0.21.4 \\
         huggingface-hub==0.34.4
     .venv/bin/python bench/search_decoding.py [--methods beam diverse contrastive] [--repeats 3]
-        [--max-new-tokens 32] [--tf455 /tmp/tf455]
+        [--max-new-tokens 32] [--prompts 3] [--threads 1] [--tf455 /tmp/tf455]
 """
 
 from __future__ import annotations
@@ -184,7 +184,8 @@ def breakdown(total: float, phases: dict, fwd: dict, calls: dict) -> dict:
     search = phases.get("search", 0.0)
     return {"total": total, "search": search, "search_forwards": fwd.get("search", 0.0),
             "search_bookkeeping": search - fwd.get("search", 0.0), "search_forward_calls": calls.get("search", 0),
-            "rescoring": phases.get("rescoring", 0.0), "greedy": phases.get("greedy", 0.0),
+            "rescoring": phases.get("rescoring", 0.0), "rescoring_forwards": fwd.get("rescoring", 0.0),
+            "greedy": phases.get("greedy", 0.0), "greedy_forwards": fwd.get("greedy", 0.0),
             "other": total - sum(phases.values())}
 
 
@@ -257,6 +258,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the built-in prompts")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads, both sides (1: a shared machine's other load cannot stall an OpenMP team)")
     ap.add_argument("--tf455", default="/tmp/tf455", help="folder holding transformers 4.55.4 (pip --target)")
     ap.add_argument("--tf455-run", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -267,13 +270,14 @@ def main() -> int:
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "bench"))
     import torch
+    from common import device_info
 
     import model_core.serving.search_decoding as sd
-    from common import device_info
     from model_core import load_model
     from model_core.core.prompts import encode_prompt
     from model_core.core.registry import DEFAULT_MODEL, converted_dir
 
+    torch.set_num_threads(args.threads)
     lm = load_model(DEFAULT_MODEL, device="cpu", dtype="float32")
     eos, pad = sd._eos(lm), sd._pad(lm, sd._eos(lm))
     prompts = [(p, chat, encode_prompt(lm, p, chat=chat)) for p, chat in PROMPTS[:args.prompts]]
@@ -292,7 +296,7 @@ def main() -> int:
         cases = [{"prompt_ids": prompts[i][2], "generate": generate_kwargs(settings[m], eos, pad)} for m, i in old]
         t0 = time.perf_counter()
         tf455 = dict(zip(old, run_tf455(args.tf455, str(converted_dir(DEFAULT_MODEL)), cases, args.repeats,
-                                        torch.get_num_threads())))
+                                        args.threads)))
         print(f"transformers 4.55.4 subprocess: {time.perf_counter() - t0:.1f} s for {len(old)} cases", flush=True)
 
     summary = {"model": DEFAULT_MODEL, "device": device_info("cpu"), "max_new_tokens": args.max_new_tokens,
@@ -336,7 +340,8 @@ def main() -> int:
         b = agg["lmscope_breakdown_s"]
         print(f"{m}: lmscope decode {agg['lmscope_s']:.3f} s (search {b['search']:.3f} = forwards "
               f"{b['search_forwards']:.3f} + bookkeeping {b['search_bookkeeping']:.3f}; rescoring "
-              f"{b['rescoring']:.3f}; greedy {b['greedy']:.3f}; other {b['other']:.3f})"
+              f"{b['rescoring']:.3f} (forwards {b['rescoring_forwards']:.3f}); greedy {b['greedy']:.3f} (forwards "
+              f"{b['greedy_forwards']:.3f}); other {b['other']:.3f})"
               + (f", transformers {agg['transformers_s']:.3f} s (forwards {agg['transformers_forward_s']:.3f}), "
                  f"decode/transformers {agg['decode_ratio']:.2f}, search/transformers {agg['search_ratio']:.2f}, "
                  f"same tokens: {agg['all_same_tokens']}" if timed else ", no transformers reference"), flush=True)

@@ -192,17 +192,24 @@ def _forward(lm, ids: torch.Tensor, cache, hidden: bool = False):
 
 
 def teacher_forced_logprobs(lm, prompt_ids: list[int], texts: list[list[int]]) -> list[list[float]]:
-    """log p of each generated token, from one plain forward per text (no cache, no search)."""
-    out = []
+    """log p of each generated token, from a plain forward of the whole text (no cache, no search).
+    Texts of one length share one forward (beams that ran to max_new_tokens are usually all of them):
+    rows never see each other and no padding enters, so each row is the text's own forward."""
+    out: list[list[float]] = [[] for _ in texts]
+    by_len: dict[int, list[int]] = {}
+    for i, toks in enumerate(texts):
+        if toks:
+            by_len.setdefault(len(toks), []).append(i)
     with torch.inference_mode():
-        for toks in texts:
-            if not toks:
-                out.append([])
-                continue
-            ids = torch.tensor([list(prompt_ids) + list(toks)], device=lm.device)
-            logits = lm.model(input_ids=ids, use_cache=False).logits[0].float()
-            lp = torch.log_softmax(logits[len(prompt_ids) - 1:-1], -1)
-            out.append(lp.gather(-1, torch.tensor(toks, device=lp.device)[:, None])[:, 0].tolist())
+        for n, rows in by_len.items():
+            toks = torch.tensor([list(texts[i]) for i in rows], device=lm.device)  # [R, n]
+            prompt = torch.tensor([list(prompt_ids)], device=lm.device).expand(len(rows), -1)
+            # the logits at the n positions that predict the text (the last position predicts nothing)
+            logits = lm.model(input_ids=torch.cat([prompt, toks], 1), use_cache=False,
+                              logits_to_keep=n + 1).logits[:, :-1].float()  # [R, n, V]
+            lp = torch.log_softmax(logits, -1).gather(-1, toks[..., None])[..., 0]  # [R, n]
+            for r, i in enumerate(rows):
+                out[i] = lp[r].tolist()
     return out
 
 
@@ -282,7 +289,6 @@ def group_beam_search(lm, ids: list[int], s: DecodingSettings) -> list[Beam]:
     P = len(ids)
     max_len = P + s.max_new_tokens
     dev = lm.device
-    x = torch.tensor([ids] * B, device=dev)
     cache = new_cache(lm)
     scores = torch.full((B,), -1e9, device=dev)
     scores[::S] = 0.0  # every group starts from one beam
@@ -292,10 +298,13 @@ def group_beam_search(lm, ids: list[int], s: DecodingSettings) -> list[Beam]:
     done = [False] * G
     n_keep = max(2, 1 + len(eos)) * S
     with torch.inference_mode():
-        out = _forward(lm, x, cache)
+        # every beam starts from the prompt: one row's prefill, its cache repeated for the B beams
+        # (transformers prefills B identical rows: B times the work for the same keys and values)
+        out = _forward(lm, torch.tensor([ids], device=dev), cache)
+        cache.batch_repeat_interleave(B)
+        logits = out.logits[:, -1, :].float().expand(B, -1)  # [B, V]
         cur_len = P
         while True:
-            logits = out.logits[:, -1, :].float()
             V = logits.shape[-1]
             current = torch.zeros(B, dtype=torch.long, device=dev)
             reorder = torch.zeros(B, dtype=torch.long, device=dev)
@@ -345,7 +354,7 @@ def group_beam_search(lm, ids: list[int], s: DecodingSettings) -> list[Beam]:
             cache.reorder_cache(reorder)
             if all(done) or cur_len >= max_len:
                 break
-            out = _forward(lm, current[:, None], cache)
+            logits = _forward(lm, current[:, None], cache).logits[:, -1, :].float()
     # finalize: unfinished groups add their running beams, then the best of all groups, best first
     for g in range(G):
         if done[g]:
