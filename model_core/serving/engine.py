@@ -343,8 +343,7 @@ class Engine:
                                  self.steps_per_launch, sliding_window_of(lm),
                                  getattr(lm.model.config, "layer_types", None) is not None)
         self.live = self.layout.buffers()
-        self.edit_slots = EditSlots(slots, self.dtype, self.device, running=lambda: list(self.scheduler.rows))
-        self.edit_slots.on_drop.append(lambda keys: self.step_graphs.drop_edited(keys))
+        self.edit_slots = EditSlots(slots, self.dtype, self.device, lambda: list(self.scheduler.rows), self.step_graphs)
         self.layer_bytes_per_token = self.live.cache.layer_bytes_per_token()
         self.scheduler.attach(self.live)
         self.step_graphs.attach(self.layout, self.live)

@@ -27,12 +27,12 @@ class EditSlotsFull(RuntimeError):
 class EditSlots:
     """The engine's RowSlots by key, and which rows use which."""
 
-    def __init__(self, slots: int, dtype: torch.dtype, device: torch.device, running=lambda: ()):
+    def __init__(self, slots: int, dtype: torch.dtype, device: torch.device, running=lambda: (), graphs=None):
         self.slots, self.dtype, self.device = slots, dtype, device
         self.running = running  # () -> the engine slots whose rows are running
+        self.graphs = graphs  # StepGraphs: captured steps that read a dropped slot go with it
         self.by_key: dict[tuple, RowSlot] = {}
         self.row_keys: dict[int, tuple] = {}  # engine slot -> the keys its request uses (a launch's signature)
-        self.on_drop = []  # callbacks(keys) when slots are dropped (their captured steps go with them)
 
     def runnable(self, edits: dict | None) -> bool:
         return engine_runnable(edits, self.device)
@@ -60,9 +60,8 @@ class EditSlots:
             idle = [k for k in self.by_key if k not in in_use]
             for k in idle:
                 del self.by_key[k]
-            if idle:
-                for fn in self.on_drop:
-                    fn(set(idle))
+            if idle and self.graphs is not None:
+                self.graphs.drop_edited(set(idle))
             if len(self.by_key) >= MAX_SLOTS:
                 raise EditSlotsFull(f"This server runs at most {MAX_SLOTS} different edits at once; "
                                     "run it again when a running edited generation has finished.")
