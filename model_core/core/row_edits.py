@@ -16,18 +16,23 @@ a slot's buffers are [S, w] over the engine's S slots, and a step reads their fi
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 
 class RowSlot:
     """Per-row buffers for one (hook, kind) of edit: `reset` a row to the identity, `write` an edit
-    into a row, `apply` the first B rows to a decode step's value at the hook."""
+    into a row, `apply` the first B rows to a decode step's value at the hook. `BUFFERS` names the
+    attributes that hold per-row tensors (what a recording takes as inputs)."""
+
+    BUFFERS: tuple[str, ...] = ()
 
     def __init__(self, name: str, slots: int):
         self.name, self.slots = name, slots
 
     def tensors(self) -> list[torch.Tensor]:
-        raise NotImplementedError
+        return [getattr(self, b) for b in self.BUFFERS]
 
     def reset(self, row: int) -> None:
         raise NotImplementedError
@@ -39,8 +44,12 @@ class RowSlot:
         raise NotImplementedError
 
     def scratch(self) -> RowSlot:
-        """A slot of the same shapes on storage of its own (what a recording is made on)."""
-        raise NotImplementedError
+        """A slot of the same shapes on storage of its own (what a recording is made on); anything
+        else it holds (an autoencoder's weights) is shared."""
+        s = copy.copy(self)
+        for b in self.BUFFERS:
+            setattr(s, b, getattr(self, b).clone())
+        return s
 
 
 def _per_row(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -68,12 +77,11 @@ class RowEdit:
 
 
 class AddSlot(RowSlot):
+    BUFFERS = ("vec",)
+
     def __init__(self, name: str, slots: int, width: int, dtype, device):
         super().__init__(name, slots)
         self.vec = torch.zeros(slots, width, dtype=dtype, device=device)  # [S, w]
-
-    def tensors(self):
-        return [self.vec]
 
     def reset(self, row):
         self.vec[row].zero_()
@@ -83,12 +91,6 @@ class AddSlot(RowSlot):
 
     def apply(self, x):
         return x + _per_row(self.vec, x)
-
-    def scratch(self):
-        s = AddSlot.__new__(AddSlot)
-        RowSlot.__init__(s, self.name, self.slots)
-        s.vec = self.vec.clone()
-        return s
 
 
 class AddVector(RowEdit):
@@ -120,12 +122,11 @@ class AddVector(RowEdit):
 
 
 class KeepSlot(RowSlot):
+    BUFFERS = ("keep",)
+
     def __init__(self, name: str, slots: int, width: int, dtype, device):
         super().__init__(name, slots)
         self.keep = torch.ones(slots, width, dtype=dtype, device=device)  # [S, w]: 1 keeps, 0 zeroes
-
-    def tensors(self):
-        return [self.keep]
 
     def reset(self, row):
         self.keep[row].fill_(1)
@@ -136,12 +137,6 @@ class KeepSlot(RowSlot):
 
     def apply(self, x):
         return x * _per_row(self.keep, x)
-
-    def scratch(self):
-        s = KeepSlot.__new__(KeepSlot)
-        RowSlot.__init__(s, self.name, self.slots)
-        s.keep = self.keep.clone()
-        return s
 
 
 class ZeroColumns(RowEdit):

@@ -87,6 +87,8 @@ class ClampSlot(RowSlot):
     """Per row: the clamped feature, its value, and whether the row clamps at all (rows that do not
     keep x exactly: torch.where, not an added zero)."""
 
+    BUFFERS = ("feature", "value", "on")
+
     def __init__(self, name: str, slots: int, feats: Features, device):
         super().__init__(name, slots)
         self.feats = feats
@@ -98,9 +100,6 @@ class ClampSlot(RowSlot):
         sae = feats.sae
         self.W_enc, self.b_enc = sae.encoder.weight.detach(), sae.encoder.bias.detach()  # [M, d], [M]
         self.b_dec, self.W_dec = sae.b_dec.detach(), sae.W_dec.detach()  # [d], [M, d]
-
-    def tensors(self):
-        return [self.feature, self.value, self.on]
 
     def reset(self, row):
         self.on[row] = False
@@ -128,12 +127,6 @@ class ClampSlot(RowSlot):
         d = self.W_dec[f].float()  # [B, d]
         new = (flat.float() + (self.value[:B] - a)[:, None] * d).to(x.dtype)  # [B, d]
         return torch.where(self.on[:B, None], new, flat).view_as(x)
-
-    def scratch(self):
-        s = ClampSlot(self.name, self.slots, self.feats, self.feature.device)
-        for a, b in zip(s.tensors(), self.tensors()):
-            a.copy_(b)
-        return s
 
 
 def check_set_fits(lm, feats: Features) -> None:

@@ -33,6 +33,7 @@ class EditSlots:
         self.graphs = graphs  # StepGraphs: captured steps that read a dropped slot go with it
         self.by_key: dict[tuple, RowSlot] = {}
         self.row_keys: dict[int, tuple] = {}  # engine slot -> the keys its request uses (a launch's signature)
+        self._edits: dict[tuple, dict] = {}  # signature -> its hook edits (made once, read every launch)
 
     def runnable(self, edits: dict | None) -> bool:
         return engine_runnable(edits, self.device)
@@ -60,6 +61,7 @@ class EditSlots:
             idle = [k for k in self.by_key if k not in in_use]
             for k in idle:
                 del self.by_key[k]
+            self._edits = {sig: e for sig, e in self._edits.items() if not set(idle) & set(sig)}
             if idle and self.graphs is not None:
                 self.graphs.drop_edited(set(idle))
             if len(self.by_key) >= MAX_SLOTS:
@@ -71,11 +73,20 @@ class EditSlots:
 
     def signature(self, slots: list[int]) -> tuple:
         """The keys the rows in these engine slots use, in the registry's order (() : none)."""
+        if not self.by_key:  # no request has edited yet: every launch is plain
+            return ()
         used = {k for s in slots for k in self.row_keys.get(s, ())}
         return tuple(k for k in self.by_key if k in used) if used else ()
 
     def slots_of(self, signature: tuple) -> list[RowSlot]:
         return [self.by_key[k] for k in signature]
+
+    def hook_edits(self, signature: tuple) -> dict:
+        """hook_edits of the signature's slots, made on its first launch."""
+        edits = self._edits.get(signature)
+        if edits is None:
+            edits = self._edits[signature] = hook_edits(self.slots_of(signature))
+        return edits
 
 
 def hook_edits(slots: list[RowSlot]) -> dict:

@@ -16,7 +16,7 @@ import torch
 from model_core.serving.batch_sampling import ALL_STAGES, packed_width, stages_in_use
 from model_core.serving.engine_cpu_replay import CpuReplay
 from model_core.serving.engine_cuda_graphs import StepGraphs
-from model_core.serving.engine_edits import EditSlots, hook_edits
+from model_core.serving.engine_edits import EditSlots
 from model_core.serving.engine_step import GREEDY_ONLY, RECORDED, DecodeStep, StepBuffers, StepLayout
 from model_core.serving.engine_types import EngineStats, LaunchResult, Row
 from model_core.serving.scheduler import Scheduler
@@ -103,7 +103,7 @@ class Launcher:
         """A launch with edited rows: the step with the signature's slots as hook edits, captured
         (CUDA, on first use) or recorded (CPU) per bucket and signature, eager until then."""
         slots = self.edit_slots.slots_of(signature)
-        edits = hook_edits(slots)
+        edits = self.edit_slots.hook_edits(signature)
 
         def run():
             self.decode.steps(B, L, self.live, stages, edits=edits)

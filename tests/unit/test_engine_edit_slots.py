@@ -30,6 +30,8 @@ def test_rows_write_reset_and_sign_their_launch():
     (a, k) = slots.slots_of(slots.signature([0, 1]))
     assert a.vec[0].tolist() == [1.0] * 4 and a.vec[1].tolist() == [0.0] * 4
     assert k.keep[1].tolist() == [1.0, 0.0, 0.0, 1.0] and k.keep[0].tolist() == [1.0] * 4
+    copy = a.scratch()  # what a recording is made on: equal values, storage of its own
+    assert torch.equal(copy.vec, a.vec) and copy.vec.data_ptr() != a.vec.data_ptr() and copy.tensors() == [copy.vec]
     slots.admit(0, None)  # a plain request in row 0: the identity everywhere
     assert a.vec[0].tolist() == [0.0] * 4 and slots.signature([0]) == ()
     x = torch.randn(3, 1, 4)
