@@ -83,13 +83,15 @@ def main(argv=None) -> int:
     print(f"# bench/edited_generation.py  {lm.name} on {device_info(lm.device)}, {lm.dtype}; {tokens} greedy tokens "
           f"per user; engine compile {eng.compile_state}, {eng.slots} slots", flush=True)
 
-    def run(kinds: list) -> float:
+    def prompt(i):  # users 2j and 2j+1 share a prompt: a mixed batch has each prompt plain and edited
+        return PROMPTS[(i // 2) % len(PROMPTS)]
+
+    def run(kinds: list, outputs: list | None = None) -> float:
         """Users with these edit kinds generate at once; aggregate tokens/s."""
-        out = [None] * len(kinds)
+        out = [None] * len(kinds) if outputs is None else outputs
 
         def one(i):
-            out[i] = generate(lm, PROMPTS[i % len(PROMPTS)], max_new_tokens=tokens, ignore_eos=True,
-                              edits=edits[kinds[i]])
+            out[i] = generate(lm, prompt(i), max_new_tokens=tokens, ignore_eos=True, edits=edits[kinds[i]])
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(len(kinds))]
         with eng.hold():
@@ -135,6 +137,21 @@ def main(argv=None) -> int:
         first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
         print(f"# {k}: engine tokens {'equal' if first is None else f'differ from step {first}'} to its own "
               f"forwards' over {tokens}", flush=True)
+    # in the mixed batch, each steered row against its plain batch mate (same prompt) and against the
+    # same steered generation on its own forwards (bf16: a batch's kernels may round differently)
+    mixed = scenarios.get("16 users, half steered")
+    if mixed:
+        outs: list = [None] * len(mixed)
+        run(mixed, outs)
+        for j in range(1, len(mixed), 2):
+            own = {name: (lambda f: lambda n, x: f(n, x))(fn) for name, fn in edits["steered"].items()}
+            ref = generate(lm, prompt(j), max_new_tokens=tokens, ignore_eos=True, edits=own).token_ids
+            a, plain_mate = outs[j].token_ids, outs[j - 1].token_ids
+            first = next((i for i, (x, y) in enumerate(zip(a, ref)) if x != y), None)
+            mate = next((i for i, (x, y) in enumerate(zip(a, plain_mate)) if x != y), None)
+            print(f"# mixed batch, steered row {j}: {'equal to' if first is None else f'differs from step {first} from'} "
+                  f"its own forwards; {'EQUAL to' if mate is None else f'differs from step {mate} from'} its plain "
+                  "batch mate", flush=True)
     rates: dict[str, list[float]] = {k: [] for k in scenarios}
     for _ in range(args.repeats):
         for name, kinds in scenarios.items():
@@ -150,8 +167,10 @@ def main(argv=None) -> int:
         print(f"{name:<34} {r:>9.1f} {ratio if ratio else float('nan'):>8.2f} {1000 * n / r:>13.2f}  "
               + " ".join(f"{x:.0f}" for x in rates[name]), flush=True)
     st = eng.stats_dict()
-    print("engine:", {k: st[k] for k in ("edited_graphs", "edited_eager_steps", "cuda_graphs", "compiled",
+    print("engine:", {k: st[k] for k in ("edited_graphs", "edited_compiled_graphs", "compiled_graphs", "edited_eager_steps", "cuda_graphs", "compiled",
                                          "recorded_steps") if k in st})
+    from torch._dynamo.utils import counters
+    print("dynamo:", dict(counters["stats"]), "graph breaks", sum(counters["graph_break"].values()))
     print(json.dumps({"device": device_info(lm.device), "tokens": tokens, "results": summary}))
     return 0
 

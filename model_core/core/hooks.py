@@ -12,7 +12,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from functools import partial
+from functools import partial, wraps
 
 import torch
 
@@ -134,11 +134,28 @@ def _replace_first(output, new):
     return (new, *output[1:]) if isinstance(output, tuple) else new
 
 
+def _hook(body):
+    """A hook that a compiled forward never traces. What a hook reads (the recorder in a ContextVar,
+    its edits) would be a graph break at every hook, or a guard and a recompile per request, so a
+    compiled forward either leaves the hooks out (`Instrumentation.compiled_hooks` False: the
+    engine's plain step, one whole graph) or runs each as plain Python between graphs (True: the
+    engine's edited step; the graphs between the hooks are the same for every request's edits)."""
+    eager = torch.compiler.disable(body)
+
+    @wraps(body)
+    def hook(self, *args, **kwargs):
+        if torch.compiler.is_compiling():  # tracing: the attribute read is the compiled code's guard
+            return eager(self, *args, **kwargs) if self.compiled_hooks else None
+        return body(self, *args, **kwargs)
+    return hook
+
+
 class Instrumentation:
     """Registers the hooks on a model's modules (once; see `instrument`)."""
 
     def __init__(self, adapter: Adapter):
         self.adapter = adapter
+        self.compiled_hooks = False  # whether a compiled forward runs the hooks (see _hook)
         # The generic adapter re-runs layers with their captured call (LayerCall) instead of
         # rebuilding one: families pass ALiBi, rotary as complex frequencies, positional tables...
         self.layer_calls = bool(getattr(adapter, "captures_layer_calls", False))
@@ -187,6 +204,7 @@ class Instrumentation:
         self.handles.append(adapter.final_norm.register_forward_hook(
             partial(self._final, act_name("ln_final"))))
 
+    @_hook
     def _resid_pre(self, i, name, module, args, kwargs):
         rec = _ACTIVE.get()
         if rec is None:
@@ -213,10 +231,12 @@ class Instrumentation:
                     rec.rope[i] = pe
         return (args, kwargs) if name in rec.edits else None
 
+    @_hook
     def _out_with_residual(self, i, name, module, args, kwargs, output):
         residual = args[1] if len(args) > 1 else kwargs.get("residual")
         return self._out(i, name, module, args, output, residual)
 
+    @_hook
     def _out(self, i, name, module, inputs, output, residual=None):
         rec = _ACTIVE.get()
         if rec is None:
@@ -255,11 +275,13 @@ class Instrumentation:
             out = out + residual
         return _replace_first(output, out.reshape(-1, out.shape[-1]) if flat else out)
 
+    @_hook
     def _beside(self, i, scale, module, inputs, output):
         rec = _ACTIVE.get()
         if rec is not None:
             rec.scratch[("beside", i)] = _first(output) * scale
 
+    @_hook
     def _mlp_rest(self, i, name, module, inputs, output):
         """mlp_out of a layer whose MLP part is several modules summed: what the layer added past its
         input and its attention's addition (edits replace exactly that part of the layer's output)."""
@@ -275,6 +297,7 @@ class Instrumentation:
             return None
         return _replace_first(output, out - mlp + rec.edits[name](name, mlp))
 
+    @_hook
     def _input_edit(self, name, module, args):
         """Edit-only hook on a module's first input: the attention output projection's (hook_z,
         per-head results [B, T, H*dh]) or the MLP down projection's (mlp.hook_post)."""
@@ -283,6 +306,7 @@ class Instrumentation:
             return None
         return (rec.edits[name](name, args[0]), *args[1:])
 
+    @_hook
     def _final(self, name, module, inputs, output):
         rec = _ACTIVE.get()
         if rec is None:

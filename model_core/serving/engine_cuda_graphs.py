@@ -27,7 +27,7 @@ from model_core.core.heap import freeze_heap
 from model_core.serving import decode_attention
 from model_core.serving.batch_sampling import ALL_STAGES, sample_rows
 from model_core.serving.cuda_prefill_graphs import PrefillGraphs
-from model_core.serving.engine_step import GREEDY_ONLY, DecodeStep, StepBuffers, StepLayout
+from model_core.serving.engine_step import GREEDY_ONLY, DecodeStep, StepBuffers, StepLayout, compiled_forwards
 from model_core.serving.engine_types import EngineStats
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ class StepGraphs:
                 limit_this_thread(threads)
             decode_attention.install()
             # rows and length vary (marked in DecodeStep.step); the weights, the cache and the vocabulary don't
-            decode.fast_forward = torch.compile(lm.model, dynamic=False)
+            decode.fast_forward, decode.fast_forward_hooks = compiled_forwards(lm.model)
             decode.fast_sample = {GREEDY_ONLY: sample_rows, ALL_STAGES: sample_rows}  # compiled below
             stream = torch.cuda.Stream() if layout.device.type == "cuda" else None
             with torch.inference_mode(), (torch.cuda.stream(stream) if stream else contextlib.nullcontext()):
@@ -168,9 +168,16 @@ class StepGraphs:
                                     "the compiled step", self.name, "all stages" if st else "greedy rows",
                                     type(e).__name__, str(e)[:300])
                 # every bucket once more, here: anything the two shapes above did not cover compiles
-                # now, off the engine thread (capturing there refuses to compile)
+                # now, off the engine thread (capturing there refuses to compile); and each once with
+                # the hooks running (no edits), so the edited step's graphs (the same for any edits)
+                # are compiled before an edited launch captures them
                 for B, L, st in layout.buckets_all() if self.use_graphs else []:
                     decode.step(B, L, scratch, st, fast=True)
+                # between hooks, each layer's attention is a frame of its own, compiled per layer (its
+                # index is a constant): past dynamo's limit of 8 per function the rest would run eagerly
+                with torch._dynamo.config.patch(recompile_limit=max(8, 4 * len(layout.shapes) + 8)):
+                    for B, L, st in layout.buckets_all() if self.use_graphs else []:
+                        decode.step(B, L, scratch, st, fast=True, edits={})
             if stream is not None:
                 stream.synchronize()
             self._scratch = scratch
@@ -189,29 +196,38 @@ class StepGraphs:
                         self.name, type(e).__name__, e, exc_info=True)
 
     def edited(self, key: tuple, run) -> torch.cuda.CUDAGraph | None:
-        """The captured step of an edited launch (rows, length, stages, edit signature), captured
-        from `run` (the uncompiled step with the slots' hook edits) on first use; None where that
-        capture failed (the step then runs eagerly). Capturing runs nothing: the caller replays."""
+        """The captured step of an edited launch, key (rows, length, stages, edit signature, fast),
+        captured from `run(fast)` (the step with the slots' hook edits, compiled where fast) on first
+        use; None where that capture failed (the caller then runs it uncompiled). The compiled step
+        was warmed up on every bucket with the hooks running (`_compile_locked`): a recompile here
+        would be a shape it missed, and fails the capture. Capturing runs nothing: the caller replays."""
         graph = self.graphs.get(key)
         if graph is not None or key in self._edited_failed:
             return graph
+        fast = key[4]
         try:
             graph = torch.cuda.CUDAGraph()
-            with own_cublas_workspace(), \
-                    torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                run()
-        except Exception as e:  # noqa: BLE001 - this bucket's edited steps run eagerly
+            with torch._dynamo.config.patch(error_on_recompile=True), own_cublas_workspace(), \
+                    torch.cuda.graph(graph, pool=self._capture_pool if fast else self._pool,
+                                     capture_error_mode="thread_local"):
+                run(fast)
+        except Exception as e:  # noqa: BLE001 - this bucket's edited steps run uncompiled / eagerly
             self._edited_failed.add(key)
-            log.warning("capturing an edited decode step of %s failed (%s: %s); it runs eagerly", self.name,
-                        type(e).__name__, e)
+            log.warning("capturing an edited decode step of %s%s failed (%s: %s)", self.name,
+                        " (compiled)" if fast else "", type(e).__name__, e)
             return None
         self.graphs[key] = graph
         self.stats.edited_graphs += 1
+        self.stats.edited_compiled_graphs += fast
         return graph
+
+    def edited_fast(self) -> bool:
+        """Whether edited launches use the compiled step (compiled and captured for every bucket)."""
+        return self.state == "ready" and self.use_graphs
 
     def drop_edited(self, keys: set) -> None:
         """Forget the captured steps that read dropped edit slots (their buffers are gone)."""
-        for key in [k for k in self.graphs if len(k) == 4 and keys & set(k[3])]:
+        for key in [k for k in self.graphs if len(k) > 3 and keys & set(k[3])]:
             del self.graphs[key]
         self._edited_failed = {k for k in self._edited_failed if not keys & set(k[3])}
 
@@ -251,4 +267,7 @@ class StepGraphs:
             self._scratch = None
             if self.state == "capturing":
                 self.state = "ready"
+                # edited steps captured uncompiled meanwhile: the compiled ones replace them on use
+                for key in [k for k in self.graphs if len(k) > 3 and not k[4]]:
+                    del self.graphs[key]
                 self.stats.compile_s = time.perf_counter() - self.stats.started - self.stats.warmup_s

@@ -68,7 +68,7 @@ class Launcher:
         signature = self.edit_slots.signature([r.slot for r in rows])
         fast = False
         if signature:
-            self._launch_edited(B, L, stages, signature)
+            fast = self._launch_edited(B, L, stages, signature)
         else:
             graph, fast = self.graphs.lookup((B, L, stages))
             if graph is not None:
@@ -99,24 +99,27 @@ class Launcher:
         self.stats.launch_s += time.perf_counter() - t0
         return LaunchResult(rows=rows, useful=useful, starts=starts, rows_bucket=B, ring=ring, event=event, extra=extra)
 
-    def _launch_edited(self, B: int, L: int, stages: frozenset, signature: tuple) -> None:
+    def _launch_edited(self, B: int, L: int, stages: frozenset, signature: tuple) -> bool:
         """A launch with edited rows: the step with the signature's slots as hook edits, captured
-        (CUDA, on first use) or recorded (CPU) per bucket and signature, eager until then."""
+        (CUDA, on first use; from the compiled step once it is ready) or recorded (CPU) per bucket and
+        signature, eager until then. Returns whether the compiled step ran it."""
         slots = self.edit_slots.slots_of(signature)
         edits = self.edit_slots.hook_edits(signature)
 
-        def run():
-            self.decode.steps(B, L, self.live, stages, edits=edits)
+        def run(fast=False):
+            self.decode.steps(B, L, self.live, stages, fast=fast, edits=edits)
 
         if self.graphs.use_graphs:
-            graph = self.graphs.edited((B, L, stages, signature), run)
-            if graph is not None:
-                graph.replay()
-                return
+            for fast in (True, False) if self.graphs.edited_fast() else (False,):
+                graph = self.graphs.edited((B, L, stages, signature, fast), run)
+                if graph is not None:
+                    graph.replay()
+                    return fast
         elif self.replay is not None and self.replay.run_step(B, L, stages, signature, slots):
-            return
+            return False
         run()
         self.stats.edited_eager_steps += self.layout.steps_per_launch
+        return False
 
     def hand_out(self, launched: LaunchResult, gate: bool) -> None:
         """Wait for a launch's records (gate: the request threads' turn meanwhile) and give each of

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from model_core.core.cache_api import cache_kwarg
-from model_core.core.hooks import Recorder, recording
+from model_core.core.hooks import Recorder, instrument, recording
 from model_core.serving import decode_attention
 from model_core.serving.batch_sampling import (
     ALL_STAGES,
@@ -45,6 +45,40 @@ def _buckets(limit: int) -> list[int]:
         out.append(b)
         b *= 2
     return out + [limit]
+
+
+def compiled_forwards(model) -> tuple:
+    """The decode step's forward compiled twice, each from a top frame of its own: one that leaves
+    the hooks out (the plain step: one graph) and one that runs them between graphs (the edited
+    step, `step_hooks`). Dynamo keeps compiled code per code object and tries the entries it has
+    before compiling; a graph break leaves entries guarded only on what was read before it, which
+    would serve a plain call from the edited path's pieces if the two shared a top frame."""
+    def plain(**kwargs):
+        return model(**kwargs)
+
+    def with_hooks(**kwargs):
+        return model(**kwargs)
+
+    return torch.compile(plain, dynamic=False), torch.compile(with_hooks, dynamic=False)
+
+
+@contextlib.contextmanager
+def step_hooks(lm, compiled: bool, edits: dict | None):
+    """Around a decode step's forward: the hooks active with `edits` (None: none, and a compiled
+    forward leaves them out of its graph; {}: running, with no edit); compiled: the forward is the
+    compiled one, which then runs them as plain Python between its graphs (hooks._hook)."""
+    if edits is None:
+        yield
+        return
+    inst = instrument(lm.adapter)
+    if compiled:  # (an uncompiled step leaves it alone: a compile may be tracing on another thread)
+        inst.compiled_hooks = True
+    try:
+        with recording(Recorder(capture=False, edits=edits)):
+            yield
+    finally:
+        if compiled:
+            inst.compiled_hooks = False
 
 
 @dataclass
@@ -120,6 +154,7 @@ class DecodeStep:
         self.steps_per_launch = steps_per_launch
         self.max_len = max_len
         self.fast_forward = None
+        self.fast_forward_hooks = None  # the compiled forward of edited steps (compiled_forwards)
         self.fast_sample: dict[frozenset, object] = {}  # stage set -> compiled sample_rows
 
     def steps(self, B: int, L: int, b: StepBuffers, stages: frozenset, fast: bool = False,
@@ -134,7 +169,9 @@ class DecodeStep:
         running the sampling stages `stages` (the records are complete either way), its records
         written to the launch's k-th place. Only tensor operations on preallocated buffers (a CUDA
         graph replays exactly this). fast: the compiled forward and sampling. edits: hook edits
-        active in the forward (model_core.serving.engine_edits: per-row slots), run uncompiled."""
+        active in the forward (model_core.serving.engine_edits: per-row slots; {} runs the hooks with
+        none, as a compile's warm-up of the edited step does); compiled, they run as plain Python
+        between the compiled graphs (model_core.core.hooks._hook), the same graphs for any edits."""
         lm = self._lm()
         tok, pos, seen = b.tok_in[:B], b.pos[:B], b.seen[:B]
         act = b.active[:B] & (b.row_settings.step[:B] < b.limit[:B])  # [B]: rows that take this step
@@ -149,14 +186,13 @@ class DecodeStep:
         input_ids, position_ids = tok[:, None], pos[:, None]  # [B, 1]
         forward, sample, extra = lm.model, sample_rows, {}
         if fast:
-            forward, sample = self.fast_forward, self.fast_sample.get(stages, sample_rows)
+            forward = self.fast_forward if edits is None else self.fast_forward_hooks
+            sample = self.fast_sample.get(stages, sample_rows)
             extra = {decode_attention.SLOT_DECODE: True}
             masks = mask.values() if isinstance(mask, dict) else [mask]  # one per layer type with sliding windows
             _mark_dynamic((input_ids, 0), (position_ids, 0), *((m, d) for m in masks for d in (0, 3)),
                           (b.cache.write_pos, 0), (b.cache.span, 0))
-        if edits:  # the hooks run Python at each layer: the plain forward (a graph or recording captures it)
-            forward, extra = lm.model, {}
-        with recording(Recorder(capture=False, edits=edits)) if edits else contextlib.nullcontext():
+        with step_hooks(lm, fast, edits):
             logits = forward(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
                              logits_to_keep=1, **{cache_kwarg(lm.model): b.cache}, **extra).logits[:, -1].float()  # [B, V]
         st = b.row_settings.rows(slice(0, B))
