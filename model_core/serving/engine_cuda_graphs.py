@@ -85,6 +85,7 @@ class StepGraphs:
         self.compiled_keys: set[tuple] = set()  # buckets whose graph is the compiled step's
         self._to_capture: list[tuple] = []  # buckets left to re-capture from the compiled step
         self._edited_failed: set[tuple] = set()  # edited buckets that could not be captured
+        self.edited_compiled = False  # the edited step compiled and warmed up (_compile_edited)
         self._scratch: StepBuffers | None = None
         self.layout: StepLayout | None = None
         self.live: StepBuffers | None = None
@@ -173,11 +174,6 @@ class StepGraphs:
                 # are compiled before an edited launch captures them
                 for B, L, st in layout.buckets_all() if self.use_graphs else []:
                     decode.step(B, L, scratch, st, fast=True)
-                # between hooks, each layer's attention is a frame of its own, compiled per layer (its
-                # index is a constant): past dynamo's limit of 8 per function the rest would run eagerly
-                with torch._dynamo.config.patch(recompile_limit=max(8, 4 * len(layout.shapes) + 8)):
-                    for B, L, st in layout.buckets_all() if self.use_graphs else []:
-                        decode.step(B, L, scratch, st, fast=True, edits={})
             if stream is not None:
                 stream.synchronize()
             self._scratch = scratch
@@ -195,6 +191,33 @@ class StepGraphs:
             log.warning("compiling the decode step of %s failed (%s: %s); the uncompiled step goes on serving",
                         self.name, type(e).__name__, e, exc_info=True)
 
+    def _compile_edited(self) -> None:
+        """On a thread of its own once the plain step's compiled graphs serve: warm the edited step
+        (hooks running, no edit) up on every bucket on scratch buffers, so an edited launch captures
+        it without compiling; until then, or where this fails, edited launches capture the
+        uncompiled step. Between the hooks each layer's attention is a frame of its own, compiled per
+        layer (its index is a constant) and per kind of size (one row; rows and length first fixed,
+        then varying): about 5 per layer, past dynamo's default limit of 8 per function, beyond
+        which the rest would run eagerly."""
+        limit = 6 * len(self.layout.shapes) + 16
+        with _COMPILING:
+            t0 = time.perf_counter()
+            try:
+                stream = torch.cuda.Stream()
+                with torch.inference_mode(), torch.cuda.stream(stream), \
+                        torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(256, limit)):
+                    scratch = self.layout.buffers()
+                    for B, L, st in self.layout.buckets_all():
+                        self.decode.step(B, L, scratch, st, fast=True, edits={})
+                stream.synchronize()
+                del scratch
+                self.stats.edited_compile_s = time.perf_counter() - t0
+                self.edited_compiled = True
+            except Exception as e:  # noqa: BLE001 - the plain compiled step is unaffected
+                log.warning("compiling the edited decode step of %s failed (%s: %s); edited rows run the "
+                            "uncompiled step", self.name, type(e).__name__, str(e)[:300])
+        freeze_heap()
+
     def edited(self, key: tuple, run) -> torch.cuda.CUDAGraph | None:
         """The captured step of an edited launch, key (rows, length, stages, edit signature, fast),
         captured from `run(fast)` (the step with the slots' hook edits, compiled where fast) on first
@@ -207,7 +230,9 @@ class StepGraphs:
         fast = key[4]
         try:
             graph = torch.cuda.CUDAGraph()
-            with torch._dynamo.config.patch(error_on_recompile=True), own_cublas_workspace(), \
+            # (the patch is the process's: only once no compile runs, as edited_fast ensures)
+            with torch._dynamo.config.patch(error_on_recompile=True) if fast else contextlib.nullcontext(), \
+                    own_cublas_workspace(), \
                     torch.cuda.graph(graph, pool=self._capture_pool if fast else self._pool,
                                      capture_error_mode="thread_local"):
                 run(fast)
@@ -217,13 +242,15 @@ class StepGraphs:
                         " (compiled)" if fast else "", type(e).__name__, e)
             return None
         self.graphs[key] = graph
+        if fast:  # its uncompiled capture, from before the compiled one was ready, is not read again
+            self.graphs.pop(key[:4] + (False,), None)
         self.stats.edited_graphs += 1
         self.stats.edited_compiled_graphs += fast
         return graph
 
     def edited_fast(self) -> bool:
         """Whether edited launches use the compiled step (compiled and captured for every bucket)."""
-        return self.state == "ready" and self.use_graphs
+        return self.state == "ready" and self.use_graphs and self.edited_compiled
 
     def drop_edited(self, keys: set) -> None:
         """Forget the captured steps that read dropped edit slots (their buffers are gone)."""
@@ -267,7 +294,6 @@ class StepGraphs:
             self._scratch = None
             if self.state == "capturing":
                 self.state = "ready"
-                # edited steps captured uncompiled meanwhile: the compiled ones replace them on use
-                for key in [k for k in self.graphs if len(k) > 3 and not k[4]]:
-                    del self.graphs[key]
+                threading.Thread(target=self._compile_edited, name=f"lmscope-compile-edited-{self.name}",
+                                 daemon=True).start()
                 self.stats.compile_s = time.perf_counter() - self.stats.started - self.stats.warmup_s

@@ -59,7 +59,10 @@ def compiled_forwards(model) -> tuple:
     def with_hooks(**kwargs):
         return model(**kwargs)
 
-    return torch.compile(plain, dynamic=False), torch.compile(with_hooks, dynamic=False)
+    # the edited step's frames below a graph break get fresh tensors each call (the marks of
+    # `_mark_dynamic` do not reach them): automatic dynamic sizes there, or every (layer, rows,
+    # length) would be a compile of its own
+    return torch.compile(plain, dynamic=False), torch.compile(with_hooks, dynamic=None)
 
 
 @contextlib.contextmanager

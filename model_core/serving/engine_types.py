@@ -98,6 +98,7 @@ class EngineStats:
     compiled_graphs: int = 0
     edited_graphs: int = 0  # steps with edited rows captured (per bucket and edit signature)
     edited_compiled_graphs: int = 0  # ... of them from the compiled step
+    edited_compile_s: float = 0.0  # the edited step's compile (after the plain step's)
     edited_eager_steps: int = 0  # decode steps with edited rows run eagerly (not captured / recorded yet)
     compiled_steps: int = 0  # steps run by the compiled step (a re-captured graph, or compiled eagerly)
     warmup_s: float = 0.0
@@ -127,7 +128,7 @@ class EngineStats:
                 "compiled_graphs": self.compiled_graphs, "edited_graphs": self.edited_graphs,
                 "edited_compiled_graphs": self.edited_compiled_graphs,
                 "edited_eager_steps": self.edited_eager_steps, "compiled_steps": self.compiled_steps, "warmup_s": round(self.warmup_s, 1),
-                "compile_s": round(self.compile_s, 1),
+                "compile_s": round(self.compile_s, 1), "edited_compile_s": round(self.edited_compile_s, 1),
                 "host_ms_per_step": {k: round(1000 * getattr(self, k + "_s") / self.steps, 3) if self.steps else 0.0
                                      for k in ("launch", "wait", "hand_out")},
                 "uptime_s": round(up, 1)}
