@@ -169,9 +169,7 @@ class StepGraphs:
                                     "the compiled step", self.name, "all stages" if st else "greedy rows",
                                     type(e).__name__, str(e)[:300])
                 # every bucket once more, here: anything the two shapes above did not cover compiles
-                # now, off the engine thread (capturing there refuses to compile); and each once with
-                # the hooks running (no edits), so the edited step's graphs (the same for any edits)
-                # are compiled before an edited launch captures them
+                # now, off the engine thread (capturing there refuses to compile)
                 for B, L, st in layout.buckets_all() if self.use_graphs else []:
                     decode.step(B, L, scratch, st, fast=True)
             if stream is not None:
@@ -222,15 +220,18 @@ class StepGraphs:
         """The captured step of an edited launch, key (rows, length, stages, edit signature, fast),
         captured from `run(fast)` (the step with the slots' hook edits, compiled where fast) on first
         use; None where that capture failed (the caller then runs it uncompiled). The compiled step
-        was warmed up on every bucket with the hooks running (`_compile_locked`): a recompile here
+        was warmed up on every bucket with the hooks running (`_compile_edited`): a recompile here
         would be a shape it missed, and fails the capture. Capturing runs nothing: the caller replays."""
         graph = self.graphs.get(key)
         if graph is not None or key in self._edited_failed:
             return graph
         fast = key[4]
+        # the capture's dynamo patch is the process's: not while another engine compiles (None now:
+        # this launch takes the uncompiled capture, a later one the compiled)
+        if fast and not _COMPILING.acquire(blocking=False):
+            return None
         try:
             graph = torch.cuda.CUDAGraph()
-            # (the patch is the process's: only once no compile runs, as edited_fast ensures)
             with torch._dynamo.config.patch(error_on_recompile=True) if fast else contextlib.nullcontext(), \
                     own_cublas_workspace(), \
                     torch.cuda.graph(graph, pool=self._capture_pool if fast else self._pool,
@@ -241,6 +242,9 @@ class StepGraphs:
             log.warning("capturing an edited decode step of %s%s failed (%s: %s)", self.name,
                         " (compiled)" if fast else "", type(e).__name__, e)
             return None
+        finally:
+            if fast:
+                _COMPILING.release()
         self.graphs[key] = graph
         if fast:  # its uncompiled capture, from before the compiled one was ready, is not read again
             self.graphs.pop(key[:4] + (False,), None)
