@@ -132,11 +132,15 @@ def main(argv=None) -> int:
         eng._recorded.wait_recorded(900)
         for kinds in scenarios.values():
             run(kinds)
-    # each edit on the engine against the same edit on the request's own forwards (plain hook functions)
-    for k in ("steered", "clamped", "ablated"):
+    def own_forwards(k: str, text: str) -> list[int]:
+        """The generation with edit k on the request's own forwards (its edits as plain hook functions)."""
         own = {name: (lambda f: lambda n, x: f(n, x))(fn) for name, fn in edits[k].items()}
+        return generate(lm, text, max_new_tokens=tokens, ignore_eos=True, edits=own).token_ids
+
+    # each edit on the engine against the same edit on the request's own forwards
+    for k in ("steered", "clamped", "ablated"):
         a = generate(lm, PROMPTS[0], max_new_tokens=tokens, ignore_eos=True, edits=edits[k]).token_ids
-        b = generate(lm, PROMPTS[0], max_new_tokens=tokens, ignore_eos=True, edits=own).token_ids
+        b = own_forwards(k, PROMPTS[0])
         first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
         print(f"# {k}: engine tokens {'equal' if first is None else f'differ from step {first}'} to its own "
               f"forwards' over {tokens}", flush=True)
@@ -146,9 +150,9 @@ def main(argv=None) -> int:
     if mixed:
         outs: list = [None] * len(mixed)
         run(mixed, outs)
+        refs = {text: own_forwards("steered", text) for text in dict.fromkeys(prompt(j) for j in range(len(mixed)))}
         for j in range(1, len(mixed), 2):
-            own = {name: (lambda f: lambda n, x: f(n, x))(fn) for name, fn in edits["steered"].items()}
-            ref = generate(lm, prompt(j), max_new_tokens=tokens, ignore_eos=True, edits=own).token_ids
+            ref = refs[prompt(j)]
             a, plain_mate = outs[j].token_ids, outs[j - 1].token_ids
             first = next((i for i, (x, y) in enumerate(zip(a, ref)) if x != y), None)
             mate = next((i for i, (x, y) in enumerate(zip(a, plain_mate)) if x != y), None)
