@@ -45,6 +45,7 @@ def main(argv=None) -> int:
     ap.add_argument("--users", type=int, nargs="+", default=None, help="default 1 8 16 on CUDA, 1 4 on a CPU")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="the engine's compiled step for plain rows (CUDA)")
+    ap.add_argument("--no-old-path", action="store_true", help="leave out the steered run on its own forwards")
     args = ap.parse_args(argv)
     cuda = args.device.startswith("cuda")
     os.environ.setdefault("LMSCOPE_COMPILE", "1" if args.compile else "0")
@@ -78,11 +79,15 @@ def main(argv=None) -> int:
     edits["steered, own forwards"] = {sname: lambda n, x: sfn(n, x)}
 
     eng = engine_for(lm)
+    t_start = time.perf_counter()
     if args.compile:
         eng.wait_compiled(900)  # measured once the compiled step serves plain rows ...
+        print(f"# plain step compiled after {time.perf_counter() - t_start:.0f} s", flush=True)
         deadline = time.monotonic() + 900
         while not eng.step_graphs.edited_compiled and time.monotonic() < deadline:
             time.sleep(1)  # ... and edited ones (compiled after)
+        print(f"# edited step compiled after {time.perf_counter() - t_start:.0f} s "
+              f"(edited_compile_s {eng.stats.edited_compile_s:.0f})", flush=True)
     print(f"# bench/edited_generation.py  {lm.name} on {device_info(lm.device)}, {lm.dtype}; {tokens} greedy tokens "
           f"per user; engine compile {eng.compile_state}, {eng.slots} slots", flush=True)
 
@@ -119,7 +124,8 @@ def main(argv=None) -> int:
             continue
         for k in ("plain", "steered", "clamped", "ablated"):
             scenarios[f"{n} user{'s' if n > 1 else ''}, {k}"] = [k] * n
-    scenarios["1 user, steered, own forwards"] = ["steered, own forwards"]
+    if not args.no_old_path:
+        scenarios["1 user, steered, own forwards"] = ["steered, own forwards"]
     for name, kinds in scenarios.items():  # warm-up: every edited bucket captured (CUDA) or recorded (CPU)
         t0 = time.perf_counter()
         run(kinds)
@@ -132,38 +138,11 @@ def main(argv=None) -> int:
         eng._recorded.wait_recorded(900)
         for kinds in scenarios.values():
             run(kinds)
-    def own_forwards(k: str, text: str) -> list[int]:
-        """The generation with edit k on the request's own forwards (its edits as plain hook functions)."""
-        own = {name: (lambda f: lambda n, x: f(n, x))(fn) for name, fn in edits[k].items()}
-        return generate(lm, text, max_new_tokens=tokens, ignore_eos=True, edits=own).token_ids
-
-    # each edit on the engine against the same edit on the request's own forwards
-    for k in ("steered", "clamped", "ablated"):
-        a = generate(lm, PROMPTS[0], max_new_tokens=tokens, ignore_eos=True, edits=edits[k]).token_ids
-        b = own_forwards(k, PROMPTS[0])
-        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        print(f"# {k}: engine tokens {'equal' if first is None else f'differ from step {first}'} to its own "
-              f"forwards' over {tokens}", flush=True)
-    # in the mixed batch, each steered row against its plain batch mate (same prompt) and against the
-    # same steered generation on its own forwards (bf16: a batch's kernels may round differently)
-    mixed = scenarios.get("16 users, half steered")
-    if mixed:
-        outs: list = [None] * len(mixed)
-        run(mixed, outs)
-        refs = {text: own_forwards("steered", text) for text in dict.fromkeys(prompt(j) for j in range(len(mixed)))}
-        for j in range(1, len(mixed), 2):
-            ref = refs[prompt(j)]
-            a, plain_mate = outs[j].token_ids, outs[j - 1].token_ids
-            first = next((i for i, (x, y) in enumerate(zip(a, ref)) if x != y), None)
-            mate = next((i for i, (x, y) in enumerate(zip(a, plain_mate)) if x != y), None)
-            print(f"# mixed batch, steered row {j}: {'equal to' if first is None else f'differs from step {first} from'} "
-                  f"its own forwards; {'EQUAL to' if mate is None else f'differs from step {mate} from'} its plain "
-                  "batch mate", flush=True)
     rates: dict[str, list[float]] = {k: [] for k in scenarios}
     for _ in range(args.repeats):
         for name, kinds in scenarios.items():
             rates[name].append(run(kinds))
-    med = {k: statistics.median(v) for k, v in rates.items()}
+    med = {k: statistics.median(v) for k, v in rates.items() if v}  # --repeats 0: the checks alone
     print(f"{'scenario':<34} {'tok/s':>9} {'vs plain':>8} {'ms/token/user':>13}  each run")
     summary = {}
     for name, r in med.items():
@@ -173,6 +152,36 @@ def main(argv=None) -> int:
         summary[name] = {"tok_s": round(r, 1), "vs_plain": round(ratio, 3) if ratio else None}
         print(f"{name:<34} {r:>9.1f} {ratio if ratio else float('nan'):>8.2f} {1000 * n / r:>13.2f}  "
               + " ".join(f"{x:.0f}" for x in rates[name]), flush=True)
+
+    def own_forwards(k: str, text: str):
+        """The generation with edit k on the request's own forwards (its edits as plain hook functions)."""
+        own = {name: (lambda f: lambda n, x: f(n, x))(fn) for name, fn in edits[k].items()}
+        return generate(lm, text, max_new_tokens=tokens, ignore_eos=True, edits=own)
+
+    def first_difference(a, b) -> str:
+        """Where two generations' tokens part, with both sides' top-2 probabilities at that step (a near
+        tie there is rounding: bf16 kernels of another shape or fusion; random weights spread the
+        distribution thin, top probabilities around 1e-4, so near ties are common)."""
+        i = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        if i is None:
+            return f"equal over {len(a.token_ids)}"
+        pa, pb = a.steps[i].top_probs[:2], b.steps[i].top_probs[:2]
+        return f"differ from step {i} (top-2 p {pa[0]:.2e}/{pa[1]:.2e} vs {pb[0]:.2e}/{pb[1]:.2e})"
+
+    # each edit on the engine against the same edit on the request's own forwards
+    for k in ("steered", "clamped", "ablated"):
+        a = generate(lm, PROMPTS[0], max_new_tokens=tokens, ignore_eos=True, edits=edits[k])
+        print(f"# {k}: engine and own forwards {first_difference(a, own_forwards(k, PROMPTS[0]))}", flush=True)
+    # in the mixed batch, each steered row against its plain batch mate (same prompt) and against the
+    # same steered generation on its own forwards (bf16: a batch's kernels may round differently)
+    mixed = scenarios.get("16 users, half steered")
+    if mixed:
+        outs: list = [None] * len(mixed)
+        run(mixed, outs)
+        refs = {text: own_forwards("steered", text) for text in dict.fromkeys(prompt(j) for j in range(len(mixed)))}
+        for j in range(1, len(mixed), 2):
+            print(f"# mixed batch, steered row {j}: against its own forwards {first_difference(outs[j], refs[prompt(j)])}; "
+                  f"against its plain batch mate {first_difference(outs[j], outs[j - 1])}", flush=True)
     st = eng.stats_dict()
     print("engine:", {k: st[k] for k in ("edited_graphs", "edited_compiled_graphs", "compiled_graphs", "compile_s", "edited_compile_s", "edited_eager_steps", "cuda_graphs", "compiled",
                                          "recorded_steps") if k in st})
