@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     def first_difference(a, b) -> str:
         """Where two generations' tokens part, with both sides' top-2 probabilities at that step (a near
         tie there is rounding: bf16 kernels of another shape or fusion; random weights spread the
-        distribution thin, top probabilities around 1e-4, so near ties are common)."""
+        distribution thin (top probabilities under 1e-3), so near ties are common)."""
         i = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
         if i is None:
             return f"equal over {len(a.token_ids)}"
