@@ -36,7 +36,7 @@ QUEUE = "lmscope"
 # order is the CLI's. A new kind is a new module and a line here.
 KIND_MODULES = ("tasks.tokenizer_job", "tasks.patching_job", "tasks.sft_job", "tasks.pretrain_job",
                 "tasks.neuron_job", "tasks.preference_job", "tasks.head_search_job",
-                "tasks.features_job", "tasks.diff_job", "tasks.crosscoder_job")
+                "tasks.features_job", "tasks.diff_job", "tasks.crosscoder_job", "tasks.transcoders_job")
 
 app = Celery("lmscope", include=list(KIND_MODULES))
 app.conf.update(

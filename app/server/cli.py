@@ -109,6 +109,37 @@ def cmd_trace(args) -> int:
     return 0
 
 
+def cmd_attribute(args) -> int:
+    """`lmscope attribute PROMPT --transcoders NAME`: the prompt's attribution graph toward one token,
+    pruned, with its checks (model_core.interp.attribution_graph)."""
+    from model_core.core.registry import load_model
+    from model_core.interp.attribution_graph import attribution_graph
+    from model_core.interp.transcoders import load_transcoders
+
+    lm = load_model(args.model, device=args.device or args.settings.device, dtype=args.settings.dtype)
+    tc = load_transcoders(args.transcoders, device=str(lm.device))
+    target = args.target
+    if target is not None and target.lstrip("-").isdigit() and args.target_is_id:
+        target = int(target)
+    g = attribution_graph(lm, tc, args.prompt, target, chat=args.chat, max_feature_nodes=args.max_feature_nodes,
+                          node_threshold=args.node_threshold, edge_threshold=args.edge_threshold)
+    if args.json:
+        _print_json(g.to_dict())
+        return 0 if all(c["ok"] for c in g.checks.values() if c) else 1
+    _out(f"target {g.target_token!r} (id {g.target}) after: {''.join(g.prompt_tokens)!r}",
+         f"{len(g.nodes)} nodes, {len(g.edges)} edges kept of {g.stats['active_features']} active features "
+         f"({g.stats['rows_computed']} rows computed in {g.stats['seconds']:.1f} s)", "checks:")
+    for name, c in g.checks.items():
+        if c:
+            detail = {k: v for k, v in c.items() if k not in ("what", "ok")}
+            _out(f"  {'ok  ' if c['ok'] else 'FAIL'} {name}: " + ", ".join(
+                f"{k} {v:.6g}" if isinstance(v, float) else f"{k} {v}" for k, v in detail.items()))
+    _out("most influential nodes:")
+    for n in sorted(g.nodes, key=lambda n: -n.influence)[:12]:
+        _out(f"  {n.influence:7.4f}  {n.id:<14} {n.kind:<9} {n.token!r}")
+    return 0 if all(c["ok"] for c in g.checks.values() if c) else 1
+
+
 def _diff_across_run(args, base, device) -> int:
     """`lmscope diff --across-run`: KL(base || model) on the prompt at every checkpoint of the tuned
     model's run, the final model last."""
@@ -455,6 +486,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=None)
     g.add_argument("--json", action="store_true")
     g.set_defaults(func=cmd_generate)
+
+    at = sub.add_parser("attribute", help="attribution graph of a prompt toward one token, on a transcoder set "
+                        "(`lmscope jobs submit transcoders` trains one), with its checks")
+    at.add_argument("prompt")
+    at.add_argument("--model", default=DEFAULT_MODEL)
+    at.add_argument("--transcoders", required=True, help="the transcoder set's name")
+    at.add_argument("--target", default=None, help="the target token as text (one token; default: the top next token)")
+    at.add_argument("--target-is-id", action="store_true", help="read --target as a token id")
+    at.add_argument("--max-feature-nodes", type=int, default=512)
+    at.add_argument("--node-threshold", type=float, default=0.8)
+    at.add_argument("--edge-threshold", type=float, default=0.98)
+    at.add_argument("--chat", action="store_true")
+    at.add_argument("--device", default=None)
+    at.add_argument("--json", action="store_true")
+    at.set_defaults(func=cmd_attribute)
 
     cd = sub.add_parser("card", help="architecture card computed from a config on the meta device: "
                         "llama-3.2-1b, gpt2, gpt3-175b, mistral-7b, deepseek-v2, granite-3b, or any model")

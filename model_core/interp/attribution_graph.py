@@ -93,11 +93,11 @@ class Leaves:
     acts: dict[int, torch.Tensor]  # layer -> [T, F] (zero where a feature is off)
     errs: dict[int, torch.Tensor]  # layer -> [T, d]
 
-    def scaled(self, factor: float) -> "Leaves":
+    def scaled(self, factor: float) -> Leaves:
         return Leaves(self.emb * factor, {k: v * factor for k, v in self.acts.items()},
                       {k: v * factor for k, v in self.errs.items()})
 
-    def requiring_grad(self) -> "Leaves":
+    def requiring_grad(self) -> Leaves:
         def leaf(t):
             return t.detach().clone().requires_grad_(True)
         return Leaves(leaf(self.emb), {k: leaf(v) for k, v in self.acts.items()},
@@ -250,7 +250,6 @@ def attribution_graph(lm, tc: Transcoders, prompt, target: int | str | None = No
         logit, pres = fm.forward(leaves)
         active = [(layer, int(p), int(f)) for layer in range(fm.L)
                   for p, f in (fm.leaves.acts[layer] > 0).nonzero().tolist()]
-        feat_index = {key: i for i, key in enumerate(active)}
         # every active feature's pre-activation, then the logit: the rows' outputs
         outputs = torch.cat([pres[layer][fm.leaves.acts[layer] > 0] for layer in range(fm.L)] + [logit[None]])
         n_feat, L, T = len(active), fm.L, fm.T
@@ -295,7 +294,8 @@ def attribution_graph(lm, tc: Transcoders, prompt, target: int | str | None = No
                  nodes=nodes, edges=edges, checks=checks,
                  settings={"transcoders": tc.name, "max_feature_nodes": max_feature_nodes,
                            "node_threshold": node_threshold, "edge_threshold": edge_threshold},
-                 stats={"active_features": n_feat, "rows_computed": len(visited) + 1, "seconds":
+                 stats={"active_features": n_feat, "rows_computed": len(visited) + 1,
+                        "features_reaching_logit": int((inf[:n_feat] > 0).sum()), "seconds":
                         round(time.perf_counter() - t0, 3), "tokens": len(ids)})
 
 
@@ -307,8 +307,8 @@ def _target_id(lm, ids: list[int], target) -> int:
         if len(enc) != 1:
             raise FeatureError(f"The target {target!r} is {len(enc)} tokens for {lm.name}; give one token.")
         return int(enc[0])
-    if isinstance(target, bool) or not isinstance(target, int) or not 0 <= target < lm.shape.vocab:
-        raise FeatureError(f"The target must be a token id from 0 to {lm.shape.vocab - 1}.")
+    if isinstance(target, bool) or not isinstance(target, int) or not 0 <= target < lm.shape.vocab_size:
+        raise FeatureError(f"The target must be a token id from 0 to {lm.shape.vocab_size - 1}.")
     return int(target)
 
 

@@ -98,10 +98,10 @@ def validate_settings(s: TranscoderSettings, n_layers: int | None = None, d_mode
     layers = tuple(s.layers)
     if n_layers is not None:
         layers = layers or tuple(range(n_layers))
-        for layer in layers:
-            _whole(layer, "layers", 0, n_layers - 1)
-        if len(set(layers)) != len(layers):
-            raise FeatureError("'layers' names a layer twice.")
+    for layer in layers:
+        _whole(layer, "layers", 0, (n_layers or 100_000) - 1)
+    if len(set(layers)) != len(layers):
+        raise FeatureError("'layers' names a layer twice.")
     if s.name is not None and not checkpoints.valid_output_name(s.name):
         raise FeatureError("A transcoder set's name is 1-100 letters, digits, '.', '_' or '-', starting with a "
                            "letter or digit.")
@@ -277,8 +277,7 @@ def train_transcoders(model_name: str | None = None, layers=(), max_tokens: int 
             progress(step, step, {"phase": "evaluating"})
         quality = evaluate(lm, tc, eval_windows(lm.tokenizer, dataset, s.eval_tokens, s.context),
                            batch_size=s.batch_size, should_stop=stop)
-        say("evaluated: " + ", ".join(f"{k} {quality[k]:.3f}" for k in ("explained_mean", "ce_recovered", "top1_agreement")
-                                      if quality[k] is not None))
+        say("evaluated: " + quality_line(quality))
     sp = import_sparsify()
     record = {"format": FORMAT, "model": lm.name, "layers": list(s.layers), "d_in": d, "num_latents": M, "k": s.k,
               "hookpoints": {str(layer): hookpoint(layer) for layer in s.layers},
@@ -418,6 +417,14 @@ def evaluate(lm, tc: Transcoders, windows: torch.Tensor, *, batch_size: int = 8,
             "ce_clean": c["clean"], "ce_replaced": c["replaced"], "ce_zero": c["zero"],
             "ce_recovered": (c["zero"] - c["replaced"]) / denom if denom > 0 else None,
             "top1_agreement": agree / max(positions, 1), "tokens": int(windows.numel())}
+
+
+def quality_line(q: dict) -> str:
+    """One line of a set's quality (None values left out)."""
+    worst = min((v["explained"] for v in q["per_layer"].values() if v["explained"] is not None), default=None)
+    parts = [("mean variance explained", q["explained_mean"]), ("worst layer", worst),
+             ("replacement model CE recovered", q["ce_recovered"]), ("top-1 agreement", q["top1_agreement"])]
+    return ", ".join(f"{k} {v:.3f}" for k, v in parts if v is not None)
 
 
 def _zero_after_first(name, y):

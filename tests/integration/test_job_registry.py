@@ -32,6 +32,7 @@ INVALID = {
     "diff": ({"tuned": "random-llama-tiny", "base": "random-llama-tiny", "max_tokens": 10}, "'max_tokens' must be between 256"),
     "crosscoder": ({"tuned": "random-llama-tiny", "base": "random-llama-tiny", "layer": 0, "l1_coeff": -1},
                    "'l1_coeff' must be between"),
+    "transcoders": ({"model": "random-llama-tiny", "layers": "0,0"}, "'layers' names a layer twice"),
 }
 
 
@@ -61,7 +62,7 @@ def test_cli_service_and_worker_kinds_come_from_the_registry(svc):
 
     names = kinds.names()
     assert set(names) == {"tokenizer", "patching", "sft", "pretrain", "scaling", "neurons", "reward", "dpo", "grpo",
-                          "ppo", "heads", "features", "diff", "crosscoder"}
+                          "ppo", "heads", "features", "diff", "crosscoder", "transcoders"}
     assert _cli_kinds() == list(names)
     assert tuple(jobs.KINDS) == names
     for k in kinds.all_kinds():

@@ -1,0 +1,141 @@
+"""Attribution graphs on transcoders, mechanics on random-weight models (Llama and GPT-2 families):
+the frozen replacement model's logit equals transformers' own logit for the prompt, every computed
+row is complete (input edges + bias = value), an ablation in the frozen model moves the logit by
+the edge; and each check turns red when the frozen model is wrong (error nodes dropped, attention
+left free). The transcoders round-trip through sparsify's own loader (its on-disk layout)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_core import load_model
+from model_core.interp import attribution_graph as AG
+from model_core.interp import transcoders as TC
+from model_core.interp.features_sae import FeatureError
+
+PROMPT = "The quick brown fox jumps over the lazy dog because"
+
+
+@pytest.fixture(scope="module", params=["random-llama-tiny", "random-gpt2-tiny"])
+def setup(request):
+    lm = load_model(request.param)
+    run = TC.train_transcoders(lm.name, max_tokens=2048, context=32, batch_size=8, k=8, eval_tokens=256,
+                               save=False)
+    run.transcoders.name = "tiny"
+    return lm, run
+
+
+def _transformers_logits(lm, ids):
+    """transformers' own forward, no lmscope recorder active."""
+    with torch.no_grad():
+        return lm.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].float()
+
+
+def test_transcoders_report_quality_for_every_layer(setup):
+    lm, run = setup
+    q = run.record["quality"]
+    assert sorted(q["per_layer"]) == [str(i) for i in range(lm.shape.n_layers)]
+    assert all(v["explained"] is not None and v["explained"] < 1 for v in q["per_layer"].values())
+    assert 0 <= q["top1_agreement"] <= 1 and q["ce_replaced"] > 0
+    assert run.record["steps"] == 8  # 2048 tokens in windows of 32, 8 per step
+
+
+def test_graph_checks_pass_and_the_logit_is_transformers_own(setup):
+    lm, run = setup
+    g = AG.attribution_graph(lm, run.transcoders, PROMPT, max_feature_nodes=20000, batch=64)
+    ids = lm.tokenizer(PROMPT)["input_ids"]
+    ref = _transformers_logits(lm, ids)
+    assert g.target == int(ref.argmax())  # default target: the model's top next token
+    assert abs(g.checks["logit"]["frozen"] - float(ref[g.target])) <= 1e-4 * max(1.0, abs(float(ref[g.target])))
+    for name in ("logit", "completeness", "pre_activations", "intervention"):
+        assert g.checks[name]["ok"], (name, g.checks[name])
+    # no cap: every feature with a path to the logit got a row, so completeness covered them all
+    assert g.checks["completeness"]["rows"] == g.stats["features_reaching_logit"] + 1 == g.stats["rows_computed"]
+    assert 0 < g.stats["features_reaching_logit"] <= g.stats["active_features"]
+    kinds = {n.kind for n in g.nodes}
+    assert "logit" in kinds and "embedding" in kinds
+    ids_in = {n.id for n in g.nodes}
+    assert all(s in ids_in and t in ids_in for s, t, _ in g.edges)
+    assert all(t != s for s, t, _ in g.edges)
+
+
+def test_a_named_target_and_the_logit_difference_of_the_ablation(setup):
+    lm, run = setup
+    ids = lm.tokenizer(PROMPT)["input_ids"]
+    ref = _transformers_logits(lm, ids)
+    second = int(ref.topk(2).indices[1])
+    g = AG.attribution_graph(lm, run.transcoders, PROMPT, second, max_feature_nodes=64)
+    assert g.target == second and abs(g.checks["logit"]["frozen"] - float(ref[second])) < 1e-3
+    iv = g.checks["intervention"]
+    assert iv["ok"] and abs(iv["frozen_change"] - iv["edge_predicted"]) <= iv["tolerance"]
+
+
+def test_the_checks_turn_red_when_the_frozen_model_is_wrong(setup, monkeypatch):
+    lm, run = setup
+    ids = lm.tokenizer(PROMPT)["input_ids"]
+    fm = AG.FrozenModel(lm, run.transcoders, ids, int(_transformers_logits(lm, ids).argmax()))
+    # error nodes dropped: the frozen model no longer computes the real logit
+    dropped = fm.leaves.scaled(1.0)
+    dropped.errs = {k: torch.zeros_like(v) for k, v in dropped.errs.items()}
+    with torch.no_grad():
+        logit, _ = fm.forward(dropped)
+    assert abs(float(logit) - fm.model_logit) > 1e-3
+
+    # attention left free (the pattern recomputed from the edited stream): no longer affine, so the
+    # edges no longer add up to the value
+    real_forward = AG.FrozenModel.forward
+
+    def free_attention(self, leaves):
+        saved = dict(self.patterns)
+        ad = self.lm.adapter
+        resid = leaves.emb
+        for layer in range(self.L):
+            self.patterns[layer] = ad.attend(layer, self.attn_norm[layer](resid), self.rope[layer]).probs.float()
+            break  # layer 0 is enough to make the map non-linear
+        try:
+            return real_forward(self, leaves)
+        finally:
+            self.patterns.update(saved)
+
+    monkeypatch.setattr(AG.FrozenModel, "forward", free_attention)
+    g = AG.attribution_graph(lm, run.transcoders, PROMPT, max_feature_nodes=64)
+    assert not g.checks["completeness"]["ok"], g.checks["completeness"]
+
+
+def test_bad_input_is_one_sentence(setup):
+    lm, run = setup
+    with pytest.raises(FeatureError, match="one token"):
+        AG.attribution_graph(lm, run.transcoders, PROMPT, "a target of several tokens")
+    with pytest.raises(FeatureError, match="'node_threshold' must be"):
+        AG.attribution_graph(lm, run.transcoders, PROMPT, node_threshold=1.5)
+    with pytest.raises(FeatureError, match="up to"):
+        AG.attribution_graph(lm, run.transcoders, " word" * (AG.MAX_PROMPT_TOKENS + 5))
+    other = TC.Transcoders(coders=run.transcoders.coders, model="some-other-model", name="elsewhere")
+    with pytest.raises(FeatureError, match="was trained on some-other-model"):
+        AG.attribution_graph(lm, other, PROMPT)
+    partial = TC.Transcoders(coders={0: run.transcoders.coders[0]}, model=lm.name, name="one-layer")
+    with pytest.raises(FeatureError, match="a transcoder for every layer"):
+        AG.attribution_graph(lm, partial, PROMPT)
+
+
+def test_saved_sets_open_with_sparsify_own_loader(setup, tmp_path, monkeypatch):
+    from sparsify import SparseCoder
+
+    from model_core.core import paths
+
+    lm, run = setup
+    monkeypatch.setattr(paths, "data_dir", lambda: tmp_path)
+    tc = run.transcoders
+    TC.save_transcoders(tc, "round-trip")
+    many = SparseCoder.load_many(str(tmp_path / "transcoders" / "round-trip"), local=True)
+    assert sorted(many) == [TC.hookpoint(i) for i in range(lm.shape.n_layers)]
+    back = TC.load_transcoders("round-trip")
+    x = torch.randn(5, lm.shape.d_model)
+    for layer, coder in tc.coders.items():
+        assert many[TC.hookpoint(layer)].cfg.transcode
+        assert torch.equal(TC.transcode(back.coders[layer], x), TC.transcode(coder, x))
+    with pytest.raises(FeatureError, match="no transcoder set named"):
+        TC.load_transcoders("missing")
+    with pytest.raises(FeatureError, match="is not a transcoder set name"):
+        TC.load_transcoders("../etc")
