@@ -9,7 +9,7 @@ The local replacement model of a prompt, written out here as an explicit functio
     resid   += O[l](z[l])                the output projection (bias included)
     m_in[l]  = N_mlp[l](resid)
     pre[l]   = W_enc[l] m_in[l] + b_enc  the transcoder's pre-activations [T, F]: feature nodes' values
-    resid   += acts[l] W_dec[l] + b_dec + err[l]
+    resid   += acts[l] W_dec[l] + b_dec + m_in[l] W_skip[l]^T + err[l]   (W_skip: a skip transcoder's)
     logit    = W_U[target] . N_final(resid[T-1]) + b_U[target]
 
 Its inputs (the leaves) are the token embeddings emb [T, d], every layer's active features acts[l]
@@ -44,7 +44,7 @@ from model_core.core.hook_names import act_name
 from model_core.core.hooks import Recorder, instrument, recording
 from model_core.core.prompts import prompt_ids
 from model_core.interp.features_sae import FeatureError
-from model_core.interp.transcoders import Transcoders, check_family
+from model_core.interp.transcoders import Transcoders, check_family, transcode
 
 log = logging.getLogger(__name__)
 
@@ -65,14 +65,14 @@ class LinearNorm:
         self.centred = isinstance(norm, torch.nn.LayerNorm)
         eps = norm.eps if self.centred else getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
         if self.centred:
-            self.g = norm.weight.float() if norm.weight is not None else torch.ones(x.shape[-1])
-            self.b = norm.bias.float() if norm.bias is not None else torch.zeros(x.shape[-1])
+            self.g = norm.weight.float() if norm.weight is not None else x.new_ones(x.shape[-1])
+            self.b = norm.bias.float() if norm.bias is not None else x.new_zeros(x.shape[-1])
             self.s = torch.rsqrt(x.var(-1, unbiased=False, keepdim=True) + eps)  # [T, 1]
         else:
-            ones = torch.ones(1, x.shape[-1], dtype=next(norm.parameters()).dtype)
+            ones = torch.ones(1, x.shape[-1], dtype=next(norm.parameters()).dtype, device=x.device)
             with torch.no_grad():
                 self.g = norm(ones)[0].float() * math.sqrt(1.0 + eps)
-            self.b = torch.zeros(x.shape[-1])
+            self.b = x.new_zeros(x.shape[-1])
             self.s = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
         with torch.no_grad():
             real = norm(x.to(next(norm.parameters()).dtype)).float()
@@ -146,9 +146,9 @@ class FrozenModel:
                 enc = coder.encode(m_in.to(coder.device))
                 dense = torch.zeros(self.T, coder.num_latents, device=coder.device)
                 dense.scatter_(1, enc.top_indices, enc.top_acts.float())
-                recon = coder.decode(enc.top_acts, enc.top_indices).float()
-            acts[layer] = dense.cpu()
-            errs[layer] = (store[act_name("mlp_out", layer)] - recon.cpu())
+                recon = transcode(coder, m_in)
+            acts[layer] = dense
+            errs[layer] = store[act_name("mlp_out", layer)] - recon
         final = store[act_name("resid_pre", self.L - 1)] + store[act_name("attn_out", self.L - 1)] \
             + store[act_name("mlp_out", self.L - 1)]
         self.final_norm = LinearNorm(ad.final_norm, final)
@@ -171,8 +171,11 @@ class FrozenModel:
             z = torch.matmul(P, v).transpose(0, 1).reshape(self.T, -1)  # [T, H*dh]
             resid = resid + ad.attn_z_module(block)(z.to(lm.dtype)).float()
             coder = self.tc.coders[layer]
-            pres[layer] = coder.encoder(self.mlp_norm[layer](resid).to(coder.device)).float()  # [T, F]
+            m_in = self.mlp_norm[layer](resid)
+            pres[layer] = coder.encoder(m_in.to(coder.device)).float()  # [T, F]
             out = leaves.acts[layer] @ coder.W_dec.float() + coder.b_dec.float()
+            if coder.W_skip is not None:  # the skip connection: linear in the stream, like attention's V path
+                out = out + m_in @ coder.W_skip.float().mT
             resid = resid + out + leaves.errs[layer]
         logit = self.final_norm(resid)[-1] @ self.w_u + self.b_u
         return logit, pres
@@ -219,7 +222,7 @@ def _rows(fm: FrozenModel, leaves: Leaves, outputs: torch.Tensor, which: list[in
     got: list[list[torch.Tensor]] = []
     for b0 in range(0, len(which), batch):
         sel = which[b0:b0 + batch]
-        eye = torch.zeros(len(sel), outputs.shape[0])
+        eye = outputs.new_zeros(len(sel), outputs.shape[0])
         eye[torch.arange(len(sel)), torch.tensor(sel)] = 1.0
         grads = torch.autograd.grad(outputs, inputs, grad_outputs=eye, retain_graph=True, is_grads_batched=True,
                                     allow_unused=True)
@@ -256,22 +259,22 @@ def attribution_graph(lm, tc: Transcoders, prompt, target: int | str | None = No
         # node order: features, errors (layer-major), embeddings, logit
         n_nodes = n_feat + L * T + T + 1
         logit_node = n_nodes - 1
-        A = torch.zeros(n_nodes, n_nodes)
+        adj = RowAdjacency(n_nodes, max_feature_nodes + 1)
         values = _source_values(fm, active)
+        masks = [fm.leaves.acts[layer] > 0 for layer in range(L)]
 
         def fill(row_node: int, grads: list[torch.Tensor]) -> None:
             g_emb, g_acts, g_errs = grads[0], grads[1:1 + L], grads[1 + L:]
-            A[row_node, n_feat + L * T: n_feat + L * T + T] = (g_emb * fm.leaves.emb).sum(-1)
-            for layer in range(L):
-                A[row_node, n_feat + layer * T: n_feat + (layer + 1) * T] = (g_errs[layer] * fm.leaves.errs[layer]).sum(-1)
-            for i, (layer, p, f) in enumerate(active):
-                A[row_node, i] = g_acts[layer][p, f] * values[i]
+            feats = torch.cat([g_acts[layer][masks[layer]] for layer in range(L)]) * values  # [n_feat]
+            errs = torch.cat([(g_errs[layer] * fm.leaves.errs[layer]).sum(-1) for layer in range(L)])  # [L*T]
+            emb = (g_emb * fm.leaves.emb).sum(-1)  # [T]
+            adj.add(row_node, torch.cat([feats, errs, emb, emb.new_zeros(1)]))
 
         fill(logit_node, _rows(fm, leaves, outputs, [n_feat], 1)[0])
         visited: list[int] = []
         todo = set(range(n_feat))
         while todo and len(visited) < max_feature_nodes:
-            inf = _influence(A, logit_node, L)
+            inf = adj.influence(logit_node, L)
             ranked = sorted(todo, key=lambda i: -inf[i])
             pick = [i for i in ranked[:min(batch, max_feature_nodes - len(visited))] if inf[i] > 0]
             if not pick:
@@ -285,10 +288,11 @@ def attribution_graph(lm, tc: Transcoders, prompt, target: int | str | None = No
         value_logit, value_pres = fm.forward(fm.leaves)
     bias = torch.cat([bias_pres[layer][fm.leaves.acts[layer] > 0] for layer in range(L)] + [bias_logit[None]])
     value = torch.cat([value_pres[layer][fm.leaves.acts[layer] > 0] for layer in range(L)] + [value_logit[None]])
-    checks = _checks(fm, A, active, visited, bias, value, n_feat, logit_node)
-    inf = _influence(A, logit_node, L)
-    nodes, edges = _prune(fm, A, inf, active, visited, values, node_threshold, edge_threshold, n_feat, logit_node)
-    checks["intervention"] = _intervention_check(fm, A, active, visited, inf, logit_node)
+    checks = _checks(fm, adj, visited, bias.cpu(), value.cpu(), n_feat, logit_node)
+    inf = adj.influence(logit_node, L)
+    nodes, edges = _prune(fm, adj, inf, active, visited, values.cpu(), node_threshold, edge_threshold, n_feat,
+                          logit_node)
+    checks["intervention"] = _intervention_check(fm, adj, active, visited, logit_node)
     tok = lm.tokenizer
     return Graph(prompt_tokens=[tok.decode([i]) for i in ids], target=target_id, target_token=tok.decode([target_id]),
                  nodes=nodes, edges=edges, checks=checks,
@@ -320,23 +324,48 @@ def _top_token(lm, ids: list[int]) -> int:
 
 def _source_values(fm: FrozenModel, active: list[tuple[int, int, int]]) -> torch.Tensor:
     """Each active feature's activation (the value its outgoing edges are scaled by)."""
-    return torch.tensor([float(fm.leaves.acts[layer][p, f]) for layer, p, f in active])
+    return torch.cat([fm.leaves.acts[layer][fm.leaves.acts[layer] > 0] for layer in range(fm.L)])
 
 
-def _influence(A: torch.Tensor, logit_node: int, n_layers: int) -> torch.Tensor:
-    """Each node's influence on the logit: the logit's row through the row-normalised |A|, summed over
-    every path length (the graph is acyclic: no path is longer than layers + 2 edges)."""
-    W = A.abs()
-    W = W / W.sum(1, keepdim=True).clamp_min(1e-30)
-    v = torch.zeros(A.shape[0])
-    v[logit_node] = 1.0
-    total = torch.zeros_like(v)
-    for _ in range(n_layers + 2):
-        v = v @ W
-        total += v
-        if not bool(v.any()):
-            break
-    return total
+class RowAdjacency:
+    """The computed rows of the adjacency matrix (target node -> its input edges from every node),
+    at most `max_rows` of them: [rows, nodes] float32 on the CPU. A node without a row (an error or
+    embedding node, a feature not expanded) is a source only."""
+
+    def __init__(self, n_nodes: int, max_rows: int):
+        self.n = n_nodes
+        self.data = torch.zeros(max_rows, n_nodes)
+        self.row_of: dict[int, int] = {}
+        self.nodes: list[int] = []
+
+    def add(self, node: int, edges: torch.Tensor) -> None:
+        r = len(self.nodes)
+        self.data[r] = edges.detach().float().cpu()
+        self.row_of[node] = r
+        self.nodes.append(node)
+
+    def row(self, node: int) -> torch.Tensor:
+        r = self.row_of.get(node)
+        return torch.zeros(self.n) if r is None else self.data[r]
+
+    def normalised(self) -> torch.Tensor:
+        W = self.data[:len(self.nodes)].abs()
+        return W / W.sum(1, keepdim=True).clamp_min(1e-30)
+
+    def influence(self, logit_node: int, n_layers: int) -> torch.Tensor:
+        """Each node's influence on the logit: the logit's row through the row-normalised |A|,
+        summed over every path length (acyclic: no path is longer than layers + 2 edges)."""
+        W = self.normalised()
+        rows = torch.tensor(self.nodes)
+        v = torch.zeros(self.n)
+        v[logit_node] = 1.0
+        total = torch.zeros(self.n)
+        for _ in range(n_layers + 2):
+            v = v[rows] @ W
+            total += v
+            if not bool(v.any()):
+                break
+        return total
 
 
 def _node_id(kind: str, layer, position: int, feature=None) -> str:
@@ -367,9 +396,13 @@ def _describe(fm: FrozenModel, i: int, active, n_feat: int, values: torch.Tensor
     return Node("logit", "logit", L, T - 1, None, fm.model_logit, 1.0, tok.decode([fm.target]))
 
 
-def _prune(fm: FrozenModel, A, inf, active, visited, values, node_threshold, edge_threshold, n_feat, logit_node):
+def _prune(fm: FrozenModel, adj: RowAdjacency, inf, active, visited, values, node_threshold, edge_threshold,
+           n_feat, logit_node):
+    """Nodes carrying node_threshold of the influence (features with rows and error nodes, ranked
+    together; embeddings and the logit always), then the edges among them carrying edge_threshold of
+    the edge influence (|normalised weight| x the target's influence, the logit's counted as 1)."""
     L, T = fm.L, fm.T
-    candidates = list(visited) + list(range(n_feat, n_feat + L * T))  # features with rows, error nodes
+    candidates = list(visited) + list(range(n_feat, n_feat + L * T))
     candidates.sort(key=lambda i: -float(inf[i]))
     total = float(sum(inf[i] for i in candidates)) or 1.0
     kept, acc = set(), 0.0
@@ -380,36 +413,36 @@ def _prune(fm: FrozenModel, A, inf, active, visited, values, node_threshold, edg
         acc += float(inf[i])
     kept |= set(range(n_feat + L * T, n_feat + L * T + T)) | {logit_node}
     idx = torch.tensor(sorted(kept))
-    W = A.abs()
-    W = W / W.sum(1, keepdim=True).clamp_min(1e-30)
-    sub = W[idx][:, idx] * (inf[idx] + (idx == logit_node).float())[:, None]  # edge influence
+    targets = [i for i in idx.tolist() if i in adj.row_of]
+    W = adj.normalised()[[adj.row_of[t] for t in targets]][:, idx]  # [targets, kept]
+    weight = torch.tensor([float(inf[t]) + (1.0 if t == logit_node else 0.0) for t in targets])
+    sub = W * weight[:, None]
     order = torch.argsort(sub.flatten(), descending=True)
     scores = sub.flatten()[order]
-    total_e = float(scores.sum()) or 1.0
-    n_keep = int((torch.cumsum(scores, 0) < edge_threshold * total_e).sum()) + 1
-    edges = []
-    used = {logit_node}
-    for flat in order[:n_keep].tolist():
-        ti, si = divmod(flat, len(idx))
-        if float(scores[len(edges)]) <= 0:
+    n_keep = int((torch.cumsum(scores, 0) < edge_threshold * (float(scores.sum()) or 1.0)).sum()) + 1
+    edges, used = [], {logit_node}
+    for k, flat in enumerate(order[:n_keep].tolist()):
+        if float(scores[k]) <= 0:
             break
-        t, s = int(idx[ti]), int(idx[si])
+        ti, si = divmod(flat, len(idx))
+        t, s = targets[ti], int(idx[si])
         used |= {t, s}
         edges.append((t, s))
-    nodes = [_describe(fm, i, active, n_feat, values, inf) for i in sorted(used)]
-    ids = {i: n.id for i, n in zip(sorted(used), nodes)}
-    return nodes, [(ids[s], ids[t], float(A[t, s])) for t, s in edges]
+    order_nodes = sorted(used)
+    nodes = [_describe(fm, i, active, n_feat, values, inf) for i in order_nodes]
+    ids = {i: n.id for i, n in zip(order_nodes, nodes)}
+    return nodes, [(ids[s], ids[t], float(adj.row(t)[s])) for t, s in edges]
 
 
-def _checks(fm: FrozenModel, A, active, visited, bias, value, n_feat, logit_node) -> dict:
+def _checks(fm: FrozenModel, adj: RowAdjacency, visited, bias, value, n_feat, logit_node) -> dict:
     """The checks reported with the graph; each can fail (see the module docstring)."""
     logit_diff = abs(float(value[n_feat]) - fm.model_logit)
     rows = [logit_node] + list(visited)
     outs = [n_feat] + list(visited)  # a feature's output index is its node index
-    residual = torch.tensor([float(value[o] - bias[o] - A[r].sum()) for r, o in zip(rows, outs)])
+    residual = torch.tensor([float(value[o] - bias[o] - adj.row(r).sum()) for r, o in zip(rows, outs)])
     scale = torch.tensor([max(1.0, abs(float(value[o]))) for o in outs])
     worst = float((residual.abs() / scale).max())
-    real_acts = torch.cat([fm.leaves.acts[layer][fm.leaves.acts[layer] > 0] for layer in range(fm.L)])
+    real_acts = torch.cat([fm.leaves.acts[layer][fm.leaves.acts[layer] > 0] for layer in range(fm.L)]).cpu()
     pre_diff = float((value[:n_feat] - real_acts).abs().max()) if n_feat else 0.0
     return {
         "logit": {"frozen": float(value[n_feat]), "transformers": fm.model_logit, "abs_diff": logit_diff,
@@ -427,10 +460,11 @@ def _checks(fm: FrozenModel, A, active, visited, bias, value, n_feat, logit_node
     }
 
 
-def _intervention_check(fm: FrozenModel, A, active, visited, inf, logit_node) -> dict | None:
+def _intervention_check(fm: FrozenModel, adj: RowAdjacency, active, visited, logit_node) -> dict | None:
     """Ablate the feature with the largest direct edge to the logit: in the frozen model the logit
     moves by minus that edge; the real model's change (not frozen) is shown beside it."""
-    direct = [(abs(float(A[logit_node, i])), i) for i in visited if float(A[logit_node, i]) != 0]
+    logit_row = adj.row(logit_node)
+    direct = [(abs(float(logit_row[i])), i) for i in visited if float(logit_row[i]) != 0]
     if not direct:
         return None
     _, i = max(direct)
@@ -442,7 +476,7 @@ def _intervention_check(fm: FrozenModel, A, active, visited, inf, logit_node) ->
         base, _ = fm.forward(fm.leaves)
         changed, _ = fm.forward(ablated)
     frozen_change = float(changed - base)
-    predicted = -float(A[logit_node, i])
+    predicted = -float(logit_row[i])
     real_change = real_ablation_change(fm, layer, p, f)
     tol = COMPLETENESS_TOLERANCE * max(1.0, abs(predicted))
     return {"node": _node_id("feature", layer, p, f), "frozen_change": frozen_change, "edge_predicted": predicted,

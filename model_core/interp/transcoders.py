@@ -67,8 +67,9 @@ class TranscoderSettings:
     k: int = 16
     batch_size: int = 8
     context: int = 128
-    lr: float = 1e-3
+    lr: float = 4e-3
     auxk_alpha: float = 1 / 32
+    skip: bool = True  # a linear skip connection (W_skip, d x d): the MLP's linear part, outside the features
     seed: int = 0
     eval_tokens: int = 2048
     name: str | None = None
@@ -95,6 +96,8 @@ def validate_settings(s: TranscoderSettings, n_layers: int | None = None, d_mode
     if isinstance(s.auxk_alpha, bool) or not isinstance(s.auxk_alpha, (int, float)) \
             or not math.isfinite(s.auxk_alpha) or not 0 <= s.auxk_alpha <= 10:
         raise FeatureError("'auxk_alpha' must be a number from 0 to 10.")
+    if not isinstance(s.skip, bool):
+        raise FeatureError("'skip' must be true or false.")
     layers = tuple(s.layers)
     if n_layers is not None:
         layers = layers or tuple(range(n_layers))
@@ -168,9 +171,10 @@ def transcoders_dir() -> Path:
     return p
 
 
-def new_transcoder(d: int, expansion_factor: int, k: int, device) -> object:
+def new_transcoder(d: int, expansion_factor: int, k: int, device, skip: bool = True) -> object:
     sp = import_sparsify()
-    cfg = sp.SparseCoderConfig(expansion_factor=int(expansion_factor), k=int(k), transcode=True)
+    cfg = sp.SparseCoderConfig(expansion_factor=int(expansion_factor), k=int(k), transcode=True,
+                               skip_connection=bool(skip))
     return sp.SparseCoder(d, cfg, device=device, dtype=torch.float32)
 
 
@@ -181,10 +185,14 @@ def encode(coder, x: torch.Tensor):
 
 
 def transcode(coder, x: torch.Tensor) -> torch.Tensor:
-    """[..., d] MLP input -> the transcoder's MLP output [..., d] (float32)."""
-    flat = x.reshape(-1, x.shape[-1])
+    """[..., d] MLP input -> the transcoder's MLP output [..., d] (float32): the features' decoded sum,
+    plus the skip connection's x W_skip^T where the coder has one."""
+    flat = x.reshape(-1, x.shape[-1]).to(coder.device, torch.float32)
     with torch.no_grad():
-        return coder.decode(*encode(coder, flat)).float().reshape(x.shape)
+        out = coder.decode(*encode(coder, flat)).float()
+        if coder.W_skip is not None:
+            out = out + flat @ coder.W_skip.float().mT
+    return out.reshape(x.shape)
 
 
 @dataclass
@@ -196,7 +204,8 @@ class TranscoderRun:
 
 def train_transcoders(model_name: str | None = None, layers=(), max_tokens: int = DEFAULT_TOKENS, *,
                       expansion_factor: int = 4, k: int = 16, batch_size: int = 8, context: int = 128,
-                      lr: float = 1e-3, auxk_alpha: float = 1 / 32, seed: int = 0, eval_tokens: int = 2048,
+                      lr: float = 4e-3, auxk_alpha: float = 1 / 32, skip: bool = True, seed: int = 0,
+                      eval_tokens: int = 2048,
                       name: str | None = None, dataset="builtin", device: str | None = None,
                       progress: ProgressFn | None = None, should_stop: Callable[[], bool] | None = None,
                       save: bool = True, log: Callable[[str], None] | None = None) -> TranscoderRun:
@@ -213,12 +222,12 @@ def train_transcoders(model_name: str | None = None, layers=(), max_tokens: int 
     d, n = lm.shape.d_model, lm.shape.n_layers
     s = validate_settings(TranscoderSettings(
         model=lm.name, layers=tuple(layers), max_tokens=max_tokens, expansion_factor=expansion_factor, k=k,
-        batch_size=batch_size, context=context, lr=lr, auxk_alpha=auxk_alpha, seed=seed, eval_tokens=eval_tokens,
-        name=name), n, d)
+        batch_size=batch_size, context=context, lr=lr, auxk_alpha=auxk_alpha, skip=skip, seed=seed,
+        eval_tokens=eval_tokens, name=name), n, d)
     if s.name is not None and (transcoders_dir() / s.name).exists():
         raise FeatureError(f"A transcoder set named '{s.name}' already exists; choose another name.")
     torch.manual_seed(s.seed)
-    coders = {layer: new_transcoder(d, s.expansion_factor, s.k, lm.device) for layer in s.layers}
+    coders = {layer: new_transcoder(d, s.expansion_factor, s.k, lm.device, s.skip) for layer in s.layers}
     M = next(iter(coders.values())).num_latents
     opt = torch.optim.Adam([p for c in coders.values() for p in c.parameters()], lr=s.lr)
     dead_after = max(s.batch_size * (s.context - 1), s.max_tokens // 10)
