@@ -64,11 +64,11 @@ class PeakRSS:
 def random_1b_dir() -> str:
     """A Llama-3.2-1B-shaped checkpoint with random weights (16 layers, width 2048, 32 heads, 8 KV
     heads, MLP 8192) written to a temporary folder, with the default model's tokenizer."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from model_core.core.registry import converted_dir
+    from model_core import load_model
 
-    tok = AutoTokenizer.from_pretrained(converted_dir("smollm2-135m-instruct"))
+    tok = load_model("random-smollm2-135m", device="cpu").tokenizer  # the tokenizer that needs no download
     cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=len(tok), max_position_embeddings=4096, tie_word_embeddings=True,
                       rope_theta=500000.0)
