@@ -123,6 +123,10 @@ def cmd_attribute(args) -> int:
         target = int(target)
     g = attribution_graph(lm, tc, args.prompt, target, chat=args.chat, max_feature_nodes=args.max_feature_nodes,
                           node_threshold=args.node_threshold, edge_threshold=args.edge_threshold)
+    if args.neuronpedia:
+        from model_core.interp.attribution_export import neuronpedia_json
+
+        Path(args.neuronpedia).write_text(json.dumps(neuronpedia_json(g, lm.shape.n_layers)), encoding="utf-8")
     if args.json:
         _print_json(g.to_dict())
         return 0 if all(c["ok"] for c in g.checks.values() if c) else 1
@@ -497,6 +501,8 @@ def build_parser() -> argparse.ArgumentParser:
     at.add_argument("--max-feature-nodes", type=int, default=512)
     at.add_argument("--node-threshold", type=float, default=0.8)
     at.add_argument("--edge-threshold", type=float, default=0.98)
+    at.add_argument("--neuronpedia", default=None, metavar="FILE",
+                    help="also write the graph in the JSON layout Neuronpedia's graph viewer reads")
     at.add_argument("--chat", action="store_true")
     at.add_argument("--device", default=None)
     at.add_argument("--json", action="store_true")

@@ -126,6 +126,7 @@ class FrozenModel:
         with torch.no_grad(), recording(rec):
             out = lm.model(input_ids=torch.tensor([ids], device=dev), use_cache=False)
         self.model_logit = float(out.logits[0, -1].float()[self.target])
+        self.target_prob = float(torch.softmax(out.logits[0, -1].float(), -1)[self.target])
         self.model_top = int(out.logits[0, -1].argmax())
         store = {k: v[0].float() for k, v in rec.store.items() if torch.is_tensor(v)}
         self.rope = {layer: rec.rope.get(layer) for layer in range(self.L)}
@@ -202,6 +203,9 @@ class Graph:
     prompt_tokens: list[str]
     target: int
     target_token: str
+    prompt_ids: list[int]
+    target_prob: float  # the real model's probability of the target as the next token
+    model: str
     nodes: list[Node]
     edges: list[tuple[str, str, float]]  # (source id, target id, weight)
     checks: dict
@@ -209,7 +213,8 @@ class Graph:
     stats: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "target": self.target, "target_token": self.target_token,
+        return {"model": self.model, "prompt_tokens": self.prompt_tokens, "prompt_ids": self.prompt_ids,
+                "target": self.target, "target_token": self.target_token, "target_prob": self.target_prob,
                 "nodes": [n.to_dict() for n in self.nodes],
                 "edges": [{"source": s, "target": t, "weight": w} for s, t, w in self.edges],
                 "checks": self.checks, "settings": self.settings, "stats": self.stats}
@@ -295,6 +300,7 @@ def attribution_graph(lm, tc: Transcoders, prompt, target: int | str | None = No
     checks["intervention"] = _intervention_check(fm, adj, active, visited, logit_node)
     tok = lm.tokenizer
     return Graph(prompt_tokens=[tok.decode([i]) for i in ids], target=target_id, target_token=tok.decode([target_id]),
+                 prompt_ids=list(ids), target_prob=fm.target_prob, model=lm.name,
                  nodes=nodes, edges=edges, checks=checks,
                  settings={"transcoders": tc.name, "max_feature_nodes": max_feature_nodes,
                            "node_threshold": node_threshold, "edge_threshold": edge_threshold},

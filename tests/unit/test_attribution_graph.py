@@ -139,3 +139,34 @@ def test_saved_sets_open_with_sparsify_own_loader(setup, tmp_path, monkeypatch):
         TC.load_transcoders("missing")
     with pytest.raises(FeatureError, match="is not a transcoder set name"):
         TC.load_transcoders("../etc")
+
+
+def test_neuronpedia_layout(setup):
+    """The export in the layout of Neuronpedia's graph viewer (circuit-tracer's frontend models:
+    metadata, qParams, nodes with node_id / jsNodeId / layer / ctx_idx / feature_type, links)."""
+    from model_core.interp.attribution_export import neuronpedia_json
+
+    lm, run = setup
+    g = AG.attribution_graph(lm, run.transcoders, PROMPT, max_feature_nodes=64, node_threshold=1.0)
+    feats = [n.id for n in g.nodes if n.kind == "feature"][:3]
+    out = neuronpedia_json(g, lm.shape.n_layers, pinned=feats, supernodes=[["group", *feats]])
+    assert set(out) == {"metadata", "qParams", "nodes", "links"}
+    assert out["metadata"]["scan"] == lm.name and out["metadata"]["prompt_tokens"] == g.prompt_tokens
+    nodes = out["nodes"]
+    node_ids = [n["node_id"] for n in nodes]
+    assert len(set(node_ids)) == len(nodes) == len(g.nodes)
+    # jsNodeId as circuit-tracer writes it: a feature's is per (layer, feature), whatever the position
+    assert all(n["jsNodeId"] == f"{n['layer']}_{n['node_id'].split('_')[1]}-0" for n in nodes
+               if n["feature_type"] == "cross layer transcoder")
+    assert {(link["source"], link["target"]) for link in out["links"]} <= {(a, b) for a in node_ids for b in node_ids}
+    assert len(out["links"]) == len(g.edges)
+    [logit] = [n for n in nodes if n["is_target_logit"]]
+    assert logit["feature_type"] == "logit" and logit["feature"] == g.target
+    assert logit["layer"] == str(lm.shape.n_layers + 1) and abs(logit["token_prob"] - g.target_prob) < 1e-9
+    kinds = {n["feature_type"] for n in nodes}
+    assert kinds <= {"cross layer transcoder", "mlp reconstruction error", "embedding", "logit"}
+    emb = [n for n in nodes if n["feature_type"] == "embedding"]
+    ids = lm.tokenizer(PROMPT)["input_ids"]
+    assert all(n["node_id"] == f"E_{ids[n['ctx_idx']]}_{n['ctx_idx']}" for n in emb)
+    assert out["qParams"]["pinnedIds"] == [f"{n.layer}_{n.feature}_{n.position}" for n in g.nodes if n.id in feats]
+    assert out["qParams"]["supernodes"][0][0] == "group" and len(out["qParams"]["supernodes"][0]) == len(feats) + 1
