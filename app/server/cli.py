@@ -123,13 +123,20 @@ def cmd_attribute(args) -> int:
         target = int(target)
     g = attribution_graph(lm, tc, args.prompt, target, chat=args.chat, max_feature_nodes=args.max_feature_nodes,
                           node_threshold=args.node_threshold, edge_threshold=args.edge_threshold)
+    qk = _qk(lm, tc, g, args.qk) if args.qk else None
+    if qk is not None:
+        g.checks["qk"] = qk.check
     if args.neuronpedia:
         from model_core.interp.attribution_export import neuronpedia_json
 
         Path(args.neuronpedia).write_text(json.dumps(neuronpedia_json(g, lm.shape.n_layers)), encoding="utf-8")
     if args.json:
-        _print_json(g.to_dict())
+        _print_json({**g.to_dict(), **({"qk": qk.to_dict()} if qk is not None else {})})
         return 0 if all(c["ok"] for c in g.checks.values() if c) else 1
+    if qk is not None:
+        _out(f"layer {qk.layer} head {qk.head}, query position {qk.query_pos} -> key position {qk.key_pos}: score "
+             f"{qk.score:.4f}, attention weight {qk.pattern:.4f}; largest terms (query side, then key side):",
+             *(f"  q {c:+9.4f}  {t}" for t, c in qk.query_terms[:8]), *(f"  k {c:+9.4f}  {t}" for t, c in qk.key_terms[:8]))
     _out(f"target {g.target_token!r} (id {g.target}) after: {''.join(g.prompt_tokens)!r}",
          f"{len(g.nodes)} nodes, {len(g.edges)} edges kept of {g.stats['active_features']} active features "
          f"({g.stats['rows_computed']} rows computed in {g.stats['seconds']:.1f} s)", "checks:")
@@ -142,6 +149,19 @@ def cmd_attribute(args) -> int:
     for n in sorted(g.nodes, key=lambda n: -n.influence)[:12]:
         _out(f"  {n.influence:7.4f}  {n.id:<14} {n.kind:<9} {n.token!r}")
     return 0 if all(c["ok"] for c in g.checks.values() if c) else 1
+
+
+def _qk(lm, tc, g, spec: str):
+    """--qk LAYER.HEAD.QUERY.KEY: the QK attribution of that pattern entry on the graph's prompt."""
+    from model_core.core.errors import SettingsError
+    from model_core.interp.attribution_graph import FrozenModel
+    from model_core.interp.qk_attribution import qk_attribution
+
+    try:
+        layer, head, q, k = (int(x) for x in spec.split("."))
+    except ValueError:
+        raise SettingsError("--qk takes LAYER.HEAD.QUERY.KEY, four whole numbers, e.g. 10.3.4.1.") from None
+    return qk_attribution(FrozenModel(lm, tc, g.prompt_ids, g.target), layer, head, q, k)
 
 
 def _diff_across_run(args, base, device) -> int:
@@ -501,6 +521,8 @@ def build_parser() -> argparse.ArgumentParser:
     at.add_argument("--max-feature-nodes", type=int, default=512)
     at.add_argument("--node-threshold", type=float, default=0.8)
     at.add_argument("--edge-threshold", type=float, default=0.98)
+    at.add_argument("--qk", default=None, metavar="L.H.Q.K", help="also split head H of layer L's score from "
+                    "query position Q to key position K over the graph's nodes at both positions (QK attribution)")
     at.add_argument("--neuronpedia", default=None, metavar="FILE",
                     help="also write the graph in the JSON layout Neuronpedia's graph viewer reads")
     at.add_argument("--chat", action="store_true")

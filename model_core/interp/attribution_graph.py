@@ -129,6 +129,7 @@ class FrozenModel:
         self.target_prob = float(torch.softmax(out.logits[0, -1].float(), -1)[self.target])
         self.model_top = int(out.logits[0, -1].argmax())
         store = {k: v[0].float() for k, v in rec.store.items() if torch.is_tensor(v)}
+        self.resid_pre = {layer: store[act_name("resid_pre", layer)] for layer in range(self.L)}
         self.rope = {layer: rec.rope.get(layer) for layer in range(self.L)}
         self.attn_norm, self.mlp_norm, self.patterns = {}, {}, {}
         acts, errs, self.pre_real = {}, {}, {}
@@ -158,8 +159,10 @@ class FrozenModel:
         self.w_u = u.weight[self.target].float().detach()
         self.b_u = float(u.bias[self.target]) if getattr(u, "bias", None) is not None else 0.0
 
-    def forward(self, leaves: Leaves) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """leaves -> (the target logit, {layer: transcoder pre-activations [T, F]})."""
+    def forward(self, leaves: Leaves, parts: dict | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """leaves -> (the target logit, {layer: transcoder pre-activations [T, F]}). With `parts`, each
+        layer's attention output and skip-connection output [T, d] land there as ("attention", l) and
+        ("skip", l) (what the residual stream is a sum of, beside the leaves and biases)."""
         ad, lm = self.lm.adapter, self.lm
         resid = leaves.emb
         pres = {}
@@ -170,13 +173,18 @@ class FrozenModel:
             P = self.patterns[layer]
             v = v.float().repeat_interleave(P.shape[0] // v.shape[0], dim=0)  # [H, T, dh]
             z = torch.matmul(P, v).transpose(0, 1).reshape(self.T, -1)  # [T, H*dh]
-            resid = resid + ad.attn_z_module(block)(z.to(lm.dtype)).float()
+            attn = ad.attn_z_module(block)(z.to(lm.dtype)).float()
+            resid = resid + attn
             coder = self.tc.coders[layer]
             m_in = self.mlp_norm[layer](resid)
             pres[layer] = coder.encoder(m_in.to(coder.device)).float()  # [T, F]
             out = leaves.acts[layer] @ coder.W_dec.float() + coder.b_dec.float()
-            if coder.W_skip is not None:  # the skip connection: linear in the stream, like attention's V path
-                out = out + m_in @ coder.W_skip.float().mT
+            skip = m_in @ coder.W_skip.float().mT if coder.W_skip is not None else None
+            if skip is not None:  # the skip connection: linear in the stream, like attention's V path
+                out = out + skip
+            if parts is not None:
+                parts[("attention", layer)] = attn
+                parts[("skip", layer)] = skip
             resid = resid + out + leaves.errs[layer]
         logit = self.final_norm(resid)[-1] @ self.w_u + self.b_u
         return logit, pres

@@ -170,3 +170,32 @@ def test_neuronpedia_layout(setup):
     assert all(n["node_id"] == f"E_{ids[n['ctx_idx']]}_{n['ctx_idx']}" for n in emb)
     assert out["qParams"]["pinnedIds"] == [f"{n.layer}_{n.feature}_{n.position}" for n in g.nodes if n.id in feats]
     assert out["qParams"]["supernodes"][0][0] == "group" and len(out["qParams"]["supernodes"][0]) == len(feats) + 1
+
+
+def test_qk_attribution_sums_to_the_models_score_and_turns_red_without_a_term(setup, monkeypatch):
+    """QK attribution: the query-key pairs' contributions add up to the model's own pre-softmax score
+    (adapter.attend on the real forward); leaving out one residual term breaks the sum."""
+    from model_core.interp import qk_attribution as QK
+
+    lm, run = setup
+    ids = lm.tokenizer(PROMPT)["input_ids"]
+    fm = AG.FrozenModel(lm, run.transcoders, ids, int(_transformers_logits(lm, ids).argmax()))
+    layer, head, q, k = lm.shape.n_layers - 1, lm.shape.n_heads - 1, len(ids) - 1, 2
+    r = QK.qk_attribution(fm, layer, head, q, k)
+    assert r.check["ok"], r.check
+    assert abs(sum(c for _, c in QK.qk_attribution(fm, layer, head, q, k, top=10_000).query_terms) - r.score) < 1e-3
+    assert any(t.startswith(f"F0.{q}.") for t, _ in QK.qk_attribution(fm, layer, head, q, k, top=10_000).query_terms)
+    assert 0 < r.pattern < 1
+    with pytest.raises(FeatureError, match="must not come after"):
+        QK.qk_attribution(fm, layer, head, 1, 2)
+    with pytest.raises(FeatureError, match="The head must be"):
+        QK.qk_attribution(fm, layer, lm.shape.n_heads, q, k)
+
+    real = QK.residual_terms
+
+    def one_term_short(*a):
+        labels, vecs = real(*a)
+        return labels[:-1], vecs[:-1]
+
+    monkeypatch.setattr(QK, "residual_terms", one_term_short)
+    assert not QK.qk_attribution(fm, layer, head, q, k).check["ok"]
