@@ -59,6 +59,23 @@ def feature_set(default_lm):
     shutil.rmtree(F.features_dir() / name, ignore_errors=True)
 
 
+@pytest.fixture(scope="session")
+def transcoder_set(default_lm):
+    """A small transcoder set for every layer of the real default model (2,048 tokens of the built-in
+    corpus), trained once per session into the default data folder, where the session's `lmscope
+    serve` also finds it; removed at the end."""
+    import shutil
+
+    from model_core.interp import transcoders as TC
+
+    name = "tests-small-tc"
+    shutil.rmtree(TC.transcoders_dir() / name, ignore_errors=True)
+    TC.train_transcoders(default_lm.name, max_tokens=2048, context=64, batch_size=8, k=16, expansion_factor=2,
+                         eval_tokens=256, name=name)
+    yield name
+    shutil.rmtree(TC.transcoders_dir() / name, ignore_errors=True)
+
+
 def pytest_collection_modifyitems(config, items):
     """A test under tests/integration or tests/browser carries that tier's mark (so `-m "not
     integration and not browser"` leaves out every test that needs services or Chromium)."""

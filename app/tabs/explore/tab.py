@@ -171,6 +171,9 @@ class ExploreTab:
         )
 
         self.features = FeaturesPanel(self)
+        from app.tabs.explore.circuits_panel import CircuitsPanel  # attribution graphs on transcoders
+
+        self.circuits = CircuitsPanel(self)
         from app.tabs.explore.experts_panel import ExpertsPanel  # a mixture-of-experts model's routing
 
         self.experts = ExpertsPanel(self)
@@ -291,6 +294,7 @@ class ExploreTab:
               trigger_mode="always_last")
         self.head_search.wire(run_trace, run_inputs, run_outputs)
         self.features.wire()
+        self.circuits.wire()
         steer_inputs = [self.steer_choice, self.steer_pairs, self.steer_layer, self.steer_alpha, self.steer_from]
         self.steer_btn.click(run_steered_trace, run_inputs + steer_inputs, run_outputs + [self.steer_msg],
                              concurrency_id="model").then(

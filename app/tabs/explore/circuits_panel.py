@@ -1,0 +1,324 @@
+"""Explore's "Attribution graph (circuits)" accordion: the prompt's attribution graph on a transcoder
+set trained in the app (a `transcoders` job; model_core.interp.attribution_graph), with its checks,
+a page per node (its inputs and outputs in the graph; for a feature, the tokens its decoder row
+promotes and its activation along the prompt), QK attribution of a head's pattern entry, and an
+intervention from the graph: the chosen features ablated (or scaled) in the real model, next token
+and a greedy continuation before and after. The graph downloads in Neuronpedia's layout.
+
+Built inside ExploreTab.__init__; `wire()` after the tab's components exist."""
+
+from __future__ import annotations
+
+import json
+import time
+from functools import lru_cache
+
+import gradio as gr
+import torch
+
+from app.shared import validation as V
+from app.shared.context import endpoint, scratch_dir
+from app.shared.page_js import page_js
+from app.tabs.explore import unit_figures as UF
+from app.tabs.explore.circuits_figures import checks_html, graph_figure, node_markdown
+from app.tabs.explore.state import trace_for_state
+from model_core.interp import transcoders as TC
+from model_core.interp.features_sae import FeatureError
+
+CLICK_JS = page_js("circuits_click")  # a node's click -> #circuits-click
+
+
+@lru_cache(maxsize=2)
+def _open(name: str, mtime: float):
+    return TC.load_transcoders(name)
+
+
+def open_set(name, lm):
+    if not isinstance(name, str) or name not in TC.list_transcoders():
+        raise FeatureError("Choose a transcoder set (`lmscope jobs submit transcoders --wait` trains one).")
+    tc = _open(name, (TC.transcoders_dir() / name / "transcoders.json").stat().st_mtime)
+    tc.check_model(lm)
+    return tc
+
+
+def sets_for(model: str) -> list[str]:
+    out = []
+    for name in TC.list_transcoders():
+        try:
+            rec = json.loads((TC.transcoders_dir() / name / "transcoders.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if rec.get("model") == model:
+            out.append(name)
+    return out
+
+
+def _number(v, name: str, lo: float, hi: float) -> float:
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        raise FeatureError(f"'{name}' must be a number from {lo:g} to {hi:g}.") from None
+    if not lo < x <= hi:
+        raise FeatureError(f"'{name}' must be a number above {lo:g} and at most {hi:g}.")
+    return x
+
+
+def _graph(graph) -> dict:
+    if not isinstance(graph, dict) or "nodes" not in graph:
+        raise FeatureError("Build a graph first.")
+    return graph
+
+
+@endpoint
+def refresh_sets(state, request: gr.Request = None):
+    if not isinstance(state, dict) or not state.get("model"):
+        return gr.update(choices=[], value=None), V.show("Run a prompt first.")
+    names = sets_for(trace_for_state(state).model_name)
+    if not names:
+        return gr.update(choices=[], value=None), V.show(
+            "No transcoder set for this model yet: `lmscope jobs submit transcoders --model ... --wait`.")
+    return gr.update(choices=names, value=names[-1]), V.clear()
+
+
+@endpoint(model=True)
+def build(state, name, target, node_threshold, edge_threshold, request: gr.Request = None):
+    """[graph figure, checks, summary, node menu, graph (state), message]."""
+    from model_core.interp.attribution_graph import attribution_graph
+
+    try:
+        tr = trace_for_state(state)
+        tc = open_set(name, tr.lm)
+        t = str(target or "")[:100]
+        g = attribution_graph(tr.lm, tc, tr.token_ids, t if t.strip() else None,
+                              node_threshold=_number(node_threshold, "node threshold", 0, 1),
+                              edge_threshold=_number(edge_threshold, "edge threshold", 0, 1))
+    except (gr.Error, FeatureError) as e:
+        return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), V.show(str(e))
+    d = g.to_dict()
+    d["n_layers"] = tr.lm.shape.n_layers
+    feats = sorted((n for n in g.nodes if n.kind == "feature"), key=lambda n: -n.influence)
+    choices = [(f"{n.id} ({n.token!r}, influence {n.influence:.3f})", n.id) for n in feats]
+    choices += [(f"{n.id} ({n.kind}, {n.token!r})", n.id) for n in g.nodes if n.kind != "feature"]
+    ok = all(c["ok"] for c in g.checks.values() if c)
+    summary = (f"**{len(feats)} features** and {len(g.nodes) - len(feats)} other nodes, {len(g.edges)} edges, kept "
+               f"of {g.stats['active_features']:,} active features ({g.stats['rows_computed']} rows computed in "
+               f"{g.stats['seconds']:.1f} s) · checks: {'**all ok**' if ok else '**a check FAILED**'} · transcoders "
+               f"`{tc.name}`: {TC.quality_line(tc.record['quality']) if tc.record.get('quality') else 'not evaluated'}")
+    return (graph_figure(d, d["n_layers"]), checks_html(g.checks), summary,
+            gr.update(choices=choices, value=[]), d, V.clear())
+
+
+@endpoint
+def clicked(graph, box, chosen, request: gr.Request = None):
+    """A node clicked in the figure ("node id:n" from CLICK_JS): added to the chosen nodes (or removed
+    when it was chosen), its page shown."""
+    try:
+        g = _graph(graph)
+    except FeatureError as e:
+        return gr.skip(), gr.skip(), gr.skip(), V.show(str(e))
+    nid = str(box or "").rsplit(":", 1)[0]
+    ids = {n["id"] for n in g["nodes"]}
+    if nid not in ids:
+        return gr.skip(), gr.skip(), gr.skip(), gr.skip()
+    chosen = [c for c in (chosen or []) if isinstance(c, str) and c in ids]
+    chosen = [c for c in chosen if c != nid] if nid in chosen else chosen + [nid]
+    return gr.update(value=chosen), node_markdown(g, nid), graph_figure(g, g["n_layers"], chosen), V.clear()
+
+
+@endpoint(model=True)
+def open_node(state, name, graph, chosen, request: gr.Request = None):
+    """[node page, the feature's promoted tokens, its activation along the prompt, message] for the
+    last chosen node."""
+    try:
+        g = _graph(graph)
+        chosen = [c for c in (chosen or []) if isinstance(c, str)]
+        by_id = {n["id"]: n for n in g["nodes"]}
+        if not chosen or chosen[-1] not in by_id:
+            raise FeatureError("Choose a node (click one in the graph, or pick it in the menu).")
+        n = by_id[chosen[-1]]
+        page = node_markdown(g, n["id"])
+        if n["kind"] != "feature":
+            return page, UF.empty("Only feature nodes have decoder rows."), UF.empty(
+                "Only feature nodes have activations."), V.clear()
+        tr = trace_for_state(state)
+        tc = open_set(name, tr.lm)
+        top = _promoted(tr.lm, tc, n["layer"], n["feature"])
+        along = _activation_along(tr.lm, tc, tr.token_ids, n["layer"], n["feature"])
+    except (gr.Error, FeatureError) as e:
+        return gr.skip(), gr.skip(), gr.skip(), V.show(str(e))
+    from app.tabs.explore.features_panel import activation_figure
+
+    return (page, UF.weights_figure(top, f"{n['id']}: tokens its decoder row promotes / suppresses (W_dec·W_U)"),
+            activation_figure(along, g["prompt_tokens"], n["feature"]), V.clear())
+
+
+def _promoted(lm, tc, layer: int, f: int, k: int = 10) -> dict:
+    """The tokens a transcoder feature's decoder row pushes up and down through the final norm's gain
+    and the unembedding."""
+    from model_core.core.tokenization import describe_tokens
+
+    W = lm.adapter.unembed.weight.float()
+    with torch.no_grad():
+        gain = lm.adapter.final_norm(torch.ones(1, W.shape[1], dtype=lm.dtype, device=W.device))[0].float()
+        logits = W @ (tc.coders[layer].W_dec[f].float().to(W.device) * gain)
+    out = {}
+    for key, idx in (("promoted", logits.topk(k).indices), ("suppressed", (-logits).topk(k).indices)):
+        rows = describe_tokens(lm.tokenizer, idx.tolist())
+        out[key] = [{"token": r["display"], "id": int(i), "value": float(logits[i])} for r, i in zip(rows, idx.tolist())]
+    return out
+
+
+def _activation_along(lm, tc, ids, layer: int, f: int) -> list[float]:
+    pairs = TC.mlp_pairs(lm, torch.tensor([ids]), [layer])
+    acts, idx = TC.encode(tc.coders[layer], pairs[layer][0][0])  # [T, k] each
+    return [float(a[i == f].sum()) for a, i in zip(acts, idx)]
+
+
+@endpoint(model=True)
+def intervene(state, name, graph, chosen, scale, request: gr.Request = None):
+    """[figure, summary, message]: the chosen feature nodes scaled (0 = ablated) in the real model."""
+    from model_core.core.tokenization import describe_tokens
+    from model_core.interp.graph_interventions import intervene as run
+    from model_core.interp.graph_interventions import parse_feature_nodes
+
+    try:
+        g = _graph(graph)
+        nodes = parse_feature_nodes(list(chosen or []), {n["id"]: n for n in g["nodes"]})
+        s = _number(scale, "scale", -10.000001, 10)
+        tr = trace_for_state(state)
+        tc = open_set(name, tr.lm)
+        if tr.token_ids != g["prompt_ids"]:
+            raise FeatureError("The prompt changed since the graph was built; build it again.")
+        r = run(tr.lm, tc, tr.token_ids, nodes, scale=s, target=g["target"])
+    except (gr.Error, FeatureError) as e:
+        return gr.skip(), gr.skip(), V.show(str(e))
+    base, after = r["base"], r["after"]
+    union = list(dict.fromkeys(base.topk(8).indices.tolist() + after.topk(8).indices.tolist()))
+    union.sort(key=lambda i: -float(base[i]))
+    names = [d["display"] for d in describe_tokens(tr.lm.tokenizer, union)]
+    rows = [{"token": n, "before": float(base[i].exp()), "after": float(after[i].exp())} for n, i in zip(names, union)]
+    what = "ablated" if s == 0 else f"scaled by {s:g}"
+    c = r["continuation"]
+    note = (f"{len(nodes)} feature node(s) {what} in the real model (each at its own position; attention and the other "
+            f"features run freely). Target {g['target_token']!r}: logit change **{r['target_logit_change']:+.4f}**; "
+            f"KL of the next token **{r['kl']:.4f} nats**.\n\n"
+            f"Greedy continuation before: `{c['before']!r}`\n\nafter: `{c['after']!r}`")
+    return UF.clamp_figure(rows, f"The next token with {len(nodes)} node(s) {what}"), note, V.clear()
+
+
+@endpoint(model=True)
+def qk(state, name, graph, layer, head, key_pos, request: gr.Request = None):
+    """[markdown, message]: QK attribution of one head's pattern entry from the graph's last position."""
+    from model_core.interp.attribution_graph import FrozenModel
+    from model_core.interp.qk_attribution import qk_attribution
+
+    try:
+        g = _graph(graph)
+        tr = trace_for_state(state)
+        tc = open_set(name, tr.lm)
+        vals = []
+        for v, what in ((layer, "layer"), (head, "head"), (key_pos, "key position")):
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v != int(v):
+                raise FeatureError(f"The {what} must be a whole number.")
+            vals.append(int(v))
+        r = qk_attribution(FrozenModel(tr.lm, tc, g["prompt_ids"], g["target"]), vals[0], vals[1],
+                           len(g["prompt_ids"]) - 1, vals[2])
+    except (gr.Error, FeatureError) as e:
+        return gr.skip(), V.show(str(e))
+    ok = "ok" if r.check["ok"] else "FAILED"
+    lines = [f"**Layer {r.layer}, head {r.head}**: from the last position to position {r.key_pos} "
+             f"({g['prompt_tokens'][r.key_pos]!r}): score **{r.score:.4f}**, attention weight **{r.pattern:.4f}**. "
+             f"The terms sum to {r.check['terms_sum']:.4f} (check {ok}, tolerance {r.check['tolerance']:.2g}).",
+             "| query side | contribution | key side | contribution |", "|---|---|---|---|"]
+    for (qa, qc), (ka, kc) in zip(r.query_terms[:10], r.key_terms[:10]):
+        lines.append(f"| `{qa}` | {qc:+.4f} | `{ka}` | {kc:+.4f} |")
+    return "\n".join(lines), V.clear()
+
+
+@endpoint
+def download(graph, request: gr.Request = None):
+    """The graph in Neuronpedia's layout, as a file."""
+    from model_core.interp.attribution_export import neuronpedia_json
+    from model_core.interp.attribution_graph import Graph, Node
+
+    try:
+        g = _graph(graph)
+    except FeatureError as e:
+        return gr.skip(), V.show(str(e))
+    graph_obj = Graph(prompt_tokens=g["prompt_tokens"], target=g["target"], target_token=g["target_token"],
+                      prompt_ids=g["prompt_ids"], target_prob=g["target_prob"], model=g["model"],
+                      nodes=[Node(**n) for n in g["nodes"]],
+                      edges=[(e["source"], e["target"], e["weight"]) for e in g["edges"]], checks=g["checks"],
+                      settings=g["settings"], stats=g["stats"])
+    d = scratch_dir("graph")
+    path = d / f"attribution-graph-{int(time.time())}.json"
+    path.write_text(json.dumps(neuronpedia_json(graph_obj, g["n_layers"])), encoding="utf-8")
+    return gr.update(value=[str(path)], visible=True), V.clear()
+
+
+class CircuitsPanel:
+    def __init__(self, tab):
+        self.tab = tab
+        with gr.Accordion("Attribution graph (circuits)", open=False, elem_id="circuits"):
+            gr.Markdown("How the model gets from this prompt to its next token, drawn as transcoder features joined "
+                        "by their direct effects (the method of Anthropic's circuit-tracer). Train a transcoder set "
+                        "with `lmscope jobs submit transcoders --wait`, pick it here and build the graph; the checks "
+                        "below it say whether the graph adds up. Click nodes to open and choose them, then ablate "
+                        "them in the real model.", elem_classes=["explain"])
+            with gr.Row():
+                self.set = gr.Dropdown(choices=[], label="transcoder set", elem_id="circuits-set", scale=3)
+                self.refresh = gr.Button("Find transcoder sets", elem_id="circuits-refresh", scale=1)
+            with gr.Row():
+                self.target = gr.Textbox(label="target token (empty: the top next token)", max_lines=1,
+                                         elem_id="circuits-target", scale=2)
+                self.node_threshold = gr.Number(value=0.8, label="node threshold", elem_id="circuits-node-threshold",
+                                                scale=1)
+                self.edge_threshold = gr.Number(value=0.98, label="edge threshold", elem_id="circuits-edge-threshold",
+                                                scale=1)
+                self.build = gr.Button("Build the graph", variant="primary", elem_id="circuits-build", scale=1)
+            self.msg = V.field_message("circuits-msg")
+            self.summary = gr.Markdown(elem_id="circuits-summary")
+            self.plot = gr.Plot(label="Attribution graph", elem_id="circuits-graph")
+            self.checks = gr.HTML(elem_id="circuits-checks")
+            self.graph = gr.State(None)
+            self.click = gr.Textbox(visible="hidden", elem_id="circuits-click", label="graph click")
+            with gr.Row():
+                self.chosen = gr.Dropdown(choices=[], multiselect=True, label="chosen nodes", elem_id="circuits-nodes",
+                                          scale=3)
+                self.open_btn = gr.Button("Open the last chosen node", elem_id="circuits-open", scale=1)
+            self.page = gr.Markdown(elem_id="circuits-page")
+            with gr.Row():
+                self.weights = gr.Plot(label="Through the unembedding", elem_id="circuits-weights")
+                self.along = gr.Plot(label="Along the prompt", elem_id="circuits-along")
+            with gr.Row():
+                self.scale = gr.Number(value=0, label="scale the chosen features by (0 = ablate)",
+                                       elem_id="circuits-scale", scale=1)
+                self.ablate = gr.Button("Run it on the real model", elem_id="circuits-ablate", scale=1)
+            self.ablate_note = gr.Markdown(elem_id="circuits-ablate-note")
+            self.ablate_plot = gr.Plot(label="The real model", elem_id="circuits-ablate-plot")
+            with gr.Row():
+                self.qk_layer = gr.Number(value=None, precision=0, label="QK: layer", elem_id="circuits-qk-layer")
+                self.qk_head = gr.Number(value=None, precision=0, label="head", elem_id="circuits-qk-head")
+                self.qk_key = gr.Number(value=None, precision=0, label="key position", elem_id="circuits-qk-key")
+                self.qk_btn = gr.Button("Why does it attend there?", elem_id="circuits-qk")
+            self.qk_out = gr.Markdown(elem_id="circuits-qk-out")
+            with gr.Row():
+                self.download_btn = gr.Button("Download for Neuronpedia's graph viewer", elem_id="circuits-download")
+                self.files = gr.File(visible=False, elem_id="circuits-files", label="graph JSON")
+
+    def wire(self) -> None:
+        tab = self.tab
+        self.refresh.click(refresh_sets, [tab.state], [self.set, self.msg])
+        self.build.click(build, [tab.state, self.set, self.target, self.node_threshold, self.edge_threshold],
+                         [self.plot, self.checks, self.summary, self.chosen, self.graph, self.msg],
+                         concurrency_id="model")
+        self.click.input(clicked, [self.graph, self.click, self.chosen], [self.chosen, self.page, self.plot, self.msg])
+        self.open_btn.click(open_node, [tab.state, self.set, self.graph, self.chosen],
+                            [self.page, self.weights, self.along, self.msg], concurrency_id="views")
+        self.ablate.click(intervene, [tab.state, self.set, self.graph, self.chosen, self.scale],
+                          [self.ablate_plot, self.ablate_note, self.msg], concurrency_id="model")
+        self.qk_btn.click(qk, [tab.state, self.set, self.graph, self.qk_layer, self.qk_head, self.qk_key],
+                          [self.qk_out, self.msg], concurrency_id="model")
+        self.download_btn.click(download, [self.graph], [self.files, self.msg])
+        if tab.shared.page is not None:
+            tab.shared.page.load(None, None, None, js=CLICK_JS)

@@ -1,0 +1,82 @@
+"""Issue 42 in real headless Chromium against the live server on the real default model: a
+transcoder set trained here (tests/conftest.transcoder_set, in the server's own data folder) opens
+in Explore's attribution-graph panel; the graph is built with its checks all ok, a click on a
+feature node in the figure opens its page (its inputs and outputs, the tokens its decoder row
+promotes, its activation along the prompt), and the chosen node is ablated in the real model."""
+
+from __future__ import annotations
+
+import pytest
+from playwright.sync_api import sync_playwright
+
+from tests.helpers.browser import ARTIFACTS, launch_browser, plot_data, plot_title, wait_until
+
+pytestmark = pytest.mark.browser
+
+
+def _click_node(page, kind: str, index: int = 0) -> str:
+    """Point at marker `index` of the `kind` trace of the graph like a user, then click it; its id."""
+    wait_until(lambda: page.evaluate("""() => { const gd = document.querySelector('#circuits-graph .js-plotly-plot');
+        return !!gd && gd.lmscopeNodeBound === gd.data; }"""), 30, "the graph's nodes to take clicks")
+    page.evaluate("() => document.querySelector('#circuits-graph .js-plotly-plot').scrollIntoView({block: 'center'})")
+    px, py, nid = page.evaluate("""([kind, i]) => {
+        const gd = document.querySelector('#circuits-graph .js-plotly-plot');
+        const t = gd._fullData.find(d => d.name === kind);
+        const xa = gd._fullLayout.xaxis, ya = gd._fullLayout.yaxis, r = gd.getBoundingClientRect();
+        return [r.left + xa._offset + xa.l2p(t.x[i]), r.top + ya._offset + ya.l2p(t.y[i]), t.customdata[i]]; }""",
+                                [kind, index])
+    page.mouse.move(px - 2, py)
+    page.mouse.move(px, py)
+    wait_until(lambda: page.evaluate(
+        "() => (document.querySelector('#circuits-graph .js-plotly-plot')._hoverdata || []).length > 0"),
+        10, "the pointer over a node")
+    page.mouse.click(px, py)
+    return nid
+
+
+def test_a_graph_is_built_clicked_and_ablated(server, transcoder_set):
+    name = transcoder_set
+    with sync_playwright() as pw:
+        browser = launch_browser(pw)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(server.url)
+        wait_until(lambda: "parameters" in page.inner_text("#model-info"), 120, "the page to load")
+        # the page's own first prompt, traced on the first visit
+        wait_until(lambda: "traced in" in page.inner_text("#explore-status"), 180, "the first trace")
+        page.locator("#circuits > button.label-wrap").click()
+        page.click("#circuits-build")  # before a set is chosen: a sentence, nothing breaks
+        wait_until(lambda: "Choose a transcoder set" in page.inner_text("#circuits-msg"), 60, "the sentence")
+        page.click("#circuits-refresh")
+        wait_until(lambda: name in page.locator("#circuits-set input").input_value(), 60, "the set chosen")
+        # every node kept: a set trained on 2,048 tokens leaves most influence to error nodes
+        page.locator("#circuits-node-threshold input").fill("1")
+        page.click("#circuits-build")
+        wait_until(lambda: "checks:" in page.inner_text("#circuits-summary"), 240, "the graph")
+        assert "all ok" in page.inner_text("#circuits-summary"), page.inner_text("#circuits-summary")
+        checks = page.inner_text("#circuits-checks")
+        for check in ("logit", "completeness", "pre_activations", "intervention"):
+            assert check in checks
+        assert "FAIL" not in checks
+        names = page.evaluate("() => document.querySelector('#circuits-graph .js-plotly-plot')._fullData.map(t => t.name)")
+        assert {"feature", "embedding", "logit"} <= set(names), names
+        title = plot_title(page, "circuits-graph")
+        assert title.startswith("Attribution graph toward '") and "(p=0." in title and "click a node" in title
+
+        nid = _click_node(page, "feature")
+        wait_until(lambda: nid in page.inner_text("#circuits-page"), 60, "the node's page")
+        assert "Inputs" in page.inner_text("#circuits-page") and "Outputs" in page.inner_text("#circuits-page")
+        wait_until(lambda: nid in page.locator("#circuits-nodes").inner_text(), 30, "the node chosen")
+        page.click("#circuits-open")
+        wait_until(lambda: "promotes" in plot_title(page, "circuits-weights"), 120, "the feature's tokens")
+        position = int(nid.split(".")[1])
+        along = plot_data(page, "circuits-along")[0]
+        assert along["y"][position] > 0  # it fires where the graph has it
+
+        page.click("#circuits-ablate")
+        wait_until(lambda: "logit change" in page.inner_text("#circuits-ablate-note"), 120, "the ablation")
+        assert "ablated in the real model" in page.inner_text("#circuits-ablate-note")
+        bars = plot_data(page, "circuits-ablate-plot")
+        assert len(bars) == 2 and len(bars[0]["x"]) >= 8
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        page.locator("#circuits").screenshot(path=str(ARTIFACTS / "explore-attribution-graph.png"))
+        browser.close()
