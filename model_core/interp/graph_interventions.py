@@ -62,7 +62,6 @@ def intervene(lm, tc: Transcoders, ids: list[int], nodes, *, scale: float = 0.0,
     change, and a greedy continuation of `new_tokens` tokens before and after."""
     from model_core.interp.feature_steering import next_token_shift
     from model_core.interp.interventions import last_logits
-    from model_core.serving.generate import generate
 
     edits = ablation_edits(tc, nodes, scale)
     t = torch.tensor([ids], device=lm.device)
@@ -71,8 +70,16 @@ def intervene(lm, tc: Transcoders, ids: list[int], nodes, *, scale: float = 0.0,
     if target is not None:
         out["target_logit_change"] = float(last_logits(lm, t, edits)[0].float()[target]
                                            - last_logits(lm, t)[0].float()[target])
-    plain = generate(lm, token_ids=list(ids), max_new_tokens=new_tokens, ignore_eos=True)
-    edited = generate(lm, token_ids=list(ids), max_new_tokens=new_tokens, ignore_eos=True,
-                      edits={k: (lambda f: lambda n, x: f(n, x))(fn) for k, fn in edits.items()})
-    out["continuation"] = {"before": plain.text, "after": edited.text}
+    out["continuation"] = {"before": _greedy(lm, ids, {}, new_tokens), "after": _greedy(lm, ids, edits, new_tokens)}
     return out
+
+
+def _greedy(lm, ids: list[int], edits: dict, n: int) -> str:
+    """n greedy tokens after ids, each from a whole forward with the edits (they act at the prompt's
+    positions every time)."""
+    from model_core.interp.interventions import last_logits
+
+    seq = list(ids)
+    for _ in range(n):
+        seq.append(int(last_logits(lm, torch.tensor([seq], device=lm.device), edits or None)[0].argmax()))
+    return lm.tokenizer.decode(seq[len(ids):], skip_special_tokens=True)

@@ -199,3 +199,29 @@ def test_qk_attribution_sums_to_the_models_score_and_turns_red_without_a_term(se
 
     monkeypatch.setattr(QK, "residual_terms", one_term_short)
     assert not QK.qk_attribution(fm, layer, head, q, k).check["ok"]
+
+
+def test_interventions_chosen_on_the_graph(setup):
+    """Ablating a feature node in the real model: the target's change equals the graph's own
+    intervention check's real-model change for that node; scale 1 changes nothing; only feature
+    nodes of this graph are taken."""
+    from model_core.interp import graph_interventions as GI
+
+    lm, run = setup
+    g = AG.attribution_graph(lm, run.transcoders, PROMPT, max_feature_nodes=64)
+    nodes = {n.id: n.to_dict() for n in g.nodes}
+    iv = g.checks["intervention"]
+    if iv["node"] not in nodes:  # the checked node may be pruned from the drawn graph
+        layer, pos, f = (int(x) for x in iv["node"][1:].split("."))
+        acts = AG.FrozenModel(lm, run.transcoders, g.prompt_ids, g.target).leaves.acts[layer]
+        nodes[iv["node"]] = {"value": float(acts[pos, f])}
+    chosen = GI.parse_feature_nodes([iv["node"]], nodes)
+    r = GI.intervene(lm, run.transcoders, g.prompt_ids, chosen, target=g.target, new_tokens=4)
+    assert abs(r["target_logit_change"] - iv["real_model_change"]) < 1e-4
+    same = GI.intervene(lm, run.transcoders, g.prompt_ids, chosen, scale=1.0, target=g.target, new_tokens=4)
+    assert same["kl"] == 0 and same["target_logit_change"] == 0
+    assert same["continuation"]["before"] == same["continuation"]["after"]
+    with pytest.raises(FeatureError, match="not a feature node of this graph"):
+        GI.parse_feature_nodes(["T0"], nodes)
+    with pytest.raises(FeatureError, match="Choose one or more"):
+        GI.parse_feature_nodes([], nodes)
