@@ -203,7 +203,8 @@ def intervene(state, name, graph, chosen, scale, request: gr.Request = None):
             f"features run freely). Target {g['target_token']!r}: logit change **{r['target_logit_change']:+.4f}**; "
             f"KL of the next token **{r['kl']:.4f} nats**.\n\n"
             f"Greedy continuation before: `{c['before']!r}`\n\nafter: `{c['after']!r}`")
-    return UF.clamp_figure(rows, f"The next token with {len(nodes)} node(s) {what}"), note, V.clear()
+    return (UF.clamp_figure(rows, f"The next token with {len(nodes)} node(s) {what}", f"with the node(s) {what}"),
+            note, V.clear())
 
 
 @endpoint(model=True)

@@ -75,13 +75,13 @@ def ov_html(rows: list[dict]) -> str:
             f"<tbody>{body}</tbody></table></div>")
 
 
-def clamp_figure(rows: list[dict], title: str) -> go.Figure:
+def clamp_figure(rows: list[dict], title: str, after_label: str = "with the feature clamped") -> go.Figure:
     """Next-token probabilities before and after an edit, grouped: rows [{token, before, after}],
     the union of both top lists, largest before-probability first."""
     fig = go.Figure([go.Bar(name="as the model runs", x=[r["token"] for r in rows], y=[r["before"] for r in rows],
                             marker_color="#9ca3af", hovertemplate="%{x}<br>p %{y:.4f}<extra>before</extra>"),
-                     go.Bar(name="with the feature clamped", x=[r["token"] for r in rows], y=[r["after"] for r in rows],
-                            marker_color="#e4572e", hovertemplate="%{x}<br>p %{y:.4f}<extra>clamped</extra>")])
+                     go.Bar(name=after_label, x=[r["token"] for r in rows], y=[r["after"] for r in rows],
+                            marker_color="#e4572e", hovertemplate="%{x}<br>p %{y:.4f}<extra>after</extra>")])
     fig.update_layout(barmode="group", title=title, height=320, margin=dict(l=40, r=20, t=60, b=80),
                       legend=dict(orientation="h", y=1.02, x=1, xanchor="right", yanchor="bottom"),
                       xaxis=dict(tickangle=-45), yaxis=dict(title="probability"))
