@@ -80,6 +80,8 @@ def test_what_changed_from_a_finished_run(loop):
         wait_until(lambda: "KL" in page.inner_text("#diff-prompt-changes"), 120, "the per-prompt view")
         shown = float(re.search(r"KL ([0-9.]+) nats", page.inner_text("#diff-prompt-changes")).group(1))
         assert abs(shown - kls[0]) < 2e-4, (shown, kls[0])
+        # the chart is drawn after the summary's text: wait for it, not for the text alone
+        wait_until(lambda: plot_data(page, "diff-prompt-kl"), 60, "the per-prompt KL chart")
         bars = plot_data(page, "diff-prompt-kl")[0]["y"]
         assert abs(bars[-1] - kls[0]) < 2e-4 and len(bars) > 1
         page.locator("#diff-prompt-kl").scroll_into_view_if_needed()
