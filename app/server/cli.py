@@ -151,6 +151,36 @@ def cmd_attribute(args) -> int:
     return 0 if all(c["ok"] for c in g.checks.values() if c) else 1
 
 
+def cmd_transcoders(args) -> int:
+    """`lmscope transcoders list|import|export`: transcoder sets in lmscope and in the formats of
+    sparsify, SAELens and circuit-tracer (model_core.interp.transcoder_formats)."""
+    from model_core.interp import transcoders as TC
+
+    if args.action == "list":
+        rows = []
+        for name in TC.list_transcoders():
+            rec = json.loads((TC.transcoders_dir() / name / "transcoders.json").read_text(encoding="utf-8"))
+            rows.append({"name": name, "model": rec.get("model"), "layers": rec.get("layers"),
+                         "quality": TC.quality_line(rec["quality"]) if rec.get("quality") else "not evaluated",
+                         "imported_from": rec.get("imported_from")})
+        if args.json:
+            _print_json(rows)
+        else:
+            _out(*(f"{r['name']}  ({r['model']}, {len(r['layers'] or [])} layers; {r['quality']})" for r in rows))
+        return 0
+    if args.action == "import":
+        tc = TC.import_transcoders(Path(args.path), model=args.model, name=args.name, fmt=args.format)
+        out = {"name": tc.name, "model": tc.model, "layers": tc.layers, "from": tc.record["imported_from"]}
+    else:
+        files = TC.export_transcoders(args.name, Path(args.path), args.format)
+        out = {"name": args.name, "format": args.format, "files": [str(f) for f in files]}
+    if args.json:
+        _print_json(out)
+    else:
+        _out(*(f"{k}: {v}" for k, v in out.items()))
+    return 0
+
+
 def _qk(lm, tc, g, spec: str):
     """--qk LAYER.HEAD.QUERY.KEY: the QK attribution of that pattern entry on the graph's prompt."""
     from model_core.core.errors import SettingsError
@@ -529,6 +559,25 @@ def build_parser() -> argparse.ArgumentParser:
     at.add_argument("--device", default=None)
     at.add_argument("--json", action="store_true")
     at.set_defaults(func=cmd_attribute)
+
+    tr = sub.add_parser("transcoders", help="transcoder sets: list them, import one written by sparsify, SAELens or "
+                        "circuit-tracer, export one in those formats")
+    tsub = tr.add_subparsers(dest="action", required=True)
+    tl = tsub.add_parser("list", help="the saved sets")
+    tl.add_argument("--json", action="store_true")
+    ti = tsub.add_parser("import", help="a folder in sparsify's, SAELens' or circuit-tracer's layout -> an lmscope set")
+    ti.add_argument("path")
+    ti.add_argument("--model", default=None, help="the model it reads (default: the one its files name)")
+    ti.add_argument("--name", default=None, help="the set's name in lmscope")
+    ti.add_argument("--format", default="auto", choices=["auto", "sparsify", "saelens", "circuit-tracer"])
+    ti.add_argument("--json", action="store_true")
+    te = tsub.add_parser("export", help="an lmscope set -> a new folder in another library's layout")
+    te.add_argument("name")
+    te.add_argument("path")
+    te.add_argument("--format", required=True, choices=["sparsify", "saelens", "circuit-tracer"])
+    te.add_argument("--json", action="store_true")
+    for parser in (tl, ti, te):
+        parser.set_defaults(func=cmd_transcoders)
 
     cd = sub.add_parser("card", help="architecture card computed from a config on the meta device: "
                         "llama-3.2-1b, gpt2, gpt3-175b, mistral-7b, deepseek-v2, granite-3b, or any model")

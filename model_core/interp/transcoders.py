@@ -348,15 +348,54 @@ def load_transcoders(name: str, device="cpu") -> Transcoders:
     if not (path / "transcoders.json").is_file():
         raise FeatureError(f"There is no transcoder set named '{name}'.")
     record = json.loads((path / "transcoders.json").read_text(encoding="utf-8"))
+    from model_core.interp.transcoder_formats import DenseTranscoder, is_dense
+
     sp = import_sparsify()
     coders = {}
     for layer in record["layers"]:
-        coder = sp.SparseCoder.load_from_disk(path / hookpoint(int(layer)), device=device)
+        folder = path / hookpoint(int(layer))
+        coder = (DenseTranscoder.load_from_disk(folder, device=device) if is_dense(folder)  # imported elsewhere's
+                 else sp.SparseCoder.load_from_disk(folder, device=device))
         if not coder.cfg.transcode:
             raise FeatureError(f"The coder of layer {layer} in '{name}' is an autoencoder, not a transcoder.")
         coder.requires_grad_(False)
         coders[int(layer)] = coder
     return Transcoders(coders=coders, model=record["model"], name=name, record=record, path=path)
+
+
+def import_transcoders(src: Path, model: str | None = None, name: str | None = None, fmt: str = "auto") -> Transcoders:
+    """A set written by sparsify, SAELens or circuit-tracer (model_core.interp.transcoder_formats),
+    saved as an lmscope set for `model` (default: the model its files name)."""
+    from model_core.interp.transcoder_formats import read_transcoders
+
+    coders, meta = read_transcoders(Path(src), fmt)
+    model = model or meta.get("model")
+    if not model:
+        raise FeatureError("The files do not name their model: say which with --model.")
+    if name is None:
+        name = f"{model}-{meta['format']}-{Path(src).name}"[:90]
+    if not checkpoints.valid_output_name(name):
+        raise FeatureError(f"{name!r} is not a usable set name (letters, digits, . _ -).")
+    widths = {int(c.d_in) for c in coders.values()}
+    if len(widths) != 1:
+        raise FeatureError(f"The layers of {src} read different widths: {sorted(widths)}.")
+    first = next(iter(coders.values()))
+    record = {"format": FORMAT, "model": model, "layers": sorted(coders), "d_in": int(first.d_in),
+              "num_latents": int(first.num_latents), "k": first.cfg.k,
+              "hookpoints": {str(layer): hookpoint(layer) for layer in coders},
+              "reads": "mlp_norm(resid_pre + attn_out) -> mlp_out", "quality": None,
+              "imported_from": {"format": meta["format"], "path": str(src)}, "created": time.time()}
+    tc = Transcoders(coders=coders, model=model, record=record)
+    save_transcoders(tc, name)
+    return tc
+
+
+def export_transcoders(name: str, dest: Path, fmt: str) -> list[Path]:
+    """The saved set `name` written under `dest` in sparsify's, SAELens' or circuit-tracer's format."""
+    from model_core.interp.transcoder_formats import write_transcoders
+
+    tc = load_transcoders(name)
+    return write_transcoders(tc.coders, Path(dest), fmt, tc.model, name)
 
 
 def list_transcoders() -> list[str]:

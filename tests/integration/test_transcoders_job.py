@@ -76,3 +76,20 @@ def test_transcoders_job_then_an_attribution_graph_on_the_real_model(svc):
 
     bad = _cli(svc, "attribute", PROMPT, "--model", MODEL, "--transcoders", "smol-tc", "--target", " Paris is")
     assert bad.returncode == 2 and "give one token" in bad.stderr
+
+    # the set leaves for circuit-tracer's layout and comes back through the CLI; the graph on the
+    # imported copy is the same graph (same nodes, same frozen logit)
+    dest = svc.data_dir.parent / "smol-tc-circuit-tracer"
+    out = _cli(svc, "transcoders", "export", "smol-tc", str(dest), "--format", "circuit-tracer", "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert len(json.loads(out.stdout)["files"]) == 31 and (dest / "layer_29.safetensors").is_file()
+    out = _cli(svc, "transcoders", "import", str(dest), "--name", "smol-tc-back", "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    back = json.loads(out.stdout)
+    assert back["model"] == MODEL and back["layers"] == list(range(30)) and back["from"]["format"] == "circuit-tracer"
+    out = _cli(svc, "attribute", PROMPT, "--model", MODEL, "--transcoders", "smol-tc-back", "--max-feature-nodes",
+               "64", "--node-threshold", "1", "--edge-threshold", "1", "--json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    g2 = json.loads(out.stdout)
+    assert {n["id"] for n in g2["nodes"]} == {n["id"] for n in g["nodes"]}
+    assert abs(g2["checks"]["logit"]["frozen"] - g["checks"]["logit"]["frozen"]) < 1e-4
