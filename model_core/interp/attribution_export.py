@@ -19,7 +19,7 @@ def _node(n: Node, g: Graph, n_layers: int) -> dict:
         nid, js = f"{n.layer}_{n.feature}_{pos}", f"{n.layer}_{n.feature}-0"
         return {"node_id": nid, "jsNodeId": js, "feature": _cantor(n.layer, n.feature), "layer": str(n.layer),
                 "ctx_idx": pos, "feature_type": "cross layer transcoder", "influence": n.influence,
-                "activation": n.value, "clerp": "", "token_prob": 0.0, "is_target_logit": False, "run_idx": 0,
+                "activation": n.value, "clerp": n.label, "token_prob": 0.0, "is_target_logit": False, "run_idx": 0,
                 "reverse_ctx_idx": 0}
     if n.kind == "error":
         return {"node_id": f"{n.layer}_-1_{pos}", "jsNodeId": f"{n.layer}_-1-{pos}", "feature": -1,

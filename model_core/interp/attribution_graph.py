@@ -200,10 +200,11 @@ class Node:
     value: float = 0.0  # activation (feature), norm of the vector (error, embedding), logit (logit)
     influence: float = 0.0
     token: str = ""
+    label: str = ""  # a feature's automatic label, where its transcoder set has them
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("id", "kind", "layer", "position", "feature", "value", "influence",
-                                              "token")}
+                                              "token", "label")}
 
 
 @dataclass
@@ -397,8 +398,9 @@ def _describe(fm: FrozenModel, i: int, active, n_feat: int, values: torch.Tensor
     tok = fm.lm.tokenizer
     if i < n_feat:
         layer, p, f = active[i]
+        label = fm.tc.feature_label(layer, f) if hasattr(fm.tc, "feature_label") else ""
         return Node(_node_id("feature", layer, p, f), "feature", layer, p, f, float(values[i]), float(inf[i]),
-                    tok.decode([fm.ids[p]]))
+                    tok.decode([fm.ids[p]]), label)
     if i < n_feat + L * T:
         layer, p = divmod(i - n_feat, T)
         return Node(_node_id("error", layer, p), "error", layer, p, None, float(fm.leaves.errs[layer][p].norm()),

@@ -127,22 +127,33 @@ def context_index(lm, feats: Features, windows: torch.Tensor, *, k: int = TOP_K,
         if should_stop is not None and should_stop():
             raise FeaturesCancelled()
         ids = windows[b0:b0 + batch_size]
-        B = ids.shape[0]
         acts, top_i = sae_encode(feats.sae, capture(lm, hp, ids))  # [B*W, kk]
-        acts, top_i = acts.cpu(), top_i.cpu()
-        fired = acts.view(B, W, -1)[:, 1:] > 0  # [B, W-1, kk]: position 0 skipped, as in the contexts
-        a, f = acts.view(B, W, -1)[:, 1:][fired], top_i.view(B, W, -1)[:, 1:][fired]  # [n] each
-        hist.index_add_(0, f * HIST_BINS + _hist_bins(a), torch.ones_like(f))
-        dense = torch.zeros(B * W, M).scatter_(1, top_i, acts)
-        dense.view(B, W, M)[:, 0] = float("-inf")
-        dense[dense <= 0] = float("-inf")
-        places = b0 * W + torch.arange(B * W)
-        v = torch.cat([vals, dense.T], 1)
-        i = torch.cat([idx, places.expand(M, -1)], 1)
-        t = torch.topk(v, k, dim=1)
-        vals, idx = t.values, torch.gather(i, 1, t.indices)
+        vals, idx = merge_top(vals, idx, hist, acts, top_i, b0, W)
+    return finish_contexts(windows, vals, idx, hist)
+
+
+def merge_top(vals, idx, hist, acts, top_i, b0: int, W: int):
+    """One batch's sparse activations ([B*W, kk] values and feature ids, windows from b0) merged
+    into every feature's k largest (vals, idx [M, k]) and the histogram (in place)."""
+    M, k = vals.shape
+    B = acts.shape[0] // W
+    acts, top_i = acts.float().cpu(), top_i.cpu()
+    fired = acts.view(B, W, -1)[:, 1:] > 0  # [B, W-1, kk]: position 0 skipped, as in the contexts
+    a, f = acts.view(B, W, -1)[:, 1:][fired], top_i.view(B, W, -1)[:, 1:][fired]  # [n] each
+    hist.index_add_(0, f * HIST_BINS + _hist_bins(a), torch.ones_like(f))
+    dense = torch.zeros(B * W, M).scatter_(1, top_i, acts)
+    dense.view(B, W, M)[:, 0] = float("-inf")
+    dense[dense <= 0] = float("-inf")
+    places = b0 * W + torch.arange(B * W)
+    v = torch.cat([vals, dense.T], 1)
+    i = torch.cat([idx, places.expand(M, -1)], 1)
+    t = torch.topk(v, k, dim=1)
+    return t.values, torch.gather(i, 1, t.indices)
+
+
+def finish_contexts(windows: torch.Tensor, vals, idx, hist) -> FeatureContexts:
     idx[~torch.isfinite(vals)] = -1
-    return FeatureContexts(tokens=windows.cpu(), vals=vals, idx=idx, hist=hist.view(M, HIST_BINS))
+    return FeatureContexts(tokens=windows.cpu(), vals=vals, idx=idx, hist=hist.view(vals.shape[0], HIST_BINS))
 
 
 def top_contexts(index: FeatureContexts, tokenizer, feature: int, *, before: int = 16, after: int = 4) -> list[dict]:

@@ -133,6 +133,21 @@ class Transcoders:
     name: str = ""
     record: dict = field(default_factory=dict)
     path: Path | None = None
+    # what each feature reads and writes (model_core.interp.transcoder_contexts), where computed:
+    labels: dict[int, list[str]] = field(default_factory=dict)  # layer -> one label per feature
+    contexts: dict[int, object] = field(default_factory=dict)  # layer -> FeatureContexts (saved, read on demand)
+
+    def feature_label(self, layer: int, feature: int) -> str:
+        names = self.labels.get(layer)
+        return names[feature] if names is not None and 0 <= feature < len(names) else ""
+
+    def feature_contexts(self, layer: int):
+        """The layer's FeatureContexts, or None for a set saved without them."""
+        from model_core.interp import transcoder_contexts as TX
+
+        if layer not in self.contexts and self.path is not None:
+            self.contexts[layer] = TX.load_contexts(self.path / hookpoint(layer))
+        return self.contexts.get(layer)
 
     @property
     def layers(self) -> list[int]:
@@ -284,9 +299,18 @@ def train_transcoders(model_name: str | None = None, layers=(), max_tokens: int 
     if s.eval_tokens >= s.context:
         if progress is not None:
             progress(step, step, {"phase": "evaluating"})
-        quality = evaluate(lm, tc, eval_windows(lm.tokenizer, dataset, s.eval_tokens, s.context),
-                           batch_size=s.batch_size, should_stop=stop)
+        held_out = eval_windows(lm.tokenizer, dataset, s.eval_tokens, s.context)
+        quality = evaluate(lm, tc, held_out, batch_size=s.batch_size, should_stop=stop)
         say("evaluated: " + quality_line(quality))
+        if save:
+            from model_core.interp import transcoder_contexts as TX
+
+            if progress is not None:
+                progress(step, step, {"phase": "reading features"})
+            t1 = time.time()
+            tc.contexts = TX.scan(lm, tc, held_out, batch_size=s.batch_size, should_stop=stop)
+            tc.labels = {layer: TX.labels(lm, coders[layer], tc.contexts[layer]) for layer in coders}
+            say(f"top contexts and labels of {len(coders) * M:,} features in {time.time() - t1:.1f} s")
     sp = import_sparsify()
     record = {"format": FORMAT, "model": lm.name, "layers": list(s.layers), "d_in": d, "num_latents": M, "k": s.k,
               "hookpoints": {str(layer): hookpoint(layer) for layer in s.layers},
@@ -327,8 +351,12 @@ def save_transcoders(tc: Transcoders, name: str, stop: Callable[[], bool] = lamb
     checkpoints.sweep_staging("transcoders")
     stage = checkpoints.staging_dir(name, "transcoders")
     try:
+        from model_core.interp import transcoder_contexts as TX
+
         for layer, coder in tc.coders.items():
             coder.save_to_disk(stage / hookpoint(layer))
+            if tc.contexts.get(layer) is not None:
+                TX.save(stage / hookpoint(layer), tc.contexts[layer], tc.labels.get(layer, []))
         (stage / "transcoders.json").write_text(json.dumps({**tc.record, "name": name}, indent=1), encoding="utf-8")
         if stop():
             raise FeaturesCancelled()
@@ -360,7 +388,11 @@ def load_transcoders(name: str, device="cpu") -> Transcoders:
             raise FeatureError(f"The coder of layer {layer} in '{name}' is an autoencoder, not a transcoder.")
         coder.requires_grad_(False)
         coders[int(layer)] = coder
-    return Transcoders(coders=coders, model=record["model"], name=name, record=record, path=path)
+    from model_core.interp import transcoder_contexts as TX
+
+    found = {int(layer): TX.load_labels(path / hookpoint(int(layer))) for layer in record["layers"]}
+    return Transcoders(coders=coders, model=record["model"], name=name, record=record, path=path,
+                       labels={layer: names for layer, names in found.items() if names})
 
 
 def import_transcoders(src: Path, model: str | None = None, name: str | None = None, fmt: str = "auto") -> Transcoders:
