@@ -30,7 +30,7 @@ TOP_K = 8
 def scan(lm, tc, windows: torch.Tensor, *, k: int = TOP_K, batch_size: int = 8,
          should_stop: Callable[[], bool] | None = None) -> dict[int, FeatureContexts]:
     """{layer: FeatureContexts} over `windows` [N, W]: every feature's k largest activations."""
-    from model_core.interp.transcoders import encode, mlp_pairs
+    from model_core.interp.transcoder_acts import encode, mlp_pairs
 
     N, W = windows.shape
     k = max(1, min(int(k), N * (W - 1)))

@@ -36,6 +36,7 @@ from model_core.core.hook_names import act_name
 from model_core.core.hooks import Recorder, instrument, recording
 from model_core.interp.features_corpus import dataset_texts, eval_windows, window_batches
 from model_core.interp.features_sae import FeatureError, FeaturesCancelled, import_sparsify
+from model_core.interp.transcoder_acts import encode, mlp_pairs, transcode  # noqa: F401  (the set's API)
 
 FORMAT = "lmscope-transcoders"
 SUPPORTED_FAMILIES = ("llama", "gpt2")  # sequential pre-norm blocks whose MLP input is mlp_norm(resid_mid)
@@ -163,23 +164,6 @@ class Transcoders:
                                    f"{lm.name} has width {d} and {lm.shape.n_layers} layers.")
 
 
-def mlp_pairs(lm, ids: torch.Tensor, layers) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """ids [B, T] -> {layer: (mlp input [B, T, d], mlp output [B, T, d])}, float32, one forward.
-    The input is the layer's own MLP norm applied to resid_pre + attn_out (what the MLP reads)."""
-    inst = instrument(lm.adapter)
-    del inst
-    rec = Recorder(layers=frozenset(layers))
-    with torch.inference_mode(), recording(rec):
-        lm.model(input_ids=ids.to(lm.device), use_cache=False)
-        out = {}
-        for layer in layers:
-            block = lm.adapter.layers[layer]
-            mid = rec.store[act_name("resid_pre", layer)] + rec.store[act_name("attn_out", layer)]
-            x = lm.adapter.mlp_norm(block)(mid)
-            out[layer] = (x.float(), rec.store[act_name("mlp_out", layer)].float())
-    return out
-
-
 def transcoders_dir() -> Path:
     p = paths.data_dir() / "transcoders"
     p.mkdir(parents=True, exist_ok=True)
@@ -191,23 +175,6 @@ def new_transcoder(d: int, expansion_factor: int, k: int, device, skip: bool = T
     cfg = sp.SparseCoderConfig(expansion_factor=int(expansion_factor), k=int(k), transcode=True,
                                skip_connection=bool(skip))
     return sp.SparseCoder(d, cfg, device=device, dtype=torch.float32)
-
-
-def encode(coder, x: torch.Tensor):
-    """x [rows, d] -> (top_acts [rows, k], top_indices [rows, k]) (float32)."""
-    enc = coder.encode(x.to(coder.device, torch.float32))
-    return enc.top_acts.float(), enc.top_indices
-
-
-def transcode(coder, x: torch.Tensor) -> torch.Tensor:
-    """[..., d] MLP input -> the transcoder's MLP output [..., d] (float32): the features' decoded sum,
-    plus the skip connection's x W_skip^T where the coder has one."""
-    flat = x.reshape(-1, x.shape[-1]).to(coder.device, torch.float32)
-    with torch.no_grad():
-        out = coder.decode(*encode(coder, flat)).float()
-        if coder.W_skip is not None:
-            out = out + flat @ coder.W_skip.float().mT
-    return out.reshape(x.shape)
 
 
 @dataclass
