@@ -22,7 +22,11 @@ def field_message(elem_id: str) -> gr.Markdown:
     return gr.Markdown("", visible=False, elem_id=elem_id, elem_classes=["field-msg"])
 
 
-def show(text: str):
+def show(text: str | BaseException):
+    """A message shown under a control: a sentence, or the exception that says it (gr.Error's str()
+    wraps its message in quotes, so its message is read instead)."""
+    if isinstance(text, BaseException):
+        text = getattr(text, "message", None) or str(text)
     return gr.update(value=f"⚠️ {text}", visible=True)
 
 

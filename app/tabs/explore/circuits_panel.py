@@ -19,6 +19,7 @@ import torch
 from app.shared import validation as V
 from app.shared.context import endpoint, scratch_dir
 from app.shared.page_js import page_js
+from app.tabs.explore import circuits_view as CV
 from app.tabs.explore import unit_figures as UF
 from app.tabs.explore.circuits_figures import checks_html, graph_figure, node_markdown
 from app.tabs.explore.state import trace_for_state
@@ -26,6 +27,7 @@ from model_core.interp import transcoders as TC
 from model_core.interp.features_sae import FeatureError
 
 CLICK_JS = page_js("circuits_click")  # a node's click -> #circuits-click
+URL_JS = page_js("circuits_url", KEYS=repr(CV.URL_KEYS))  # set, target, thresholds and view -> the URL
 
 
 @lru_cache(maxsize=2)
@@ -53,7 +55,7 @@ def sets_for(model: str) -> list[str]:
     return out
 
 
-def _number(v, name: str, lo: float, hi: float) -> float:
+def number_in(v, name: str, lo: float, hi: float) -> float:
     try:
         x = float(v)
     except (TypeError, ValueError):
@@ -61,6 +63,18 @@ def _number(v, name: str, lo: float, hi: float) -> float:
     if not lo < x <= hi:
         raise FeatureError(f"'{name}' must be a number above {lo:g} and at most {hi:g}.")
     return x
+
+
+def graph_summary(g, tc) -> str:
+    """A built graph in one line: its size, how much of the active features it kept and how long it
+    took, whether every check passed, and the transcoder set's quality."""
+    feats = sum(n.kind == "feature" for n in g.nodes)
+    ok = all(c["ok"] for c in g.checks.values() if c)
+    quality = TC.quality_line(tc.record["quality"]) if tc.record.get("quality") else "not evaluated"
+    return (f"**{feats} feature{'s' * (feats != 1)}** and {len(g.nodes) - feats} other nodes, {len(g.edges)} edges, kept of "
+            f"{g.stats['active_features']:,} active features ({g.stats['rows_computed']} rows computed in "
+            f"{g.stats['seconds']:.1f} s) · checks: {'**all ok**' if ok else '**a check FAILED**'} · transcoders "
+            f"`{tc.name}`: {quality}")
 
 
 def _graph(graph) -> dict:
@@ -81,8 +95,9 @@ def refresh_sets(state, request: gr.Request = None):
 
 
 @endpoint(model=True)
-def build(state, name, target, node_threshold, edge_threshold, request: gr.Request = None):
-    """[graph figure, checks, summary, node menu, graph (state), message]."""
+def build(state, name, target, node_threshold, edge_threshold, view="", request: gr.Request = None):
+    """[graph figure, checks, summary, node menu, graph (state), message]; the figure drawn with the
+    page's view (its supernodes and pins, where their nodes are in the new graph)."""
     from model_core.interp.attribution_graph import attribution_graph
 
     try:
@@ -90,45 +105,112 @@ def build(state, name, target, node_threshold, edge_threshold, request: gr.Reque
         tc = open_set(name, tr.lm)
         t = str(target or "")[:100]
         g = attribution_graph(tr.lm, tc, tr.token_ids, t if t.strip() else None,
-                              node_threshold=_number(node_threshold, "node threshold", 0, 1),
-                              edge_threshold=_number(edge_threshold, "edge threshold", 0, 1))
+                              node_threshold=number_in(node_threshold, "node threshold", 0, 1),
+                              edge_threshold=number_in(edge_threshold, "edge threshold", 0, 1))
     except (gr.Error, FeatureError) as e:
-        return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), V.show(str(e))
+        return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), V.show(e)
     d = g.to_dict()
     d["n_layers"] = tr.lm.shape.n_layers
     feats = sorted((n for n in g.nodes if n.kind == "feature"), key=lambda n: -n.influence)
     choices = [(f"{n.id} ({n.token!r}, influence {n.influence:.3f})", n.id) for n in feats]
     choices += [(f"{n.id} ({n.kind}, {n.token!r})", n.id) for n in g.nodes if n.kind != "feature"]
-    ok = all(c["ok"] for c in g.checks.values() if c)
-    summary = (f"**{len(feats)} features** and {len(g.nodes) - len(feats)} other nodes, {len(g.edges)} edges, kept "
-               f"of {g.stats['active_features']:,} active features ({g.stats['rows_computed']} rows computed in "
-               f"{g.stats['seconds']:.1f} s) · checks: {'**all ok**' if ok else '**a check FAILED**'} · transcoders "
-               f"`{tc.name}`: {TC.quality_line(tc.record['quality']) if tc.record.get('quality') else 'not evaluated'}")
-    return (graph_figure(d, d["n_layers"]), checks_html(g.checks), summary,
+    return (graph_figure(d, d["n_layers"], view=CV.parse(view)), checks_html(g.checks), graph_summary(g, tc),
             gr.update(choices=choices, value=[]), d, V.clear())
 
 
 @endpoint
-def clicked(graph, box, chosen, request: gr.Request = None):
+def clicked(graph, box, chosen, view="", request: gr.Request = None):
     """A node clicked in the figure ("node id:n" from CLICK_JS): added to the chosen nodes (or removed
-    when it was chosen), its page shown."""
+    when it was chosen), its page shown. A supernode's click chooses (or unchooses) its members."""
     try:
         g = _graph(graph)
     except FeatureError as e:
-        return gr.skip(), gr.skip(), gr.skip(), V.show(str(e))
+        return gr.skip(), gr.skip(), gr.skip(), V.show(e)
+    v = CV.parse(view)
     nid = str(box or "").rsplit(":", 1)[0]
     ids = {n["id"] for n in g["nodes"]}
-    if nid not in ids:
+    chosen = CV.chosen_ids(chosen, g)
+    if nid.startswith("group:") and nid[6:] in v["groups"]:
+        members = [m for m in v["groups"][nid[6:]] if m in ids]
+        chosen = ([c for c in chosen if c not in members] if members and set(members) <= set(chosen)
+                  else list(dict.fromkeys(chosen + members)))
+    elif nid in ids:
+        chosen = [c for c in chosen if c != nid] if nid in chosen else chosen + [nid]
+    else:
         return gr.skip(), gr.skip(), gr.skip(), gr.skip()
-    chosen = [c for c in (chosen or []) if isinstance(c, str) and c in ids]
-    chosen = [c for c in chosen if c != nid] if nid in chosen else chosen + [nid]
-    return gr.update(value=chosen), node_markdown(g, nid), graph_figure(g, g["n_layers"], chosen), V.clear()
+    return (gr.update(value=chosen), node_markdown(g, nid, view=v), graph_figure(g, g["n_layers"], chosen, v),
+            V.clear())
+
+
+def _view_change(change, graph, chosen, view, *args):
+    """[view box, figure, message] after `change(view, chosen ids, *args)` -> (view, sentence)."""
+    try:
+        g = _graph(graph)
+        v, said = change(CV.parse(view), CV.chosen_ids(chosen, g), *args)
+    except (FeatureError, CV.ViewError) as e:
+        return gr.skip(), gr.skip(), V.show(e)
+    return CV.dumps(v), graph_figure(g, g["n_layers"], CV.chosen_ids(chosen, g), v), V.show(said)
+
+
+@endpoint
+def group_nodes(graph, chosen, view, name, request: gr.Request = None):
+    return _view_change(lambda v, ids, n: CV.group(v, n, ids), graph, chosen, view, name)
+
+
+@endpoint
+def ungroup_nodes(graph, chosen, view, name, request: gr.Request = None):
+    return _view_change(lambda v, ids, n: CV.ungroup(v, n), graph, chosen, view, name)
+
+
+@endpoint
+def pin_nodes(graph, chosen, view, request: gr.Request = None):
+    return _view_change(lambda v, ids: CV.toggle_pins(v, ids), graph, chosen, view)
+
+
+@endpoint
+def pinned_only(graph, chosen, view, flag, request: gr.Request = None):
+    def change(v, ids, on):
+        on = on is True
+        if on and not v["pins"] and not v["groups"]:
+            raise CV.ViewError("Pin nodes or group them first: with none, only the logit would be left.")
+        return {**v, "pinned_only": on}, ("Showing the pinned nodes, the supernodes and the logit." if on
+                                          else "Showing the whole graph.")
+    return _view_change(change, graph, chosen, view, flag)
+
+
+@endpoint
+def clear_view(graph, chosen, request: gr.Request = None):
+    return _view_change(lambda v, ids: (CV.empty(), "Supernodes and pins cleared."), graph, chosen, "")
+
+
+@endpoint
+def from_link(request: gr.Request = None):
+    """A link's ?circuits=... -> [accordion, set, target, thresholds, view box, pending link, message]:
+    the graph is built once the link's own trace is there (built_from_link)."""
+    q = dict(request.query_params) if request is not None else {}
+    link = CV.from_query(q)
+    if link is None:
+        return (gr.skip(),) * 8
+    if link["set"] not in TC.list_transcoders():
+        return (gr.update(open=True), *(gr.skip(),) * 5, None,
+                V.show(f"The link's transcoder set '{link['set']}' is not on this server, so no graph was built."))
+    return (gr.update(open=True), gr.update(choices=[link["set"]], value=link["set"]), link["target"],
+            link["node_threshold"], link["edge_threshold"], CV.dumps(link["view"]), {"pending": True}, V.clear())
+
+
+@endpoint(model=True)
+def built_from_link(state, link, name, target, node_threshold, edge_threshold, view, request: gr.Request = None):
+    """The graph a link names, once its trace is there; [figure, checks, summary, node menu, graph,
+    message, pending link]."""
+    if not isinstance(link, dict) or not link.get("pending") or not isinstance(state, dict) or not state.get("model"):
+        return (gr.skip(),) * 7
+    return (*build(state, name, target, node_threshold, edge_threshold, view, request=request), None)
 
 
 @endpoint(model=True)
 def open_node(state, name, graph, chosen, request: gr.Request = None):
-    """[node page, the feature's promoted tokens, its activation along the prompt, message] for the
-    last chosen node."""
+    """[node page, its top activations, the feature's promoted tokens, its activation along the
+    prompt, message] for the last chosen node."""
     try:
         g = _graph(graph)
         chosen = [c for c in (chosen or []) if isinstance(c, str)]
@@ -138,18 +220,34 @@ def open_node(state, name, graph, chosen, request: gr.Request = None):
         n = by_id[chosen[-1]]
         page = node_markdown(g, n["id"])
         if n["kind"] != "feature":
-            return page, UF.empty("Only feature nodes have decoder rows."), UF.empty(
+            return page, "", UF.empty("Only feature nodes have decoder rows."), UF.empty(
                 "Only feature nodes have activations."), V.clear()
         tr = trace_for_state(state)
         tc = open_set(name, tr.lm)
         top = _promoted(tr.lm, tc, n["layer"], n["feature"])
         along = _activation_along(tr.lm, tc, tr.token_ids, n["layer"], n["feature"])
+        ctx = contexts_block(tr.lm, tc, n["layer"], n["feature"])
     except (gr.Error, FeatureError) as e:
-        return gr.skip(), gr.skip(), gr.skip(), V.show(str(e))
+        return gr.skip(), gr.skip(), gr.skip(), gr.skip(), V.show(e)
     from app.tabs.explore.features_panel import activation_figure
 
-    return (page, UF.weights_figure(top, f"{n['id']}: tokens its decoder row promotes / suppresses (W_dec·W_U)"),
+    return (page, ctx, UF.weights_figure(top, f"{n['id']}: tokens its decoder row promotes / suppresses (W_dec·W_U)"),
             activation_figure(along, g["prompt_tokens"], n["feature"]), V.clear())
+
+
+def contexts_block(lm, tc, layer: int, f: int, shown: int = 8) -> str:
+    """A feature's top activations over the set's held-out text (saved by the transcoders job), as the
+    feature sets' page shows them."""
+    from app.tabs.explore.features_panel import contexts_html
+    from model_core.interp.features_reading import top_contexts
+
+    index = tc.feature_contexts(layer)
+    if index is None:
+        return "<p>Top activations: this set was saved without them (imported from another library).</p>"
+    rows = top_contexts(index, lm.tokenizer, f)[:shown]
+    if not rows:
+        return f"<p>Top activations: it never fired on the {index.scanned:,} held-out tokens the set was measured on.</p>"
+    return f"<p><b>Top activations</b> over {index.scanned:,} held-out tokens:</p>" + contexts_html(rows)
 
 
 def _promoted(lm, tc, layer: int, f: int, k: int = 10) -> dict:
@@ -184,14 +282,14 @@ def intervene(state, name, graph, chosen, scale, request: gr.Request = None):
     try:
         g = _graph(graph)
         nodes = parse_feature_nodes(list(chosen or []), {n["id"]: n for n in g["nodes"]})
-        s = _number(scale, "scale", -10.000001, 10)
+        s = number_in(scale, "scale", -10.000001, 10)
         tr = trace_for_state(state)
         tc = open_set(name, tr.lm)
         if tr.token_ids != g["prompt_ids"]:
             raise FeatureError("The prompt changed since the graph was built; build it again.")
         r = run(tr.lm, tc, tr.token_ids, nodes, scale=s, target=g["target"])
     except (gr.Error, FeatureError) as e:
-        return gr.skip(), gr.skip(), V.show(str(e))
+        return gr.skip(), gr.skip(), V.show(e)
     base, after = r["base"], r["after"]
     union = list(dict.fromkeys(base.topk(8).indices.tolist() + after.topk(8).indices.tolist()))
     union.sort(key=lambda i: -float(base[i]))
@@ -225,7 +323,7 @@ def qk(state, name, graph, layer, head, key_pos, request: gr.Request = None):
         r = qk_attribution(FrozenModel(tr.lm, tc, g["prompt_ids"], g["target"]), vals[0], vals[1],
                            len(g["prompt_ids"]) - 1, vals[2])
     except (gr.Error, FeatureError) as e:
-        return gr.skip(), V.show(str(e))
+        return gr.skip(), V.show(e)
     ok = "ok" if r.check["ok"] else "FAILED"
     lines = [f"**Layer {r.layer}, head {r.head}**: from the last position to position {r.key_pos} "
              f"({g['prompt_tokens'][r.key_pos]!r}): score **{r.score:.4f}**, attention weight **{r.pattern:.4f}**. "
@@ -237,15 +335,15 @@ def qk(state, name, graph, layer, head, key_pos, request: gr.Request = None):
 
 
 @endpoint
-def download(graph, request: gr.Request = None):
-    """The graph in Neuronpedia's layout, as a file."""
+def download(graph, view="", request: gr.Request = None):
+    """The graph in Neuronpedia's layout, as a file, with the view's pins and supernodes."""
     from model_core.interp.attribution_export import neuronpedia_json
     from model_core.interp.attribution_graph import Graph, Node
 
     try:
         g = _graph(graph)
     except FeatureError as e:
-        return gr.skip(), V.show(str(e))
+        return gr.skip(), V.show(e)
     graph_obj = Graph(prompt_tokens=g["prompt_tokens"], target=g["target"], target_token=g["target_token"],
                       prompt_ids=g["prompt_ids"], target_prob=g["target_prob"], model=g["model"],
                       nodes=[Node(**n) for n in g["nodes"]],
@@ -253,14 +351,18 @@ def download(graph, request: gr.Request = None):
                       settings=g["settings"], stats=g["stats"])
     d = scratch_dir("graph")
     path = d / f"attribution-graph-{int(time.time())}.json"
-    path.write_text(json.dumps(neuronpedia_json(graph_obj, g["n_layers"])), encoding="utf-8")
+    v = CV.parse(view)
+    known = {n["id"] for n in g["nodes"]}
+    supernodes = [[name, *[m for m in ms if m in known]] for name, ms in v["groups"].items()]
+    path.write_text(json.dumps(neuronpedia_json(graph_obj, g["n_layers"], pinned=[p for p in v["pins"] if p in known],
+                                                supernodes=[s for s in supernodes if len(s) > 1])), encoding="utf-8")
     return gr.update(value=[str(path)], visible=True), V.clear()
 
 
 class CircuitsPanel:
     def __init__(self, tab):
         self.tab = tab
-        with gr.Accordion("Attribution graph (circuits)", open=False, elem_id="circuits"):
+        with gr.Accordion("Attribution graph (circuits)", open=False, elem_id="circuits") as self.accordion:
             gr.Markdown("How the model gets from this prompt to its next token, drawn as transcoder features joined "
                         "by their direct effects (the method of Anthropic's circuit-tracer). Train a transcoder set "
                         "with `lmscope jobs submit transcoders --wait`, pick it here and build the graph; the checks "
@@ -282,12 +384,24 @@ class CircuitsPanel:
             self.plot = gr.Plot(label="Attribution graph", elem_id="circuits-graph")
             self.checks = gr.HTML(elem_id="circuits-checks")
             self.graph = gr.State(None)
+            self.link = gr.State(None)  # a link's graph waiting for the link's own trace
             self.click = gr.Textbox(visible="hidden", elem_id="circuits-click", label="graph click")
+            self.view = gr.Textbox(CV.dumps(CV.empty()), visible="hidden", elem_id="circuits-view", label="view")
             with gr.Row():
                 self.chosen = gr.Dropdown(choices=[], multiselect=True, label="chosen nodes", elem_id="circuits-nodes",
                                           scale=3)
                 self.open_btn = gr.Button("Open the last chosen node", elem_id="circuits-open", scale=1)
+            with gr.Row(elem_id="circuits-view-row"):
+                self.group_name = gr.Textbox(label="supernode name", max_lines=1, elem_id="circuits-group-name",
+                                             scale=2)
+                self.group_btn = gr.Button("Group the chosen nodes", elem_id="circuits-group", scale=1)
+                self.ungroup_btn = gr.Button("Ungroup it", elem_id="circuits-ungroup", scale=1)
+                self.pin_btn = gr.Button("Pin / unpin the chosen nodes", elem_id="circuits-pin", scale=1)
+                self.pinned_only = gr.Checkbox(False, label="only pinned nodes and supernodes",
+                                               elem_id="circuits-pinned-only", scale=1)
+                self.clear_btn = gr.Button("Clear the view", elem_id="circuits-clear-view", scale=1)
             self.page = gr.Markdown(elem_id="circuits-page")
+            self.contexts = gr.HTML(elem_id="circuits-contexts")
             with gr.Row():
                 self.weights = gr.Plot(label="Through the unembedding", elem_id="circuits-weights")
                 self.along = gr.Plot(label="Along the prompt", elem_id="circuits-along")
@@ -309,17 +423,32 @@ class CircuitsPanel:
 
     def wire(self) -> None:
         tab = self.tab
+        settings = [self.set, self.target, self.node_threshold, self.edge_threshold, self.view]
+        graph_out = [self.plot, self.checks, self.summary, self.chosen, self.graph, self.msg]
         self.refresh.click(refresh_sets, [tab.state], [self.set, self.msg])
-        self.build.click(build, [tab.state, self.set, self.target, self.node_threshold, self.edge_threshold],
-                         [self.plot, self.checks, self.summary, self.chosen, self.graph, self.msg],
-                         concurrency_id="model")
-        self.click.input(clicked, [self.graph, self.click, self.chosen], [self.chosen, self.page, self.plot, self.msg])
+        self.build.click(build, [tab.state, *settings], graph_out, concurrency_id="model").then(
+            None, settings, None, js=URL_JS)
+        self.click.input(clicked, [self.graph, self.click, self.chosen, self.view],
+                         [self.chosen, self.page, self.plot, self.msg])
+        view_out = [self.view, self.plot, self.msg]
+        for ev in (self.group_btn.click(group_nodes, [self.graph, self.chosen, self.view, self.group_name], view_out),
+                   self.ungroup_btn.click(ungroup_nodes, [self.graph, self.chosen, self.view, self.group_name],
+                                          view_out),
+                   self.pin_btn.click(pin_nodes, [self.graph, self.chosen, self.view], view_out),
+                   self.pinned_only.input(pinned_only, [self.graph, self.chosen, self.view, self.pinned_only],
+                                          view_out),
+                   self.clear_btn.click(clear_view, [self.graph, self.chosen], view_out)):
+            ev.then(None, settings, None, js=URL_JS)
+        if tab.shared.page is not None:  # a link with ?circuits=...: its graph once its trace is there
+            tab.shared.page.load(from_link, None, [self.accordion, *settings, self.link, self.msg])
+            tab.state.change(built_from_link, [tab.state, self.link, *settings], [*graph_out, self.link],
+                             concurrency_id="model")
         self.open_btn.click(open_node, [tab.state, self.set, self.graph, self.chosen],
-                            [self.page, self.weights, self.along, self.msg], concurrency_id="views")
+                            [self.page, self.contexts, self.weights, self.along, self.msg], concurrency_id="views")
         self.ablate.click(intervene, [tab.state, self.set, self.graph, self.chosen, self.scale],
                           [self.ablate_plot, self.ablate_note, self.msg], concurrency_id="model")
         self.qk_btn.click(qk, [tab.state, self.set, self.graph, self.qk_layer, self.qk_head, self.qk_key],
                           [self.qk_out, self.msg], concurrency_id="model")
-        self.download_btn.click(download, [self.graph], [self.files, self.msg])
+        self.download_btn.click(download, [self.graph, self.view], [self.files, self.msg])
         if tab.shared.page is not None:
             tab.shared.page.load(None, None, None, js=CLICK_JS)

@@ -143,7 +143,7 @@ def on_prompt(state, name, query, request: gr.Request = None):
         tr = trace_for_state(state)
         acts = FT.feature_activations(tr.lm, feats, tr.token_ids, top=5)
     except (gr.Error, FT.FeatureError) as e:
-        return gr.skip(), gr.skip(), gr.skip(), V.show(str(e))
+        return gr.skip(), gr.skip(), gr.skip(), V.show(e)
     q = clamp(query, len(acts["positions"]) - 1)
     here = acts["positions"][q]["features"]
     choices = [(f"#{f['feature']} ({f['activation']:.2f}) {_short(labels, f['feature'])}", f["feature"]) for f in here]
@@ -168,7 +168,7 @@ def open_feature(state, name, feature, request: gr.Request = None):
         dense = _dense(feats, x, f)
         ctx = FT.top_contexts(index, lm.tokenizer, f) if index is not None else []
     except (gr.Error, FT.FeatureError) as e:
-        return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), V.show(str(e))
+        return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), V.show(e)
     lab = labels[f] if f < len(labels) else {"label": "", "contexts": len(ctx)}
     d = FT.density(index, f) if index is not None else {}
     fires = (f"fires on **{d['density']:.3%}** of the {d['scanned']:,} tokens scanned ({d['fired']:,})"
@@ -202,7 +202,7 @@ def clamp_feature(state, name, feature, value, request: gr.Request = None):
         lm = tr.lm
         edits = feature_edits(lm, feats, f, value)  # one sentence for a set of another model
     except (gr.Error, FT.FeatureError) as e:
-        return gr.skip(), gr.skip(), V.show(str(e))
+        return gr.skip(), gr.skip(), V.show(e)
     shift = next_token_shift(lm, torch.tensor([tr.token_ids], device=lm.device), edits)
     base, after, kl = shift["base"], shift["after"], shift["kl"]
     union = list(dict.fromkeys(base.topk(8).indices.tolist() + after.topk(8).indices.tolist()))
@@ -226,7 +226,7 @@ def search(name, text, request: gr.Request = None):
     try:
         _, _, labels = open_set(name)
     except gr.Error as e:
-        return gr.skip(), V.show(str(e))
+        return gr.skip(), V.show(e)
     needle = str(text or "").strip().lower()[:200]
     if not needle:
         return gr.skip(), V.show("Type a token or a word to search the labels.")

@@ -94,7 +94,7 @@ def start(state, n_prompts, tokens, request: gr.Request = None):
     except gr.Error:
         raise
     except Exception as e:  # noqa: BLE001 - a bad setting or no broker: one sentence beside the buttons
-        return gr.skip(), gr.skip(), gr.skip(), V.show(str(e))
+        return gr.skip(), gr.skip(), gr.skip(), V.show(e)
     return rec["id"], jf.progress_html(rec), gr.Timer(active=True), V.clear()
 
 
@@ -134,7 +134,7 @@ def pick_head(result, label, head_text, request: gr.Request = None):
     try:
         _, _, choices = top_prompts(result, label, head_text)
     except gr.Error as e:
-        return gr.skip(), V.show(str(e))
+        return gr.skip(), V.show(e)
     return gr.update(choices=choices, value=choices[0][1] if choices else None), V.clear()
 
 
@@ -145,7 +145,7 @@ def open_head(result, label, head_text, choice, request: gr.Request = None):
     try:
         layer, head, choices = top_prompts(result, label, head_text)
     except gr.Error as e:
-        return gr.skip(), gr.skip(), gr.skip(), V.show(str(e)), False
+        return gr.skip(), gr.skip(), gr.skip(), V.show(e), False
     index = choice if choice in [i for _, i in choices] else choices[0][1]
     return result["data"]["prompts"][index]["text"], layer, head, V.clear(), True
 

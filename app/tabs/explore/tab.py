@@ -434,7 +434,7 @@ def run_steered_trace(model, prompt, chat, truncate, layer, head, query, lens_co
     try:
         edits, line = steering_settings.edits_for(get_model(model), steer)
     except LmscopeError as e:
-        return [gr.skip()] * len(RUN_OUTPUT_NAMES) + [V.show(str(e))]
+        return [gr.skip()] * len(RUN_OUTPUT_NAMES) + [V.show(e)]
     return [*_run(model, prompt, chat, truncate, layer, head, query, lens_colour, temperature, top_k, top_p, min_p,
                   rep, steer=(steer, edits, line)), V.clear()]
 
@@ -457,7 +457,7 @@ def _run(model, prompt, chat, truncate, layer, head, query, lens_colour, tempera
         tr = trace(lm, prompt, chat=bool(chat), truncate=bool(truncate), max_tokens=max_prompt_tokens(),
                    edits=steer[1] if steer else None)
     except LmscopeError as e:  # an empty or too long prompt: every view keeps the last good one
-        return [gr.skip()] * (len(RUN_OUTPUT_NAMES) - 2) + [V.show(str(e)), gr.skip()]
+        return [gr.skip()] * (len(RUN_OUTPUT_NAMES) - 2) + [V.show(e), gr.skip()]
     key = STORE.put(tr)
     FILLER.schedule(tr)  # the lens of every position, while the server is idle (zooms find it ready)
     shape = lm.shape

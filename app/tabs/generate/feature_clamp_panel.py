@@ -61,7 +61,7 @@ def run_clamped(model_name, prompt, chat, set_name, feature, value, from_pos, ma
         plain, clamped = generations_at_once(lm, prompt, [None, edits], **options)  # side by side on the engine
         shift = FS.next_token_shift(lm, torch.tensor([plain.prompt_ids], device=lm.device), edits)
     except (LmscopeError, gr.Error) as e:
-        return gr.skip(), gr.skip(), gr.skip(), V.show(str(e))
+        return gr.skip(), gr.skip(), gr.skip(), V.show(e)
     a, b = generation_to_json(lm, plain), generation_to_json(lm, clamped)
     label = labels[f]["label"] if f < len(labels) else ""
     what = "ablated (0)" if v == 0 else f"clamped to {v:g}"

@@ -68,7 +68,7 @@ def run_pair(model_name, prompt, chat, choice, pairs_text, layer, alpha, from_po
         sweep = Steered.alpha_sweep(lm, prompt, vec, [0.0, alpha], targets=[i for _, i in targets] or None,
                                chat=options["chat"], from_position=from_pos)
     except LmscopeError as e:
-        return gr.skip(), gr.skip(), gr.skip(), V.show(str(e))
+        return gr.skip(), gr.skip(), gr.skip(), V.show(e)
     b, s = generation_to_json(lm, base.generation), generation_to_json(lm, steered.generation)
     lines = [note, f"**α = {alpha:g}**: KL of the next-token distribution from the unsteered one "
                    f"{sweep[-1].kl_from_unsteered:.3f} nats."]
@@ -94,7 +94,7 @@ def run_sweep(model_name, prompt, chat, choice, pairs_text, layer, alphas_text, 
         rows = Steered.alpha_sweep(lm, prompt, vec, alphas, targets=[i for _, i in targets] or None, chat=chat,
                               from_position=from_pos, generate_options=options)
     except LmscopeError as e:
-        return gr.skip(), gr.skip(), gr.skip(), V.show(str(e))
+        return gr.skip(), gr.skip(), gr.skip(), V.show(e)
     data = [{"alpha": r.alpha, "kl_from_unsteered": r.kl_from_unsteered, "base_perplexity": r.base_perplexity,
              "target_logprob": r.target_logprob} for r in rows]
     table = pd.DataFrame([[r.alpha, round(r.kl_from_unsteered, 4), None if r.base_perplexity is None else

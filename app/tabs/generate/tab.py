@@ -191,6 +191,9 @@ class GenerateTab:
             self._settings_column()
             self._output_column()
         self._step_section()
+        from app.tabs.generate import step_graph_panel  # the step's attribution graph, under its record
+
+        step_graph_panel.build(self)
         self._samples_section()
         self._kv_section()
         self.messages = [self.gen_msg, self.topk_msg, self.seed_msg]
