@@ -62,6 +62,8 @@ from model_core.training.sft_data import (
     Collator,
     EncodedData,
     ListDataset,
+    PackingCollator,
+    PadOnly,
     assistant_char_spans,
     builtin_dataset,
     encode_conversation,
@@ -75,6 +77,7 @@ from model_core.training.sft_data import (
     prepare_run_data,
     quiet_datasets,
     read_dataset_text,
+    unused_token_id,
     write_builtin_jsonl,
 )
 from model_core.training.sft_eval import (
@@ -108,7 +111,7 @@ from model_core.training.sft_settings import (
 # Callers (tasks/, app/, bench/, tests/) import all of these from model_core.training.sft.
 __all__ = [
     "BUILTIN", "BUILTIN_TASK", "H100_BF16_PEAK", "IGNORE", "MAX_KEEP_CHECKPOINTS", "MAX_SAMPLE_PROMPTS",
-    "MAX_SAMPLE_STEPS", "SAMPLE_MAX_NEW_TOKENS", "SIMPLE_CHAT_TEMPLATE", "Collator", "DatasetError", "EncodedData",
+    "MAX_SAMPLE_STEPS", "SAMPLE_MAX_NEW_TOKENS", "SIMPLE_CHAT_TEMPLATE", "Collator", "PackingCollator", "DatasetError", "EncodedData",
     "SFTCancelled", "SFTError", "SFTResult", "SFTSettings", "SettingsError", "apply_lora", "assistant_char_spans",
     "builtin_dataset", "checkpoint_name", "checkpoint_steps", "compare_models", "count_params",
     "default_output_name", "encode_conversation", "encode_dataset", "ensure_chat_template", "evaluate_accuracy",
@@ -402,9 +405,15 @@ def _trainer(s: SFTSettings, model, tok, dev, train: EncodedData, ev: EncodedDat
         include_num_input_tokens_seen="non_padding", optim="adamw_torch_fused" if use_cuda else "adamw_torch",
         **speed,
     ))
+    extra = {}
+    if s.packing:  # padding-free rows; their padding id is one no example uses, so the token count is exact
+        pad = unused_token_id(train.examples + (ev.examples if ev else []), model.get_input_embeddings().num_embeddings)
+        collator, extra["processing_class"] = PackingCollator(pad, s.max_length), PadOnly(pad)
+    else:
+        collator = Collator(tok.pad_token_id)
     return Trainer(model=model, args=args, train_dataset=ListDataset(train.examples),
-                   eval_dataset=ListDataset(ev.examples) if ev else None,
-                   data_collator=Collator(tok.pad_token_id), callbacks=[cb])
+                   eval_dataset=ListDataset(ev.examples) if ev else None, data_collator=collator, callbacks=[cb],
+                   **extra)
 
 
 def run_sft_on_gpus(settings: SFTSettings | dict, progress: ProgressFn | None = None,

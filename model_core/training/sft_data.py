@@ -267,6 +267,22 @@ def quiet_datasets() -> None:
         pass
 
 
+def _flat(batch: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(every example's input ids, its labels, one after another; each example's length): one tensor
+    each, so a batch of hundreds of examples is laid out by indexing rather than per-example copies
+    (collation runs between GPU steps)."""
+    lens = torch.tensor([len(b["input_ids"]) for b in batch])
+    ids = torch.tensor([t for b in batch for t in b["input_ids"]], dtype=torch.long)
+    labels = torch.tensor([t for b in batch for t in b["labels"]], dtype=torch.long)
+    return ids, labels, lens
+
+
+def _within(lens: torch.Tensor) -> torch.Tensor:
+    """For every token, its place inside its own example."""
+    starts = torch.cumsum(lens, 0) - lens
+    return torch.arange(int(lens.sum())) - torch.repeat_interleave(starts, lens)
+
+
 class Collator:
     """Right-pad a batch; labels padded with -100."""
 
@@ -274,16 +290,80 @@ class Collator:
         self.pad_id = pad_id
 
     def __call__(self, batch: list[dict]) -> dict:
-        T = max(len(b["input_ids"]) for b in batch)
-        ids = torch.full((len(batch), T), self.pad_id, dtype=torch.long)
-        labels = torch.full((len(batch), T), IGNORE, dtype=torch.long)
-        att = torch.zeros((len(batch), T), dtype=torch.long)
-        for i, b in enumerate(batch):
-            n = len(b["input_ids"])
-            ids[i, :n] = torch.tensor(b["input_ids"])
-            labels[i, :n] = torch.tensor(b["labels"])
-            att[i, :n] = 1
+        flat_ids, flat_labels, lens = _flat(batch)
+        B, T = len(batch), int(lens.max())
+        ids = torch.full((B, T), self.pad_id, dtype=torch.long)
+        labels = torch.full((B, T), IGNORE, dtype=torch.long)
+        att = torch.zeros((B, T), dtype=torch.long)
+        row, col = torch.repeat_interleave(torch.arange(B), lens), _within(lens)
+        ids[row, col], labels[row, col], att[row, col] = flat_ids, flat_labels, 1
         return {"input_ids": ids, "labels": labels, "attention_mask": att}
+
+
+class PackingCollator:
+    """Padding-free batches: a step's examples packed first-fit (longest first) into rows of at most
+    `row_tokens` tokens, position_ids restarting at each example and no attention mask, so that
+    transformers' masking (masking_utils.find_packed_sequence_indices) keeps every example to its
+    own tokens. The first token of each example gets no label (the one before it belongs to another
+    example). What is left at the end of a row is one padding segment of its own, label -100. The
+    loss is the same mean over the same tokens as Collator's padded batch (tests/unit/test_sft_packing.py)."""
+
+    def __init__(self, pad_id: int, row_tokens: int):
+        self.pad_id = pad_id
+        self.row_tokens = int(row_tokens)
+
+    def rows(self, batch: list[dict]) -> list[list[dict]]:
+        cap = max(self.row_tokens, max(len(b["input_ids"]) for b in batch))
+        rows: list[list[dict]] = []
+        room: list[int] = []
+        for b in sorted(batch, key=lambda b: -len(b["input_ids"])):
+            n = len(b["input_ids"])
+            i = next((j for j, r in enumerate(room) if r >= n), None)
+            if i is None:
+                rows.append([])
+                room.append(cap)
+                i = len(rows) - 1
+            rows[i].append(b)
+            room[i] -= n
+        return rows
+
+    def __call__(self, batch: list[dict]) -> dict:
+        rows = self.rows(batch)
+        order = [b for r in rows for b in r]
+        flat_ids, flat_labels, lens = _flat(order)
+        row_of = torch.tensor([i for i, r in enumerate(rows) for _ in r])
+        used = torch.zeros(len(rows), dtype=torch.long).index_add_(0, row_of, lens)
+        T = int(used.max())
+        starts = torch.cumsum(lens, 0) - lens  # each example's offset in the flat layout ...
+        row_start = torch.cumsum(used, 0) - used
+        offset = starts - row_start[row_of]  # ... and in its row
+        within = _within(lens)
+        row, col = torch.repeat_interleave(row_of, lens), torch.repeat_interleave(offset, lens) + within
+        flat_labels = flat_labels.clone()
+        flat_labels[starts] = IGNORE  # an example's first token: the token before it is another example's
+        ids = torch.full((len(rows), T), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(rows), T), IGNORE, dtype=torch.long)
+        # the padding after each row's examples: a segment of its own (positions from 0)
+        pos = torch.arange(T).expand(len(rows), T) - used[:, None]
+        pos = pos.clamp(min=0).clone()
+        ids[row, col], labels[row, col], pos[row, col] = flat_ids, flat_labels, within
+        # use_cache=False: with a cache, transformers builds a plain causal mask over the whole row
+        return {"input_ids": ids, "labels": labels, "position_ids": pos, "use_cache": False}
+
+
+def unused_token_id(examples: list[dict], vocab_size: int) -> int:
+    """The largest token id no example uses: a packed batch's padding, so that the Trainer's
+    non-padding count (input_ids != pad id) counts exactly the examples' tokens (the tokenizer's
+    own pad id is often its end-of-turn token, which the examples hold)."""
+    used = {t for e in examples for t in e["input_ids"]}
+    return next(i for i in range(vocab_size - 1, -1, -1) if i not in used)
+
+
+@dataclass
+class PadOnly:
+    """The Trainer's processing_class for packed batches: it reads pad_token_id to count tokens."""
+
+    pad_token_id: int
 
 
 class ListDataset(torch.utils.data.Dataset):

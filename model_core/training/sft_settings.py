@@ -72,6 +72,10 @@ class SFTSettings:
     accuracy_examples: int = 40  # held-out prompts generated before/after (0 = skip)
     device: str | None = None
     torch_compile: bool | None = None  # None: on for a GPU (each decoder layer compiled), off for the CPU
+    # a step's examples packed into rows of max_length tokens without padding (PackingCollator). Off by
+    # default: on the built-in data (examples of similar length) it measured 0.91x of padded batches on
+    # an H200 (a masked attention kernel instead of flash) and 0.88x on the CPU
+    packing: bool = False
     overwrite: bool = False
     sample_every: int | None = None  # steps between sample generations; default ~4 points per run; 0 = off
     sample_prompts: int = 3  # held-out prompts generated greedily at step 0, every sample_every steps, and at the end
@@ -147,6 +151,7 @@ def validate_settings(raw: dict | SFTSettings) -> SFTSettings:
         accuracy_examples=setting_number(d, "accuracy_examples", int, 0, 10_000),
         device=(str(d["device"]) if d.get("device") else None),
         torch_compile=(None if d.get("torch_compile") is None else bool(d.get("torch_compile"))),
+        packing=str(d.get("packing")).strip().lower() in ("true", "1", "yes", "on"),
         overwrite=bool(d.get("overwrite")),
         sample_every=setting_number(d, "sample_every", int, 0, 10**7, allow_none=True),
         sample_prompts=setting_number(d, "sample_prompts", int, 0, MAX_SAMPLE_PROMPTS),
