@@ -248,6 +248,8 @@ def add_sft_arguments(s) -> None:
     add("--sample-prompts", type=int, default=None, help="held-out prompts to sample (default 3)")
     add("--keep-checkpoints", type=int, default=None,
         help="also register the model at N evenly spaced steps as <name>-step<S> (default 0)")
+    add("--packing", action="store_true", default=False,
+        help="pack each step's examples into rows of --max-length tokens without padding (pays when lengths vary)")
     add("--skip-bad-lines", action="store_true", default=False,
         help="train on the dataset's good lines and skip malformed ones (default: refuse the file)")
 
@@ -262,6 +264,7 @@ def sft_params_from_args(args) -> tuple[dict, list]:
               "eval_fraction": args.eval_fraction, "seed": args.seed, "output_name": args.output_name,
               "sample_every": getattr(args, "sample_every", None), "sample_prompts": getattr(args, "sample_prompts", None),
               "keep_checkpoints": getattr(args, "keep_checkpoints", None),
+              "packing": True if getattr(args, "packing", False) else None,
               "dataset": "builtin", "skip_bad_lines": bool(getattr(args, "skip_bad_lines", False)) or None}
     files = [] if args.dataset in (None, "builtin") else [args.dataset]
     return {k: v for k, v in params.items() if v is not None}, files
