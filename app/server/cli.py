@@ -159,7 +159,12 @@ def cmd_transcoders(args) -> int:
     if args.action == "list":
         rows = []
         for name in TC.list_transcoders():
-            rec = json.loads((TC.transcoders_dir() / name / "transcoders.json").read_text(encoding="utf-8"))
+            try:
+                rec = json.loads((TC.transcoders_dir() / name / "transcoders.json").read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                rows.append({"name": name, "model": None, "layers": [], "quality": "unreadable transcoders.json",
+                             "imported_from": None})
+                continue
             rows.append({"name": name, "model": rec.get("model"), "layers": rec.get("layers"),
                          "quality": TC.quality_line(rec["quality"]) if rec.get("quality") else "not evaluated",
                          "imported_from": rec.get("imported_from")})

@@ -266,16 +266,16 @@ def attribution_graph(lm, tc: Transcoders, prompt, target: int | str | None = No
     with torch.enable_grad():
         logit, pres = fm.forward(leaves)
         active = [(layer, int(p), int(f)) for layer in range(fm.L)
-                  for p, f in (fm.leaves.acts[layer] > 0).nonzero().tolist()]
+                  for p, f in (fm.leaves.acts[layer] != 0).nonzero().tolist()]
         # every active feature's pre-activation, then the logit: the rows' outputs
-        outputs = torch.cat([pres[layer][fm.leaves.acts[layer] > 0] for layer in range(fm.L)] + [logit[None]])
+        outputs = torch.cat([pres[layer][fm.leaves.acts[layer] != 0] for layer in range(fm.L)] + [logit[None]])
         n_feat, L, T = len(active), fm.L, fm.T
         # node order: features, errors (layer-major), embeddings, logit
         n_nodes = n_feat + L * T + T + 1
         logit_node = n_nodes - 1
         adj = RowAdjacency(n_nodes, max_feature_nodes + 1)
         values = _source_values(fm, active)
-        masks = [fm.leaves.acts[layer] > 0 for layer in range(L)]
+        masks = [fm.leaves.acts[layer] != 0 for layer in range(L)]
 
         def fill(row_node: int, grads: list[torch.Tensor]) -> None:
             g_emb, g_acts, g_errs = grads[0], grads[1:1 + L], grads[1 + L:]
@@ -300,8 +300,8 @@ def attribution_graph(lm, tc: Transcoders, prompt, target: int | str | None = No
     with torch.no_grad():
         bias_logit, bias_pres = fm.forward(fm.leaves.scaled(0.0))
         value_logit, value_pres = fm.forward(fm.leaves)
-    bias = torch.cat([bias_pres[layer][fm.leaves.acts[layer] > 0] for layer in range(L)] + [bias_logit[None]])
-    value = torch.cat([value_pres[layer][fm.leaves.acts[layer] > 0] for layer in range(L)] + [value_logit[None]])
+    bias = torch.cat([bias_pres[layer][fm.leaves.acts[layer] != 0] for layer in range(L)] + [bias_logit[None]])
+    value = torch.cat([value_pres[layer][fm.leaves.acts[layer] != 0] for layer in range(L)] + [value_logit[None]])
     checks = _checks(fm, adj, visited, bias.cpu(), value.cpu(), n_feat, logit_node)
     inf = adj.influence(logit_node, L)
     nodes, edges = _prune(fm, adj, inf, active, visited, values.cpu(), node_threshold, edge_threshold, n_feat,
@@ -339,7 +339,7 @@ def _top_token(lm, ids: list[int]) -> int:
 
 def _source_values(fm: FrozenModel, active: list[tuple[int, int, int]]) -> torch.Tensor:
     """Each active feature's activation (the value its outgoing edges are scaled by)."""
-    return torch.cat([fm.leaves.acts[layer][fm.leaves.acts[layer] > 0] for layer in range(fm.L)])
+    return torch.cat([fm.leaves.acts[layer][fm.leaves.acts[layer] != 0] for layer in range(fm.L)])
 
 
 class RowAdjacency:
@@ -458,7 +458,7 @@ def _checks(fm: FrozenModel, adj: RowAdjacency, visited, bias, value, n_feat, lo
     residual = torch.tensor([float(value[o] - bias[o] - adj.row(r).sum()) for r, o in zip(rows, outs)])
     scale = torch.tensor([max(1.0, abs(float(value[o]))) for o in outs])
     worst = float((residual.abs() / scale).max())
-    real_acts = torch.cat([fm.leaves.acts[layer][fm.leaves.acts[layer] > 0] for layer in range(fm.L)]).cpu()
+    real_acts = torch.cat([fm.leaves.acts[layer][fm.leaves.acts[layer] != 0] for layer in range(fm.L)]).cpu()
     pre_diff = float((value[:n_feat] - real_acts).abs().max()) if n_feat else 0.0
     return {
         "logit": {"frozen": float(value[n_feat]), "transformers": fm.model_logit, "abs_diff": logit_diff,

@@ -57,7 +57,7 @@ def residual_terms(fm: FrozenModel, parts: dict, layer: int, pos: int) -> tuple[
         labels.append(f"attention L{src}")
         vecs.append(parts[("attention", src)][pos])
         acts = fm.leaves.acts[src][pos]
-        for f in (acts > 0).nonzero().flatten().tolist():
+        for f in (acts != 0).nonzero().flatten().tolist():  # signed: TopK and JumpReLU sets from elsewhere
             labels.append(f"F{src}.{pos}.{f}")
             vecs.append(acts[f] * coder.W_dec[f].float())
         labels.append(f"E{src}.{pos}")

@@ -54,13 +54,13 @@ def scan(lm, tc, windows: torch.Tensor, *, k: int = TOP_K, batch_size: int = 8,
 def promoted_ids(lm, coder, k: int = 3, chunk: int = 1024) -> list[list[int]]:
     """Each feature's k most promoted token ids (its decoder row through the final norm's gain and
     the unembedding)."""
-    W_u = lm.adapter.unembed.weight
+    from model_core.interp.neurons import unembed_direction
+
+    out = []
     with torch.no_grad():
-        gain = lm.adapter.final_norm(torch.ones(1, W_u.shape[1], dtype=lm.dtype, device=W_u.device))[0].float()
-        out = []
         for c0 in range(0, coder.num_latents, chunk):
-            rows = coder.W_dec[c0:c0 + chunk].float().to(W_u.device) * gain
-            out += torch.topk(rows @ W_u.float().T, k, dim=1).indices.cpu().tolist()
+            logits = unembed_direction(lm, coder.W_dec[c0:c0 + chunk].float().to(lm.device))
+            out += torch.topk(logits, k, dim=1).indices.cpu().tolist()
     return out
 
 

@@ -34,7 +34,8 @@ from model_core.interp.features_sae import FeatureError
 
 SPARSIFY, SAELENS, CIRCUIT_TRACER = "sparsify", "saelens", "circuit-tracer"
 FORMATS = (SPARSIFY, SAELENS, CIRCUIT_TRACER)
-ACTIVATIONS = ("relu", "jumprelu", "topk")
+# topk: circuit-tracer's (the k largest pre-activations, signed); relu_topk: sparsify's (ReLU, then the k largest)
+ACTIVATIONS = ("relu", "jumprelu", "topk", "relu_topk")
 DENSE_MARK = "lmscope_dense_transcoder"  # in a layer's cfg.json: read by DenseTranscoder, not sparsify
 SAELENS_ARCHS = {"transcoder": ("relu", False), "skip_transcoder": ("relu", True),
                  "jumprelu_transcoder": ("jumprelu", False), "jumprelu_skip_transcoder": ("jumprelu", True)}
@@ -65,7 +66,7 @@ class DenseTranscoder(nn.Module):
             raise FeatureError(f"The skip connection is {tuple(W_skip.shape)}, not {(d, d)}.")
         if activation == "jumprelu" and (threshold is None or tuple(threshold.shape) != (F_,)):
             raise FeatureError(f"A JumpReLU transcoder needs a threshold per feature ({F_}).")
-        if activation == "topk" and not (isinstance(k, int) and 0 < k <= F_):
+        if activation in ("topk", "relu_topk") and not (isinstance(k, int) and 0 < k <= F_):
             raise FeatureError(f"A TopK transcoder needs k between 1 and {F_}.")
         self.encoder = nn.Linear(d, F_)
         with torch.no_grad():
@@ -75,7 +76,7 @@ class DenseTranscoder(nn.Module):
         self.b_dec = nn.Parameter(b_dec.float().clone())
         self.W_skip = nn.Parameter(W_skip.float().clone()) if W_skip is not None else None
         self.register_buffer("threshold", threshold.float().clone() if threshold is not None else None)
-        self.activation, self.k = activation, k if activation == "topk" else None
+        self.activation, self.k = activation, k if activation in ("topk", "relu_topk") else None
         self.cfg = SimpleNamespace(transcode=True, k=self.k, activation=activation, skip_connection=W_skip is not None)
 
     @property
@@ -99,7 +100,8 @@ class DenseTranscoder(nn.Module):
             return torch.relu(pre)
         if self.activation == "jumprelu":
             return pre * (pre > self.threshold)
-        top = pre.topk(self.k, dim=-1)
+        x = torch.relu(pre) if self.activation == "relu_topk" else pre
+        top = x.topk(self.k, dim=-1)
         return torch.zeros_like(pre).scatter_(-1, top.indices, top.values)
 
     def encode(self, x: torch.Tensor) -> Encoded:
@@ -107,8 +109,8 @@ class DenseTranscoder(nn.Module):
         pre = self.encoder(x.to(self.dtype))
         acts = self.activate(pre)
         n = max(1, int((acts != 0).sum(-1).max())) if acts.numel() else 1
-        top = acts.topk(n, dim=-1, sorted=False)
-        return Encoded(top.values, top.indices, pre)
+        idx = acts.abs().topk(n, dim=-1, sorted=False).indices  # by magnitude: TopK and JumpReLU can be negative
+        return Encoded(acts.gather(-1, idx), idx, pre)
 
     def decode(self, top_acts: torch.Tensor, top_indices: torch.Tensor) -> torch.Tensor:
         dense = torch.zeros(*top_acts.shape[:-1], self.num_latents, dtype=self.dtype, device=self.device)
@@ -184,7 +186,13 @@ def read_transcoders(src: Path, fmt: str = "auto", device="cpu") -> tuple[dict[i
     if fmt not in FORMATS:
         raise FeatureError(f"The format must be one of auto, {', '.join(FORMATS)}; not {fmt!r}.")
     reader = {SPARSIFY: _read_sparsify, SAELENS: _read_saelens, CIRCUIT_TRACER: _read_circuit_tracer}[fmt]
-    coders, meta = reader(src)
+    try:
+        coders, meta = reader(src)
+    except FeatureError:
+        raise
+    except Exception as e:  # a missing key, a file that is not safetensors, a config of the wrong shape
+        raise FeatureError(f"{src} could not be read as a {fmt} transcoder set ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:200] if str(e) else 'no detail'}).") from None
     if not coders:
         raise FeatureError(f"No transcoder was found in {src} in {fmt}'s layout.")
     return {layer: c.to(device).requires_grad_(False) for layer, c in coders.items()}, {**meta, "format": fmt}
@@ -257,6 +265,8 @@ def _read_circuit_tracer(src: Path):
             cfg = yaml.safe_load((src / "config.yaml").read_text(encoding="utf-8")) or {}
         except yaml.YAMLError:
             raise FeatureError("config.yaml is not YAML.") from None
+    if not isinstance(cfg, dict):
+        raise FeatureError("config.yaml is not a mapping of settings.")
     if cfg.get("model_kind", "transcoder_set") != "transcoder_set":
         raise FeatureError(f"config.yaml describes a {cfg['model_kind']}; lmscope reads per-layer transcoder sets.")
     if "transcoders" in cfg:
@@ -266,7 +276,7 @@ def _read_circuit_tracer(src: Path):
                 raise FeatureError(f"config.yaml points at {p}: download the files next to it first "
                                    "(lmscope reads local files only).")
             q = Path(p) if Path(p).is_absolute() else src / p
-            paths[i] = q
+            paths[_layer_of(q.name, i)] = q  # circuit-tracer numbers them by place; a layer_<l> name says it
     else:
         paths = {_layer_of(p.name): p for p in src.glob("layer_*.safetensors")}
     coders = {}
@@ -280,12 +290,12 @@ def _read_circuit_tracer(src: Path):
 # --- writing -------------------------------------------------------------------------------------
 
 def as_dense(coder) -> DenseTranscoder:
-    """Any coder lmscope holds, as a DenseTranscoder (a sparsify TopK coder keeps its k)."""
+    """Any coder lmscope holds, as a DenseTranscoder (a sparsify coder: ReLU, then its k largest)."""
     if isinstance(coder, DenseTranscoder):
         return coder
     return DenseTranscoder(coder.encoder.weight.detach(), coder.encoder.bias.detach(), coder.W_dec.detach(),
                            coder.b_dec.detach(), W_skip=None if coder.W_skip is None else coder.W_skip.detach(),
-                           activation="topk", k=int(coder.cfg.k))
+                           activation="relu_topk", k=int(coder.cfg.k))
 
 
 def write_transcoders(coders: dict[int, nn.Module], dest: Path, fmt: str, model: str, name: str = "") -> list[Path]:
@@ -293,6 +303,17 @@ def write_transcoders(coders: dict[int, nn.Module], dest: Path, fmt: str, model:
     dest = Path(dest)
     if fmt not in FORMATS:
         raise FeatureError(f"The format must be one of {', '.join(FORMATS)}; not {fmt!r}.")
+    dense = {layer: as_dense(c) for layer, c in coders.items()}
+    if fmt == SAELENS and any(c.activation in ("topk", "relu_topk") for c in dense.values()):
+        raise FeatureError("SAELens has no TopK transcoder, and this set is TopK: export it as "
+                           "circuit-tracer or sparsify, which read TopK.")
+    if fmt == CIRCUIT_TRACER:
+        if sorted(coders) != list(range(len(coders))):
+            raise FeatureError(f"circuit-tracer reads a transcoder for every layer from 0 on; this set has layers "
+                               f"{sorted(coders)}. Train one with --layers all to export it there.")
+        if len({c.activation for c in dense.values()}) > 1:
+            raise FeatureError("circuit-tracer reads one activation per set; this one mixes "
+                               f"{sorted({c.activation for c in dense.values()})}.")
     if dest.exists() and any(dest.iterdir()):
         raise FeatureError(f"{dest} already exists and is not empty; choose a new folder.")
     dest.mkdir(parents=True, exist_ok=True)
@@ -305,29 +326,22 @@ def write_transcoders(coders: dict[int, nn.Module], dest: Path, fmt: str, model:
             c.save_to_disk(dest / f"layers.{layer}.mlp")
             written.append(dest / f"layers.{layer}.mlp")
     elif fmt == SAELENS:
-        for layer, c in sorted(coders.items()):
-            c = as_dense(c)
-            if c.activation == "topk":
-                raise FeatureError("SAELens has no TopK transcoder, and this set is TopK: export it as "
-                                   "circuit-tracer or sparsify, which read TopK.")
+        for layer, c in sorted(dense.items()):
             written.append(_write_saelens_layer(c, dest / f"layer_{layer}", layer, model, name))
     else:
         files = []
-        for layer, c in sorted(coders.items()):
-            c = as_dense(c)
+        for layer, c in sorted(dense.items()):
             save_file(c.tensors(), str(dest / f"layer_{layer}.safetensors"))
             files.append(f"layer_{layer}.safetensors")
-        acts = {as_dense(c).activation for c in coders.values()}
-        ks = {as_dense(c).k for c in coders.values()}
+        acts = {c.activation for c in dense.values()}
+        ks = {c.k for c in dense.values()}
         cfg = {"model_name": model, "model_kind": "transcoder_set", "feature_input_hook": "mlp.hook_in",
                "feature_output_hook": "mlp.hook_out", "scan": name or model,
                "transcoders": files}  # relative to this folder: pass them to load_transcoder_set from here
-        if acts == {"topk"}:
-            cfg.update(activation="topk", k=int(next(iter(ks))))
+        if acts & {"topk", "relu_topk"}:  # sparsify's ReLU-then-TopK is circuit-tracer's TopK wherever a row
+            cfg.update(activation="topk", k=int(next(iter(ks))))  # has k positive pre-activations (README)
         elif acts == {"relu"}:
             cfg["activation"] = "relu"
-        elif acts != {"jumprelu"}:
-            raise FeatureError(f"circuit-tracer reads one activation per set; this one mixes {sorted(acts)}.")
         import yaml
 
         (dest / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")

@@ -68,6 +68,7 @@ def test_a_saelens_jumprelu_skip_transcoder_opens_and_equals_saelens_equations(t
         x = _inputs(lm, layer)
         pre = x @ t["W_enc"] + t["b_enc"]
         t["threshold"] = pre.quantile(0.97, dim=0).clamp(min=0.01)  # a few features per position
+        t["threshold"][:8] = -0.5  # SAELens: relu(pre) * (pre > t), so a negative threshold is a ReLU
         folder = src / f"blocks.{layer}.ln2.hook_normalized"
         folder.mkdir(parents=True)
         save_file({k: v.contiguous() for k, v in t.items()}, str(folder / "sae_weights.safetensors"))
@@ -103,9 +104,17 @@ def test_a_circuit_tracer_set_opens_relu_jumprelu_and_topk(trained, data):
     W_dec, b_dec, W_skip = c.W_dec.detach(), c.b_dec.detach(), c.W_skip.detach()
     pre = x @ W_enc.mT + b_enc
     thr = pre.quantile(0.95, dim=0)
+    neg = torch.full_like(thr, -0.05)
+    k_big = int((pre > 0).sum(-1).min()) + 3  # more than some row's positive pre-activations
+    topk_big = pre.topk(k_big)
     cases = {
         # circuit-tracer's JumpReLU: pre * (pre > threshold), with the threshold in the file
         "jumprelu": ({"activation_function.threshold": thr}, {}, pre * (pre > thr)),
+        # a negative threshold: small negative activations stay (signed), as circuit-tracer computes them
+        "jumprelu-negative": ({"activation_function.threshold": neg}, {}, pre * (pre > neg)),
+        # circuit-tracer's TopK keeps the k largest pre-activations even where they are negative
+        "topk-past-positives": ({}, {"activation": "topk", "k": k_big},
+                                torch.zeros_like(pre).scatter_(-1, topk_big.indices, topk_big.values)),
         "relu": ({}, {"activation": "relu"}, torch.relu(pre)),
         # TopK: k in config.yaml, as circuit-tracer's load_transcoder_set takes it
         "topk": ({}, {"activation": "topk", "k": 5},
@@ -124,7 +133,9 @@ def test_a_circuit_tracer_set_opens_relu_jumprelu_and_topk(trained, data):
         ref = acts @ W_dec + b_dec + x @ W_skip.mT
         got = TC.transcode(coders[0], x)
         assert torch.allclose(got, ref, atol=1e-5 * float(ref.abs().max()), rtol=0), kind
-        assert coders[0].activation == kind
+        assert coders[0].activation == kind.split("-")[0]
+        if kind in ("jumprelu-negative", "topk-past-positives"):
+            assert float(acts.min()) < 0  # the case holds negative activations, which must be kept
 
 
 def test_a_sparsify_trainer_folder_opens_and_equals_sparsify(trained, data):
@@ -179,6 +190,56 @@ def test_a_set_trained_here_exports_to_each_format_and_reads_back_equal(trained,
     assert load_file(str(data / "out-sl" / "layer_1" / "sae_weights.safetensors"))["W_enc"].shape == (d, F_)
     coders, meta = read_transcoders(data / "out-sl")
     assert meta["format"] == "saelens" and torch.allclose(TC.transcode(coders[1], x), jr_ref, atol=1e-5)
+
+
+def test_a_graph_on_a_set_with_negative_activations_adds_up(trained, data):
+    """circuit-tracer's JumpReLU with thresholds below 0 leaves small negative activations: they are
+    nodes of the graph like the positive ones, so completeness and the logit still hold."""
+    lm, tc = trained
+    src = data / "ct-negative"
+    src.mkdir()
+    for layer, c in tc.coders.items():
+        x = _inputs(lm, layer)
+        pre = x @ c.encoder.weight.detach().mT + c.encoder.bias.detach()
+        thr = pre.quantile(0.9, dim=0)
+        thr[: thr.numel() // 4] = -0.02  # a quarter of the features keep small negative values
+        save_file({"W_enc": c.encoder.weight.detach(), "b_enc": c.encoder.bias.detach(), "W_dec": c.W_dec.detach(),
+                   "b_dec": c.b_dec.detach(), "W_skip": c.W_skip.detach(), "activation_function.threshold": thr},
+                  str(src / f"layer_{layer}.safetensors"))
+    TC.import_transcoders(src, model=lm.name, name="negative")
+    back = TC.load_transcoders("negative")
+    g = AG.attribution_graph(lm, back, PROMPT, max_feature_nodes=128, node_threshold=1.0, edge_threshold=1.0)
+    fm = AG.FrozenModel(lm, back, g.prompt_ids, g.target)
+    negative = sum(int((fm.leaves.acts[layer] < 0).sum()) for layer in range(lm.shape.n_layers))
+    assert negative > 0  # the case holds them; without them among the leaves completeness turns red
+    assert g.stats["active_features"] == sum(int((fm.leaves.acts[layer] != 0).sum()) for layer in range(lm.shape.n_layers))
+    for name in ("logit", "completeness", "pre_activations", "intervention"):
+        assert g.checks[name]["ok"], (name, g.checks[name])
+
+
+def test_circuit_tracer_reads_layers_by_file_name_and_refuses_a_set_with_gaps(trained, data):
+    lm, tc = trained
+    c = tc.coders[1]
+    src = data / "ct-one"
+    src.mkdir()
+    save_file({"W_enc": c.encoder.weight.detach(), "b_enc": c.encoder.bias.detach(), "W_dec": c.W_dec.detach(),
+               "b_dec": c.b_dec.detach()}, str(src / "layer_1.safetensors"))
+    (src / "config.yaml").write_text(yaml.safe_dump({"model_kind": "transcoder_set", "activation": "relu",
+                                                     "transcoders": ["layer_1.safetensors"]}))
+    coders, _ = read_transcoders(src)
+    assert sorted(coders) == [1]  # its file says layer 1, though it is the list's first
+    TC.import_transcoders(src, model=lm.name, name="only-1")
+    with pytest.raises(FeatureError, match="every layer from 0"):
+        TC.export_transcoders("only-1", data / "out-gap", "circuit-tracer")
+    assert not (data / "out-gap").exists() or not any((data / "out-gap").iterdir())  # nothing half-written
+    broken = data / "ct-broken"
+    broken.mkdir()
+    save_file({"W_enc": c.encoder.weight.detach()}, str(broken / "layer_0.safetensors"))
+    with pytest.raises(FeatureError, match="no W_dec"):
+        read_transcoders(broken)
+    (broken / "layer_0.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(FeatureError, match="could not be read"):
+        read_transcoders(broken)
 
 
 def test_bad_sets_get_one_sentence(trained, data):

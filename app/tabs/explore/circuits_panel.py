@@ -132,7 +132,9 @@ def clicked(graph, box, chosen, view="", request: gr.Request = None):
     chosen = CV.chosen_ids(chosen, g)
     if nid.startswith("group:") and nid[6:] in v["groups"]:
         members = [m for m in v["groups"][nid[6:]] if m in ids]
-        chosen = ([c for c in chosen if c not in members] if members and set(members) <= set(chosen)
+        if not members:  # a group of nodes this graph does not have: nothing drawn to click
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        chosen = ([c for c in chosen if c not in members] if set(members) <= set(chosen)
                   else list(dict.fromkeys(chosen + members)))
     elif nid in ids:
         chosen = [c for c in chosen if c != nid] if nid in chosen else chosen + [nid]
@@ -143,13 +145,15 @@ def clicked(graph, box, chosen, view="", request: gr.Request = None):
 
 
 def _view_change(change, graph, chosen, view, *args):
-    """[view box, figure, message] after `change(view, chosen ids, *args)` -> (view, sentence)."""
+    """[view box, figure, "only pinned" box, message] after `change(view, chosen ids, *args)` ->
+    (view, sentence)."""
     try:
         g = _graph(graph)
         v, said = change(CV.parse(view), CV.chosen_ids(chosen, g), *args)
     except (FeatureError, CV.ViewError) as e:
-        return gr.skip(), gr.skip(), V.show(e)
-    return CV.dumps(v), graph_figure(g, g["n_layers"], CV.chosen_ids(chosen, g), v), V.show(said)
+        return gr.skip(), gr.skip(), gr.skip(), V.show(e)
+    return (CV.dumps(v), graph_figure(g, g["n_layers"], CV.chosen_ids(chosen, g), v), v["pinned_only"],
+            V.show(said))
 
 
 @endpoint
@@ -190,12 +194,13 @@ def from_link(request: gr.Request = None):
     q = dict(request.query_params) if request is not None else {}
     link = CV.from_query(q)
     if link is None:
-        return (gr.skip(),) * 8
+        return (gr.skip(),) * 9
     if link["set"] not in TC.list_transcoders():
-        return (gr.update(open=True), *(gr.skip(),) * 5, None,
+        return (gr.update(open=True), *(gr.skip(),) * 6, None,
                 V.show(f"The link's transcoder set '{link['set']}' is not on this server, so no graph was built."))
     return (gr.update(open=True), gr.update(choices=[link["set"]], value=link["set"]), link["target"],
-            link["node_threshold"], link["edge_threshold"], CV.dumps(link["view"]), {"pending": True}, V.clear())
+            link["node_threshold"], link["edge_threshold"], CV.dumps(link["view"]), link["view"]["pinned_only"],
+            {"pending": True}, V.clear())
 
 
 @endpoint(model=True)
@@ -204,7 +209,8 @@ def built_from_link(state, link, name, target, node_threshold, edge_threshold, v
     message, pending link]."""
     if not isinstance(link, dict) or not link.get("pending") or not isinstance(state, dict) or not state.get("model"):
         return (gr.skip(),) * 7
-    return (*build(state, name, target, node_threshold, edge_threshold, view, request=request), None)
+    # build's own body: this endpoint already holds the user's model slot
+    return (*build.__wrapped__(state, name, target, node_threshold, edge_threshold, view, request=request), None)
 
 
 @endpoint(model=True)
@@ -243,7 +249,8 @@ def contexts_block(lm, tc, layer: int, f: int, shown: int = 8) -> str:
 
     index = tc.feature_contexts(layer)
     if index is None:
-        return "<p>Top activations: this set was saved without them (imported from another library).</p>"
+        return ("<p>Top activations: this set was saved without them (imported from another library, or measured "
+                "on fewer held-out tokens than one window).</p>")
     rows = top_contexts(index, lm.tokenizer, f)[:shown]
     if not rows:
         return f"<p>Top activations: it never fired on the {index.scanned:,} held-out tokens the set was measured on.</p>"
@@ -254,11 +261,10 @@ def _promoted(lm, tc, layer: int, f: int, k: int = 10) -> dict:
     """The tokens a transcoder feature's decoder row pushes up and down through the final norm's gain
     and the unembedding."""
     from model_core.core.tokenization import describe_tokens
+    from model_core.interp.neurons import unembed_direction
 
-    W = lm.adapter.unembed.weight.float()
-    with torch.no_grad():
-        gain = lm.adapter.final_norm(torch.ones(1, W.shape[1], dtype=lm.dtype, device=W.device))[0].float()
-        logits = W @ (tc.coders[layer].W_dec[f].float().to(W.device) * gain)
+    with torch.no_grad():  # through the final norm's gain (LayerNorm's weight, not its bias)
+        logits = unembed_direction(lm, tc.coders[layer].W_dec[f].float().to(lm.device))
     out = {}
     for key, idx in (("promoted", logits.topk(k).indices), ("suppressed", (-logits).topk(k).indices)):
         rows = describe_tokens(lm.tokenizer, idx.tolist())
@@ -430,7 +436,7 @@ class CircuitsPanel:
             None, settings, None, js=URL_JS)
         self.click.input(clicked, [self.graph, self.click, self.chosen, self.view],
                          [self.chosen, self.page, self.plot, self.msg])
-        view_out = [self.view, self.plot, self.msg]
+        view_out = [self.view, self.plot, self.pinned_only, self.msg]
         for ev in (self.group_btn.click(group_nodes, [self.graph, self.chosen, self.view, self.group_name], view_out),
                    self.ungroup_btn.click(ungroup_nodes, [self.graph, self.chosen, self.view, self.group_name],
                                           view_out),
@@ -440,7 +446,7 @@ class CircuitsPanel:
                    self.clear_btn.click(clear_view, [self.graph, self.chosen], view_out)):
             ev.then(None, settings, None, js=URL_JS)
         if tab.shared.page is not None:  # a link with ?circuits=...: its graph once its trace is there
-            tab.shared.page.load(from_link, None, [self.accordion, *settings, self.link, self.msg])
+            tab.shared.page.load(from_link, None, [self.accordion, *settings, self.pinned_only, self.link, self.msg])
             tab.state.change(built_from_link, [tab.state, self.link, *settings], [*graph_out, self.link],
                              concurrency_id="model")
         self.open_btn.click(open_node, [tab.state, self.set, self.graph, self.chosen],

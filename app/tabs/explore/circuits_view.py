@@ -46,12 +46,13 @@ def parse(text) -> dict:
         return empty()
     if not isinstance(raw, dict):
         return empty()
-    groups = {}
+    groups, taken = {}, set()
     if isinstance(raw.get("groups"), dict):
         for name, members in list(raw["groups"].items())[:MAX_GROUPS]:
-            ids = [m for m in _ids(members, MAX_MEMBERS) if m != "logit"]
+            ids = [m for m in _ids(members, MAX_MEMBERS) if m != "logit" and m not in taken]  # a node in one group
             if isinstance(name, str) and _NAME.match(name) and ids:
                 groups[name] = ids
+                taken.update(ids)
     return {"groups": groups, "pins": _ids(raw.get("pins"), MAX_PINS), "pinned_only": raw.get("pinned_only") is True}
 
 
