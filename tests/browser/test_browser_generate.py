@@ -28,7 +28,9 @@ def test_generate_in_the_browser(server):
         wait_until(lambda: "parameters" in page.inner_text("#model-info"), 60, "the page to load")
         page.locator("#prompt textarea").fill("Once upon a time, in a small village,")
         page.get_by_role("tab", name="Generate").click()
-        set_number(page, "gen-max-new", 40)
+        # 100 tokens stream for several seconds: on a busy 2-core machine a browser or server stall of a
+        # second or two coalesces the updates it spans (CI once saw 40 tokens arrive as one update)
+        set_number(page, "gen-max-new", 100)
         out = page.locator("#gen-output textarea")
         # tokens stream: the page itself records every length the text takes (a sampler inside the
         # browser, so a slow Playwright round trip on a busy CI machine cannot miss them)
@@ -47,12 +49,14 @@ def test_generate_in_the_browser(server):
         wait_until(lambda: "Step 2" in plot_title(page, "gen-dist"), 90, "step 2 distribution")
         assert "rank" in plot_title(page, "gen-dist")
 
-        # change a setting and regenerate: sampling at a high temperature gives another text
+        # change a setting and regenerate: sampling at a high temperature gives another text (shorter from
+        # here on, to keep the test quick: not a prefix of the greedy one)
+        set_number(page, "gen-max-new", 30)
         set_number(page, "gen-temperature", 1.5)
         page.click("#gen-generate")
         wait_until(lambda: out.input_value() != final and "finished because" in page.inner_text("#gen-status"),
                    timeout=120, what="the sampled generation")
-        assert out.input_value() != final
+        assert out.input_value() and not final.startswith(out.input_value())
         screenshot(page, "generate-sampled")
 
         # a finished generation opens at step 0 with its attention: token labels, layer 0 on top
@@ -90,7 +94,7 @@ def test_generate_in_the_browser(server):
         wait_until(lambda: "Step 3" in plot_title(page, "gen-dist"), 90, "step 3 distribution")
         wait_until(lambda: "gen_step=3" in page.url, 10, "the step in the URL")
         link = page.url
-        assert "tab=generate" in link and "gen_max=40" in link and "gen_t=1.5" in link and "prompt=Once" in link
+        assert "tab=generate" in link and "gen_max=30" in link and "gen_t=1.5" in link and "prompt=Once" in link
         other = browser.new_page(viewport={"width": 1400, "height": 1000})
         other.goto(link)
         wait_until(lambda: "finished because" in other.inner_text("#gen-status"), 180, "the linked generation")
