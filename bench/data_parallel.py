@@ -64,9 +64,14 @@ def main() -> None:
         k = min(a.skip, len(steps) - 2)  # steady state: after the steps that compiled
         steady = ((steps[-1]["tokens_seen"] - steps[k]["tokens_seen"]) / (steps[-1]["elapsed_s"] - steps[k]["elapsed_s"])
                   if len(steps) > 2 and steps[-1]["elapsed_s"] > steps[k]["elapsed_s"] else float("nan"))
+        # each logged step's own rate (rows are read after the step's loss reached the host), median:
+        # a window's mean moves with a few slow steps (a recompile for a new padded width, a GC)
+        per_step = sorted((b["tokens_seen"] - a_["tokens_seen"]) / (b["elapsed_s"] - a_["elapsed_s"])
+                          for a_, b in zip(steps[k:], steps[k + 1:]) if b["elapsed_s"] > a_["elapsed_s"])
+        median = per_step[len(per_step) // 2] if per_step else float("nan")
         print(f"processes {n}, packing {packing}: {sec:.1f} s in all, training {m['train_seconds']:.1f} s, "
               f"{m['tokens_seen']:,} tokens, {m['tokens_per_s'] or 0:,.0f} tokens/s over the run, "
-              f"{steady:,.0f} tokens/s after step {k}", flush=True)
+              f"{steady:,.0f} tokens/s after step {k}, median step {median:,.0f} tokens/s", flush=True)
         for line in logs:
             if "compiled" in line or "Liger" in line or "processes" in line or "liger" in line:
                 print(f"  log: {line}")

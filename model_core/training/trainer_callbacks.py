@@ -99,7 +99,7 @@ class SFTCallback(StepCallback):
         return {"phase": "training", "step": step, "max_steps": self.max_steps,
                 "epoch": round(state.epoch or 0.0, 4), "tokens_seen": int(toks),
                 "tokens_per_s": toks / self.train_time if self.train_time > 0 else None,
-                "elapsed_s": round(time.time() - self.t_start, 2),
+                "elapsed_s": round(time.time() - self.t_start, 3),
                 "eta_s": round(eta, 1) if eta is not None else None, **extra}
 
     def on_log(self, args, state, control, logs=None, **kw):
