@@ -41,7 +41,7 @@ lint: setup
 	$(BIN)/lint-imports
 
 test: setup browser lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=80
 
 # The edit-run loop: unit and reference tiers, no Redis, worker or browser (CI runs everything).
 test-fast: setup
