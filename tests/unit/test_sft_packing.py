@@ -11,7 +11,7 @@ import random
 import torch
 
 from model_core import load_model
-from model_core.training.sft_data import IGNORE, Collator, PackingCollator
+from model_core.training.sft_data import IGNORE, Collator, ListDataset, PackingCollator
 
 
 def _examples(vocab: int, n: int = 9, seed: int = 0) -> list[dict]:
@@ -74,3 +74,16 @@ def test_an_example_longer_than_a_row_gets_a_row_of_its_own():
     assert out["position_ids"][1].tolist() == [0, 1, 2, 3, 0, 1, 2] + list(range(5))  # 4, 3, then padding
     assert out["labels"][1].tolist()[:7] == [IGNORE, IGNORE, 10, 11, IGNORE, 6, 7]  # none across a boundary
     assert out["labels"][1, 7:].eq(IGNORE).all()
+
+
+def test_the_trainers_dataset_collates_as_the_lists_do():
+    """ListDataset holds examples as tensors (a faster batch); both collators make the same batch of
+    them as of the encoded lists, bit for bit."""
+    examples = _examples(1000, n=17, seed=3)
+    held = ListDataset(examples)
+    assert isinstance(held[0]["input_ids"], torch.Tensor) and len(held) == len(examples)
+    for collate in (Collator(pad_id=0), PackingCollator(pad_id=0, row_tokens=64)):
+        want, got = collate(examples), collate([held[i] for i in range(len(held))])
+        assert want.keys() == got.keys()
+        for k, v in want.items():
+            assert torch.equal(v, got[k]) if isinstance(v, torch.Tensor) else v == got[k], k
