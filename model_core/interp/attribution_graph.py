@@ -43,6 +43,7 @@ import torch
 from model_core.core.hook_names import act_name
 from model_core.core.hooks import Recorder, instrument, recording
 from model_core.core.prompts import prompt_ids
+from model_core.core.tokenization import describe_tokens
 from model_core.interp.features_sae import FeatureError
 from model_core.interp.transcoders import Transcoders, check_family, transcode
 
@@ -118,6 +119,10 @@ class FrozenModel:
             raise FeatureError(f"An attribution graph needs a transcoder for every layer; '{tc.name}' has none for "
                                f"layer(s) {', '.join(map(str, missing[:8]))}.")
         self.lm, self.tc, self.ids, self.target = lm, tc, list(ids), int(target)
+        # what the views show for each prompt token and the target, read in context: a token holding
+        # part of a character shows as "東·2/3" or its bytes, never as the decode's "\ufffd"
+        shown = [r["display"] for r in describe_tokens(lm.tokenizer, self.ids + [self.target])]
+        self.display, self.target_display = shown[:-1], shown[-1]
         ad = lm.adapter
         self.L, self.T = lm.shape.n_layers, len(ids)
         rec = Recorder()
@@ -220,9 +225,15 @@ class Graph:
     checks: dict
     settings: dict
     stats: dict = field(default_factory=dict)
+    # what views show (tokenization.describe_tokens' display): prompt_tokens and target_token are each
+    # token's own decode, "\ufffd" where a token holds part of a character
+    prompt_display: list[str] = field(default_factory=list)
+    target_display: str = ""
 
     def to_dict(self) -> dict:
         return {"model": self.model, "prompt_tokens": self.prompt_tokens, "prompt_ids": self.prompt_ids,
+                "prompt_display": self.prompt_display or self.prompt_tokens,
+                "target_display": self.target_display or self.target_token,
                 "target": self.target, "target_token": self.target_token, "target_prob": self.target_prob,
                 "nodes": [n.to_dict() for n in self.nodes],
                 "edges": [{"source": s, "target": t, "weight": w} for s, t, w in self.edges],
@@ -309,6 +320,7 @@ def attribution_graph(lm, tc: Transcoders, prompt, target: int | str | None = No
     checks["intervention"] = _intervention_check(fm, adj, active, visited, logit_node)
     tok = lm.tokenizer
     return Graph(prompt_tokens=[tok.decode([i]) for i in ids], target=target_id, target_token=tok.decode([target_id]),
+                 prompt_display=fm.display, target_display=fm.target_display,
                  prompt_ids=list(ids), target_prob=fm.target_prob, model=lm.name,
                  nodes=nodes, edges=edges, checks=checks,
                  settings={"transcoders": tc.name, "max_feature_nodes": max_feature_nodes,
@@ -395,21 +407,20 @@ def _node_id(kind: str, layer, position: int, feature=None) -> str:
 
 def _describe(fm: FrozenModel, i: int, active, n_feat: int, values: torch.Tensor, inf: torch.Tensor) -> Node:
     L, T = fm.L, fm.T
-    tok = fm.lm.tokenizer
     if i < n_feat:
         layer, p, f = active[i]
         label = fm.tc.feature_label(layer, f) if hasattr(fm.tc, "feature_label") else ""
         return Node(_node_id("feature", layer, p, f), "feature", layer, p, f, float(values[i]), float(inf[i]),
-                    tok.decode([fm.ids[p]]), label)
+                    fm.display[p], label)
     if i < n_feat + L * T:
         layer, p = divmod(i - n_feat, T)
         return Node(_node_id("error", layer, p), "error", layer, p, None, float(fm.leaves.errs[layer][p].norm()),
-                    float(inf[i]), tok.decode([fm.ids[p]]))
+                    float(inf[i]), fm.display[p])
     if i < n_feat + L * T + T:
         p = i - n_feat - L * T
         return Node(_node_id("embedding", None, p), "embedding", None, p, None, float(fm.leaves.emb[p].norm()),
-                    float(inf[i]), tok.decode([fm.ids[p]]))
-    return Node("logit", "logit", L, T - 1, None, fm.model_logit, 1.0, tok.decode([fm.target]))
+                    float(inf[i]), fm.display[p])
+    return Node("logit", "logit", L, T - 1, None, fm.model_logit, 1.0, fm.target_display)
 
 
 def _prune(fm: FrozenModel, adj: RowAdjacency, inf, active, visited, values, node_threshold, edge_threshold,

@@ -138,3 +138,16 @@ def test_the_graph_of_a_generated_step(server, transcoder_set):
         page.screenshot(path=str(ARTIFACTS / "step-graph.png"), full_page=True,
                         clip={"x": 0, "y": y, "width": 1400, "height": bottom["y"] + bottom["height"] - top["y"]})
         browser.close()
+
+
+def test_a_model_with_no_set_is_told_the_command_for_it(monkeypatch, tmp_path):
+    """No set trained for the model: the refresh and the build both name the command, for this model."""
+    from app.tabs.generate.step_graph_panel import build_graph, refresh_sets
+
+    monkeypatch.setenv("LMSCOPE_DATA_DIR", str(tmp_path))  # a data folder with no sets in it
+    state = {"model": "random-llama-tiny", "ids": [1, 2, 3], "steps": [{"index": 0, "position": 2, "chosen": {"id": 3}}]}
+    command = "`lmscope jobs submit transcoders --model random-llama-tiny --wait`"
+    menu, msg = refresh_sets(state)
+    assert menu["choices"] == [] and command in _sentence(msg), msg
+    out = build_graph(state, 0, None, 0.8, 0.98)
+    assert "No transcoder set for random-llama-tiny yet" in _sentence(out[3]) and command in _sentence(out[3]), out

@@ -227,3 +227,21 @@ def test_interventions_chosen_on_the_graph(setup):
         GI.parse_feature_nodes(["T0"], nodes)
     with pytest.raises(FeatureError, match="Choose one or more"):
         GI.parse_feature_nodes([], nodes)
+
+
+def test_a_non_latin_prompt_reads_as_the_views_show_it(setup):
+    """Byte-level tokens that hold part of a character decode to "\ufffd" one by one (transformers'
+    decode, the reference here); the graph's display, its nodes' tokens and its target read as
+    tokenization.describe_tokens shows them in every other view (whole characters, "東·1/3")."""
+    from model_core.core.tokenization import describe_tokens
+
+    lm, run = setup
+    prompt = "東京は日本の首都で、人口は🍕"
+    g = AG.attribution_graph(lm, run.transcoders, prompt, max_feature_nodes=200, batch=64)
+    assert any("\ufffd" in t for t in g.prompt_tokens)  # the case: the plain decode cannot show them
+    want = [r["display"] for r in describe_tokens(lm.tokenizer, g.prompt_ids + [g.target])]
+    assert g.prompt_display == want[:-1] and g.target_display == want[-1]
+    assert not any("\ufffd" in t for t in [*g.prompt_display, g.target_display, *(n.token for n in g.nodes)])
+    assert {n.token for n in g.nodes if n.kind != "logit"} <= set(g.prompt_display)
+    d = g.to_dict()
+    assert d["prompt_display"] == g.prompt_display and d["target_display"] == g.target_display

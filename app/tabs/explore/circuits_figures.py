@@ -107,7 +107,7 @@ def graph_figure(g: dict, n_layers: int, selected: list[str] | None = None, view
                         line=dict(color=["#111" if _is_chosen(n, chosen) else "#fff" for n in group],
                                   width=[3 if _is_chosen(n, chosen) else 1 for n in group]))))
     fig = go.Figure(traces)
-    tokens = g["prompt_tokens"]
+    tokens = g.get("prompt_display") or g["prompt_tokens"]
     fig.update_xaxes(tickvals=list(range(len(tokens))), ticktext=[f"{i}: {t!r}"[:18] for i, t in enumerate(tokens)],
                      tickangle=-40, range=[-0.6, len(tokens) - 0.4], title="position")
     fig.update_yaxes(tickvals=[-1, *range(0, n_layers, max(1, n_layers // 10)), n_layers],
@@ -116,7 +116,7 @@ def graph_figure(g: dict, n_layers: int, selected: list[str] | None = None, view
     drawn = (f"{len(all_edges):,} edges" if len(all_edges) <= MAX_DRAWN_EDGES
              else f"the {MAX_DRAWN_EDGES:,} strongest of {len(all_edges):,} edges")
     n_groups = sum(n["kind"] == "supernode" for n in nodes)
-    title = (f"Attribution graph toward {g['target_token']!r} (p={g['target_prob']:.3f}): "
+    title = (f"Attribution graph toward {g.get('target_display') or g['target_token']!r} (p={g['target_prob']:.3f}): "
              f"{sum(n['kind'] == 'feature' for n in nodes)} features"
              + (f", {n_groups} supernode{'s' * (n_groups != 1)}" if n_groups else "")
              + (" (pinned only)" if (view or {}).get("pinned_only") else "") + f", {drawn}; click a node")
@@ -157,7 +157,8 @@ def checks_html(checks: dict) -> str:
                          for k, v in c.items() if k not in ("ok", "what"))
         rows.append(f"<tr><td>{badge}</td><td><b>{html.escape(name)}</b></td><td>{html.escape(c.get('what', ''))}"
                     f"<br><span style='font-size:12px;color:#555'>{html.escape(nums)}</span></td></tr>")
-    return "<table class='circuits-checks'>" + "".join(rows) + "</table>"
+    # a long word ("real_model_change") may break: in a narrow window the table stays inside its panel
+    return "<table class='circuits-checks' style='width:100%;overflow-wrap:anywhere'>" + "".join(rows) + "</table>"
 
 
 def node_markdown(g: dict, node_id: str, top: int = 8, view: dict | None = None) -> str:

@@ -35,9 +35,17 @@ def _open(name: str, mtime: float):
     return TC.load_transcoders(name)
 
 
+def no_set_message(model: str) -> str:
+    """The sentence for a model with no transcoder set: the command that trains one, for this model."""
+    return (f"No transcoder set for {model} yet: `lmscope jobs submit transcoders --model {model} --wait` "
+            "trains one.")
+
+
 def open_set(name, lm):
     if not isinstance(name, str) or name not in TC.list_transcoders():
-        raise FeatureError("Choose a transcoder set (`lmscope jobs submit transcoders --wait` trains one).")
+        if not sets_for(lm.name):
+            raise FeatureError(no_set_message(lm.name))
+        raise FeatureError("Choose a transcoder set.")
     tc = _open(name, (TC.transcoders_dir() / name / "transcoders.json").stat().st_mtime)
     tc.check_model(lm)
     return tc
@@ -87,10 +95,10 @@ def _graph(graph) -> dict:
 def refresh_sets(state, request: gr.Request = None):
     if not isinstance(state, dict) or not state.get("model"):
         return gr.update(choices=[], value=None), V.show("Run a prompt first.")
-    names = sets_for(trace_for_state(state).model_name)
+    model = trace_for_state(state).model_name
+    names = sets_for(model)
     if not names:
-        return gr.update(choices=[], value=None), V.show(
-            "No transcoder set for this model yet: `lmscope jobs submit transcoders --model ... --wait`.")
+        return gr.update(choices=[], value=None), V.show(no_set_message(model))
     return gr.update(choices=names, value=names[-1]), V.clear()
 
 
@@ -238,7 +246,7 @@ def open_node(state, name, graph, chosen, request: gr.Request = None):
     from app.tabs.explore.features_panel import activation_figure
 
     return (page, ctx, UF.weights_figure(top, f"{n['id']}: tokens its decoder row promotes / suppresses (W_dec·W_U)"),
-            activation_figure(along, g["prompt_tokens"], n["feature"]), V.clear())
+            activation_figure(along, g.get("prompt_display") or g["prompt_tokens"], n["feature"]), V.clear())
 
 
 def contexts_block(lm, tc, layer: int, f: int, shown: int = 8) -> str:
@@ -304,7 +312,7 @@ def intervene(state, name, graph, chosen, scale, request: gr.Request = None):
     what = "ablated" if s == 0 else f"scaled by {s:g}"
     c = r["continuation"]
     note = (f"{len(nodes)} feature node(s) {what} in the real model (each at its own position; attention and the other "
-            f"features run freely). Target {g['target_token']!r}: logit change **{r['target_logit_change']:+.4f}**; "
+            f"features run freely). Target {g.get('target_display') or g['target_token']!r}: logit change **{r['target_logit_change']:+.4f}**; "
             f"KL of the next token **{r['kl']:.4f} nats**.\n\n"
             f"Greedy continuation before: `{c['before']!r}`\n\nafter: `{c['after']!r}`")
     return (UF.clamp_figure(rows, f"The next token with {len(nodes)} node(s) {what}", f"with the node(s) {what}"),
@@ -332,7 +340,7 @@ def qk(state, name, graph, layer, head, key_pos, request: gr.Request = None):
         return gr.skip(), V.show(e)
     ok = "ok" if r.check["ok"] else "FAILED"
     lines = [f"**Layer {r.layer}, head {r.head}**: from the last position to position {r.key_pos} "
-             f"({g['prompt_tokens'][r.key_pos]!r}): score **{r.score:.4f}**, attention weight **{r.pattern:.4f}**. "
+             f"({(g.get('prompt_display') or g['prompt_tokens'])[r.key_pos]!r}): score **{r.score:.4f}**, attention weight **{r.pattern:.4f}**. "
              f"The terms sum to {r.check['terms_sum']:.4f} (check {ok}, tolerance {r.check['tolerance']:.2g}).",
              "| query side | contribution | key side | contribution |", "|---|---|---|---|"]
     for (qa, qc), (ka, kc) in zip(r.query_terms[:10], r.key_terms[:10]):
@@ -351,6 +359,7 @@ def download(graph, view="", request: gr.Request = None):
     except FeatureError as e:
         return gr.skip(), V.show(e)
     graph_obj = Graph(prompt_tokens=g["prompt_tokens"], target=g["target"], target_token=g["target_token"],
+                      prompt_display=g.get("prompt_display") or [], target_display=g.get("target_display") or "",
                       prompt_ids=g["prompt_ids"], target_prob=g["target_prob"], model=g["model"],
                       nodes=[Node(**n) for n in g["nodes"]],
                       edges=[(e["source"], e["target"], e["weight"]) for e in g["edges"]], checks=g["checks"],

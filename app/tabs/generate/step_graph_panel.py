@@ -15,7 +15,7 @@ import gradio as gr
 from app.shared import validation as V
 from app.shared.context import endpoint, get_model
 from app.tabs.explore.circuits_figures import checks_html, graph_figure
-from app.tabs.explore.circuits_panel import graph_summary, number_in, open_set, sets_for
+from app.tabs.explore.circuits_panel import graph_summary, no_set_message, number_in, open_set, sets_for
 from app.tabs.generate.figures import step_label
 from model_core.core.errors import LmscopeError
 from model_core.interp.attribution_graph import MAX_PROMPT_TOKENS
@@ -67,7 +67,7 @@ def summary_line(i: int, step: dict, g, tc) -> str:
     recorded = step["chosen"].get("prob")
     record = f", {recorded:.3f} in the step's record" if isinstance(recorded, float) else ""
     return (f"**Step {i}**: the graph of its {len(g.prompt_ids)}-token prefix toward the token it chose, `{label}` "
-            f"(id {g.target}, `{g.target_token!r}`): p = {g.target_prob:.3f} in the graph's forward{record}. "
+            f"(id {g.target}, `{g.target_display or g.target_token!r}`): p = {g.target_prob:.3f} in the graph's forward{record}. "
             + graph_summary(g, tc))
 
 
@@ -79,8 +79,7 @@ def refresh_sets(state, request: gr.Request = None):
         return gr.update(choices=[], value=None), V.show(NO_GENERATION)
     names = sets_for(model)
     if not names:
-        return gr.update(choices=[], value=None), V.show(
-            "No transcoder set for this model yet: `lmscope jobs submit transcoders --model ... --wait`.")
+        return gr.update(choices=[], value=None), V.show(no_set_message(model))
     return gr.update(choices=names, value=names[-1]), V.clear()
 
 
