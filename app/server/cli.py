@@ -137,7 +137,7 @@ def cmd_attribute(args) -> int:
         _out(f"layer {qk.layer} head {qk.head}, query position {qk.query_pos} -> key position {qk.key_pos}: score "
              f"{qk.score:.4f}, attention weight {qk.pattern:.4f}; largest terms (query side, then key side):",
              *(f"  q {c:+9.4f}  {t}" for t, c in qk.query_terms[:8]), *(f"  k {c:+9.4f}  {t}" for t, c in qk.key_terms[:8]))
-    _out(f"target {g.target_display or g.target_token!r} (id {g.target}) after: {''.join(g.prompt_tokens)!r}",
+    _out(f"target {g.target_display or g.target_token!r} (id {g.target}) after: {g.prompt_text or ''.join(g.prompt_tokens)!r}",
          f"{len(g.nodes)} nodes, {len(g.edges)} edges kept of {g.stats['active_features']} active features "
          f"({g.stats['rows_computed']} rows computed in {g.stats['seconds']:.1f} s)", "checks:")
     for name, c in g.checks.items():

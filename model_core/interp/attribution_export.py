@@ -50,7 +50,7 @@ def neuronpedia_json(g: Graph, n_layers: int, *, slug: str = "lmscope-graph", pi
 
     return {
         "metadata": {"slug": slug, "scan": g.model, "transcoder_list": [g.settings.get("transcoders") or ""],
-                     "prompt_tokens": g.prompt_tokens, "prompt": "".join(g.prompt_tokens),
+                     "prompt_tokens": g.prompt_tokens, "prompt": g.prompt_text or "".join(g.prompt_tokens),
                      "node_threshold": g.settings.get("node_threshold"), "schema_version": 1},
         "qParams": {"pinnedIds": ids(pinned or []), "supernodes": [[s[0], *ids(s[1:])] for s in supernodes or []],
                     "linkType": "both", "clickedId": "", "sg_pos": ""},

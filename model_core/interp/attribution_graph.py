@@ -43,7 +43,7 @@ import torch
 from model_core.core.hook_names import act_name
 from model_core.core.hooks import Recorder, instrument, recording
 from model_core.core.prompts import prompt_ids
-from model_core.core.tokenization import describe_tokens
+from model_core.core.tokenization import byte_safe_decode, describe_tokens
 from model_core.interp.features_sae import FeatureError
 from model_core.interp.transcoders import Transcoders, check_family, transcode
 
@@ -229,10 +229,12 @@ class Graph:
     # token's own decode, "\ufffd" where a token holds part of a character
     prompt_display: list[str] = field(default_factory=list)
     target_display: str = ""
+    prompt_text: str = ""  # the prompt's exact text (byte-safe: a cut character as <0xNN>)
 
     def to_dict(self) -> dict:
         return {"model": self.model, "prompt_tokens": self.prompt_tokens, "prompt_ids": self.prompt_ids,
                 "prompt_display": self.prompt_display or self.prompt_tokens,
+                "prompt_text": self.prompt_text or "".join(self.prompt_tokens),
                 "target_display": self.target_display or self.target_token,
                 "target": self.target, "target_token": self.target_token, "target_prob": self.target_prob,
                 "nodes": [n.to_dict() for n in self.nodes],
@@ -270,7 +272,7 @@ def attribution_graph(lm, tc: Transcoders, prompt, target: int | str | None = No
     ids = prompt_ids(lm, prompt, chat)
     if len(ids) > MAX_PROMPT_TOKENS:
         raise FeatureError(f"Attribution graphs take prompts of up to {MAX_PROMPT_TOKENS} tokens; this one has "
-                           f"{len(ids)}.")
+                           f"{len(ids)}: keep the sentence that leads to the token you ask about.")
     target_id = _target_id(lm, ids, target)
     fm = FrozenModel(lm, tc, ids, target_id)
     leaves = fm.leaves.requiring_grad()
@@ -321,6 +323,7 @@ def attribution_graph(lm, tc: Transcoders, prompt, target: int | str | None = No
     tok = lm.tokenizer
     return Graph(prompt_tokens=[tok.decode([i]) for i in ids], target=target_id, target_token=tok.decode([target_id]),
                  prompt_display=fm.display, target_display=fm.target_display,
+                 prompt_text=byte_safe_decode(tok, ids),
                  prompt_ids=list(ids), target_prob=fm.target_prob, model=lm.name,
                  nodes=nodes, edges=edges, checks=checks,
                  settings={"transcoders": tc.name, "max_feature_nodes": max_feature_nodes,

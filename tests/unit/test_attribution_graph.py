@@ -245,3 +245,10 @@ def test_a_non_latin_prompt_reads_as_the_views_show_it(setup):
     assert {n.token for n in g.nodes if n.kind != "logit"} <= set(g.prompt_display)
     d = g.to_dict()
     assert d["prompt_display"] == g.prompt_display and d["target_display"] == g.target_display
+    # the export's prompt is the prompt's own text (transformers' decode of all its ids at once), where
+    # joining each token's decode would give "\ufffd"s
+    from model_core.interp.attribution_export import neuronpedia_json
+
+    text = lm.tokenizer.decode(g.prompt_ids)
+    assert "🍕" in text and "".join(g.prompt_tokens) != text
+    assert neuronpedia_json(g, lm.shape.n_layers)["metadata"]["prompt"] == text == d["prompt_text"]

@@ -360,6 +360,7 @@ def download(graph, view="", request: gr.Request = None):
         return gr.skip(), V.show(e)
     graph_obj = Graph(prompt_tokens=g["prompt_tokens"], target=g["target"], target_token=g["target_token"],
                       prompt_display=g.get("prompt_display") or [], target_display=g.get("target_display") or "",
+                      prompt_text=g.get("prompt_text") or "",
                       prompt_ids=g["prompt_ids"], target_prob=g["target_prob"], model=g["model"],
                       nodes=[Node(**n) for n in g["nodes"]],
                       edges=[(e["source"], e["target"], e["weight"]) for e in g["edges"]], checks=g["checks"],
