@@ -107,7 +107,7 @@ def graph_figure(g: dict, n_layers: int, selected: list[str] | None = None, view
                         line=dict(color=["#111" if _is_chosen(n, chosen) else "#fff" for n in group],
                                   width=[3 if _is_chosen(n, chosen) else 1 for n in group]))))
     fig = go.Figure(traces)
-    tokens = g.get("prompt_display") or g["prompt_tokens"]
+    tokens = shown_tokens(g)
     fig.update_xaxes(tickvals=list(range(len(tokens))), ticktext=[f"{i}: {t!r}"[:18] for i, t in enumerate(tokens)],
                      tickangle=-40, range=[-0.6, len(tokens) - 0.4], title="position")
     fig.update_yaxes(tickvals=[-1, *range(0, n_layers, max(1, n_layers // 10)), n_layers],
@@ -116,7 +116,7 @@ def graph_figure(g: dict, n_layers: int, selected: list[str] | None = None, view
     drawn = (f"{len(all_edges):,} edges" if len(all_edges) <= MAX_DRAWN_EDGES
              else f"the {MAX_DRAWN_EDGES:,} strongest of {len(all_edges):,} edges")
     n_groups = sum(n["kind"] == "supernode" for n in nodes)
-    title = (f"Attribution graph toward {g.get('target_display') or g['target_token']!r} (p={g['target_prob']:.3f}): "
+    title = (f"Attribution graph toward {shown_target(g)!r} (p={g['target_prob']:.3f}): "
              f"{sum(n['kind'] == 'feature' for n in nodes)} features"
              + (f", {n_groups} supernode{'s' * (n_groups != 1)}" if n_groups else "")
              + (" (pinned only)" if (view or {}).get("pinned_only") else "") + f", {drawn}; click a node")
@@ -144,6 +144,15 @@ def _hover(n: dict) -> str:
     label = f"<br>{html.escape(n['label'])}" if n.get("label") else ""
     return (f"<b>{html.escape(n['id'])}</b>: {what}{label}<br>position {n['position']} "
             f"{html.escape(repr(n['token']))}<br>{value} {n['value']:.3f} · influence {n['influence']:.4f}")
+
+
+def shown_tokens(g: dict) -> list[str]:
+    """The prompt's tokens as the views show them (a graph dict without display labels: each decode)."""
+    return g.get("prompt_display") or g["prompt_tokens"]
+
+
+def shown_target(g: dict) -> str:
+    return g.get("target_display") or g["target_token"]
 
 
 def checks_html(checks: dict) -> str:

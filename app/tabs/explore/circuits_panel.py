@@ -21,7 +21,13 @@ from app.shared.context import endpoint, scratch_dir
 from app.shared.page_js import page_js
 from app.tabs.explore import circuits_view as CV
 from app.tabs.explore import unit_figures as UF
-from app.tabs.explore.circuits_figures import checks_html, graph_figure, node_markdown
+from app.tabs.explore.circuits_figures import (
+    checks_html,
+    graph_figure,
+    node_markdown,
+    shown_target,
+    shown_tokens,
+)
 from app.tabs.explore.state import trace_for_state
 from model_core.interp import transcoders as TC
 from model_core.interp.features_sae import FeatureError
@@ -246,7 +252,7 @@ def open_node(state, name, graph, chosen, request: gr.Request = None):
     from app.tabs.explore.features_panel import activation_figure
 
     return (page, ctx, UF.weights_figure(top, f"{n['id']}: tokens its decoder row promotes / suppresses (W_dec·W_U)"),
-            activation_figure(along, g.get("prompt_display") or g["prompt_tokens"], n["feature"]), V.clear())
+            activation_figure(along, shown_tokens(g), n["feature"]), V.clear())
 
 
 def contexts_block(lm, tc, layer: int, f: int, shown: int = 8) -> str:
@@ -312,7 +318,7 @@ def intervene(state, name, graph, chosen, scale, request: gr.Request = None):
     what = "ablated" if s == 0 else f"scaled by {s:g}"
     c = r["continuation"]
     note = (f"{len(nodes)} feature node(s) {what} in the real model (each at its own position; attention and the other "
-            f"features run freely). Target {g.get('target_display') or g['target_token']!r}: logit change **{r['target_logit_change']:+.4f}**; "
+            f"features run freely). Target {shown_target(g)!r}: logit change **{r['target_logit_change']:+.4f}**; "
             f"KL of the next token **{r['kl']:.4f} nats**.\n\n"
             f"Greedy continuation before: `{c['before']!r}`\n\nafter: `{c['after']!r}`")
     return (UF.clamp_figure(rows, f"The next token with {len(nodes)} node(s) {what}", f"with the node(s) {what}"),
@@ -340,7 +346,7 @@ def qk(state, name, graph, layer, head, key_pos, request: gr.Request = None):
         return gr.skip(), V.show(e)
     ok = "ok" if r.check["ok"] else "FAILED"
     lines = [f"**Layer {r.layer}, head {r.head}**: from the last position to position {r.key_pos} "
-             f"({(g.get('prompt_display') or g['prompt_tokens'])[r.key_pos]!r}): score **{r.score:.4f}**, attention weight **{r.pattern:.4f}**. "
+             f"({shown_tokens(g)[r.key_pos]!r}): score **{r.score:.4f}**, attention weight **{r.pattern:.4f}**. "
              f"The terms sum to {r.check['terms_sum']:.4f} (check {ok}, tolerance {r.check['tolerance']:.2g}).",
              "| query side | contribution | key side | contribution |", "|---|---|---|---|"]
     for (qa, qc), (ka, kc) in zip(r.query_terms[:10], r.key_terms[:10]):
