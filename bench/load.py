@@ -38,7 +38,7 @@ def trace_args(model, prompt):
 
 
 def gen_args(model, prompt, n):
-    return [model, prompt, False, n, 0.0, 0, 1.0, 0.0, 1.0, 0, None, "prob"]
+    return [model, prompt, False, n, 0.0, 0, 1.0, 0.0, 1.0, 0, None, "prob", 0.0, 0.0]
 
 
 def connect(url, auth, client: str = "page"):

@@ -304,6 +304,7 @@ class ServicesHandle:
     data_dir: Path | None = None
     notes: list[str] = field(default_factory=list)
     worker_name: str | None = None  # the running embedded worker's Celery node name
+    model_proc: subprocess.Popen | None = None  # the model process (ensure_model_process)
     _children: list[_Child] = field(default_factory=list, repr=False)
     _stopping: threading.Event = field(default_factory=threading.Event, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -313,8 +314,8 @@ class ServicesHandle:
         return {c.what: c.restarts for c in self._children}
 
     def supervise(self, children: list[_Child]) -> None:
-        self._children = children
-        if children:
+        self._children = self._children + children
+        if self._children and self._thread is None:
             self._thread = threading.Thread(target=self._supervise, name="lmscope-supervisor", daemon=True)
             self._thread.start()
 
@@ -367,6 +368,8 @@ class ServicesHandle:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(30)
         with self._lock:
+            stop_process(self.model_proc, timeout=5.0)
+            self.model_proc = None
             stop_process(self.worker_proc)
             self.worker_proc = None
             stop_process(self.redis_proc)  # SIGTERM: Valkey flushes the append-only file first
@@ -450,3 +453,38 @@ def ensure_services(data_dir: str | os.PathLike | None = None, start_worker_proc
         children.append(_Child("job worker", "worker_proc", start=new_worker, on_death=worker_died))
     handle.supervise(children)
     return handle
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def start_model_process(address: str, data_dir: Path, log_path: Path | None = None) -> subprocess.Popen:
+    """`python -m model_core.serving.model_process` bound at `address`, with this process's settings;
+    its log goes to <data_dir>/model-process.log."""
+    env = dict(os.environ)
+    env["LMSCOPE_DATA_DIR"] = str(data_dir)
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    log_file = open(log_path or Path(data_dir) / "model-process.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "model_core.serving.model_process", "--address", address],
+                            stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT),
+                            start_new_session=True, preexec_fn=_die_with_parent)
+    log_file.close()
+    return proc
+
+
+def ensure_model_process(data_dir: str | os.PathLike, handle: ServicesHandle | None = None) -> tuple[str, ServicesHandle]:
+    """A model process on a free local port, supervised by `handle` (a new one when None) as the worker
+    is: restarted after the same back-off when it dies. Returns (its address, the handle)."""
+    data_dir = Path(data_dir).resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    handle = handle or ServicesHandle(redis_url="", data_dir=data_dir)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    handle.model_proc = start_model_process(address, data_dir)
+    handle.notes.append(f"started model process pid {handle.model_proc.pid} at {address} "
+                        f"(log {data_dir / 'model-process.log'})")
+    handle.supervise([_Child("model process", "model_proc", start=lambda: start_model_process(address, data_dir),
+                             on_death=_kill_group)])
+    return address, handle

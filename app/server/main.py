@@ -59,6 +59,9 @@ def metrics(settings) -> dict:
                          for lm in registry.loaded_models()]
     except Exception as e:  # noqa: BLE001
         out["models"] = {"error": str(e)}
+    client = model_process()
+    if client is not None:
+        out["model_processes"] = [model_process_health(client)]
     try:
         import torch
 
@@ -79,6 +82,26 @@ def metrics(settings) -> dict:
     except Exception as e:  # noqa: BLE001
         out["trace_cache"] = {"error": str(e)}
     return out
+
+
+def model_process():
+    from app.shared.context import model_process as current
+
+    return current()
+
+
+def model_process_health(client) -> dict:
+    """The client's view of its model process (pid, device, state and since when), the pid the
+    supervisor started where it runs here, and `since` as a time a person reads."""
+    h = client.health()
+    proc = getattr(_services, "model_proc", None)
+    if proc is not None:
+        h["pid"] = proc.pid if proc.poll() is None else h["pid"]
+    h["since_text"] = time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(h["since"]))
+    return h
+
+
+_services = None  # serve()'s ServicesHandle, for the model process's pid
 
 
 # Gradio tries these optional imports on every request (Plot's config, the matplotlib backend
@@ -145,7 +168,16 @@ def build_app(settings=None):
                                       "so queued jobs wait.")
             except Exception:  # noqa: BLE001
                 down["broker"] = "The job queue (Redis) stopped answering while the workers were counted."
-        return {"status": "degraded", "down": down} if down else {"status": "ok"}
+        out = {"status": "degraded", "down": down} if down else {"status": "ok"}
+        client = model_process()
+        if client is not None:
+            h = model_process_health(client)
+            out["model_processes"] = [h]
+            if h["state"] != "ready":
+                out["status"] = "degraded"
+                out.setdefault("down", {})["model_process"] = (
+                    f"The model process is {h['state']} (since {h['since_text']}), so generations wait for it.")
+        return out
 
     # The files static/fonts.css names (issue 37 item 11), looked up by name in what the folder held at
     # start: a name is never joined onto a path, so nothing outside it (nor a listing) can be asked for.
@@ -269,11 +301,35 @@ def model_zip(name: str) -> str | None:
     return tmp
 
 
-def _preload(name: str, device: str | None = None, dtype: str | None = None) -> None:
+def start_model_process(settings, services) -> bool:
+    """LMSCOPE_MODEL_PROCESS: "on" starts a supervised model process on this host, an address
+    connects to one started elsewhere; either way generations go there from now on. Returns whether
+    generations stay in this process ("off")."""
+    if settings.model_process == "off":
+        return True
+    from app.shared.context import use_model_process
+    from model_core.core import paths
+    from model_core.serving.model_process_client import ModelProcessClient
+    from model_core.serving.model_process_wire import shared_key
+
+    global _services
+    address = settings.model_process
+    if address == "on":
+        from tasks.services import ensure_model_process
+
+        address, _services = ensure_model_process(paths.data_dir(), services)
+        log.info("%s", _services.notes[-1])
+    use_model_process(ModelProcessClient(address, shared_key(paths.data_dir(), settings.model_process_key)))
+    return False
+
+
+def _preload(name: str, device: str | None = None, dtype: str | None = None, engine: bool = True) -> None:
     """Load the default model and start its engine in the background while the server starts, so the
     first visitor does not pay the ~2 s of importing transformers' model code and reading the
     weights, nor its first generations the engine's recordings (model_core.serving.torchscript_replay)."""
     import threading
+
+    with_engine = engine
 
     def load():
         from model_core import load_model
@@ -282,7 +338,7 @@ def _preload(name: str, device: str | None = None, dtype: str | None = None) -> 
 
         try:
             lm = load_model(name, device=device, dtype=dtype, allow_paths=False, allow_hub=False)
-            if engine.can_use_engine(lm):
+            if with_engine and engine.can_use_engine(lm):
                 engine.engine_for(lm)  # its slots, and on a CPU its first recorded buckets, before anyone asks
         except LmscopeError as e:  # the page will show the same sentence when it asks
             log.warning("default model not preloaded: %s", e)
@@ -305,14 +361,17 @@ def serve(settings=None, host: str = "127.0.0.1", port: int = 7860, embedded_ser
         from tasks.services import ensure_services
 
         services = ensure_services(settings.data_dir, settings=settings)
+    global _services
+    _services = services
     try:
         import uvicorn
 
+        in_process = start_model_process(settings, services)
         app, _ = build_app(settings)
-        _preload(settings.default_model, settings.device, settings.dtype)
+        _preload(settings.default_model, settings.device, settings.dtype, engine=in_process)
         # INFO: the level app/server/cli.py's logging shows by default, so whoever ran `make run` sees it
         log.info("serving on http://%s:%s (sign-in: %s)", host, port, settings.auth)
         uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
     finally:
-        if services is not None:
-            services.stop()
+        if _services is not None:
+            _services.stop()

@@ -51,6 +51,29 @@ def default_model() -> str:
 
 MAX_MODEL_NAME = 200
 
+# The client of the model process generations run in (model_core/serving/model_process_client.py), set
+# by app/server/main.py's serve() when LMSCOPE_MODEL_PROCESS is on or an address; None: in this process.
+_model_process = None
+
+
+def use_model_process(client) -> None:
+    global _model_process
+    _model_process = client
+
+
+def model_process():
+    return _model_process
+
+
+def generation_steps(lm: LoadedModel, request):
+    """iter_generate(lm, request=request), run in the model process when there is one: the same
+    (step, generation) pairs either way, and the same one-sentence errors."""
+    if _model_process is None:
+        from model_core.serving.generate import iter_generate
+
+        return iter_generate(lm, request=request)
+    return _model_process.iter_generate(lm.name, request)
+
 
 def get_model(name: str) -> LoadedModel:
     """Load a model for a UI request. Only registry names and fine-tuned models: the browser may

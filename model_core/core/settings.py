@@ -45,6 +45,8 @@ parameters and fall back to `current()` only for a default.
 | LMSCOPE_COMPILE | on with CUDA | The engine's decode step compiled by torch.compile in the background (a few minutes once; the inductor cache keeps it) and re-captured, the uncompiled CUDA graphs serving meanwhile; 0: never; 1 on a CPU: compiled, no graphs. |
 | LMSCOPE_RECORD_STEPS | 1 | CPU: the engine's decode steps and short prefills recorded as TorchScript traces in the background (the buckets a server's first users need right after start, others at first use; ~2 s each) and replayed, which holds the interpreter lock once per call instead of ~1,500 times; 0: always eager. |
 | LMSCOPE_PATCH_TOKENS | 65536 on CUDA, else 1024 | Tokens per batch of an activation-patching sweep (rows = this / prompt length). |
+| LMSCOPE_MODEL_PROCESS | off | on: the Generation lab generates in a supervised model process; tcp://host:port: one started elsewhere. |
+| LMSCOPE_MODEL_PROCESS_KEY | key file in the data folder | Hex key signing messages between the web process and a model process. |
 | LMSCOPE_JOB_STALE_SECONDS | 30 | A running job whose worker sent no heartbeat for this long is marked failed ("worker lost"). |
 | LMSCOPE_VISIBILITY_TIMEOUT | 21600 | Seconds before the broker redelivers an unacknowledged job message (longer than any job). |
 | LMSCOPE_LOG_LEVEL | INFO | Lowest level of the log lines `lmscope serve`, the worker and the CLI write: DEBUG, INFO, WARNING, ERROR or CRITICAL. |
@@ -87,7 +89,7 @@ VARIABLES = (
     "LMSCOPE_JOBS_PER_HOUR", "LMSCOPE_UPLOAD_MAX_MB", "LMSCOPE_QUEUE_CONCURRENCY",
     "LMSCOPE_GENERATE_CONCURRENCY", "LMSCOPE_QUEUE_MAX", "LMSCOPE_TRACE_CACHE_ITEMS", "LMSCOPE_MAX_BATCH",
     "LMSCOPE_ENGINE", "LMSCOPE_ENGINE_THREADS", "LMSCOPE_KV_CACHE_MB", "LMSCOPE_COMPILE", "LMSCOPE_RECORD_STEPS",
-    "LMSCOPE_PATCH_TOKENS",
+    "LMSCOPE_PATCH_TOKENS", "LMSCOPE_MODEL_PROCESS", "LMSCOPE_MODEL_PROCESS_KEY",
     "LMSCOPE_JOB_STALE_SECONDS", "LMSCOPE_VISIBILITY_TIMEOUT", "LMSCOPE_LOG_LEVEL",
 )
 _WATCHED = VARIABLES + ("XDG_CACHE_HOME",)
@@ -143,6 +145,10 @@ class Settings:
     compile: bool | None = None  # None: on where the engine captures CUDA graphs
     record_steps: bool = True  # CPU engines: decode steps and prefills replayed from TorchScript recordings
     patch_tokens: int | None = None  # None: 65536 on CUDA, else 1024
+    # where generations run: "off" (the web process), "on" (a model process `lmscope serve` starts and
+    # restarts), or the tcp:// address of a model process started elsewhere
+    model_process: str = "off"
+    model_process_key: str | None = None  # hex; the data folder's key file when unset
     # jobs
     job_stale_seconds: float = 30.0
     visibility_timeout_s: int = 6 * 3600
@@ -255,6 +261,19 @@ class Settings:
         if log_level not in LOG_LEVELS:
             errors.append(f"LMSCOPE_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}, not '{s('LMSCOPE_LOG_LEVEL')}'.")
             log_level = "INFO"
+        model_process = (s("LMSCOPE_MODEL_PROCESS") or "off").lower()
+        if model_process in ("0", "false", "no"):
+            model_process = "off"
+        if model_process in ("1", "true", "yes"):
+            model_process = "on"
+        if model_process not in ("off", "on") and not re.fullmatch(r"tcp://[^\s/]+:\d{1,5}", model_process):
+            errors.append(f"LMSCOPE_MODEL_PROCESS must be off, on or tcp://host:port, not '{s('LMSCOPE_MODEL_PROCESS')}'.")
+            model_process = "off"
+        process_key = s("LMSCOPE_MODEL_PROCESS_KEY")
+        if process_key is not None and not re.fullmatch(r"(?:[0-9a-fA-F]{2}){16,}", process_key):
+            errors.append("LMSCOPE_MODEL_PROCESS_KEY must be at least 32 hexadecimal digits "
+                          "(e.g. from `openssl rand -hex 32`).")
+            process_key = None
         kv_mb = integer("LMSCOPE_KV_CACHE_MB", 0, 1, 10_000_000) if s("LMSCOPE_KV_CACHE_MB") else 0
         out = cls(
             redis_url=redis_url,
@@ -292,6 +311,7 @@ class Settings:
             compile=flag("LMSCOPE_COMPILE", None),
             record_steps=flag("LMSCOPE_RECORD_STEPS", True),
             patch_tokens=patch_tokens or None,
+            model_process=model_process, model_process_key=process_key,
             job_stale_seconds=number("LMSCOPE_JOB_STALE_SECONDS", 30.0, 0, 10**7),
             visibility_timeout_s=integer("LMSCOPE_VISIBILITY_TIMEOUT", 6 * 3600, 1, 10**8),
             log_level=log_level,

@@ -124,7 +124,7 @@ def test_compose_file_shape_and_commands():
 
     documented = {ln.split("|")[1].strip() for ln in settings_mod.__doc__.splitlines()
                   if ln.startswith("| ") and "Variable" not in ln}
-    assert len(documented) == 39 and documented == set(settings_mod.VARIABLES)
+    assert len(documented) == 41 and documented == set(settings_mod.VARIABLES)
     readme = (ROOT / "README.md").read_text()
     table = readme[readme.index("| Variable | Default | Meaning |"):].split("\n\n")[0]
     in_readme = {ln.split("|")[1].strip().strip("`") for ln in table.splitlines()[2:]}

@@ -12,7 +12,14 @@ from collections.abc import Iterator
 import gradio as gr
 
 from app.shared import validation as V
-from app.shared.context import Shared, endpoint, generate_concurrency, get_model, max_prompt_tokens
+from app.shared.context import (
+    Shared,
+    endpoint,
+    generate_concurrency,
+    generation_steps,
+    get_model,
+    max_prompt_tokens,
+)
 from app.shared.page_js import page_js
 from app.tabs.generate import figures as F
 from model_core.core.errors import LmscopeError
@@ -28,13 +35,13 @@ from model_core.serving.generate import (
     check_seed,
     generate,
     generation_to_json,
-    iter_generate,
     kv_cache_growth,
     max_new_tokens_cap,
     step_attention,
     step_to_json,
     time_cache_vs_no_cache,
 )
+from model_core.serving.generation_request import GenerateRequest
 
 MAX_SAMPLES = 8
 SAMPLE_TOKENS_CAP = 64  # each of the N samples is at most this long (N x tokens of CPU time)
@@ -408,9 +415,9 @@ class GenerateTab:
             pending.clear()
 
         try:
-            for step, gen in iter_generate(lm, prompt, max_new_tokens=n_new, settings=settings, seed=sd,
-                                           chat=bool(chat), stop=parse_stop(stop_text),
-                                           max_prompt_tokens=max_prompt_tokens()):
+            request = GenerateRequest(prompt=prompt, max_new_tokens=n_new, settings=settings, seed=sd,
+                                      chat=bool(chat), stop=parse_stop(stop_text), max_prompt_tokens=max_prompt_tokens())
+            for step, gen in generation_steps(lm, request):
                 pending.append(step)
                 # this thread's Python (step JSON, text, chips) holds the GIL that the engine thread's
                 # decode step needs: do it in batches, at most every STREAM_EVERY_S (docs/PERFORMANCE.md)
