@@ -302,10 +302,10 @@ def model_zip(name: str) -> str | None:
 
 
 def start_model_process(settings, services) -> bool:
-    """LMSCOPE_MODEL_PROCESS: "on" starts a supervised model process on this host, an address
-    connects to one started elsewhere; either way generations go there from now on. Returns whether
-    generations stay in this process ("off")."""
-    if settings.model_process == "off":
+    """LMSCOPE_MODEL_PROCESS: "on" (and "auto" where models load on CUDA) starts a supervised model
+    process on this host, an address connects to one started elsewhere; either way generations go
+    there from now on. Returns whether generations stay in this process ("off", "auto" on a CPU)."""
+    if settings.model_process == "off" or (settings.model_process == "auto" and not _on_cuda(settings)):
         return True
     from app.shared.context import use_model_process
     from model_core.core import paths
@@ -314,13 +314,22 @@ def start_model_process(settings, services) -> bool:
 
     global _services
     address = settings.model_process
-    if address == "on":
+    if address in ("on", "auto"):
         from tasks.services import ensure_model_process
 
         address, _services = ensure_model_process(paths.data_dir(), services)
         log.info("%s", _services.notes[-1])
     use_model_process(ModelProcessClient(address, shared_key(paths.data_dir(), settings.model_process_key)))
     return False
+
+
+def _on_cuda(settings) -> bool:
+    """Whether models load on CUDA here (LMSCOPE_DEVICE cuda, cuda:N or auto, or unset on a CUDA host)."""
+    if settings.device not in (None, "auto"):
+        return settings.device.startswith("cuda")
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _preload(name: str, device: str | None = None, dtype: str | None = None, engine: bool = True) -> None:

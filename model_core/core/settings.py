@@ -45,7 +45,7 @@ parameters and fall back to `current()` only for a default.
 | LMSCOPE_COMPILE | on with CUDA | The engine's decode step compiled by torch.compile in the background (a few minutes once; the inductor cache keeps it) and re-captured, the uncompiled CUDA graphs serving meanwhile; 0: never; 1 on a CPU: compiled, no graphs. |
 | LMSCOPE_RECORD_STEPS | 1 | CPU: the engine's decode steps and short prefills recorded as TorchScript traces in the background (the buckets a server's first users need right after start, others at first use; ~2 s each) and replayed, which holds the interpreter lock once per call instead of ~1,500 times; 0: always eager. |
 | LMSCOPE_PATCH_TOKENS | 65536 on CUDA, else 1024 | Tokens per batch of an activation-patching sweep (rows = this / prompt length). |
-| LMSCOPE_MODEL_PROCESS | off | on: the Generation lab generates in a supervised model process; tcp://host:port: one started elsewhere. |
+| LMSCOPE_MODEL_PROCESS | auto | on: the Generation lab generates in a supervised model process; tcp://host:port: one started elsewhere; auto: on where models load on CUDA, off on a CPU. |
 | LMSCOPE_MODEL_PROCESS_KEY | key file in the data folder | Hex key signing messages between the web process and a model process. |
 | LMSCOPE_JOB_STALE_SECONDS | 30 | A running job whose worker sent no heartbeat for this long is marked failed ("worker lost"). |
 | LMSCOPE_VISIBILITY_TIMEOUT | 21600 | Seconds before the broker redelivers an unacknowledged job message (longer than any job). |
@@ -147,7 +147,7 @@ class Settings:
     patch_tokens: int | None = None  # None: 65536 on CUDA, else 1024
     # where generations run: "off" (the web process), "on" (a model process `lmscope serve` starts and
     # restarts), or the tcp:// address of a model process started elsewhere
-    model_process: str = "off"
+    model_process: str = "auto"
     model_process_key: str | None = None  # hex; the data folder's key file when unset
     # jobs
     job_stale_seconds: float = 30.0
@@ -261,14 +261,14 @@ class Settings:
         if log_level not in LOG_LEVELS:
             errors.append(f"LMSCOPE_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}, not '{s('LMSCOPE_LOG_LEVEL')}'.")
             log_level = "INFO"
-        model_process = (s("LMSCOPE_MODEL_PROCESS") or "off").lower()
+        model_process = (s("LMSCOPE_MODEL_PROCESS") or "auto").lower()
         if model_process in ("0", "false", "no"):
             model_process = "off"
         if model_process in ("1", "true", "yes"):
             model_process = "on"
-        if model_process not in ("off", "on") and not re.fullmatch(r"tcp://[^\s/]+:\d{1,5}", model_process):
-            errors.append(f"LMSCOPE_MODEL_PROCESS must be off, on or tcp://host:port, not '{s('LMSCOPE_MODEL_PROCESS')}'.")
-            model_process = "off"
+        if model_process not in ("auto", "off", "on") and not re.fullmatch(r"tcp://[^\s/]+:\d{1,5}", model_process):
+            errors.append(f"LMSCOPE_MODEL_PROCESS must be auto, off, on or tcp://host:port, not '{s('LMSCOPE_MODEL_PROCESS')}'.")
+            model_process = "auto"
         process_key = s("LMSCOPE_MODEL_PROCESS_KEY")
         if process_key is not None and not re.fullmatch(r"(?:[0-9a-fA-F]{2}){16,}", process_key):
             errors.append("LMSCOPE_MODEL_PROCESS_KEY must be at least 32 hexadecimal digits "

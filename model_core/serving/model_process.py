@@ -15,6 +15,7 @@ is one that can generate at once.
 Threads: the main thread owns both sockets (a ZeroMQ socket belongs to one thread): the ROUTER that
 clients reach and a PULL that every request thread's PUSH feeds. Each GenerateCall runs on its own
 thread through `iter_generate`, as a web request did in the web process: the engine batches them.
+A request's steps go back together, the first at once and then at most every STEPS_EVERY_S.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import argparse
 import logging
 import os
 import threading
+import time
 from dataclasses import replace
 
 import zmq
@@ -45,6 +47,8 @@ from model_core.serving.model_process_wire import (
 
 log = logging.getLogger(__name__)
 OUT = "inproc://lmscope-model-process-out"
+STEPS_EVERY_S = 0.03  # a generation's steps are sent together at most this often (the page redraws every 0.1 s)
+DRAIN_AT_MOST = 256  # answers moved per turn of the loop before it looks at new requests and pings again
 
 
 class ModelProcess:
@@ -72,8 +76,8 @@ class ModelProcess:
         try:
             while not self._stop.is_set():
                 ready = dict(poller.poll(200))
-                if pull in ready:  # answers first: they free the clients' pages
-                    while True:
+                if pull in ready:  # answers first: they free the clients' pages (bounded: pings wait behind them)
+                    for _ in range(DRAIN_AT_MOST):
                         try:
                             router.send_multipart(pull.recv_multipart(zmq.NOBLOCK))
                         except zmq.Again:
@@ -134,10 +138,19 @@ class ModelProcess:
                 raise LmscopeError("A generation that keeps logits, attention or edits runs in the web process, "
                                    "not through the model process.")
             lm = self.load(call.model)
+            held, sent_at = [], 0.0
             for step, gen in iter_generate(lm, request=replace(req, should_stop=cancel)):
                 if step.index == 0:
                     self._send(client, request_id, Started(replace(gen, steps=[], token_ids=[], kv_series=[])))
-                self._send(client, request_id, Steps([step], gen.text, [gen.kv_series[-1]]))
+                held.append((step, gen.kv_series[-1]))
+                # the first token at once (time to first token), then a message per STEPS_EVERY_S: one
+                # per step was 5,000 messages/s at 32 users on an H200, more than either end's
+                # interpreter could pack, sign and route
+                if step.index == 0 or time.monotonic() - sent_at >= STEPS_EVERY_S:
+                    self._send(client, request_id, Steps([s for s, _ in held], gen.text, [kv for _, kv in held]))
+                    held, sent_at = [], time.monotonic()
+            if held:
+                self._send(client, request_id, Steps([s for s, _ in held], gen.text, [kv for _, kv in held]))
             self._send(client, request_id, Finished(replace(gen, steps=[]) if gen is not None else None))
         except Exception as e:  # noqa: BLE001 - the request fails with a sentence; the process serves on
             if not isinstance(e, LmscopeError):

@@ -52,6 +52,7 @@ PING_ID = b"\0ping\0\0\0"
 PING_EVERY_S = 1.0  # while ready; every 0.2 s while waiting for it
 PONG_TIMEOUT_S = 15.0  # no answer this long while ready: the process is taken for dead (another host)
 READY_WAIT_S = 60.0  # a new request waits this long for a (re)starting process
+DRAIN_AT_MOST = 256  # messages moved per turn of the I/O loop before it sends pings and requests again
 CRASHES_REFUSED = 2  # a request in flight at this many deaths in a row is not sent again
 _GEN_FIELDS = None  # Generation's fields other than steps, filled on first use
 
@@ -177,23 +178,34 @@ class ModelProcessClient:
                     elif sock is inbox:
                         dealer.send_multipart(inbox.recv_multipart(), zmq.NOBLOCK)
                     else:
-                        frames = dealer.recv_multipart()
-                        if frames[0] == PING_ID:
-                            got = unpack(frames, self.key)
-                            if got is not None and isinstance(got[1], Pong):
-                                pong_at = time.monotonic()
-                                self._answered(got[1])
-                            continue
-                        with self._lock:
-                            entry = self._pending.get(frames[0])
-                        if entry is not None:
-                            entry[0].put(frames)
+                        pong_at = self._deliver(dealer, pong_at)
         except zmq.ZMQError as e:  # the context was terminated (shutdown)
             log.debug("model process client stopped: %s", e)
         finally:
             dealer.disable_monitor()
             for s in (dealer, inbox, monitor):
                 s.close(0)
+
+    def _deliver(self, dealer, pong_at: float) -> float:
+        """Every message waiting on the DEALER to its request's inbox (a pong to the health record);
+        returns when the process was last heard from: any message says it is alive, so a busy
+        process's pong queued behind its steps does not make it look dead."""
+        for _ in range(DRAIN_AT_MOST):
+            try:
+                frames = dealer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            pong_at = time.monotonic()
+            if frames[0] == PING_ID:
+                got = unpack(frames, self.key)
+                if got is not None and isinstance(got[1], Pong):
+                    self._answered(got[1])
+                continue
+            with self._lock:
+                entry = self._pending.get(frames[0])
+            if entry is not None:
+                entry[0].put(frames)
+        return pong_at
 
     def _answered(self, pong: Pong) -> None:
         if self.state != "ready":

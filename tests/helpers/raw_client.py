@@ -41,6 +41,7 @@ class RawClient:
         {"error": "hang"} past `timeout` (the stream's heartbeats would keep a read timeout from firing)."""
         deadline = time.monotonic() + (timeout or self.timeout)
         self.started_at = None  # time.perf_counter() when the server started running the event
+        self.first_update_at = None  # ... and when its first streamed update arrived (a generator's first yield)
         with self.http.stream("GET", f"/gradio_api/queue/data?session_hash={session}") as resp:
             for line in resp.iter_lines():
                 if time.monotonic() > deadline:
@@ -50,6 +51,8 @@ class RawClient:
                 msg = json.loads(line[5:])
                 if msg.get("msg") == "process_starts":
                     self.started_at = time.perf_counter()
+                if msg.get("msg") == "process_generating" and self.first_update_at is None:
+                    self.first_update_at = time.perf_counter()
                 if msg.get("msg") == "process_completed":
                     out = msg.get("output") or {}
                     return {"error": out.get("error") or "(no message)"} if not msg.get("success") else out

@@ -102,3 +102,21 @@ def test_request_threads_yield_the_cores_to_the_engine_and_start_threads_at_full
     assert seen == {"request": max(base, REQUEST_NICE), "started": base, "inherited": max(base, REQUEST_NICE)}
     a_request()  # the main thread keeps its priority
     assert nice() == base
+
+
+def test_streamed_updates_spread_when_many_generations_stream():
+    """Each streamed update costs the web process's one interpreter a few ms: a lone generation
+    updates every STREAM_EVERY_S, and with many at once all of them together stay under
+    STREAM_UPDATES_PER_S (an H200 at 32 users: 466 -> 1,091 tok/s served, docs/PERFORMANCE_LOG.md)."""
+    from app.tabs.generate import tab as T
+
+    pace = T._StreamPace()
+    assert pace.interval() == T.STREAM_EVERY_S
+    with pace:
+        assert pace.interval() == T.STREAM_EVERY_S
+        entered = [pace.__enter__() for _ in range(31)]
+        assert pace.streaming == 32
+        assert 32 / pace.interval() == pytest.approx(T.STREAM_UPDATES_PER_S)
+        for p in entered:
+            p.__exit__(None, None, None)
+    assert pace.streaming == 0

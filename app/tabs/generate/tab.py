@@ -6,6 +6,7 @@ figures come from app.tabs.generate.figures (pure functions)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -47,6 +48,34 @@ MAX_SAMPLES = 8
 SAMPLE_TOKENS_CAP = 64  # each of the N samples is at most this long (N x tokens of CPU time)
 TIMELINE_EVERY = 4  # redraw the timeline every few streamed updates (and at the end)
 STREAM_EVERY_S = 0.1  # streamed updates at most this often (text, chips; the timeline every TIMELINE_EVERY)
+# All generations together send at most this many streamed updates per second: each costs the web
+# process's one interpreter ~3 ms (an H200 serving 32 users over HTTP: 1.0 core busy, 2.2 ms of it
+# per generated token, the model process idle at 0.13 core), so with many streaming at once each
+# one's updates come less often instead of every user's generation waiting on the interpreter.
+STREAM_UPDATES_PER_S = 40
+
+
+class _StreamPace:
+    """How many generations are streaming now, and how long each waits between its updates."""
+
+    def __init__(self):
+        self.streaming = 0
+        self._lock = threading.Lock()
+
+    def __enter__(self):
+        with self._lock:
+            self.streaming += 1
+        return self
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self.streaming -= 1
+
+    def interval(self) -> float:
+        return max(STREAM_EVERY_S, self.streaming / STREAM_UPDATES_PER_S)
+
+
+_PACE = _StreamPace()
 
 
 def parse_stop(text: str | None) -> list[str]:
@@ -417,16 +446,17 @@ class GenerateTab:
         try:
             request = GenerateRequest(prompt=prompt, max_new_tokens=n_new, settings=settings, seed=sd,
                                       chat=bool(chat), stop=parse_stop(stop_text), max_prompt_tokens=max_prompt_tokens())
-            for step, gen in generation_steps(lm, request):
-                pending.append(step)
-                # this thread's Python (step JSON, text, chips) holds the GIL that the engine thread's
-                # decode step needs: do it in batches, at most every STREAM_EVERY_S (docs/PERFORMANCE.md)
-                if not gen.finished and time.monotonic() - last_yield >= STREAM_EVERY_S:
-                    flush()
-                    last_yield = time.monotonic()
-                    yield self._streaming(steps_json, gen, lab, colour, timeline=updates % TIMELINE_EVERY == 0,
-                                          first=updates == 0)
-                    updates += 1
+            with _PACE:
+                for step, gen in generation_steps(lm, request):
+                    pending.append(step)
+                    # this thread's Python (step JSON, text, chips) holds the GIL that the engine thread's
+                    # decode step needs: do it in batches, at most every _PACE.interval() (docs/PERFORMANCE.md)
+                    if not gen.finished and time.monotonic() - last_yield >= _PACE.interval():
+                        flush()
+                        last_yield = time.monotonic()
+                        yield self._streaming(steps_json, gen, lab, colour, timeline=updates % TIMELINE_EVERY == 0,
+                                              first=updates == 0)
+                        updates += 1
         except LmscopeError as e:
             flush()
             out = self._messages({V.field_of(e) or "prompt": str(e)})
