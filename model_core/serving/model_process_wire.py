@@ -33,6 +33,7 @@ from model_core.core import errors as errors_module
 from model_core.core.errors import LmscopeError
 
 KEY_BYTES = 32
+MIN_KEY_BYTES = 16  # LMSCOPE_MODEL_PROCESS_KEY's least (32 hex digits); a key file holding less is remade
 MAX_MESSAGE_BYTES = 64 << 20  # ZeroMQ drops a larger message before it is read (ZMQ_MAXMSGSIZE)
 RESTARTED = "The model process restarted while this ran; run it again."
 
@@ -131,17 +132,33 @@ def key_file(data_dir: str | os.PathLike) -> Path:
 
 def shared_key(data_dir: str | os.PathLike, given_hex: str | None = None) -> bytes:
     """The key given (Settings.model_process_key, hex: a model process on another host), else the data
-    folder's key file, made once (mode 0600) and reused by every process that shares the folder."""
+    folder's key file, made once (mode 0600) and reused by every process that shares the folder. Made
+    by linking a finished file into place, so processes starting together (a web and a model service
+    on one volume) all end up with the first one's key, never with two."""
     if given_hex:
         return bytes.fromhex(given_hex)  # checked by Settings.from_env
     path = key_file(data_dir)
     try:
-        return bytes.fromhex(path.read_text().strip())
-    except (FileNotFoundError, ValueError):
-        pass
+        key = bytes.fromhex(path.read_text().strip())
+        if len(key) >= MIN_KEY_BYTES:
+            return key
+        corrupt = True  # cut short (a crash while it was written): no process can be using it
+    except FileNotFoundError:
+        corrupt = False
+    except ValueError:
+        corrupt = True  # not hex: likewise
     path.parent.mkdir(parents=True, exist_ok=True)
-    key = secrets.token_bytes(KEY_BYTES)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(key.hex() + "\n")
-    return key
+        f.write(secrets.token_bytes(KEY_BYTES).hex() + "\n")
+    try:
+        if corrupt:
+            os.replace(tmp, path)
+        else:
+            os.link(tmp, path)  # fails when another process linked its key first: that one is used
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
+    return bytes.fromhex(path.read_text().strip())

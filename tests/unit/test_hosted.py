@@ -103,7 +103,15 @@ def test_compose_file_shape_and_commands():
 
     doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     sv = doc["services"]
-    assert set(sv) == {"redis", "web", "worker"}
+    assert set(sv) == {"redis", "web", "worker", "model"}
+    # the model service: only with its profile, the command tests/integration/test_model_service.py runs,
+    # the data volume (its key file) shared with the web service, which names it through the setting
+    assert sv["model"]["profiles"] == ["model-service"]
+    assert sv["model"]["command"] == ["python", "-m", "model_core.serving.model_process", "--address", "tcp://0.0.0.0:7861"]
+    assert "lmscope-data:/data" in sv["model"]["volumes"] and "lmscope-data:/data" in sv["web"]["volumes"]
+    assert sv["web"]["environment"]["LMSCOPE_MODEL_PROCESS"] == "${LMSCOPE_MODEL_PROCESS:-auto}"
+    assert "LMSCOPE_MODEL_PROCESS=tcp://model:7861 docker compose --profile model-service" in \
+        (ROOT / "docker-compose.yml").read_text()
     assert "--appendonly" in sv["redis"]["command"] and "yes" in sv["redis"]["command"]
     # the commands the tests run locally (LiveServer: `lmscope serve --no-services`; `lmscope worker`)
     assert sv["web"]["command"][:3] == ["lmscope", "serve", "--no-services"]
@@ -139,7 +147,7 @@ def test_compose_file_shape_and_commands():
     assert deployment <= documented and deployment - set(sv["web"]["environment"]) == set()
     assert {k for k in sv["web"]["environment"] if k.startswith("LMSCOPE_")} <= documented
     gpu = yaml.safe_load((ROOT / "docker-compose.gpu.yml").read_text())
-    for name in ("web", "worker"):
+    for name in ("web", "worker", "model"):
         dev = gpu["services"][name]["deploy"]["resources"]["reservations"]["devices"][0]
         assert dev["driver"] == "nvidia" and "gpu" in dev["capabilities"]
     # the worker's health check and CLI names exist
