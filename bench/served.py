@@ -93,13 +93,6 @@ def _summary(n_users, rows, errors) -> dict:
 
 
 # --- served ---------------------------------------------------------------------------------------
-def _gen_data(client, fn: int, model: str, text: str, new_tokens: int) -> list:
-    """The Generate event's inputs as the page sends them (a State is null: it lives in the session)."""
-    given = {"Model": model, "Prompt": text, "max new tokens": new_tokens, "temperature (0 = greedy)": 0.0}
-    return [None if c["type"] == "state" else given.get(c.get("props", {}).get("label"), c.get("props", {}).get("value"))
-            for c in client.inputs_of(fn)]
-
-
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds a process has used (Linux /proc), 0 when it is gone."""
     try:
@@ -131,7 +124,8 @@ def served_level(url: str, model: str, n_users: int, new_tokens: int, repeats: i
     def one(i):
         c, session = clients[i], uuid.uuid4().hex[:12]
         t0 = time.perf_counter()
-        out = c.call(fn, _gen_data(c, fn, model, prompt(i), new_tokens), session=session)
+        out = c.call(fn, c.data_for(fn, {"Model": model, "Prompt": prompt(i), "max new tokens": new_tokens,
+                                         "temperature (0 = greedy)": 0.0}), session=session)
         if "error" in out:
             errors.append(f"user {i}: {str(out['error'])[:160]}")
             return 0, None
@@ -165,13 +159,11 @@ class LightUser:
         self.c, self.session = RawClient(url, timeout=600), uuid.uuid4().hex[:12]
         trace_fn = self.c.fn("trace")
         given = {"Model": model, "Prompt": "The animal didn't cross the street because it was too tired"}
-        data = [None if c["type"] == "state" else given.get(c.get("props", {}).get("label"), c.get("props", {}).get("value"))
-                for c in self.c.inputs_of(trace_fn)]
-        out = self.c.call(trace_fn, data, session=self.session)
+        out = self.c.call(trace_fn, self.c.data_for(trace_fn, given), session=self.session)
         if "error" in out:
             raise RuntimeError(f"the light user's trace failed: {out['error']}")
         self.fn = self.c.fn("update_layer_head")
-        self.base = [None if c["type"] == "state" else c.get("props", {}).get("value") for c in self.c.inputs_of(self.fn)]
+        self.base = self.c.data_for(self.fn, {})
         self.layer_slot = next(i for i, c in enumerate(self.c.inputs_of(self.fn)) if c.get("props", {}).get("label") == "Layer")
         self.latencies: list[float] = []
         self.errors: list[str] = []

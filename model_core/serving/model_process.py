@@ -31,6 +31,7 @@ import zmq
 
 from model_core.core.errors import LmscopeError
 from model_core.serving.model_process_wire import (
+    DRAIN_AT_MOST,
     MAX_MESSAGE_BYTES,
     CancelCall,
     Failed,
@@ -48,7 +49,6 @@ from model_core.serving.model_process_wire import (
 log = logging.getLogger(__name__)
 OUT = "inproc://lmscope-model-process-out"
 STEPS_EVERY_S = 0.03  # a generation's steps are sent together at most this often (the page redraws every 0.1 s)
-DRAIN_AT_MOST = 256  # answers moved per turn of the loop before it looks at new requests and pings again
 
 
 class ModelProcess:
@@ -138,19 +138,20 @@ class ModelProcess:
                 raise LmscopeError("A generation that keeps logits, attention or edits runs in the web process, "
                                    "not through the model process.")
             lm = self.load(call.model)
-            held, sent_at = [], 0.0
+            steps, kv_points, sent_at = [], [], 0.0
             for step, gen in iter_generate(lm, request=replace(req, should_stop=cancel)):
                 if step.index == 0:
                     self._send(client, request_id, Started(replace(gen, steps=[], token_ids=[], kv_series=[])))
-                held.append((step, gen.kv_series[-1]))
+                steps.append(step)
+                kv_points.append(gen.kv_series[-1])
                 # the first token at once (time to first token), then a message per STEPS_EVERY_S: one
                 # per step was 5,000 messages/s at 32 users on an H200, more than either end's
                 # interpreter could pack, sign and route
                 if step.index == 0 or time.monotonic() - sent_at >= STEPS_EVERY_S:
-                    self._send(client, request_id, Steps([s for s, _ in held], gen.text, [kv for _, kv in held]))
-                    held, sent_at = [], time.monotonic()
-            if held:
-                self._send(client, request_id, Steps([s for s, _ in held], gen.text, [kv for _, kv in held]))
+                    self._send(client, request_id, Steps(steps, gen.text, kv_points))
+                    steps, kv_points, sent_at = [], [], time.monotonic()
+            if steps:
+                self._send(client, request_id, Steps(steps, gen.text, kv_points))
             self._send(client, request_id, Finished(replace(gen, steps=[]) if gen is not None else None))
         except Exception as e:  # noqa: BLE001 - the request fails with a sentence; the process serves on
             if not isinstance(e, LmscopeError):

@@ -31,6 +31,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from model_core.core.errors import LmscopeError
 from model_core.serving.model_process_wire import (
+    DRAIN_AT_MOST,
     MAX_MESSAGE_BYTES,
     RESTARTED,
     CancelCall,
@@ -52,7 +53,6 @@ PING_ID = b"\0ping\0\0\0"
 PING_EVERY_S = 1.0  # while ready; every 0.2 s while waiting for it
 PONG_TIMEOUT_S = 15.0  # no answer this long while ready: the process is taken for dead (another host)
 READY_WAIT_S = 60.0  # a new request waits this long for a (re)starting process
-DRAIN_AT_MOST = 256  # messages moved per turn of the I/O loop before it sends pings and requests again
 CRASHES_REFUSED = 2  # a request in flight at this many deaths in a row is not sent again
 _GEN_FIELDS = None  # Generation's fields other than steps, filled on first use
 

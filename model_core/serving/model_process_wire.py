@@ -35,6 +35,7 @@ from model_core.core.errors import LmscopeError
 KEY_BYTES = 32
 MIN_KEY_BYTES = 16  # LMSCOPE_MODEL_PROCESS_KEY's least (32 hex digits); a key file holding less is remade
 MAX_MESSAGE_BYTES = 64 << 20  # ZeroMQ drops a larger message before it is read (ZMQ_MAXMSGSIZE)
+DRAIN_AT_MOST = 256  # messages either end's I/O loop moves per turn before it looks at pings and requests again
 RESTARTED = "The model process restarted while this ran; run it again."
 
 

@@ -69,6 +69,12 @@ class RawClient:
     def inputs_of(self, fn_index: int) -> list[dict]:
         return [self.components[i] for i in self.deps[fn_index]["inputs"]]
 
+    def data_for(self, fn_index: int, given: dict) -> list:
+        """An event's inputs as the page sends them: `given` by component label, the rest at the page's
+        defaults, a State as null (its value lives in the server's session)."""
+        return [None if c["type"] == "state" else given.get(c.get("props", {}).get("label"), c.get("props", {}).get("value"))
+                for c in self.inputs_of(fn_index)]
+
     def upload(self, name: str, content: bytes) -> dict:
         r = self.http.post("/gradio_api/upload", files={"files": (name, content)})
         assert r.status_code == 200, r.text

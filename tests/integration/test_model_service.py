@@ -88,10 +88,7 @@ def test_a_model_service_reached_by_address_generates_what_transformers_generate
         c = RawClient(server.url)
         fn = c.fn("generate")
         given = {"Model": MODEL, "Prompt": PROMPT, "max new tokens": NEW_TOKENS, "temperature (0 = greedy)": 0.0}
-        data = [None if comp["type"] == "state" else given.get(comp.get("props", {}).get("label"),
-                                                                   comp.get("props", {}).get("value"))
-                for comp in c.inputs_of(fn)]
-        out = c.call(fn, data)
+        out = c.call(fn, c.data_for(fn, given))
         assert "error" not in out, out
         labels = [c.components[i].get("props", {}).get("label") for i in c.deps[fn]["outputs"]]
         text = out["data"][labels.index("generated text")]

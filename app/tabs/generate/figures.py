@@ -53,6 +53,13 @@ def timeline_figure(steps: list[dict], color_by: str = "prob", selected: int | N
 
 
 @functools.cache
+def _template() -> dict:
+    """The default template as a validated figure carries it (made once: a Figure per call was most
+    of the unvalidated build's time)."""
+    return go.Figure().layout.template.to_plotly_json()
+
+
+@functools.cache
 def _colorscale(name: str) -> list:
     """A named colorscale as the validator spells it out (plotly.js knows "Viridis" but not "RdYlGn")."""
     return [list(x) for x in go.bar.Marker(colorscale=name).colorscale]
@@ -83,7 +90,7 @@ def timeline_spec(steps: list[dict], color_by: str = "prob", selected: int | Non
     layout = {"title": {"text": "Entropy of each step's distribution" if by_entropy else "Probability of each chosen token"},
               "xaxis": {"title": {"text": "step"}}, "yaxis": yaxis,
               "margin": dict(_MARGIN), "height": 300, "showlegend": False, "bargap": 0.15,
-              "template": go.Figure().layout.template}
+              "template": _template()}
     return {"data": [bar], "layout": layout}
 
 
