@@ -82,7 +82,7 @@ def _server_vs_script(lm, model: str, ids: list[int], prompt: str, n: int, repea
     adds up to 50 ms to every message it waits for."""
     import re
 
-    from load import connect, wait_for_recordings
+    from load import connect, gen_args, wait_for_recordings
 
     from model_core.core.sampling import SamplingSettings
     from model_core.serving.generate import generate
@@ -92,7 +92,7 @@ def _server_vs_script(lm, model: str, ids: list[int], prompt: str, n: int, repea
     server = LiveServer(extra_env={"LMSCOPE_MAX_NEW_TOKENS": str(max(n, 256)), "REDIS_URL": "redis://127.0.0.1:1/0"})
     try:
         call = connect(server.url, None, client)
-        args = [model, prompt, False, n, 0.0, 0, 1.0, 0.0, 1.0, 0, None, "prob"]  # greedy, as the script's
+        args = gen_args(model, prompt, n)  # greedy, as the script's (the one list of the event's inputs)
         best_server = best_script = float("inf")
         steps, pair_ratios = None, []
         for i in range(repeats + 2):
