@@ -121,12 +121,24 @@ def set_number(page, elem_id: str, value, held: bool = False) -> None:
     the box and wait until the slider's track shows the value (a click right after the typing could
     otherwise send the old value on a loaded machine); only for a value inside the slider's range."""
     box = page.locator(f"#{elem_id} input[type=number]").first
-    box.fill(str(value))
-    box.press("Enter")
-    if held:
+    track = page.locator(f"#{elem_id} input[type=range]").first
+    holds = lambda: float(box.input_value()) == float(value) == float(track.input_value())  # noqa: E731
+    # A component mounting as its accordion opens can replace the box just typed into (CI once saw the
+    # slider keep its default for 10 s on a loaded machine), so a held value is typed again until both
+    # the box and the track show it.
+    for attempt in range(3 if held else 1):
+        box.fill(str(value))
+        box.press("Enter")
+        if not held:
+            return
         box.blur()
-        track = page.locator(f"#{elem_id} input[type=range]").first
-        wait_until(lambda: float(track.input_value()) == float(value), 10, f"{elem_id} to hold {value}")
+        try:
+            wait_until(holds, 5, f"{elem_id} to hold {value}")
+            return
+        except AssertionError:
+            if attempt == 2:
+                raise AssertionError(f"{elem_id} does not hold {value}: the box shows {box.input_value()!r}, "
+                                     f"the track {track.input_value()!r}") from None
 
 
 def screenshot(page, name: str) -> Path:
