@@ -39,6 +39,8 @@ def main() -> None:
     ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--packing", nargs="+", choices=["on", "off"], default=["off"],
                     help="padded batches (the job's default) and/or padding-free packed rows, each timed")
+    ap.add_argument("--loader-workers", nargs="+", default=["auto"],
+                    help="processes building the batches (the setting loader_workers), each timed: auto or a number")
     a = ap.parse_args()
     os.environ.setdefault("LMSCOPE_DATA_DIR", tempfile.mkdtemp(prefix="lmscope-dp-bench-"))
     from model_core.training import sft
@@ -46,20 +48,21 @@ def main() -> None:
     print(f"# {device_info(a.device)} · model {a.model} · batch {a.batch} (whole step) · {a.steps} steps · "
           f"max_length {a.max_length}", flush=True)
     curves = {}
-    runs = [(n, p) for p in a.packing for n in a.processes]
-    for n, packing in runs:
+    runs = [(n, p, w) for w in a.loader_workers for p in a.packing for n in a.processes]
+    for n, packing, workers in runs:
         rows, logs = [], []
         settings = {"model": a.model, "dataset": "builtin", "builtin_train_size": a.train_size, "batch_size": a.batch,
                     "max_length": a.max_length, "max_steps": a.steps, "learning_rate": a.lr, "accuracy_examples": 0,
                     "eval_fraction": 0.0, "sample_every": 0, "seed": 0, "device": a.device,
                     "torch_compile": {"auto": None, "on": True, "off": False}[a.compile], "packing": packing == "on",
+                    "loader_workers": None if workers == "auto" else int(workers),
                     "output_name": f"dp-bench-{n}-{uuid.uuid4().hex[:6]}"}
         t0 = time.time()
         res = sft.run_sft_on_gpus(settings, progress=rows.append, log=logs.append, processes=n)
         sec = time.time() - t0
         m = res.info["metrics"]
         curve = [r["loss"] for r in rows if r.get("loss") is not None]
-        curves[(n, packing)] = curve
+        curves[(n, packing, workers)] = curve
         steps = [r for r in rows if r.get("loss") is not None]
         k = min(a.skip, len(steps) - 2)  # steady state: after the steps that compiled
         steady = ((steps[-1]["tokens_seen"] - steps[k]["tokens_seen"]) / (steps[-1]["elapsed_s"] - steps[k]["elapsed_s"])
@@ -69,18 +72,18 @@ def main() -> None:
         per_step = sorted((b["tokens_seen"] - a_["tokens_seen"]) / (b["elapsed_s"] - a_["elapsed_s"])
                           for a_, b in zip(steps[k:], steps[k + 1:]) if b["elapsed_s"] > a_["elapsed_s"])
         median = per_step[len(per_step) // 2] if per_step else float("nan")
-        print(f"processes {n}, packing {packing}: {sec:.1f} s in all, training {m['train_seconds']:.1f} s, "
+        print(f"processes {n}, packing {packing}, loader workers {workers}: {sec:.1f} s in all, training {m['train_seconds']:.1f} s, "
               f"{m['tokens_seen']:,} tokens, {m['tokens_per_s'] or 0:,.0f} tokens/s over the run, "
               f"{steady:,.0f} tokens/s after step {k}, median step {median:,.0f} tokens/s", flush=True)
         for line in logs:
-            if "compiled" in line or "Liger" in line or "processes" in line or "liger" in line:
+            if any(w in line for w in ("compiled", "Liger", "liger", "processes", "loader")):
                 print(f"  log: {line}")
         print("  loss: " + " ".join(f"{x:.4f}" for x in curve), flush=True)
     first = curves[runs[0]]
-    for (n, packing), c in curves.items():
+    for (n, packing, workers), c in curves.items():
         d = max((abs(x - y) for x, y in zip(c, first)), default=0.0)
         rel = max((abs(x - y) / abs(y) for x, y in zip(c, first) if y), default=0.0)
-        print(f"processes {n} packing {packing} vs {runs[0][0]} packing {runs[0][1]}: largest |Δ loss| {d:.4f} "
+        print(f"processes {n} packing {packing} loader workers {workers} vs {runs[0]}: largest |Δ loss| {d:.4f} "
               f"(relative {rel:.2%}) over {len(c)} steps")
 
 

@@ -91,16 +91,18 @@ def processes_for(device: str | None, batch_size: int) -> int:
 
 
 def train(target: str, settings: dict, *, before: tuple = (), kwargs: dict | None = None,
-          processes: int | None = None, progress: Callable | None = None,
+          processes: int | None = None, own_process: bool = False, progress: Callable | None = None,
           should_stop: Callable[[], bool] | None = None, log: Callable[[str], None] | None = None,
           error_cls: type = RuntimeError):
     """target(*before, settings, progress=..., should_stop=..., log=..., **kwargs) in this process, or
     in one process per GPU (processes: how many; default processes_for(settings' device and
-    batch_size); the tests ask for 2 on the CPU). settings["batch_size"] is the whole step's."""
+    batch_size); the tests ask for 2 on the CPU). settings["batch_size"] is the whole step's.
+    own_process: one process is launched too, rather than calling target here (a daemonic caller's
+    run may then start loader processes)."""
     kwargs = kwargs or {}
     batch, device = int(settings["batch_size"]), settings.get("device")
     n = processes or processes_for(device, batch)
-    if n <= 1:
+    if n <= 1 and not own_process:
         module, name = target.split(":")
         fn = getattr(importlib.import_module(module), name)
         return fn(*before, settings, progress=progress, should_stop=should_stop, log=log, **kwargs)
@@ -108,8 +110,10 @@ def train(target: str, settings: dict, *, before: tuple = (), kwargs: dict | Non
         raise error_cls(f"Batch size {batch} does not split over {n} processes; use a multiple of {n}.")
     if torch.cuda.is_available() and device in (None, "", "auto"):
         settings = {**settings, "device": "cuda"}  # each process's own GPU (_child sets it)
-    if log:
+    if log and n > 1:
         log(f"training in {n} processes, {batch // n} examples each per step (data parallel)")
+    elif log:
+        log("training in a process of its own, which may start the loader's processes")
     return run(target, (*before, settings), kwargs, n, progress=progress, should_stop=should_stop, log=log,
                error_cls=error_cls)
 

@@ -45,6 +45,7 @@ and step) only when the whole run succeeds.
 from __future__ import annotations
 
 import math
+import multiprocessing
 import os
 import time
 from collections.abc import Callable
@@ -103,6 +104,7 @@ from model_core.training.sft_settings import (
     SFTError,
     SFTSettings,
     default_output_name,
+    loader_workers,
     mfu,
     setting_number,
     validate_settings,
@@ -394,13 +396,20 @@ def _trainer(s: SFTSettings, model, tok, dev, train: EncodedData, ev: EncodedDat
     speed, speed_notes = train_speed.speed_options(model, dev, s.torch_compile)
     for note in speed_notes:
         say(note)
+    workers = loader_workers(s, use_cuda)
+    if workers and multiprocessing.current_process().daemon:  # run_sft_on_gpus avoids this; a direct caller may not
+        say("the batches are built in the training process: a daemonic process may not start loader processes")
+        workers = 0
+    elif workers:
+        say(f"{workers} loader processes build the batches")
     args = data_parallel.one_gpu_each(TrainingArguments(
         output_dir=str(output_dir), max_steps=max_steps, per_device_train_batch_size=per_process,
         per_device_eval_batch_size=per_process, learning_rate=s.lr(), lr_scheduler_type="linear",
         warmup_steps=s.warmup_steps, weight_decay=0.0, max_grad_norm=1.0, seed=s.seed, data_seed=s.seed,
         logging_steps=1, logging_nan_inf_filter=False, save_strategy="no", report_to="none",
         eval_strategy="steps" if ev else "no", eval_steps=eval_every if ev else None,
-        disable_tqdm=True, dataloader_num_workers=0, remove_unused_columns=False,
+        disable_tqdm=True, dataloader_num_workers=workers, dataloader_persistent_workers=workers > 0,
+        remove_unused_columns=False,
         use_cpu=not use_cuda, bf16=use_cuda and torch.cuda.is_bf16_supported(),
         include_num_input_tokens_seen="non_padding", optim="adamw_torch_fused" if use_cuda else "adamw_torch",
         **speed,
@@ -420,11 +429,17 @@ def run_sft_on_gpus(settings: SFTSettings | dict, progress: ProgressFn | None = 
                     should_stop: Callable[[], bool] | None = None, log: Callable[[str], None] | None = None,
                     tensorboard_dir: str | os.PathLike | None = None, processes: int | None = None) -> SFTResult:
     """run_sft on every GPU of the machine, one process each, or in this process with fewer than two
-    GPUs (data_parallel.train). The step's batch_size is the whole step's either way."""
-    return data_parallel.train("model_core.training.sft:run_sft", asdict(validate_settings(settings)),
+    GPUs (data_parallel.train). The step's batch_size is the whole step's either way. A run that wants
+    loader processes (loader_workers) from a daemonic process, such as a pool process of the Celery
+    worker, trains in a process of its own, which may start them."""
+    from model_core.core.registry import resolve_device
+
+    s = validate_settings(settings)
+    own = multiprocessing.current_process().daemon and loader_workers(s, resolve_device(s.device)[0].type == "cuda") > 0
+    return data_parallel.train("model_core.training.sft:run_sft", asdict(s),
                                kwargs={"tensorboard_dir": str(tensorboard_dir) if tensorboard_dir else None},
-                               processes=processes, progress=progress, should_stop=should_stop, log=log,
-                               error_cls=SFTError)
+                               processes=processes, own_process=own, progress=progress, should_stop=should_stop,
+                               log=log, error_cls=SFTError)
 
 
 def tensorboard_callback(log_dir: str | os.PathLike, s: SFTSettings, say: Callable[[str], None] | None = None):

@@ -49,6 +49,7 @@ def mfu(n_params: float, tokens_per_s: float, peak_flops: float) -> float:
 
 MAX_SAMPLE_PROMPTS = 20
 MAX_KEEP_CHECKPOINTS = 20  # each one is a full copy of the model on disk
+MAX_LOADER_WORKERS = 16
 
 
 @dataclass
@@ -76,6 +77,8 @@ class SFTSettings:
     # default: on the built-in data (examples of similar length) it measured 0.91x of padded batches on
     # an H200 (a masked attention kernel instead of flash) and 0.88x on the CPU
     packing: bool = False
+    # processes that build the batches beside the training loop; None: loader_workers() decides by device
+    loader_workers: int | None = None
     overwrite: bool = False
     sample_every: int | None = None  # steps between sample generations; default ~4 points per run; 0 = off
     sample_prompts: int = 3  # held-out prompts generated greedily at step 0, every sample_every steps, and at the end
@@ -127,7 +130,7 @@ def validate_settings(raw: dict | SFTSettings) -> SFTSettings:
     base = SFTSettings()
     for k in known:
         if d.get(k) is None and k not in ("output_name", "learning_rate", "max_steps", "lora_alpha",
-                                          "eval_every", "device", "sample_every"):
+                                          "eval_every", "device", "sample_every", "loader_workers"):
             d[k] = getattr(base, k)
     method = str(d["method"]).lower()
     if method not in ("full", "lora"):
@@ -152,6 +155,7 @@ def validate_settings(raw: dict | SFTSettings) -> SFTSettings:
         device=(str(d["device"]) if d.get("device") else None),
         torch_compile=(None if d.get("torch_compile") is None else bool(d.get("torch_compile"))),
         packing=str(d.get("packing")).strip().lower() in ("true", "1", "yes", "on"),
+        loader_workers=setting_number(d, "loader_workers", int, 0, MAX_LOADER_WORKERS, allow_none=True),
         overwrite=bool(d.get("overwrite")),
         sample_every=setting_number(d, "sample_every", int, 0, 10**7, allow_none=True),
         sample_prompts=setting_number(d, "sample_prompts", int, 0, MAX_SAMPLE_PROMPTS),
@@ -166,6 +170,16 @@ def validate_settings(raw: dict | SFTSettings) -> SFTSettings:
         raise SettingsError("The output name is too long to also name checkpoints '<name>-step<S>' (max 100 "
                             "characters in all); shorten it or keep no checkpoints.")
     return s
+
+
+def loader_workers(s: SFTSettings, use_cuda: bool) -> int:
+    """How many processes build a run's batches beside its training loop: the setting, else 2 on a
+    GPU, where fetching and collating 512 examples otherwise sits between the steps (0.75-0.82 of the
+    bench's step without them on an H200, docs/PERFORMANCE.md), and none on a CPU, where they would
+    take the cores the step runs on."""
+    if s.loader_workers is not None:
+        return s.loader_workers
+    return 2 if use_cuda else 0
 
 
 def default_output_name(model: str, suffix: str | None = None, method: str = "full") -> str:

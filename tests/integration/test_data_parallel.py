@@ -7,6 +7,7 @@ nothing; an error raised in the processes reaches the caller as itself."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -57,6 +58,36 @@ def test_two_processes_train_as_one_process_with_the_whole_batch(data_dir):
     assert max(float((w2[k] - base[k]).abs().max()) for k in w2 if k in base) > 1e-3  # and moved
     registered = sorted(p.name for p in (data_dir / "models").iterdir())
     assert registered == sorted([one.name, two.name])  # the main process alone registered
+
+
+def _job_in_a_pool_process(settings: dict, out) -> None:
+    """A job as a pool process of the Celery worker runs it: in a daemonic process."""
+    rows, logs = [], []
+    try:
+        sft.run_sft_on_gpus(settings, progress=rows.append, log=logs.append)
+        out.put((_losses(rows), logs, None))
+    except BaseException as e:  # noqa: BLE001 - reported to the test, which fails with it
+        out.put(([], logs, repr(e)))
+
+
+def test_loader_processes_asked_for_in_a_daemonic_process_train_the_same_steps(data_dir):
+    """A job that wants loader processes (GPUs want 2) from a daemonic process, where the DataLoader may
+    not start them, trains in a process of its own, where they start; its losses equal the same run in
+    this process with the batches built in the training loop."""
+    inline = []
+    sft.run_sft_on_gpus({**RUN, "loader_workers": 0, "output_name": _name("inline")}, progress=inline.append)
+    ctx = multiprocessing.get_context("spawn")  # a forked copy of this process can hang in torch's thread pools
+    out = ctx.Queue()
+    pool_process = ctx.Process(target=_job_in_a_pool_process, daemon=True,
+                               args=({**RUN, "loader_workers": 2, "output_name": _name("loader")}, out))
+    pool_process.start()
+    losses, logs, error = out.get(timeout=300)
+    pool_process.join(60)
+    assert error is None, (error, logs)
+    assert any("process of its own" in m for m in logs), logs
+    assert any("2 loader processes build the batches" in m for m in logs), logs
+    assert len(losses) == 4
+    assert losses == pytest.approx(_losses(inline), rel=1e-5)
 
 
 def test_a_cancel_stops_every_process_and_registers_nothing(data_dir):

@@ -78,6 +78,11 @@ def test_settings_are_checked():
         sft.validate_settings({"lr": 1})
     s = sft.validate_settings({"method": "lora", "lora_rank": 4})
     assert s.lr() == 1e-3 and s.to_json()["lora_alpha"] == 8
+    with pytest.raises(sft.SettingsError, match="'loader_workers' must be between 0 and 16"):
+        sft.validate_settings({"loader_workers": 64})
+    # unset, the loader gets processes on a GPU and none on the CPU, where they would take the step's cores
+    assert sft.loader_workers(s, use_cuda=True) == 2 and sft.loader_workers(s, use_cuda=False) == 0
+    assert sft.loader_workers(sft.validate_settings({"loader_workers": "0"}), use_cuda=True) == 0
 
 
 def test_builtin_dataset_is_deterministic_and_disjoint():
