@@ -12,6 +12,10 @@ first streamed update reaches the client, the token already on its way to the pa
 of a light request while N users generate: Explore's layer switch on a traced prompt, by one more
 session, back to back (and alone, before the levels, as its baseline).
 
+--with-job: each level again while a fine-tuning job trains on the same device, in a process of its
+own (the job worker's way on a GPU): the users' tok/s and TTFT with and without it, and the job's
+tokens/s alone and meanwhile.
+
 --model-process off on: the server with generation in its own interpreter (off) and in the
 supervised model process (on, LMSCOPE_MODEL_PROCESS), one server after the other in the same run.
 
@@ -202,6 +206,92 @@ class LightUser:
                 "p99_ms": 1000 * pct(lat, 0.99), "errors": len(errs), "error_samples": errs[:3]}
 
 
+class TrainingJob:
+    """A fine-tuning job on the same device, in a process of its own as the job worker runs one on a
+    GPU (sft.run_sft_on_gpus on the built-in data, its default speed options and loader processes);
+    its progress rows (tokens seen, seconds since training began) come back on its stdout, so its
+    tokens/s can be taken over any window of the bench."""
+
+    def __init__(self, model: str, device: str, batch: int, data_dir: str):
+        import subprocess
+
+        settings = {"model": model, "dataset": "builtin", "builtin_train_size": 4096, "batch_size": batch,
+                    "max_length": 256, "max_steps": 10**6, "accuracy_examples": 0, "eval_fraction": 0.0,
+                    "sample_every": 0, "device": device, "output_name": f"served-bench-job-{uuid.uuid4().hex[:6]}"}
+        code = ("import json, sys\nfrom model_core.training import sft\n"
+                "sft.run_sft_on_gpus(json.loads(sys.argv[1]), processes=1,\n"
+                "                    progress=lambda r: print(json.dumps(r, default=float), flush=True))")
+        root = str(Path(__file__).resolve().parents[1])
+        env = {**os.environ, "LMSCOPE_DATA_DIR": data_dir,
+               "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+        self.log = Path(data_dir) / "job.log"
+        self.proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(settings)], env=env, text=True,
+                                     stdout=subprocess.PIPE, stderr=open(self.log, "w"))  # noqa: SIM115
+        self.rows: list[dict] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if row.get("loss") is not None:
+                self.rows.append(row)
+
+    def wait_steps(self, steps: int, timeout: float = 900) -> None:
+        deadline = time.time() + timeout
+        while len(self.rows) < steps:
+            if self.proc.poll() is not None or time.time() > deadline:
+                tail = self.log.read_text()[-1500:]
+                raise RuntimeError(f"the training job did not reach step {steps}: {tail}")
+            time.sleep(0.5)
+
+    def mark(self) -> dict:
+        return self.rows[-1]
+
+    @staticmethod
+    def rate(a: dict, b: dict) -> float:
+        dt = b["elapsed_s"] - a["elapsed_s"]
+        return (b["tokens_seen"] - a["tokens_seen"]) / dt if dt > 0 else float("nan")
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(60)
+
+
+def with_a_job(server, model: str, device: str, args, without: dict, light, data_dir: str) -> dict:
+    """Each level of users again while a fine-tuning job trains on the same device: the users' tok/s
+    and TTFT against the same level without it (`without`), and the job's tokens/s alone and during
+    each level."""
+    job = TrainingJob(args.job_model or model, device, args.job_batch, data_dir)
+    out = {}
+    try:
+        job.wait_steps(args.job_skip)  # past the steps that compile
+        a = job.mark()
+        time.sleep(args.job_alone_s)
+        alone = job.rate(a, job.mark())
+        print(f"job alone: {alone:,.0f} tokens/s (batch {args.job_batch}, steps {a['step']}-{job.mark()['step']})",
+              flush=True)
+        for n in args.users:
+            a = job.mark()
+            r = served_level(server.url, model, n, args.new_tokens, args.repeats, light=light)
+            b = job.mark()
+            r["light"] = light.take()
+            r["job_tok_s"], r["job_alone_tok_s"] = job.rate(a, b), alone
+            r["vs_without_job"] = r["tok_s"] / without[n]["tok_s"]
+            out[n] = r
+            print(f"  + job    {n:>3} users  {r['tok_s']:>9.0f} tok/s ({r['vs_without_job']:.2f}x without the job)  "
+                  f"TTFT p50/p95 {r['ttft_p50_ms']:.0f}/{r['ttft_p95_ms']:.0f} ms (without: "
+                  f"{without[n]['ttft_p95_ms']:.0f} ms)  errors {r['errors']}; the job meanwhile "
+                  f"{r['job_tok_s']:,.0f} tokens/s ({r['job_tok_s'] / alone:.2f}x alone)", flush=True)
+            for e in r["error_samples"]:
+                print("   ", e)
+    finally:
+        job.stop()
+    return out
+
+
 def serve(model: str, device: str, model_process: str, max_users: int, data_dir: str):
     from tests.helpers.browser import LiveServer
 
@@ -243,6 +333,12 @@ def main(argv=None) -> int:
     ap.add_argument("--compile", action="store_true",
                     help="let the engine compile its decode step (LMSCOPE_COMPILE; off by default: a compile "
                          "running in the background for minutes would land in some levels and not others)")
+    ap.add_argument("--with-job", action="store_true",
+                    help="then each level again while a fine-tuning job trains on the same device (TrainingJob)")
+    ap.add_argument("--job-model", default=None, help="the job's model (default: the served one)")
+    ap.add_argument("--job-batch", type=int, default=256, help="the job's examples per step")
+    ap.add_argument("--job-skip", type=int, default=15, help="the job's steps before its rate is taken")
+    ap.add_argument("--job-alone-s", type=float, default=15.0, help="seconds the job's rate alone is taken over")
     args = ap.parse_args(argv)
     if not args.compile:
         os.environ["LMSCOPE_COMPILE"] = "0"  # read by this process's engine and inherited by the servers
@@ -304,6 +400,10 @@ def main(argv=None) -> int:
                           f"(n={r['light']['n']}, errors {r['light']['errors']}); cores busy {r['cores_busy']}", flush=True)
                     for e in r["error_samples"] + r["light"]["error_samples"]:
                         print("   ", e)
+                if args.with_job:
+                    results[f"{mode} + job"] = with_a_job(server, model, device, args, results[mode], light, data_dir)
+                    for n, r in results[f"{mode} + job"].items():
+                        r["vs_in_process"] = r["tok_s"] / results["in-process"][n]["tok_s"]
             finally:
                 server.stop()
 
