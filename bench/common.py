@@ -31,6 +31,13 @@ def interleaved(fns: dict, repeats: int, device="cpu", warmup: int = 1) -> dict[
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def row_rate(a: dict, b: dict) -> float:
+    """Training tokens/s between two of a job's progress rows (tokens_seen, elapsed_s since training
+    began); nan when no time passed between them."""
+    dt = b["elapsed_s"] - a["elapsed_s"]
+    return (b["tokens_seen"] - a["tokens_seen"]) / dt if dt > 0 else float("nan")
+
+
 def device_info(device=None) -> str:
     """What a run is measured on: `device` (a name or torch.device; default: CUDA when present)."""
     kind = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import device_info  # noqa: E402
+from common import device_info, row_rate  # noqa: E402
 
 
 def main() -> None:
@@ -65,12 +65,10 @@ def main() -> None:
         curves[(n, packing, workers)] = curve
         steps = [r for r in rows if r.get("loss") is not None]
         k = min(a.skip, len(steps) - 2)  # steady state: after the steps that compiled
-        steady = ((steps[-1]["tokens_seen"] - steps[k]["tokens_seen"]) / (steps[-1]["elapsed_s"] - steps[k]["elapsed_s"])
-                  if len(steps) > 2 and steps[-1]["elapsed_s"] > steps[k]["elapsed_s"] else float("nan"))
+        steady = row_rate(steps[k], steps[-1]) if len(steps) > 2 else float("nan")
         # each logged step's own rate (rows are read after the step's loss reached the host), median:
         # a window's mean moves with a few slow steps (a recompile for a new padded width, a GC)
-        per_step = sorted((b["tokens_seen"] - a_["tokens_seen"]) / (b["elapsed_s"] - a_["elapsed_s"])
-                          for a_, b in zip(steps[k:], steps[k + 1:]) if b["elapsed_s"] > a_["elapsed_s"])
+        per_step = sorted(r for r in map(row_rate, steps[k:], steps[k + 1:]) if r == r)  # r == r: not nan
         median = per_step[len(per_step) // 2] if per_step else float("nan")
         print(f"processes {n}, packing {packing}, loader workers {workers}: {sec:.1f} s in all, training {m['train_seconds']:.1f} s, "
               f"{m['tokens_seen']:,} tokens, {m['tokens_per_s'] or 0:,.0f} tokens/s over the run, "

@@ -38,6 +38,9 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import row_rate  # noqa: E402
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven curious students measure how far "
          "sound travels in warm air and cold water before the evening bell").split()
@@ -250,11 +253,6 @@ class TrainingJob:
     def mark(self) -> dict:
         return self.rows[-1]
 
-    @staticmethod
-    def rate(a: dict, b: dict) -> float:
-        dt = b["elapsed_s"] - a["elapsed_s"]
-        return (b["tokens_seen"] - a["tokens_seen"]) / dt if dt > 0 else float("nan")
-
     def stop(self) -> None:
         self.proc.kill()
         self.proc.wait(60)
@@ -270,7 +268,7 @@ def with_a_job(server, model: str, device: str, args, without: dict, light, data
         job.wait_steps(args.job_skip)  # past the steps that compile
         a = job.mark()
         time.sleep(args.job_alone_s)
-        alone = job.rate(a, job.mark())
+        alone = row_rate(a, job.mark())
         print(f"job alone: {alone:,.0f} tokens/s (batch {args.job_batch}, steps {a['step']}-{job.mark()['step']})",
               flush=True)
         for n in args.users:
@@ -278,7 +276,7 @@ def with_a_job(server, model: str, device: str, args, without: dict, light, data
             r = served_level(server.url, model, n, args.new_tokens, args.repeats, light=light)
             b = job.mark()
             r["light"] = light.take()
-            r["job_tok_s"], r["job_alone_tok_s"] = job.rate(a, b), alone
+            r["job_tok_s"], r["job_alone_tok_s"] = row_rate(a, b), alone
             r["vs_without_job"] = r["tok_s"] / without[n]["tok_s"]
             out[n] = r
             print(f"  + job    {n:>3} users  {r['tok_s']:>9.0f} tok/s ({r['vs_without_job']:.2f}x without the job)  "

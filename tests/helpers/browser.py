@@ -122,23 +122,27 @@ def set_number(page, elem_id: str, value, held: bool = False) -> None:
     otherwise send the old value on a loaded machine); only for a value inside the slider's range."""
     box = page.locator(f"#{elem_id} input[type=number]").first
     track = page.locator(f"#{elem_id} input[type=range]").first
-    holds = lambda: float(box.input_value()) == float(value) == float(track.input_value())  # noqa: E731
-    # A component mounting as its accordion opens can replace the box just typed into (CI once saw the
-    # slider keep its default for 10 s on a loaded machine), so a held value is typed again until both
-    # the box and the track show it.
-    for attempt in range(3 if held else 1):
+
+    def type_it():
         box.fill(str(value))
         box.press("Enter")
-        if not held:
-            return
+
+    if not held:
+        type_it()
+        return
+    # A component mounting as its accordion opens can replace the box just typed into (CI once saw the
+    # slider keep its default for 10 s on a loaded machine), so the value is typed again until both the
+    # box and the track show it.
+    for _ in range(3):
+        type_it()
         box.blur()
         try:
-            wait_until(holds, 5, f"{elem_id} to hold {value}")
+            wait_until(lambda: float(box.input_value()) == float(value) == float(track.input_value()), 5)
             return
         except AssertionError:
-            if attempt == 2:
-                raise AssertionError(f"{elem_id} does not hold {value}: the box shows {box.input_value()!r}, "
-                                     f"the track {track.input_value()!r}") from None
+            continue
+    raise AssertionError(f"{elem_id} does not hold {value}: the box shows {box.input_value()!r}, "
+                         f"the track {track.input_value()!r}")
 
 
 def screenshot(page, name: str) -> Path:
