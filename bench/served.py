@@ -160,9 +160,10 @@ def served_level(url: str, model: str, n_users: int, new_tokens: int, repeats: i
 class LightUser:
     """One more page session: a traced prompt, then Explore's layer switch back to back while started."""
 
-    def __init__(self, url: str, model: str):
+    def __init__(self, url: str, model: str, layers: int = 8):
         from tests.helpers.raw_client import RawClient
 
+        self.layers = layers  # it cycles through the first `layers` layers (fewer in a tiny model)
         self.c, self.session = RawClient(url, timeout=600), uuid.uuid4().hex[:12]
         trace_fn = self.c.fn("trace")
         given = {"Model": model, "Prompt": "The animal didn't cross the street because it was too tired"}
@@ -192,7 +193,7 @@ class LightUser:
         def loop():
             layer = 0
             while not self._stop.is_set():
-                layer = (layer + 1) % 8
+                layer = (layer + 1) % self.layers
                 self.switch(layer)
 
         self._thread = threading.Thread(target=loop, daemon=True)
@@ -326,7 +327,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="rounds per level (after one unmeasured warm round)")
     ap.add_argument("--model-process", nargs="+", choices=["off", "on"], default=["off", "on"])
     ap.add_argument("--profile", metavar="DIR", default=None,
-                    help="py-spy (on PATH) records the web process's interpreter-lock holder during the largest "
+                    help="py-spy (on PATH) samples the web process's threads on a core during the largest "
                          "level: DIR/web-<model process>.txt, py-spy's raw format (a line per stack and its samples)")
     ap.add_argument("--compile", action="store_true",
                     help="let the engine compile its decode step (LMSCOPE_COMPILE; off by default: a compile "
@@ -369,9 +370,9 @@ def main(argv=None) -> int:
                 health = wait_ready(server.url)
                 print(f"server (model process {mode}) ready in {time.time() - t0:.0f} s; /healthz model "
                       f"processes: {health.get('model_processes', [])}", flush=True)
-                light = LightUser(server.url, model)
+                light = LightUser(server.url, model, layers=min(8, lm.shape.n_layers))
                 for layer in range(40):
-                    light.switch(layer % 8)
+                    light.switch(layer % light.layers)
                 light_alone[mode] = light.take()
                 results[mode] = {}
                 for n in args.users:
@@ -382,7 +383,9 @@ def main(argv=None) -> int:
                         import subprocess
 
                         Path(args.profile).mkdir(parents=True, exist_ok=True)
-                        spy = subprocess.Popen(["py-spy", "record", "--gil", "--threads", "-r", "200", "-f", "raw",
+                        # every thread on a core, not --gil: --gil put 43% of a CPU run's samples on the SSE
+                        # messages' model_dump, which a timer around it put at 55 ms in all
+                        spy = subprocess.Popen(["py-spy", "record", "--nonblocking", "--threads", "-r", "200", "-f", "raw",
                                                 "-p", str(server.proc.pid), "-o", f"{args.profile}/web-{mode}.txt"],
                                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                     r = served_level(server.url, model, n, args.new_tokens, args.repeats, light=light, pids=pids)

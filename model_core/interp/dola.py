@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from model_core.core.cache_api import cache_kwarg, new_cache
 from model_core.core.errors import SettingsError
 from model_core.core.sampling import repetition_penalty as apply_repetition_penalty
-from model_core.core.tokenization import display_bytes, token_bytes
+from model_core.core.tokenization import token_display
 
 LAYER_CHOICES = ("low", "high")
 RELATIVE_TOP = 0.1
@@ -139,7 +139,7 @@ class DolaGeneration:
 
 
 def _show(tokenizer, token_id: int) -> str:
-    return display_bytes(token_bytes(tokenizer, token_id))
+    return token_display(tokenizer, token_id)
 
 
 def _top(values: torch.Tensor, k: int) -> list[tuple[int, float]]:

@@ -140,9 +140,9 @@ def _head_js(tb, tt, n_layers: int) -> list[torch.Tensor | None]:
 
 def _display(lm, token_id: int) -> str:
     """A token as people should see it (spaces and newlines visible, partial UTF-8 as bytes)."""
-    from model_core.core.tokenization import display_bytes, token_bytes
+    from model_core.core.tokenization import token_display
 
-    return display_bytes(token_bytes(lm.tokenizer, int(token_id)))
+    return token_display(lm.tokenizer, token_id)
 
 
 def diff_prompt(base, tuned, prompt: str | None = None, token_ids=None, chat: bool = False,

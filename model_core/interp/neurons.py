@@ -143,10 +143,10 @@ def head_ov_logits(lm, layer: int, head: int, source_ids: list[int]) -> torch.Te
 
 def top_tokens(lm, logits: torch.Tensor, k: int = 10) -> dict:
     """{"promoted": [...], "suppressed": [...]} of {id, token, value} from a [V] vector."""
-    from model_core.core.tokenization import display_bytes, token_bytes
+    from model_core.core.tokenization import token_display
 
     def rows(vals, idx):
-        return [{"id": int(i), "token": display_bytes(token_bytes(lm.tokenizer, int(i))) or "∅", "value": float(v)}
+        return [{"id": int(i), "token": token_display(lm.tokenizer, i) or "∅", "value": float(v)}
                 for v, i in zip(vals.tolist(), idx.tolist())]
     k = max(1, min(int(k), logits.shape[-1]))
     hi = torch.topk(logits, k)

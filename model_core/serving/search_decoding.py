@@ -480,9 +480,9 @@ def decode(lm, prompt: str | None = None, settings: DecodingSettings | None = No
 
 
 def _display(lm, i: int) -> str:
-    from model_core.core.tokenization import display_bytes, token_bytes
+    from model_core.core.tokenization import token_display
 
-    return display_bytes(token_bytes(lm.tokenizer, int(i)))
+    return token_display(lm.tokenizer, i)
 
 
 def beam_to_json(lm, b: Beam, rank: int | None = None) -> dict:

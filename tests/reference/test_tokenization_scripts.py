@@ -208,6 +208,44 @@ def test_generate_labels_streamed_tokens_by_the_character_they_make():
     assert steps[6]["top_after"][0]["token"] == "…🦜" and steps[3]["chosen"]["bytes"] == "F0"
 
 
+def test_token_display_kept_per_tokenizer_equals_working_it_out(smol_tok):
+    """token_display / token_text (kept per tokenizer for the streamed steps) against display_bytes of
+    token_bytes and the tokenizer's own decode, over byte tokens, words, the chat markers and EOS."""
+    from model_core.core.tokenization import display_bytes, token_bytes, token_display, token_text
+
+    ids = [*range(0, 300), *range(49000, 49152), smol_tok.eos_token_id, *smol_tok.all_special_ids]
+    for _ in range(2):  # the second pass reads what the first kept
+        assert [token_display(smol_tok, i) for i in ids] == [display_bytes(token_bytes(smol_tok, i)) for i in ids]
+        assert [token_text(smol_tok, i) for i in ids] == [smol_tok.decode([i]) for i in ids]
+
+
+@pytest.mark.parametrize("text", ["aé🦜", "ကျွန်တော် မြန်မာ", "e\u0301\u0301x 👨\u200d👩\u200d👧 🇫🇷🇩🇪🇯", "日本語 ok ✓"])
+@pytest.mark.parametrize("every", [1, 3])
+def test_streamed_labels_equal_labelling_the_whole_generation_once(text, every):
+    """Reference: describe_raw over all the tokens at once. _Labeller.label describes again only from
+    the last glyph span on; fed a byte tokenizer's tokens one at a time (combining marks, a ZWJ family,
+    flags as regional-indicator pairs, Burmese medials), labelled after every token or every third,
+    every token ends with the label the whole-text description gives it."""
+    from app.tabs.generate.tab import _Labeller
+    from model_core.core.tokenization import byte_tokenizer, describe_raw, token_bytes
+
+    bt = byte_tokenizer()
+    ids = bt(text, add_special_tokens=False)["input_ids"]
+    lab = _Labeller(bt, bt("x", add_special_tokens=False)["input_ids"])
+    steps = []
+    for n, i in enumerate(ids, 1):
+        step = {"chosen": {"id": i}, "top_before": [], "top_after": []}
+        lab.add(step)
+        steps.append(step)
+        if n % every == 0:
+            lab.label(steps)
+    lab.label(steps)
+    whole = describe_raw(ids, [token_bytes(bt, i) for i in ids])
+    assert [s["chosen"]["label"] for s in steps] == [r["display"] for r in whole]
+    assert [s["chosen"]["bytes"] for s in steps] == [r["bytes"] for r in whole]
+    assert 0 < lab.settled < len(ids)  # it did skip the settled spans
+
+
 def test_lens_cells_after_an_open_character_show_the_character_they_finish(default_lm):
     """On the real model: where the prompt stops two bytes into a Burmese letter, the last layer's
     guess is the letter's last byte; the lens cell shows the letter it finishes ("…မ"), not <0x99>."""

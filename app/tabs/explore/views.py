@@ -423,9 +423,9 @@ def lens_topk(tr: Trace, layer: int, pos: int, k: int = 10) -> dict:
 
 
 def _show(tok, i: int) -> str:
-    from model_core.core.tokenization import display_bytes, token_bytes
+    from model_core.core.tokenization import token_display
 
-    return display_bytes(token_bytes(tok, i))
+    return token_display(tok, i)
 
 
 def _pending(tr: Trace, p: int) -> bytes:

@@ -114,9 +114,10 @@ class _Labeller:
         self.raws: list[bytes] = []
         self.ids: list[int] = []
         self.context = [token_bytes(tokenizer, i) for i in list(prompt_ids)[-4:]]
+        self.settled = 0  # steps before this one keep their labels (see label)
 
     def add(self, step: dict) -> None:
-        pending = pending_bytes(self.context + self.raws)
+        pending = pending_bytes(self.context + self.raws[-4:])  # the tail only: a step is O(1), not O(steps)
         if pending:  # the model is in the middle of a character: say which one each candidate makes
             step["pending"] = pending.hex(" ").upper()
             for c in step["top_before"] + step["top_after"]:
@@ -126,9 +127,22 @@ class _Labeller:
         self.raws.append(token_bytes(self.tok, cid))
 
     def label(self, steps: list[dict]) -> None:
-        for step, row in zip(steps, describe_raw(self.ids, self.raws)):
+        """Labels the steps from the last settled one on. Appended text can only extend the last
+        character (grapheme clusters grow at the end), and the bytes of a character still open at the
+        end may yet make one with it (a combining mark) or with each other; every span before those is
+        final and is not described again at each streamed update (that made labelling quadratic)."""
+        start = self.settled
+        raws = self.raws[start:]
+        rows = describe_raw(self.ids[start:], raws)
+        for step, row in zip(steps[start:], rows):
             step["chosen"]["label"] = row["display"]
             step["chosen"]["bytes"] = row["bytes"]
+        first_open, still_open = len(raws), len(pending_bytes(self.context + self.raws[-4:]))
+        while still_open > 0 and first_open > 0:  # the tokens holding the open character's bytes
+            first_open -= 1
+            still_open -= len(raws[first_open])
+        if first_open > 0:  # from the span of the last finished character on, all may still change
+            self.settled = start + rows[first_open - 1]["span"][0]
 
 
 def _status(gen) -> str:

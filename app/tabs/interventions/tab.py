@@ -121,9 +121,9 @@ def _metric(lm, target, other, kind):
 
 def _tok(lm, i: int) -> str:
     """Byte-safe, as in every other view: ␣ for a space, ↵ for a newline, <0xNN> for a raw byte."""
-    from model_core.core.tokenization import display_bytes, token_bytes
+    from model_core.core.tokenization import token_display
 
-    return display_bytes(token_bytes(lm.tokenizer, int(i))) or "∅"
+    return token_display(lm.tokenizer, i) or "∅"
 
 
 def _pos_labels(lm, ids) -> list[str]:
