@@ -94,3 +94,21 @@ def test_unvalidated_timeline_equals_plotly_validated_build():
             validated = go.Figure(spec)  # raises on a key plotly does not know
             assert _json(GF.timeline_figure(steps, colour, selected)) == _json(validated)
     assert _json(GF.timeline_figure([]))["layout"]["annotations"][0]["text"].startswith("No steps yet")
+
+
+def test_streamed_timeline_payload_is_the_figures_json():
+    """Generate sends the timeline as a Plot payload serialized straight from its figure dict; the
+    reference is Gradio's own postprocessing of the figure (plotly's to_json), parsed and compared."""
+    import gradio as gr
+
+    from app.tabs.generate.tab import _timeline
+
+    steps = [{"index": i, "entropy": 0.3 * i, "chosen": {"id": i, "token": f"t{i}", "display": f"t{i}", "prob": 1 / (i + 2),
+                                                         "prob_filtered": 0.9, "rank": i % 3, "label": "é·1/2" if i == 2 else f"t{i}"}}
+             for i in range(40)]
+    plot = gr.Plot()
+    for colour, selected in (("prob", None), ("entropy", 7)):
+        sent = plot.postprocess(_timeline(steps, colour, selected))
+        assert sent.type == "plotly"
+        assert json.loads(sent.plot) == json.loads(plot.postprocess(GF.timeline_figure(steps, colour, selected)).plot)
+    assert json.loads(plot.postprocess(_timeline([], "prob")).plot)["layout"]["annotations"][0]["text"].startswith("No steps")
