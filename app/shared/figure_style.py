@@ -1,8 +1,8 @@
 """One look for every figure of the page: the title, the default margins and the grey sentence an
 empty figure shows instead of bare axes. The figure modules (app/tabs/*/figures.py and their
 siblings) lay their figures out through `layout` and say "nothing to show yet" with `empty_figure`
-(or `with_message` on a figure of their own); the template, plotly_white, is the default
-app/__init__.py sets once. No gradio, no model: plotly only."""
+(or `with_message` on a figure of their own); the template, plotly_white kept to the trace types
+the page draws, is the default app/__init__.py sets once. No gradio, no model: plotly only."""
 
 from __future__ import annotations
 

@@ -21,13 +21,14 @@ def _layer_windows(lm) -> list[int | None]:
     return [ad.sliding_window(l) for l in range(lm.shape.n_layers)]
 
 
-def kv_cache_formula(lm, tokens: int, dtype: torch.dtype | None = None) -> dict:
+def kv_cache_formula(lm, tokens: int, dtype: torch.dtype | None = None, windows: list[int | None] | None = None) -> dict:
     """Bytes the cache should hold for `tokens` tokens, per layer and in total. Sliding-window
-    layers (Gemma 3) keep only the last window-1 tokens in transformers' DynamicCache."""
+    layers (Gemma 3) keep only the last window-1 tokens in transformers' DynamicCache.
+    `windows`: _layer_windows(lm), when the caller already has it."""
     s = lm.shape
     b = torch.empty((), dtype=dtype or lm.dtype).element_size()
     per_layer = []
-    for w in _layer_windows(lm):
+    for w in windows if windows is not None else _layer_windows(lm):
         t = tokens if w is None else min(tokens, w - 1)
         per_layer.append(kv_cache_bytes(1, s.n_kv_heads, s.d_head, t, b))
     return {"tokens": tokens, "bytes_per_value": b, "per_layer": per_layer, "total": sum(per_layer),
@@ -84,7 +85,8 @@ def _report(lm, tokens: int, measured: list[int], tokens_per_layer: list[int]) -
 def kv_cache_growth(lm, total_tokens: int, points: int = 32) -> dict:
     """Formula bytes as the sequence grows 1..total_tokens (for a plot)."""
     xs = sorted({max(1, round(total_tokens * i / points)) for i in range(1, points + 1)} | {1})
-    rows = [kv_cache_formula(lm, t) for t in xs]
+    windows = _layer_windows(lm)  # once, not per point: each layer's window is a config read
+    rows = [kv_cache_formula(lm, t, windows=windows) for t in xs]
     return {"tokens": xs, "total": [r["total"] for r in rows], "per_layer": [r["per_layer"] for r in rows]}
 
 

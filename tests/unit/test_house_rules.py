@@ -46,3 +46,27 @@ def test_the_print_rule_can_fail(tmp_path, source, hits):
     f = tmp_path / "probe.py"
     f.write_text(source)
     assert len(_prints(f, tmp_path)) == hits
+
+
+def test_every_trace_type_the_app_draws_keeps_the_page_template():
+    """app/__init__.py keeps plotly_white's styling for the trace types in TRACE_TYPES only (a Figure
+    validates the default template when made); a figure module drawing another type (go.Violin, or a
+    dict trace {"type": "pie"}) would lose the page's look, so every type named in app/ is listed,
+    each with plotly_white's own styling, and the default is that template."""
+    import re
+
+    import plotly.io as pio
+
+    import app
+
+    drawn = set()
+    for path in (ROOT / "app").rglob("*.py"):
+        text = path.read_text()
+        drawn |= {m.lower() for m in re.findall(r"\bgo\.([A-Z][a-z]+)\(", text) if m != "Figure"}
+        drawn |= set(re.findall(r'"type": "([a-z]+)"', text))
+    assert {"bar", "heatmap", "scatter"} <= drawn  # the scan reads the figure modules
+    assert drawn <= set(app.TRACE_TYPES), f"draw these with the page template: {sorted(drawn - set(app.TRACE_TYPES))}"
+    assert pio.templates.default == "lmscope"
+    kept, white = pio.templates["lmscope"], pio.templates["plotly_white"]
+    assert kept.layout == white.layout
+    assert all(kept.data[t] == white.data[t] for t in app.TRACE_TYPES)

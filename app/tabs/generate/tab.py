@@ -6,6 +6,7 @@ figures come from app.tabs.generate.figures (pure functions)."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Iterator
@@ -94,6 +95,13 @@ def _timeline(steps: list[dict], colour, selected: int | None = None):
     if not steps:
         return F.timeline_figure([])
     return PlotData(type="plotly", plot=orjson.dumps(F.timeline_spec(steps, colour, selected)).decode())
+
+
+@functools.cache
+def _finding_step_zero() -> PlotData:
+    """The attention plot's hint while step 0's forward runs, serialized once: it is the same at the
+    end of every generation (~1 ms of the web process to build and serialize again each time)."""
+    return PlotData(type="plotly", plot=F.attention_figure(None, [], hint="Working out where step 0 looked…").to_json())
 
 
 def _highlight(steps: list[dict]) -> list[tuple[str, str]]:
@@ -515,7 +523,7 @@ class GenerateTab:
                 self.timeline: _timeline(steps_json, colour, 0),
                 self.step_sel: gr.update(minimum=0, maximum=max(1, len(steps_json) - 1), value=0),
                 self.dist: F.distribution_figure(first), self.removed_md: F.removed_summary(first),
-                self.att_plot: F.attention_figure(None, [], hint="Working out where step 0 looked…"),
+                self.att_plot: _finding_step_zero(),
                 self.kv_plot: F.kv_cache_figure(st["kv"], st["growth"]), self.kv_md: _kv_markdown(st["kv"]),
                 self.state: st, self.opening: True, **self._messages()}
 
