@@ -7,11 +7,14 @@ import html
 import math
 
 import numpy as np
+import plotly.colors
 import plotly.graph_objects as go
 
 from app.shared import figure_style as style
 
 ATTN_SCALE = "Blues"
+# The layout is not validated (_figure), so a colour scale in it is spelled out as the validator would
+ATTN_COLOURS = plotly.colors.get_colorscale(ATTN_SCALE)
 FONT = dict(family="Inter, system-ui, sans-serif", size=12)
 
 
@@ -28,11 +31,14 @@ def _compact_template() -> go.layout.Template:
 
 
 TEMPLATE = _compact_template()
+# what the figures carry: the validated template as plain JSON, set as is in an unvalidated layout
+TEMPLATE_JSON = TEMPLATE.to_plotly_json()
 
 
 def _fig(data=None, layout=None) -> go.Figure:
-    # the template given at construction: assigned later, plotly validates it again (~9 ms a figure)
-    return go.Figure(data=data, layout={**(layout or {}), "template": TEMPLATE})
+    # Unvalidated like _figure. empty_figure's message and hidden axes come from figure_style's updates,
+    # which store the same JSON the validators would (tests/unit/test_explore_figures_unvalidated.py).
+    return go.Figure(data=data, layout={**(layout or {}), "template": TEMPLATE_JSON}, _validate=False)
 
 
 def _layout(fig: go.Figure, title: str, height: int = 420, **kw) -> go.Figure:
@@ -41,11 +47,16 @@ def _layout(fig: go.Figure, title: str, height: int = 420, **kw) -> go.Figure:
 
 
 def _figure(data, title: str, height: int = 420, **layout) -> go.Figure:
-    """A figure built in one go: every layout setting in the constructor, so plotly validates the
-    layout once (each later update_* call validates again; a view of six figures paid ~20 ms)."""
+    """A figure built in one go, every layout setting in the constructor, and not validated: a layer
+    switch redraws six figures, and plotly's validators took ~30 of its ~70 ms. So every layout value
+    here is written as the validators would leave it (a title as dict(text=...), a colour scale as
+    its list of stops, font keys only when set, no empty list of shapes or annotations):
+    tests/unit/test_explore_figures_unvalidated.py compares each figure with plotly validating the
+    same dict. The traces are validated when built."""
     margin = layout.pop("margin", dict(l=60, r=20, t=75 if "<br>" in title else 50, b=50))  # a caption line
-    return go.Figure(data=data, layout=dict(title=style.title(title), height=height,
-                                            margin=margin, font=FONT, template=TEMPLATE, **layout))
+    layout = {k: v for k, v in layout.items() if not (isinstance(v, list) and not v)}  # as the validator drops them
+    return go.Figure(data=data, layout=dict(title=style.title(title), height=height, margin=margin, font=FONT,
+                                            template=TEMPLATE_JSON, **layout), _validate=False)
 
 
 def _label(labels: list[str], idx: list[int] | range) -> list[str]:
@@ -128,9 +139,9 @@ def _attn_colour(scale: str, log_floor: float) -> dict:
     """zmin/zmax and colour bar of the attention heatmaps for a scale (app.tabs.explore.views.SCALES)."""
     if scale == "log":
         decades = list(range(int(log_floor), 1))
-        return dict(zmin=log_floor, zmax=0, colorbar=dict(title="weight", tickvals=decades,
+        return dict(zmin=log_floor, zmax=0, colorbar=dict(title=dict(text="weight"), tickvals=decades,
                                                           ticktext=[f"{10.0 ** d:g}" for d in decades]))
-    return dict(zmin=0, zmax=1, colorbar=dict(title="÷ row max" if scale == "row" else "weight"))
+    return dict(zmin=0, zmax=1, colorbar=dict(title=dict(text="÷ row max" if scale == "row" else "weight")))
 
 
 def _attn_hover(scale: str, pooled: bool, extra: str = "") -> str:
@@ -167,9 +178,9 @@ def head_grid(patterns: np.ndarray, rows: dict, cols: dict, layer: int, kv_group
                                  hovertemplate=_attn_hover(scale, pooled, f"head {h}")))
         titles.append(dict(text=f"{'▶ ' if h == selected_head else ''}head {h} · kv {kv_group[h]}", x=x0 + w / 2,
                            y=y1, xref="paper", yref="paper", xanchor="center", yanchor="bottom", showarrow=False,
-                           font=dict(size=11, color="#e4572e" if h == selected_head else None)))
+                           font=dict(size=11, **({"color": "#e4572e"} if h == selected_head else {}))))
     colour = _attn_colour(scale, log_floor)
-    coloraxis = dict(colorscale=ATTN_SCALE, cmin=colour["zmin"], cmax=colour["zmax"], colorbar=colour["colorbar"])
+    coloraxis = dict(colorscale=ATTN_COLOURS, cmin=colour["zmin"], cmax=colour["zmax"], colorbar=colour["colorbar"])
     where = (f"queries {_span(rows)} × keys {_span(cols)}" + (f" · {pooling_note(rows, cols)}" if pooled else "")
              + f" · {SCALE_WORDS.get(scale, scale)} · click a head to open it")
     return _figure(traces, f"Layer {layer}: every head (rows = query token, columns = key token it attends to)"
@@ -192,8 +203,8 @@ def attention_heatmap(pattern: np.ndarray, rows: dict, cols: dict, layer: int, h
     caption = (f"queries {_span(rows)} × keys {_span(cols)} · {pooling_note(rows, cols)} · "
                f"{SCALE_WORDS.get(scale, scale)} · drag to zoom, double-click: whole")
     return _figure([trace], f"Layer {layer}, head {head}<br><sub>{caption}</sub>", height=580, shapes=shapes,
-                   yaxis=dict(autorange="reversed", title="query token (attending)"),
-                   xaxis=dict(title="key token (attended to)", tickangle=-60), meta=_meta("head", cols, rows))
+                   yaxis=dict(autorange="reversed", title=dict(text="query token (attending)")),
+                   xaxis=dict(title=dict(text="key token (attended to)"), tickangle=-60), meta=_meta("head", cols, rows))
 
 
 def attention_bars(weights: np.ndarray, bars: dict, query_label: str, layer: int, head: int,
@@ -217,7 +228,7 @@ def attention_bars(weights: np.ndarray, bars: dict, query_label: str, layer: int
                else [bars["starts"][0] - 0.5, bars["ends"][-1] + 0.5])  # the first key's bin to the query's
     return _figure([trace], f"Where “{query_label}” looks (layer {layer}, head {head})<br><sub>{' · '.join(note)}</sub>",
                    height=350, xaxis=dict(tickangle=-60, range=x_range),
-                   yaxis=dict(title="attention mass" if pooled else "attention weight", range=y_range),
+                   yaxis=dict(title=dict(text="attention mass" if pooled else "attention weight"), range=y_range),
                    meta={"lmscope": {"kind": "bars", "lo": bars["lo"], "hi": bars["hi"]}})
 
 
@@ -280,11 +291,11 @@ def residual_norms(norms: np.ndarray, ax: dict) -> go.Figure:
 
 def block_contributions(attn: np.ndarray, mlp: np.ndarray, position_label: str) -> go.Figure:
     layers = [f"L{l}" for l in range(len(attn))]
-    fig = _fig([go.Bar(name="attention adds", x=layers, y=attn, marker_color="#3b75af"),
-                     go.Bar(name="MLP adds", x=layers, y=mlp, marker_color="#e4572e")])
-    fig.update_yaxes(title="norm of what the block adds")
-    return _layout(fig, f"How much each layer writes into the residual stream at “{position_label}”",
-                   height=340, barmode="group", legend=dict(orientation="h", y=1.12, x=0.6))
+    return _figure([go.Bar(name="attention adds", x=layers, y=attn, marker_color="#3b75af"),
+                    go.Bar(name="MLP adds", x=layers, y=mlp, marker_color="#e4572e")],
+                   f"How much each layer writes into the residual stream at “{position_label}”", height=340,
+                   yaxis=dict(title=dict(text="norm of what the block adds")), barmode="group",
+                   legend=dict(orientation="h", y=1.12, x=0.6))
 
 
 LENS_FONT = 9  # px of a lens cell's word
@@ -357,7 +368,8 @@ def logit_lens_grid(top_tokens: list[list[str]], probs: np.ndarray, colour: np.n
     return _figure([trace], f"Logit lens: each layer's best guess for the next token (colour = {colour_name})"
                             f"<br><sub>{note}</sub>", height=max(440, 17 * len(layers) + 180), shapes=shapes,
                    yaxis=dict(autorange="reversed"),
-                   xaxis=dict(tickangle=-60, title="position (the lens predicts the NEXT token)"), meta=meta)
+                   xaxis=dict(tickangle=-60, title=dict(text="position (the lens predicts the NEXT token)")),
+                   meta=meta)
 
 
 def _prob_bg(p) -> str:
@@ -403,15 +415,15 @@ def lens_topk_html(tokens: list[str], probs, layer: int, pos: int, label: str, e
 
 def target_across_layers(probs: np.ndarray, ranks: np.ndarray, target: str, position_label: str) -> go.Figure:
     layers = [f"L{l}" for l in range(len(probs))]
-    fig = _fig(
+    return _figure(
         [go.Scatter(x=layers, y=probs, name="probability", mode="lines+markers", line=dict(color="#3b75af")),
          go.Scatter(x=layers, y=ranks + 1, name="rank (1 = top)", mode="lines+markers", yaxis="y2",
                     line=dict(color="#e4572e", dash="dot"))],
-        layout=dict(yaxis=dict(title="probability", range=[0, 1]),
-                    yaxis2=dict(title="rank", type="log", autorange="reversed", overlaying="y", side="right",
-                                    dtick=1, showgrid=False)))  # one tick per decade; the grid is y's
-    return _layout(fig, f"“{target}” after “{position_label}”: probability and rank by layer", height=340,
-                   legend=dict(orientation="h", y=1.15, x=0.55))
+        f"“{target}” after “{position_label}”: probability and rank by layer", height=340,
+        yaxis=dict(title=dict(text="probability"), range=[0, 1]),
+        yaxis2=dict(title=dict(text="rank"), type="log", autorange="reversed", overlaying="y", side="right",
+                    dtick=1, showgrid=False),  # one tick per decade; the grid is y's
+        legend=dict(orientation="h", y=1.15, x=0.55))
 
 
 def neuron_heatmap(acts: np.ndarray, neuron_ids: list[int], ax: dict, layer: int) -> go.Figure:
@@ -434,7 +446,7 @@ def top_neurons_bars(values: np.ndarray, neuron_ids: list[int], token_label: str
     trace = go.Bar(x=[f"n{n}" for n in neuron_ids], y=values, marker_color=colours,
                    hovertemplate="neuron %{x}<br>activation %{y:.3f}<extra></extra>")
     return _figure([trace], f"Layer {layer}: strongest neurons at “{token_label}”", height=330,
-                   yaxis=dict(title="activation"))
+                   yaxis=dict(title=dict(text="activation")))
 
 
 def next_token_bars(tokens: list[str], base: np.ndarray, final: np.ndarray, removed_by: list[str],
@@ -443,15 +455,12 @@ def next_token_bars(tokens: list[str], base: np.ndarray, final: np.ndarray, remo
     x = [f"{i + 1}. {t}" for i, t in enumerate(tokens)]
     hover = [f"{t}<br>model p = {b:.4f}<br>after settings p = {f:.4f}<br>{('removed by ' + r) if r else 'kept'}"
              for t, b, f, r in zip(tokens, base, final, removed_by)]
-    fig = _fig([
+    return _figure([
         go.Bar(name="model (temperature 1, no filters)", x=x, y=base, marker_color="#c9d3df", hovertext=hover,
                hoverinfo="text"),
         go.Bar(name="after your sampling settings", x=x, y=final,
                marker_color=["#bbbbbb" if r else "#3b75af" for r in removed_by], hovertext=hover,
                hoverinfo="text",
                text=["✕" if r else "" for r in removed_by], textposition="outside"),
-    ])
-    fig.update_xaxes(tickangle=-50)
-    fig.update_yaxes(title="probability")
-    return _layout(fig, f"Next token · {summary}", height=420, barmode="group",
-                   legend=dict(orientation="h", y=1.12, x=0.3))
+    ], f"Next token · {summary}", height=420, barmode="group", xaxis=dict(tickangle=-50),
+        yaxis=dict(title=dict(text="probability")), legend=dict(orientation="h", y=1.12, x=0.3))
