@@ -59,6 +59,17 @@ def _template() -> dict:
     return go.Figure().layout.template.to_plotly_json()
 
 
+def _figure(data: list, layout: dict) -> go.Figure:
+    """A figure built without plotly's validators, as timeline_figure is: the step figures are
+    rebuilt on every finished generation and every step clicked, and validating their layouts cost
+    ~3 ms of the two-panel figures' ~7-11 ms and ~10 of the attention heatmap's ~12. So each layout
+    value is written as the validators would leave it (a title as dict(text=...), no None values or
+    empty lists), and the default template, which only a validated Figure fills in, is set here; the
+    traces are validated when built. tests/unit/test_generate_figures_unvalidated.py compares each
+    figure with plotly validating its dict."""
+    return go.Figure(data=data, layout={**layout, "template": _template()}, _validate=False)
+
+
 @functools.cache
 def _colorscale(name: str) -> list:
     """A named colorscale as the validator spells it out (plotly.js knows "Viridis" but not "RdYlGn")."""
@@ -156,7 +167,7 @@ def distribution_figure(step: dict | None) -> go.Figure:
     layout.update(title=dict(text=f"Step {step['index']}: chose {step_label(step)!s} "
                                   f"(p = {step['chosen']['prob']:.3f}, rank {step['chosen']['rank']})"),
                   margin=dict(l=10, r=10, t=70, b=40), height=380, legend=dict(orientation="h", y=-0.22))
-    return go.Figure(data=data, layout=layout)
+    return _figure(data, layout)
 
 
 def removed_summary(step: dict | None) -> str:
@@ -187,15 +198,15 @@ def attention_figure(attention: list[list[float]] | None, context_labels: list[s
         return _hint(go.Figure(), hint or "Generate, then click a token to see where that step looked", 300)
     n_layers = len(attention)
     x = [f"{i}:{lab}" for i, lab in enumerate(context_labels)]  # unique categories (Plotly merges equal ones)
-    fig = go.Figure(go.Heatmap(z=attention, x=x, y=[f"L{l}" for l in range(n_layers)], colorscale="Blues", zmin=0,
-                               colorbar=dict(title="weight"),
-                               hovertemplate="%{y} · key %{x}<br>weight %{z:.3f}<extra></extra>"))
+    heatmap = go.Heatmap(z=attention, x=x, y=[f"L{l}" for l in range(n_layers)], colorscale="Blues", zmin=0,
+                         colorbar=dict(title="weight"),
+                         hovertemplate="%{y} · key %{x}<br>weight %{z:.3f}<extra></extra>")
     what = f" “{token_label}”" if token_label else ""
-    fig.update_layout(title=f"Step {step_index}{what}: attention over the context when producing it (mean over heads)",
-                      xaxis=dict(title="context token (position:token)", tickangle=-60, type="category"),
-                      yaxis=dict(title="layer", autorange="reversed", type="category"),
-                      margin=dict(l=60, r=20, t=50, b=90), height=max(300, 14 * n_layers + 170))
-    return fig
+    return _figure([heatmap], dict(
+        title=dict(text=f"Step {step_index}{what}: attention over the context when producing it (mean over heads)"),
+        xaxis=dict(title=dict(text="context token (position:token)"), tickangle=-60, type="category"),
+        yaxis=dict(title=dict(text="layer"), autorange="reversed", type="category"),
+        margin=dict(l=60, r=20, t=50, b=90), height=max(300, 14 * n_layers + 170)))
 
 
 def kv_cache_figure(report: dict | None, growth: dict | None = None) -> go.Figure:
@@ -220,7 +231,7 @@ def kv_cache_figure(report: dict | None, growth: dict | None = None) -> go.Figur
     layout.update(barmode="group", margin=_MARGIN, height=340,
                   title=dict(text=f"KV cache: {report['measured_total']:,} B measured, {report['formula_total']:,} B by "
                                   f"the formula ({report['tokens']} tokens)"))
-    return go.Figure(data=data, layout=layout)
+    return _figure(data, layout)
 
 
 def samples_figure(samples: list[dict]) -> go.Figure:
