@@ -83,3 +83,12 @@ def pytest_collection_modifyitems(config, items):
         tier = item.path.parent.name
         if tier in ("integration", "browser"):
             item.add_marker(getattr(pytest.mark, tier))
+
+
+def pytest_runtest_logreport(report):
+    """A failure is printed when it happens, not only in the summary at the end: a run stopped for its time
+    (CI's limit) still shows why each test before it failed."""
+    if report.failed:
+        import sys
+
+        sys.stderr.write(f"\nFAILED {report.nodeid} ({report.when}):\n{report.longreprtext[-3000:]}\n")

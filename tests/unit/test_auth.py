@@ -194,7 +194,7 @@ def test_add_user_refuses_control_characters(tmp_path):
         auth.write_user(users, "alice", "alice-password\x00")
     out = subprocess.run([sys.executable, "-m", "app.server.auth", "add-user", "alice", "--file", str(users),
                           "--iterations", "1000"], input="alice-pass\x00word\n", text=True, capture_output=True,
-                         cwd=ROOT)
+                         cwd=ROOT, timeout=300)
     assert out.returncode == 2 and "control characters" in out.stderr
     assert not users.exists()
 

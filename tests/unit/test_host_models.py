@@ -90,7 +90,7 @@ def test_cli_add_and_list(data_dir):
     folder = _pythia(data_dir)
     env = {"LMSCOPE_DATA_DIR": str(data_dir / "data"), "PATH": "/usr/bin:/bin"}
     run = lambda *a: subprocess.run([sys.executable, "-m", "app.server.cli", "models", *a], capture_output=True,  # noqa: E731
-                                    text=True, env=env)
+                                    text=True, env=env, timeout=300)
     added = run("add", "cli-pythia", str(folder), "--json")
     assert added.returncode == 0, added.stderr
     assert json.loads(added.stdout)["architecture"] == "gpt_neox"

@@ -84,7 +84,8 @@ def test_password_hash_and_add_user_cli(tmp_path):
     users = tmp_path / "users.txt"
     for name, pw in (("alice", "alice-pass-1"), ("bob", "bob-pass-22"), ("alice", "alice-pass-2")):
         out = subprocess.run([sys.executable, "-m", "app.server.auth", "add-user", name, "--file", str(users),
-                              "--iterations", "1000"], input=pw + "\n", text=True, capture_output=True, cwd=ROOT)
+                              "--iterations", "1000"], input=pw + "\n", text=True, capture_output=True, cwd=ROOT,
+                             timeout=300)
         assert out.returncode == 0, out.stderr
     lines = users.read_text().splitlines()
     assert len(lines) == 2 and "alice-pass" not in users.read_text()  # replaced, and hashed
@@ -92,7 +93,7 @@ def test_password_hash_and_add_user_cli(tmp_path):
     assert check("alice", "alice-pass-2") and not check("alice", "alice-pass-1")
     assert check("bob", "bob-pass-22") and not check("carol", "bob-pass-22") and not check("", "")
     bad = subprocess.run([sys.executable, "-m", "app.server.auth", "add-user", "../evil", "--file", str(users)],
-                         input="whatever-pass\n", text=True, capture_output=True, cwd=ROOT)
+                         input="whatever-pass\n", text=True, capture_output=True, cwd=ROOT, timeout=300)
     assert bad.returncode == 2 and "User names" in bad.stderr
 
 

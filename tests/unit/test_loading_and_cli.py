@@ -58,7 +58,12 @@ def test_local_directory_round_trip(tmp_path):
 
 
 def test_hub_id_offline_gives_a_sentence(monkeypatch):
+    import huggingface_hub.constants
+
+    # huggingface_hub reads HF_HUB_OFFLINE once, at import: without its constant the load still tries the
+    # network (23 s of retries here, and no bound where connections hang instead of failing)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ModelLoadError, match="hub"):
         load_model("someone/some-model-that-is-not-cached")
 
