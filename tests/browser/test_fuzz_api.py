@@ -231,6 +231,8 @@ def test_fuzz_every_event(server):
         positions = range(len(base)) or [None]
         inputs = c.inputs_of(i)
         for pos, value in itertools.product(positions, WALK_VALUES):
+            if pos is not None and inputs[pos]["type"] == "state":
+                continue  # a gr.State's value is the session's on the server: Gradio's process_api drops what is sent
             if pos is not None and value is None and _is_model_picker(inputs[pos]):
                 continue  # no model named = the default model: a legitimate (and slow) request
             data = list(base)
