@@ -153,7 +153,12 @@ def served_level(url: str, model: str, n_users: int, new_tokens: int, repeats: i
     summary = _summary(n_users, rows, errors)
     wall = sum(r[1] for r in rows)
     # where the served path's time goes: each process's CPU as a share of one core over the level
-    summary["cores_busy"] = {name: round((cpu_seconds(pid) - cpu0[name]) / wall, 2) for name, pid in (pids or {}).items()}
+    used = {name: cpu_seconds(pid) - cpu0[name] for name, pid in (pids or {}).items()}
+    summary["cores_busy"] = {name: round(s / wall, 2) for name, s in used.items()}
+    # the same CPU per generated token: unlike tok/s, it does not move with how much of a core the host
+    # gives the process in a run, so it compares runs and machines (the light user's work is in it too)
+    tokens = sum(r[0] for r in rows)
+    summary["cpu_ms_per_token"] = {name: round(1e3 * s / max(tokens, 1), 3) for name, s in used.items()}
     return summary
 
 
@@ -398,7 +403,8 @@ def main(argv=None) -> int:
                     print(f"served {mode:>3}  {n:>3} users  {r['tok_s']:>9.0f} tok/s ({r['vs_in_process']:.2f}x in-process)"
                           f"  TTFT p50/p95 {r['ttft_p50_ms']:.0f}/{r['ttft_p95_ms']:.0f} ms  errors {r['errors']}  "
                           f"layer switch meanwhile p50/p99 {r['light']['p50_ms']:.0f}/{r['light']['p99_ms']:.0f} ms "
-                          f"(n={r['light']['n']}, errors {r['light']['errors']}); cores busy {r['cores_busy']}", flush=True)
+                          f"(n={r['light']['n']}, errors {r['light']['errors']}); cores busy {r['cores_busy']}; "
+                          f"CPU ms per token {r['cpu_ms_per_token']}", flush=True)
                     for e in r["error_samples"] + r["light"]["error_samples"]:
                         print("   ", e)
                 if args.with_job:

@@ -1,7 +1,8 @@
-"""Four places where Gradio's own work held the interpreter that the engine thread needs.
+"""Five places where Gradio's own work held the interpreter that the engine thread needs.
 
 The first two were found with py-spy during a streamed generation, the third by timing each phase of
-a `queue/join`, the fourth with py-spy during `bench/load.py` (docs/PERFORMANCE.md): the engine thread runs ~1,500 torch calls a token and takes
+a `queue/join`, the fourth and fifth with py-spy during `bench/load.py` and `bench/served.py`
+(docs/PERFORMANCE.md): the engine thread runs ~1,500 torch calls a token and takes
 the GIL back after each, so any Python the event loop runs meanwhile is a token's time lost.
 
 1. Outputs a callback leaves alone cost nothing (`skip_unchanged_outputs`).
@@ -45,7 +46,17 @@ asked at, so it is made once per address; each answer is that copy with the user
 Gradio's own code (tested equal to Gradio's answer). Deep links and multi-page requests go to
 Gradio as before.
 
-Each of the four reaches into Gradio's internals, so pyproject.toml pins Gradio to GRADIO_VERSION,
+5. A finished event does not summarize the last 10,000 (`no_event_summaries`).
+
+After every event that finishes, Gradio's queue builds a pandas DataFrame of the last 10,000 events
+it recorded and works out each function's success rate and time percentiles, for its monitoring
+dashboard (`/monitoring`): 20-31 ms of a core per finished event here (100 to 10,000 recorded), as
+much again as an Explore layer switch's own work, on a worker thread that holds the interpreter. lmscope
+serves its own /metrics and mounts Gradio with monitoring off (so `/monitoring/summary` is refused
+rather than serving a summary never worked out), so the summary is never worked out and only the
+events in flight are recorded (Gradio reads their records while they run, if they are there).
+
+Each of the five reaches into Gradio's internals, so pyproject.toml pins Gradio to GRADIO_VERSION,
 the version they were written against, and each checks the shape it relies on (the parameters of the
 method it wraps, PARAMS below; the names in the source it imitates) before it changes anything. One
 that finds another shape leaves Gradio's own path in place and logs a warning: the app stays correct,
@@ -60,6 +71,7 @@ import copy
 import functools
 import inspect
 import logging
+import sys
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +125,22 @@ def poll_queue_every(demo, seconds: float = QUEUE_POLL_S, progress_seconds: floa
         return _decline("poll_queue_every", "the demo has no queue with numeric " + " and ".join(names))
     for name, value in names.items():
         setattr(queue, name, max(getattr(queue, name), value))
+    return True
+
+
+EVENTS_RECORDED = 1024  # no_event_summaries: more than the queue holds at once (LMSCOPE_QUEUE_MAX's most is
+# 100,000, but a record is only read while its event runs, and a missing one is skipped by Gradio)
+
+
+def no_event_summaries(demo) -> bool:
+    """Stop a queued demo's queue from summarizing its recorded events after each finished one, and keep
+    only the last EVENTS_RECORDED records. False where the queue has no such settings."""
+    queue = getattr(demo, "_queue", None)
+    names = ("ANAYLTICS_CACHE_FREQUENCY", "ANALYTICS_MAX_EVENTS")  # sic: Gradio's spelling
+    if queue is None or not all(isinstance(getattr(queue, n, None), int) for n in names):
+        return _decline("no_event_summaries", "the demo has no queue with integer " + " and ".join(names))
+    queue.ANAYLTICS_CACHE_FREQUENCY = sys.maxsize  # events since the last summary never reach it
+    queue.ANALYTICS_MAX_EVENTS = min(queue.ANALYTICS_MAX_EVENTS, EVENTS_RECORDED)
     return True
 
 

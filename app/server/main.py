@@ -231,11 +231,13 @@ def build_app(settings=None):
     demo.queue(default_concurrency_limit=settings.queue_concurrency, max_size=settings.queue_max)
     limit_queue_share(demo, queue_share(settings))
     gradio_tuning.poll_queue_every(demo)  # not every 1 ms: the engine thread needs the interpreter
+    gradio_tuning.no_event_summaries(demo)  # not a DataFrame of 10,000 events after each one
     app = gr.mount_gradio_app(
         api, demo, path="", auth=auth.async_authenticator(settings),
         auth_message="Sign in to lmscope." if settings.auth_on else None,
         show_error=True, css_paths=[str(p) for p in sorted(STATIC.glob("*.css"))], footer_links=["api"], head=HEAD_JS,
         max_file_size=int(settings.upload_max_mb * 1024 * 1024),
+        enable_monitoring=False,  # /metrics is lmscope's; Gradio's summary of events is not kept up
     )
     # a page load costs Gradio a copy of the whole config otherwise
     gradio_tuning.cache_page_config(next(r.app for r in app.routes if isinstance(r, Mount)))

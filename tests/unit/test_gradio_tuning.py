@@ -97,6 +97,40 @@ def test_queue_polls_every_10_ms_not_every_ms():
     assert not gradio_tuning.poll_queue_every(object())  # not a queued demo: nothing to change
 
 
+def _finish_events(queue, n: int) -> None:
+    """What Gradio's queue does for each of n events: record it when pushed (Queue.push), mark it done
+    and summarize the records (Queue.process_events)."""
+    for i in range(n):
+        queue.event_analytics[f"e{i}"] = {"time": float(i), "status": "queued", "process_time": None,
+                                          "function": f"fn{i % 3}", "session_hash": "s"}
+        queue.events_recorded += 1
+        queue.events_recorded_per_fn[f"fn{i % 3}"] += 1
+        while len(queue.event_analytics) > queue.ANALYTICS_MAX_EVENTS:
+            queue.event_analytics.pop(next(iter(queue.event_analytics)))
+        queue.event_analytics[f"e{i}"].update(status="success", process_time=0.01)
+        queue.compute_analytics_summary(list(queue.event_analytics.values()))
+
+
+def test_a_finished_event_is_not_summarized_with_all_recorded_before_it(monkeypatch):
+    from gradio.queueing import Queue
+
+    frames = []
+    own_get_df = Queue._get_df
+    monkeypatch.setattr(Queue, "_get_df", staticmethod(lambda records: frames.append(len(records)) or own_get_df(records)))
+    for tuned in (False, True):
+        demo, _ = _demo()
+        demo.queue()
+        if tuned:
+            assert gradio_tuning.no_event_summaries(demo)
+        frames.clear()
+        _finish_events(demo._queue, gradio_tuning.EVENTS_RECORDED + 50)
+        if tuned:  # no DataFrame at all, and only the newest records kept
+            assert frames == [] and len(demo._queue.event_analytics) == gradio_tuning.EVENTS_RECORDED
+        else:  # Gradio's own: a DataFrame of every record so far after each event
+            assert len(frames) == gradio_tuning.EVENTS_RECORDED + 50 and frames[-1] == gradio_tuning.EVENTS_RECORDED + 50
+    assert not gradio_tuning.no_event_summaries(object())  # not a queued demo: nothing to change
+
+
 def _gradio_own_session(demo):
     """A SessionState made and read by Gradio's own code, patched or not."""
     state = SessionState.__new__(SessionState)
@@ -137,9 +171,12 @@ def test_session_configs_are_worked_out_when_used_and_equal_gradios_own(monkeypa
     assert {c["id"]: c for c in ours.components}[text._id]["props"]["value"] == "t"
 
 
-def test_the_served_app_has_all_four():
-    """What `lmscope serve` builds (app.server.main.build_app) runs with the four changes in place."""
+def test_the_served_app_has_all_five():
+    """What `lmscope serve` builds (app.server.main.build_app) runs with the five changes in place, and
+    Gradio's monitoring summary (no longer worked out) is refused, not served empty."""
     import sys
+
+    from fastapi.testclient import TestClient
 
     from app.server.main import build_app
     from model_core.core.settings import Settings
@@ -153,6 +190,8 @@ def test_the_served_app_has_all_four():
         assert getattr(Blocks.postprocess_data, "__lmscope_skips__", False)
         assert getattr(SessionState.__init__, "__lmscope_lazy__", False)
         assert demo._queue.sleep_when_free == gradio_tuning.QUEUE_POLL_S
+        assert demo._queue.ANAYLTICS_CACHE_FREQUENCY == sys.maxsize
+        assert TestClient(app).get("/monitoring/summary").status_code == 403
     finally:  # build_app marks absent plotting libraries as missing: leave sys.modules as it was
         for name in [n for n, m in sys.modules.items() if m is None and n not in marked_before]:
             del sys.modules[name]
@@ -248,6 +287,9 @@ def test_what_the_changes_read_and_set_is_still_there():
     demo.queue()
     for name in ("sleep_when_free", "progress_update_sleep_when_free"):  # poll_queue_every
         assert isinstance(getattr(demo._queue, name), (int, float)), name
+    for name in ("ANAYLTICS_CACHE_FREQUENCY", "ANALYTICS_MAX_EVENTS"):  # no_event_summaries
+        assert isinstance(getattr(demo._queue, name), int), name
+    assert "ANAYLTICS_CACHE_FREQUENCY" in inspect.getsource(queueing.Queue.compute_analytics_summary)
     assert isinstance(demo._queue.event_ids_to_events, dict)  # api.limit_queue_share counts a user's events ...
     assert {"session_hash", "username"} <= set(inspect.signature(queueing.Event.__init__).parameters)  # ... by these
     # main.build_app sets has_launched on the mounted demo: Gradio's check that an input file came through
@@ -278,10 +320,12 @@ def test_a_change_that_finds_another_shape_says_so_and_leaves_gradio_as_it_is(mo
         assert not gradio_tuning.skip_unchanged_outputs()
         assert not gradio_tuning.lazy_session_configs()
         assert not gradio_tuning.poll_queue_every(object())
+        assert not gradio_tuning.no_event_summaries(object())
         assert not gradio_tuning.cache_page_config(no_config)
         assert not gradio_tuning.cache_page_config(other_config)
     assert Blocks.postprocess_data is postprocess_data and SessionState.__init__ is session_init  # untouched
     warned = [r.getMessage() for r in caplog.records if r.name == gradio_tuning.__name__ and r.levelno == logging.WARNING]
-    for change in ("skip_unchanged_outputs", "lazy_session_configs", "poll_queue_every", "cache_page_config"):
+    for change in ("skip_unchanged_outputs", "lazy_session_configs", "poll_queue_every", "no_event_summaries",
+                   "cache_page_config"):
         assert any(f"{change} is not applied" in m for m in warned), change
     assert sum("cache_page_config" in m for m in warned) == 2
