@@ -334,6 +334,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", metavar="DIR", default=None,
                     help="py-spy (on PATH) samples the web process's threads on a core during the largest "
                          "level: DIR/web-<model process>.txt, py-spy's raw format (a line per stack and its samples)")
+    ap.add_argument("--no-light", action="store_true",
+                    help="no layer switches while the users generate: the web process's CPU per token is then "
+                         "the generations' own (the switches run back to back, so they add CPU per second, not per token)")
     ap.add_argument("--compile", action="store_true",
                     help="let the engine compile its decode step (LMSCOPE_COMPILE; off by default: a compile "
                          "running in the background for minutes would land in some levels and not others)")
@@ -393,7 +396,8 @@ def main(argv=None) -> int:
                         spy = subprocess.Popen(["py-spy", "record", "--nonblocking", "--threads", "-r", "200", "-f", "raw",
                                                 "-p", str(server.proc.pid), "-o", f"{args.profile}/web-{mode}.txt"],
                                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                    r = served_level(server.url, model, n, args.new_tokens, args.repeats, light=light, pids=pids)
+                    r = served_level(server.url, model, n, args.new_tokens, args.repeats,
+                                     light=None if args.no_light else light, pids=pids)
                     if spy is not None:
                         spy.send_signal(2)  # py-spy writes its file on Ctrl-C
                         spy.wait(60)

@@ -275,6 +275,8 @@ def grapheme_bounds(text: str) -> list[int]:
     starts, and len(text) at the end."""
     if not text:
         return [0]
+    if text.isascii():  # a cluster per character, but CR LF is one (most generated text: no regex walk)
+        return [i for i in range(len(text)) if not (text[i] == "\n" and i and text[i - 1] == "\r")] + [len(text)]
     if _CLUSTER is not None:
         starts = [m.start() for m in _CLUSTER.finditer(text)]
     else:  # pragma: no cover - regex is a dependency of transformers
@@ -298,6 +300,13 @@ def grapheme_bounds(text: str) -> list[int]:
 
 def _inside(raw: bytes, clusters: bool) -> set[int]:
     """Byte offsets of `raw` that fall inside a character (clusters: inside a user-perceived one)."""
+    if raw.isascii():  # a character per byte; the one cluster of two is CR LF (no walk over each byte)
+        return {i + 1 for i in range(len(raw) - 1) if raw[i] == 13 and raw[i + 1] == 10} if clusters else set()
+    return _inside_any(raw, clusters)
+
+
+def _inside_any(raw: bytes, clusters: bool) -> set[int]:
+    """_inside for any bytes."""
     cuts = set()
     units = char_units(raw)
     for a, b, ch in units:

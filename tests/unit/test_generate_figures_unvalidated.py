@@ -14,6 +14,7 @@ import plotly.graph_objects as go
 import pytest
 
 from app.tabs.generate import figures as F
+from app.tabs.generate import tab
 from app.tabs.generate.tab import _Labeller, _light_state
 from model_core import load_model
 from model_core.core.sampling import SamplingSettings
@@ -67,5 +68,11 @@ def test_unvalidated_step_figures_equal_plotly_validated_builds(generations):
             assert fig._validate is False, f"{run}: {name} was built with plotly's validators on"
             validated = go.Figure(fig.to_dict())  # raises on a key plotly does not know
             assert _json(fig) == _json(validated), f"{run}: {name}"
+        # what the tab sends (tab._distribution, tab._kv_cache): the spec serialized by orjson
+        sent = {f"step {s['index']}": tab._distribution(s) for s in steps}
+        sent["kv cache"] = tab._kv_cache(state["kv"], state["growth"])
+        for name, payload in sent.items():
+            validated = go.Figure(json.loads(payload.plot))  # raises on a key plotly does not know
+            assert json.loads(payload.plot) == _json(validated), f"{run}: sent {name}"
         removed += sum(bool(c.get("removed_by")) for s in steps for c in s["top_before"])
     assert removed, "no candidate removed by a filter: the removal colours and legend went untested"

@@ -125,6 +125,14 @@ def distribution_figure(step: dict | None) -> go.Figure:
     them) next to the distribution after the filters (what the token was drawn from)."""
     if not step:
         return _hint(go.Figure(), "Generate, then click a token (or move the step slider) to see its candidates", 360)
+    return go.Figure(distribution_spec(step), _validate=False)
+
+
+def distribution_spec(step: dict) -> dict:
+    """distribution_figure's figure dict, traces included, written as plotly's validators would leave
+    it (tests/unit/test_generate_figures_unvalidated.py): the tab serializes it with orjson, as the
+    timeline (validated trace objects and plotly's to_json were ~12 ms of the 15 a finished generation's
+    two step figures cost the web process)."""
     before = list(reversed(step["top_before"]))
     after = list(reversed(step["top_after"]))
     ch = step["chosen"]
@@ -145,17 +153,19 @@ def distribution_figure(step: dict | None) -> go.Figure:
         return CHOSEN_EXTRA_COLOUR if c.get("extra") else STAGE_COLOURS.get(c.get("removed_by"), "#1f77b4")
 
     data = [
-        go.Bar(orientation="h", x=[c["prob"] for c in before], y=[name(c) for c in before], xaxis="x", yaxis="y",
-               marker_color=[colour_before(c) for c in before],
-               hovertext=[f"{c['token']}: p = {c['prob']:.4f}" + (f", removed by {c['removed_by']}"
-                                                                  if c.get("removed_by") else ", kept") for c in before],
-               hoverinfo="text", showlegend=False),
-        go.Bar(orientation="h", x=[c["prob"] for c in after], y=[name(c) for c in after], xaxis="x2", yaxis="y2",
-               marker_color=[CHOSEN_EXTRA_COLOUR if c.get("extra") else "#2ca02c" if c["id"] == chosen else "#1f77b4"
-                             for c in after],
-               hovertext=[f"{c['token']}: p = {c['prob']:.4f}" for c in after], hoverinfo="text", showlegend=False),
-        *(go.Scatter(x=[None], y=[None], mode="markers", marker=dict(color=colour, size=10, symbol="square"),
-                     name=f"removed by {stage}", xaxis="x", yaxis="y")  # legend for the removal colours
+        {"type": "bar", "orientation": "h", "x": [c["prob"] for c in before], "y": [name(c) for c in before],
+         "xaxis": "x", "yaxis": "y", "marker": {"color": [colour_before(c) for c in before]},
+         "hovertext": [f"{c['token']}: p = {c['prob']:.4f}" + (f", removed by {c['removed_by']}"
+                                                              if c.get("removed_by") else ", kept") for c in before],
+         "hoverinfo": "text", "showlegend": False},
+        {"type": "bar", "orientation": "h", "x": [c["prob"] for c in after], "y": [name(c) for c in after],
+         "xaxis": "x2", "yaxis": "y2",
+         "marker": {"color": [CHOSEN_EXTRA_COLOUR if c.get("extra") else "#2ca02c" if c["id"] == chosen else "#1f77b4"
+                              for c in after]},
+         "hovertext": [f"{c['token']}: p = {c['prob']:.4f}" for c in after], "hoverinfo": "text", "showlegend": False},
+        *({"type": "scatter", "x": [None], "y": [None], "mode": "markers",
+           "marker": {"color": colour, "size": 10, "symbol": "square"},
+           "name": f"removed by {stage}", "xaxis": "x", "yaxis": "y"}  # legend for the removal colours
           for stage, colour in STAGE_COLOURS.items() if stage),
     ]
     # short subplot titles: the long ones ran into each other on a phone-wide page (the Markdown
@@ -167,7 +177,7 @@ def distribution_figure(step: dict | None) -> go.Figure:
     layout.update(title=dict(text=f"Step {step['index']}: chose {step_label(step)!s} "
                                   f"(p = {step['chosen']['prob']:.3f}, rank {step['chosen']['rank']})"),
                   margin=dict(l=10, r=10, t=70, b=40), height=380, legend=dict(orientation="h", y=-0.22))
-    return _figure(data, layout)
+    return {"data": data, "layout": {**layout, "template": _template()}}
 
 
 def removed_summary(step: dict | None) -> str:
@@ -213,25 +223,32 @@ def kv_cache_figure(report: dict | None, growth: dict | None = None) -> go.Figur
     """Left: bytes per layer, formula next to measured. Right: total bytes as the sequence grows."""
     if not report:
         return _hint(go.Figure(), "KV cache: generate something first", 320)
+    return go.Figure(kv_cache_spec(report, growth), _validate=False)
+
+
+def kv_cache_spec(report: dict, growth: dict | None = None) -> dict:
+    """kv_cache_figure's figure dict, as distribution_spec is distribution_figure's."""
     layers = list(range(len(report["formula_per_layer"])))
-    data = [go.Bar(x=layers, y=report["formula_per_layer"], name="formula", marker_color="#9ecae1", xaxis="x", yaxis="y"),
-            go.Bar(x=layers, y=report["measured_per_layer"], name="measured tensors", marker_color="#3182bd",
-                   xaxis="x", yaxis="y")]
+    data = [{"type": "bar", "x": layers, "y": list(report["formula_per_layer"]), "name": "formula",
+             "marker": {"color": "#9ecae1"}, "xaxis": "x", "yaxis": "y"},
+            {"type": "bar", "x": layers, "y": list(report["measured_per_layer"]), "name": "measured tensors",
+             "marker": {"color": "#3182bd"}, "xaxis": "x", "yaxis": "y"}]
     if growth:
-        data.append(go.Scatter(x=growth["tokens"], y=growth["total"], mode="lines", name="formula total",
-                               line=dict(color="#9ecae1"), xaxis="x2", yaxis="y2"))
+        data.append({"type": "scatter", "x": list(growth["tokens"]), "y": list(growth["total"]), "mode": "lines",
+                     "name": "formula total", "line": {"color": "#9ecae1"}, "xaxis": "x2", "yaxis": "y2"})
     if report.get("measured_series"):
         xs, ys = zip(*report["measured_series"])
-        data.append(go.Scatter(x=list(xs), y=list(ys), mode="markers", name="measured total",
-                               marker=dict(color="#3182bd", size=6), xaxis="x2", yaxis="y2"))
+        data.append({"type": "scatter", "x": list(xs), "y": list(ys), "mode": "markers", "name": "measured total",
+                     "marker": {"color": "#3182bd", "size": 6}, "xaxis": "x2", "yaxis": "y2"})
     layout = _side_by_side(("per layer at the end", "total as the sequence grows"))
     layout["xaxis"]["title"] = dict(text="layer")
     layout["xaxis2"]["title"] = dict(text="tokens in the cache")
     layout["yaxis"]["title"] = dict(text="bytes")
     layout.update(barmode="group", margin=_MARGIN, height=340,
                   title=dict(text=f"KV cache: {report['measured_total']:,} B measured, {report['formula_total']:,} B by "
-                                  f"the formula ({report['tokens']} tokens)"))
-    return _figure(data, layout)
+                                  f"the formula ({report['tokens']} tokens)"),
+                  template=_template())
+    return {"data": data, "layout": layout}
 
 
 def samples_figure(samples: list[dict]) -> go.Figure:

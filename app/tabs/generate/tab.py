@@ -97,6 +97,16 @@ def _timeline(steps: list[dict], colour, selected: int | None = None):
     return PlotData(type="plotly", plot=orjson.dumps(F.timeline_spec(steps, colour, selected)).decode())
 
 
+def _distribution(step: dict | None):
+    """A step's distribution chart as the Plot's payload, serialized by orjson as the timeline is."""
+    return PlotData(type="plotly", plot=orjson.dumps(F.distribution_spec(step)).decode()) if step else F.distribution_figure(None)
+
+
+def _kv_cache(report: dict | None, growth: dict | None):
+    """The KV-cache chart as the Plot's payload, likewise."""
+    return PlotData(type="plotly", plot=orjson.dumps(F.kv_cache_spec(report, growth)).decode()) if report else F.kv_cache_figure(None)
+
+
 @functools.cache
 def _finding_step_zero() -> PlotData:
     """The attention plot's hint while step 0's forward runs, serialized once: it is the same at the
@@ -522,9 +532,9 @@ class GenerateTab:
         return {self.out_text: gen.text, self.tokens: _highlight(steps_json), self.status: _status(gen),
                 self.timeline: _timeline(steps_json, colour, 0),
                 self.step_sel: gr.update(minimum=0, maximum=max(1, len(steps_json) - 1), value=0),
-                self.dist: F.distribution_figure(first), self.removed_md: F.removed_summary(first),
+                self.dist: _distribution(first), self.removed_md: F.removed_summary(first),
                 self.att_plot: _finding_step_zero(),
-                self.kv_plot: F.kv_cache_figure(st["kv"], st["growth"]), self.kv_md: _kv_markdown(st["kv"]),
+                self.kv_plot: _kv_cache(st["kv"], st["growth"]), self.kv_md: _kv_markdown(st["kv"]),
                 self.state: st, self.opening: True, **self._messages()}
 
     @endpoint(model=True)
@@ -546,7 +556,7 @@ class GenerateTab:
             # labelled over the whole text, so a character cut by the step boundary keeps its glyph
             labels = [t["display"] for t in describe_tokens(lm.tokenizer, st["ids"])][: step["position"]]
             att_fig = F.attention_figure(a.tolist(), labels, i, F.step_label(step))
-        return {self.dist: F.distribution_figure(step), self.removed_md: F.removed_summary(step),
+        return {self.dist: _distribution(step), self.removed_md: F.removed_summary(step),
                 self.att_plot: att_fig, self.timeline: _timeline(st["steps"], colour, i)}
 
     @endpoint  # show_step holds the model slot
