@@ -23,6 +23,7 @@ import codecs
 import functools
 import re
 import unicodedata
+from collections.abc import Callable
 
 try:  # transformers depends on it; the fallback below is a simpler rule for the common cases
     import regex as _regex
@@ -237,14 +238,33 @@ def token_text(tokenizer, token_id: int) -> str:
     return _per_token(tokenizer, "_lmscope_text", token_id, lambda i: tokenizer.decode([i]))
 
 
-def _per_token(tokenizer, attr: str, token_id: int, make) -> str:
+def token_displays(tokenizer) -> Callable[[int], str]:
+    """token_display for one tokenizer, its kept strings looked up once: a step's JSON shows ~20 tokens."""
+    cache = _kept(tokenizer, "_lmscope_display")
+
+    def display(token_id: int) -> str:
+        shown = cache.get(token_id)
+        if shown is None:
+            shown = token_display(tokenizer, token_id)
+            cache[token_id] = shown  # also where a read-only tokenizer keeps nothing
+        return shown
+
+    return display
+
+
+def _kept(tokenizer, attr: str) -> dict:
     cache = getattr(tokenizer, attr, None)
     if cache is None:
         cache = {}
         try:
             setattr(tokenizer, attr, cache)
-        except Exception:  # noqa: BLE001 - a read-only object: compute every time
+        except Exception:  # noqa: BLE001 - a read-only object: kept for this call only
             pass
+    return cache
+
+
+def _per_token(tokenizer, attr: str, token_id: int, make) -> str:
+    cache = _kept(tokenizer, attr)
     token_id = int(token_id)
     shown = cache.get(token_id)
     if shown is None:

@@ -152,17 +152,18 @@ class RawStep:
 # JSON
 
 def step_to_json(lm, s: Step) -> dict:
-    from model_core.core.tokenization import token_display, token_text
+    from model_core.core.tokenization import token_displays, token_text
 
     tok = lm.tokenizer
+    display = token_displays(tok)
     return {
         "index": s.index, "position": s.position,
-        "chosen": {"id": s.chosen_id, "token": token_text(tok, s.chosen_id), "display": token_display(tok, s.chosen_id),
+        "chosen": {"id": s.chosen_id, "token": token_text(tok, s.chosen_id), "display": display(s.chosen_id),
                    "prob": s.chosen_prob, "prob_filtered": s.chosen_prob_filtered, "rank": s.chosen_rank},
         "entropy": s.entropy, "entropy_filtered": s.entropy_filtered, "n_candidates": s.n_candidates,
-        "top_before": [{"id": i, "token": token_display(tok, i), "prob": p, "removed_by": r}
+        "top_before": [{"id": i, "token": display(i), "prob": p, "removed_by": r}
                        for i, p, r in zip(s.top_ids, s.top_probs, s.top_removed_by)],
-        "top_after": [{"id": i, "token": token_display(tok, i), "prob": p}
+        "top_after": [{"id": i, "token": display(i), "prob": p}
                       for i, p in zip(s.after_ids, s.after_probs) if p > 0],
         "removed": s.removed, "seconds": round(s.seconds, 6),
     }
