@@ -58,13 +58,14 @@ def test_a_zeroed_head_parts_the_streams_after_its_layer(pair):
 
 def test_corpus_ranks_contexts_and_different_tokenizers_are_refused(pair):
     same, ablated = pair
-    windows = torch.randint(10, same.shape.vocab_size, (3, 16))
+    windows = torch.randint(10, same.shape.vocab_size, (3, 16), generator=torch.Generator().manual_seed(0))
     c = D.diff_corpus(same, ablated, windows, top=5)
     kls = [x["kl"] for x in c.contexts]
     assert len(kls) == 5 and kls == sorted(kls, reverse=True)
     top = c.contexts[0]
-    # a ranked context re-run as a prompt gives the same KL at its last position
-    assert D.diff_prompt(same, ablated, token_ids=top["ids"]).kl[-1] == pytest.approx(top["kl"], abs=1e-9)
+    # a ranked context re-run as a prompt gives the same KL at its last position, up to float32 arithmetic
+    # (the corpus ran it in a batch of 3: its logits differ from a lone run's by ~1e-7 of their size)
+    assert D.diff_prompt(same, ablated, token_ids=top["ids"]).kl[-1] == pytest.approx(top["kl"], rel=1e-5)
     assert c.head_js[0] == [0.0] * same.shape.n_heads
     with pytest.raises(SettingsError, match="different tokenizers"):
         D.diff_prompt(same, load_model("smollm2-135m-instruct"), PROMPT)
