@@ -245,8 +245,7 @@ def token_displays(tokenizer) -> Callable[[int], str]:
     def display(token_id: int) -> str:
         shown = cache.get(token_id)
         if shown is None:
-            shown = token_display(tokenizer, token_id)
-            cache[token_id] = shown  # also where a read-only tokenizer keeps nothing
+            shown = cache[token_id] = display_bytes(token_bytes(tokenizer, token_id))
         return shown
 
     return display

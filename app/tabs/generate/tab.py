@@ -94,17 +94,22 @@ def _timeline(steps: list[dict], colour, selected: int | None = None):
     ~0.8 ms (tests/unit/test_generate_figures.py: the same JSON as the figure's)."""
     if not steps:
         return F.timeline_figure([])
-    return PlotData(type="plotly", plot=orjson.dumps(F.timeline_spec(steps, colour, selected)).decode())
+    return _sent(F.timeline_spec(steps, colour, selected))
+
+
+def _sent(spec: dict) -> PlotData:
+    """A figure dict as the Plot's payload, serialized by orjson (no plotly Figure, no to_json)."""
+    return PlotData(type="plotly", plot=orjson.dumps(spec).decode())
 
 
 def _distribution(step: dict | None):
-    """A step's distribution chart as the Plot's payload, serialized by orjson as the timeline is."""
-    return PlotData(type="plotly", plot=orjson.dumps(F.distribution_spec(step)).decode()) if step else F.distribution_figure(None)
+    """A step's distribution chart as the Plot's payload, serialized as the timeline is."""
+    return _sent(F.distribution_spec(step)) if step else F.distribution_figure(None)
 
 
 def _kv_cache(report: dict | None, growth: dict | None):
     """The KV-cache chart as the Plot's payload, likewise."""
-    return PlotData(type="plotly", plot=orjson.dumps(F.kv_cache_spec(report, growth)).decode()) if report else F.kv_cache_figure(None)
+    return _sent(F.kv_cache_spec(report, growth)) if report else F.kv_cache_figure(None)
 
 
 @functools.cache
